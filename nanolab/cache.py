@@ -1,0 +1,257 @@
+"""The paged KV cache: block tables over one shared K/V pool per layer.
+
+Introduced with the engine core (before Day 49). The pool is cut into fixed-size blocks; a
+sequence owns a `BlockTable` (vLLM: one row of its block table) listing its blocks in order, so
+token p of a sequence lives in pool slot `blocks[p // block_size] * block_size + p % block_size`.
+
+This is the engine as it stood on the eve of Day 49. The forward decides where this step's K/V
+goes while it runs: `write` on layer 0 grows the tables and stashes the slots it chose, and
+layers 1.. scatter to the same places (the layer-0 handshake). The read's `[rows, max_ctx]`
+`slot_mapping` rectangle is rebuilt from the tables on the host. Day 49 measures what that costs
+under torch.compile and Day 50 moves all of it out of the forward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from nanolab.paged_attention import attention_mask_bias, paged_attention_batched_reference
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CacheFull(RuntimeError):
+    """The pool has no free block left. The scheduler preempts before this can happen."""
+
+
+class BlockAllocator:
+    """The free list of the pool's blocks. Every block is either free or owned, never both."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFull(f"all {self.num_blocks} blocks of the KV pool are in use")
+        block = self._free.popleft()
+        self._used.add(block)
+        return block
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            assert block in self._used, f"block {block} released but not owned"
+            self._used.remove(block)
+            self._free.append(block)
+
+
+class BlockTable:
+    """One sequence's blocks, in order, and how many tokens it holds."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[int] = []
+        self.num_tokens = 0
+
+    def slot(self, p: int) -> int:
+        """Flat pool slot of token p."""
+        if not 0 <= p < self.num_tokens:
+            raise IndexError(f"token {p} is outside a table of {self.num_tokens} tokens")
+        return self.blocks[p // self.block_size] * self.block_size + p % self.block_size
+
+    def blocks_needed(self, new_tokens: int) -> int:
+        """Blocks this table must gain to hold `new_tokens` more."""
+        return max(0, cdiv(self.num_tokens + new_tokens, self.block_size) - len(self.blocks))
+
+
+@dataclass(slots=True)
+class _StepSlots:
+    """What layer 0 decided for this forward, read by layers 1.. (the handshake)."""
+
+    rows: tuple[int, ...]
+    slots: torch.Tensor  # [new_tokens] int64: pool slot of each new token, rows concatenated
+    source: torch.Tensor | None  # [new_tokens] int64 index into the flat [rows * T] K/V; None when all real
+    slot_mapping: torch.Tensor  # [rows, max_ctx] int64, padding slot 0
+    context_lens: torch.Tensor  # [rows] int64
+    context_bounds: tuple[int, int]  # (min_ctx, max_ctx) as host ints, from the tables
+    next_layer: int
+    mask_bias: torch.Tensor | None = None  # [rows, T, max_ctx], built by the first read
+
+
+class BatchedPagedKVCache:
+    """Per-layer K/V pools `[num_blocks * block_size, kv_heads, head_dim]` and a block table per
+    row. Rows are the engine's batch slots; a request holds one row while it runs."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, max_rows: int = 64, dtype=torch.float32, device="cpu") -> None:
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.allocator = BlockAllocator(num_blocks)
+        # Zeroed, not empty: the reference read loads padding slots and masks them afterwards,
+        # and 0 * NaN from uninitialised memory would still poison the row.
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.tables: list[BlockTable | None] = [None] * max_rows
+        self._step: _StepSlots | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.tables)
+
+    def bytes_per_block(self) -> int:
+        pool = self.k_pools[0]
+        return 2 * self.num_layers * self.block_size * pool[0].numel() * pool.element_size()
+
+    # Rows: the scheduler opens one per running request and frees it when the request leaves.
+
+    def free_row_count(self) -> int:
+        return sum(table is None for table in self.tables)
+
+    def open_row(self) -> int:
+        for row, table in enumerate(self.tables):
+            if table is None:
+                self.tables[row] = BlockTable(self.block_size)
+                return row
+        raise CacheFull(f"all {self.max_rows} rows are in use")
+
+    def free_row(self, row: int) -> None:
+        """Return a row and every block it owns to the pool."""
+        table = self.tables[row]
+        if table is None:
+            raise ValueError(f"row {row} is not open")
+        self.allocator.release(table.blocks)
+        self.tables[row] = None
+
+    def table(self, row: int) -> BlockTable:
+        table = self.tables[row]
+        if table is None:
+            raise ValueError(f"row {row} is not open")
+        return table
+
+    def context_bounds(self, rows) -> tuple[int, int]:
+        """(min_ctx, max_ctx) over `rows`, read from the tables as host ints (Day 49)."""
+        lens = [self.table(row).num_tokens for row in rows]
+        return min(lens), max(lens)
+
+    def view(self, rows, lengths=None) -> BatchedCacheRows:
+        """The cache as one forward over `rows` sees it; `lengths` are the new tokens per row
+        (all 1 in decode, ragged in prefill)."""
+        rows = tuple(rows)
+        return BatchedCacheRows(self, rows, tuple(lengths) if lengths is not None else (1,) * len(rows))
+
+    def _grow(self, table: BlockTable, new_tokens: int) -> None:
+        for _ in range(table.blocks_needed(new_tokens)):
+            table.blocks.append(self.allocator.allocate())
+        table.num_tokens += new_tokens
+
+    def slot_mapping(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read rectangle, rebuilt from the tables on the host: slot_mapping [rows, max_ctx]
+        int64 (padding slot 0) and context_lens [rows] int64, both on the cache's device."""
+        tables = [self.table(row) for row in rows]
+        lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int64)
+        width = int(lens.max())
+        blocks = torch.zeros((len(tables), cdiv(width, self.block_size)), dtype=torch.int64)
+        for i, t in enumerate(tables):
+            blocks[i, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int64)
+        p = torch.arange(width)
+        mapping = blocks[:, p // self.block_size] * self.block_size + p % self.block_size
+        mapping = torch.where(p < lens[:, None], mapping, 0)
+        return mapping.to(self.device), lens.to(self.device)
+
+    def write(self, layer: int, rows: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, lengths) -> None:
+        """Store this forward's K/V, k and v [rows, T, kv_heads, head_dim], of which the first
+        lengths[i] tokens of row i are real.
+
+        Layer 0 grows the tables, chooses the slots and stashes them; every later layer must name
+        the same rows and reuses layer 0's choice.
+        """
+        if layer == 0:
+            t = k.shape[1]
+            needed = sum(self.table(row).blocks_needed(n) for row, n in zip(rows, lengths, strict=True))
+            if needed > self.allocator.num_free:
+                # Refuse before any table grows, so a failed step leaves the cache as it was.
+                raise CacheFull(f"this forward needs {needed} blocks, the pool has {self.allocator.num_free} free")
+            slots: list[int] = []
+            for row, n in zip(rows, lengths, strict=True):
+                table = self.table(row)
+                start = table.num_tokens
+                self._grow(table, n)
+                slots.extend([table.slot(p) for p in range(start, table.num_tokens)])
+            source = None
+            if any(n != t for n in lengths):
+                source = torch.tensor([i * t + j for i, n in enumerate(lengths) for j in range(n)],
+                                      dtype=torch.int64, device=self.device)
+            mapping, context_lens = self.slot_mapping(rows)
+            self._step = _StepSlots(
+                rows=rows,
+                slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
+                source=source,
+                slot_mapping=mapping,
+                context_lens=context_lens,
+                context_bounds=self.context_bounds(rows),
+                next_layer=0,
+            )
+        step = self._step
+        if step is None or step.next_layer != layer:
+            raise RuntimeError(f"layer {layer} wrote before layer 0 of this forward chose the slots")
+        if step.rows != rows:
+            raise RuntimeError(f"layer {layer} names rows {rows} but layer 0 wrote rows {step.rows}")
+        step.next_layer = layer + 1
+        k = k.reshape(-1, *k.shape[2:])  # [rows * T, kv_heads, head_dim]
+        v = v.reshape(-1, *v.shape[2:])
+        if step.source is not None:
+            k, v = k[step.source], v[step.source]
+        self.k_pools[layer].index_copy_(0, step.slots, k)
+        self.v_pools[layer].index_copy_(0, step.slots, v)
+
+    def paged_attention(self, layer: int, rows: tuple[int, ...], q: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+        """Read layer `layer` for q [rows, T, heads, head_dim] -> [rows, T, heads, head_dim]."""
+        step = self._step
+        if step is None or step.rows != rows or step.next_layer != layer + 1:
+            raise RuntimeError(f"layer {layer} read before writing this forward's K/V")
+        if step.mask_bias is None:
+            step.mask_bias = attention_mask_bias(step.context_lens, positions, step.slot_mapping.shape[1], q.dtype)
+        return paged_attention_batched_reference(
+            q, self.k_pools[layer], self.v_pools[layer], step.slot_mapping, step.context_lens, positions,
+            context_bounds=step.context_bounds, mask_bias=step.mask_bias,
+        )
+
+
+@dataclass(slots=True)
+class BatchedCacheRows:
+    """The cache as one forward sees it: which rows, and how many new tokens each brings. It is
+    what `model.py` and `layers.py` carry, so they never name the cache's internals."""
+
+    cache: BatchedPagedKVCache
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(layer, self.rows, k, v, self.lengths)
+
+    def paged_attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.cache.paged_attention(layer, self.rows, q, positions)

@@ -1,0 +1,1 @@
+"""Triton kernels for nanolab's attention and decode paths."""

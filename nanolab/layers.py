@@ -1,0 +1,114 @@
+"""The pieces of one Llama decoder layer: RMSNorm, rotary embedding, attention over the paged
+cache, and the SwiGLU MLP.
+
+Introduced with the engine core (before Day 49). Attention never touches the cache's pools
+itself: it hands this step's K/V and queries to the `cache` it is given (a `BatchedCacheRows`
+view), so swapping the cache's read or write (Day 50's plan, Day 59's kernel) changes no line
+here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanolab.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, with Llama 3's piecewise scaling when the
+    config asks for it: long wavelengths are slowed by `factor`, short ones kept, and the band
+    between is interpolated."""
+    d = config.head_dim
+    # fp32 throughout, as transformers computes it, so positions past 1,000 rotate identically.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(band, interpolated, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [rows, T] -> cos, sin [rows, T, 1, head_dim], computed once per forward and
+    shared by every layer."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [rows, T, head_dim // 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, T, heads, head_dim], rotated in halves (the Hugging Face layout, whose Q and K
+    rows are already permuted for it)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # q, k and v fused into one matmul: [(heads + 2 * kv_heads) * head_dim, hidden]
+        self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
+        rows, t, _ = x.shape
+        qkv = self.qkv_proj(x).view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
+        # Rotate q and k in one call: they are the first heads + kv_heads of the fused output.
+        qk = apply_rope(qkv[:, :, : self.heads + self.kv_heads], cos, sin)
+        q, k = qk.split((self.heads, self.kv_heads), dim=2)
+        v = qkv[:, :, self.heads + self.kv_heads :]
+        cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
+        out = cache.paged_attention(self.layer, q, positions)  # [rows, T, heads, head_dim]
+        return self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # gate and up fused: [2 * intermediate, hidden]
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, positions, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,83 @@
+"""A Llama-family decoder over the paged cache, loaded from the Hugging Face layout.
+
+Introduced with the engine core (before Day 49). Checkpoints keep q/k/v and gate/up as separate
+matrices; `load_model` concatenates them into one matmul each, which is the only way this
+module's parameters differ from `LlamaForCausalLM`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nanolab.config import ModelConfig
+from nanolab.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from nanolab.weights import load_checkpoint
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [rows, T] int64; cache a `BatchedCacheRows`.
+
+        logits_index [rows] picks one position per row (the last real token of a ragged
+        prefill) and returns logits [rows, vocab]; None returns every position, [rows, T, vocab].
+        Logits are fp32 whatever the model's dtype.
+        """
+        x = self.embed_tokens(input_ids)  # [rows, T, hidden]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, cache)
+        if logits_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_index]  # [rows, hidden]
+        return self.lm_head(self.norm(x)).float()
+
+
+def _fuse(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to this module's and concatenate q/k/v and gate/up."""
+    out = {
+        "embed_tokens.weight": state["model.embed_tokens.weight"],
+        "norm.weight": state["model.norm.weight"],
+    }
+    # A tied head is the embedding itself; `load_model` re-ties it after assignment.
+    tied = config.tie_word_embeddings
+    out["lm_head.weight"] = out["embed_tokens.weight"] if tied else state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        out[dst + "self_attn.qkv_proj.weight"] = torch.cat(
+            [state.pop(attn + f"{n}_proj.weight") for n in "qkv"], dim=0)
+        out[dst + "self_attn.o_proj.weight"] = state[attn + "o_proj.weight"]
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
+            [state.pop(mlp + "gate_proj.weight"), state.pop(mlp + "up_proj.weight")], dim=0)
+        out[dst + "mlp.down_proj.weight"] = state[mlp + "down_proj.weight"]
+        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state[src + "post_attention_layernorm.weight"]
+    return out
+
+
+def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaModel:
+    """Build the model on the meta device and fill it straight from the checkpoint, so a
+    model is never initialised twice and never held twice in memory."""
+    config = ModelConfig.from_dir(path)
+    state = _fuse(load_checkpoint(path, config, dtype=dtype, device=device), config)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return model.eval().requires_grad_(False)

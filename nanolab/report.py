@@ -1,0 +1,183 @@
+"""Run labels and output paths: every table and figure says which machine, model and versions made it.
+
+Introduced with the engine core (before Day 49).
+
+Tables go to `data/<stem>_<device_slug>.csv` and figures to `figures/<stem>_<device_slug>.png`. The
+device slug in the name is what keeps a CPU run from overwriting a committed H200 result, and lets a
+notebook show both side by side (`committed_tables`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+# Resolved from this file, never from the cwd: notebook cells run with notebooks/ (or a build folder) as cwd.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO_ROOT / "data"
+FIGURES_DIR = REPO_ROOT / "figures"
+
+WEIGHTS_KINDS = ("real", "synthesized random")
+_CAPTION_GID = "nanolab-run-label"
+
+
+def _slugify(name: str) -> str:
+    # Slugs never contain "_": it separates the stem from the slug in file names.
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_slug(device: torch.device | str) -> str:
+    """A short file-name-safe device name: "cpu", or e.g. "h200" for "NVIDIA H200"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        name = re.sub(r"^(NVIDIA|AMD)\s+|GeForce\s+", "", name, flags=re.IGNORECASE)
+        return _slugify(name)
+    return device.type
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        model = ""
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model} ({cores} cores)"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return _cpu_name()
+    return device.type
+
+
+def _version(*dists: str) -> str:
+    for dist in dists:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "absent"
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class RunLabel:
+    """Where a number came from. `as_columns()` goes on every CSV row, `caption()` under every figure."""
+
+    device: str  # human name: "NVIDIA H200", or "AMD EPYC 7B13 (2 cores)"
+    device_slug: str  # file-name part: "h200", "cpu"
+    model: str
+    dtype: str  # "bfloat16"
+    date: str  # ISO date, UTC
+    torch: str
+    triton: str  # version, or "absent"
+    transformers: str  # version, or "absent"
+    python: str
+    weights: str  # "real" or "synthesized random"
+
+    def caption(self) -> str:
+        return (
+            f"{self.model} ({self.weights} weights), {self.dtype} on {self.device}, {self.date}; "
+            f"torch {self.torch}, triton {self.triton}, transformers {self.transformers}, "
+            f"python {self.python}"
+        )
+
+    def as_columns(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def run_label(
+    device: torch.device | str, model: str, dtype: torch.dtype | str, weights: str = "real"
+) -> RunLabel:
+    """Label a run on `device` now; `weights` says whether the numbers came from a real checkpoint."""
+    assert weights in WEIGHTS_KINDS, f"weights must be one of {WEIGHTS_KINDS}, got {weights!r}"
+    device = torch.device(device)
+    return RunLabel(
+        device=_device_name(device),
+        device_slug=device_slug(device),
+        model=model,
+        dtype=_dtype_name(dtype),
+        date=datetime.now(timezone.utc).date().isoformat(),
+        torch=torch.__version__,
+        triton=_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        transformers=_version("transformers"),
+        python=platform.python_version(),
+        weights=weights,
+    )
+
+
+def table_path(stem: str, slug: str) -> Path:
+    return DATA_DIR / f"{stem}_{slug}.csv"
+
+
+def figure_path(stem: str, slug: str) -> Path:
+    return FIGURES_DIR / f"{stem}_{slug}.png"
+
+
+def save_table(df: pd.DataFrame, stem: str, label: RunLabel) -> Path:
+    """Write `df` to data/<stem>_<slug>.csv with the label's columns on every row.
+
+    A column the table already has (say `dtype` in a dtype sweep) is kept: the row knows better.
+    """
+    out = df.copy()
+    for name, value in label.as_columns().items():
+        if name not in out.columns:
+            out[name] = value
+    path = table_path(stem, label.device_slug)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out.to_csv(path, index=False)
+    return path
+
+
+def load_table(stem: str, slug: str) -> pd.DataFrame | None:
+    """The table saved for `stem` on device `slug`, or None if there is none."""
+    path = table_path(stem, slug)
+    return pd.read_csv(path) if path.exists() else None
+
+
+def committed_tables(stem: str) -> dict[str, pd.DataFrame]:
+    """Every device's table for `stem` in data/, keyed by slug: the committed GPU runs and the local one."""
+    tables = {}
+    for path in sorted(DATA_DIR.glob(f"{stem}_*.csv")):
+        slug = path.stem[len(stem) + 1 :]
+        if "_" not in slug:  # "decode_batch_cpu.csv" belongs to stem "decode_batch", not "decode"
+            tables[slug] = pd.read_csv(path)
+    return tables
+
+
+def save_figure(fig, stem: str, label: RunLabel) -> Path:
+    """Put `label.caption()` under `fig` and write figures/<stem>_<slug>.png."""
+    for text in [t for t in fig.texts if t.get_gid() == _CAPTION_GID]:
+        text.remove()
+    # y=0 with va="top" hangs the footer just below the figure; bbox_inches="tight" grows the canvas to fit.
+    fig.text(0.5, 0.0, label.caption(), ha="center", va="top", fontsize=7, color="0.35", gid=_CAPTION_GID)
+    path = figure_path(stem, label.device_slug)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def show(obj) -> None:
+    """`display` in a notebook; `print` where IPython is absent (the GPU box runs notebooks as scripts)."""
+    try:
+        from IPython.display import display
+    except ImportError:
+        print(obj)
+    else:
+        display(obj)

@@ -1,0 +1,81 @@
+"""`SamplingParams` (vLLM's field names and defaults) and the sampler.
+
+Introduced with the engine core (before Day 49).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops. `temperature=0` is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until EOS or the model's context
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", "must be an int >= 1, or 0 / -1 to disable")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "must be an int or None")
+        if self.max_tokens is not None and (
+                not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an int >= 1, or None")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop_strings", tuple(stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [rows, vocab] fp32 -> one token per row.
+
+    Greedy rows take the argmax of the raw logits (exact, no noise). Sampled rows apply
+    temperature, then top-k, then top-p, and draw with the row's own generator, so a seeded
+    request gives the same tokens whatever else shares its batch.
+    """
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        tokens = tokens.clone()
+        for i in sampled:
+            tokens[i] = _sample_row(logits[i], params[i], generators[i])
+    return tokens.tolist()
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    logits = logits / p.temperature  # [vocab]
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -1,0 +1,190 @@
+"""Text in and out: a `Tokenizer` over a Hugging Face `tokenizer.json`, chat templates, streaming
+detokenization, and the small byte-level tokenizer that synthesized models ship with.
+
+Only the `tokenizers` library and jinja2 are used, not transformers, so the engine does not need
+transformers at run time.
+
+Introduced with the engine core (before Day 49).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+# ChatML, with ids 0..2 reserved for these strings by `build_byte_tokenizer` (SmolLM2 uses the same three).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Training text for the byte-level tokenizer. Any fixed text works: it only decides which merges
+# exist, and a synthesized model's output is random anyway.
+_TRAINING_TEXT = """\
+The engine reads a prompt, turns it into tokens, and runs the model over all of them at once. \
+That first pass is called prefill. After it, the engine produces one token at a time: each step \
+reads every weight of the model once and appends one key and one value per layer to the cache. \
+This is decode, and on a modern accelerator it is limited by how fast memory can be read, not by \
+how fast numbers can be multiplied.
+
+A batch of requests shares that weight traffic. Ten sequences decoded together cost little more \
+than one, so a server gathers whatever requests are ready into each step. The cache grows with \
+every token, and it is stored in fixed blocks so that memory can be handed out and taken back \
+without copying. The scheduler decides which requests run, which wait, and which are preempted \
+when the blocks run out. Questions, answers, numbers like 42 and 3.14, and names such as Paris, \
+London or Tokyo appear in the text a user types; the tokenizer must cope with all of them.
+"""
+
+
+def build_byte_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A deterministic byte-level BPE trained on a fixed paragraph: 256 byte tokens, the three
+    `SPECIAL_TOKENS` at ids 0..2, and merges until `vocab_size` or until the text runs out of pairs.
+    Any string round-trips, because every byte has a token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size {vocab_size} cannot hold 256 bytes and {len(SPECIAL_TOKENS)} specials")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT.splitlines(), trainer=trainer)
+    return tok
+
+
+def write_byte_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) -> None:
+    """Write `build_byte_tokenizer(vocab_size)` as `tokenizer.json`, `tokenizer_config.json` and a
+    ChatML `chat_template.jinja`: the files a Hugging Face model folder holds, so transformers'
+    `AutoTokenizer` reads the folder too."""
+    out_dir = Path(out_dir)
+    build_byte_tokenizer(vocab_size).save(str(out_dir / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[1],
+        "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[2], "model_max_length": model_max_length,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+
+
+def _token_string(value: str | dict | None) -> str | None:
+    # tokenizer_config.json stores a special token as a string, or as a serialized AddedToken dict.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@cache
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment transformers renders chat templates in, so the prompts match token for token.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A model folder's tokenizer: `tokenizer.json` plus the chat template and special tokens."""
+
+    def __init__(self, tok: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> Tokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        tok_config_file = path / "tokenizer_config.json"
+        tok_config = json.loads(tok_config_file.read_text()) if tok_config_file.is_file() else {}
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
+        return cls(
+            HFTokenizer.from_file(str(path / "tokenizer.json")), template,
+            _token_string(tok_config.get("bos_token")), _token_string(tok_config.get("eos_token")),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self._tok.token_to_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Ids past the tokenizer's vocabulary (a synthesized model's vocab can be larger) decode to nothing.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("no chat template: no chat_template.jinja, none in tokenizer_config.json")
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template already spells out BOS where the model wants it, so add no specials again.
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas for streaming.
+
+    Each `push` decodes the whole output so far and returns what is new. A trailing U+FFFD is held
+    back: it is usually the first bytes of a multi-byte character whose last byte has not been
+    generated yet, and it will turn into the real character. Decoding everything is O(n^2) in the
+    output length, which is fine at the lengths a notebook streams; vLLM keeps offsets to avoid it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # what has been emitted so far
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Append `new_ids` and return the text they complete (possibly "")."""
+        self.ids.extend(new_ids)
+        full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        return self._emit(full.rstrip("\ufffd"))
+
+    def finish(self) -> str:
+        """Return whatever was held back: replacement characters for bytes that never completed."""
+        return self._emit(self.tokenizer.decode(self.ids, self.skip_special_tokens))
+
+    def _emit(self, stable: str) -> str:
+        assert stable.startswith(self.text), f"decoded text is not append-only: {self.text!r} -> {stable!r}"
+        delta = stable[len(self.text):]
+        self.text += delta
+        return delta

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# README command 2: lint, unit tests, then every notebook executed top to bottom (its asserts are the gates).
+# Extra arguments go to the unit-test pytest run, e.g. `scripts/test.sh -k weights`.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"   # cds to the repo root, activates .venv
+
+failed=()
+step() {
+    local name=$1
+    shift
+    echo "== $name"
+    "$@" || failed+=("$name")
+}
+
+step "ruff" ruff check .
+step "unit tests" python -m pytest -q tests/ "$@"
+
+# nbval collects only .ipynb: convert the jupytext notebooks into a scratch folder outside notebooks/
+# (nanolab resolves data/ and figures/ from the package, so the notebooks' cwd does not matter).
+nbdir=_build/nbval
+rm -rf "$nbdir"
+mkdir -p "$nbdir"
+shopt -s nullglob
+notebooks=(notebooks/*.py)
+if ((${#notebooks[@]})); then
+    for nb in "${notebooks[@]}"; do
+        jupytext --quiet --to ipynb --output "$nbdir/$(basename "${nb%.py}").ipynb" "$nb"
+    done
+    step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider "$nbdir"/*.ipynb
+fi
+
+if ((${#failed[@]})); then
+    echo "test: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test: all green"
