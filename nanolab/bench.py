@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from nanolab.llm import LLM
+from nanolab.reference import load_hf
 from nanolab.sampling import SamplingParams
 
 
@@ -68,13 +69,6 @@ def time_nanolab(llm: LLM, prompts: torch.Tensor, steps: int, repeats: int = 3) 
     return DecodeTiming("nanolab", len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
 
 
-def load_hf(path, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    return model.to(device).eval()
-
-
 def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int = 3) -> DecodeTiming:
     """Median ms per decode step of transformers' `generate` with a "static" or "dynamic" cache."""
     device = model.device
@@ -87,7 +81,7 @@ def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int =
         _sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kwargs)
+            model.generate(ids, max_new_tokens=new, **kwargs)
         _sync(device)
         return time.perf_counter() - start
 

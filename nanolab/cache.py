@@ -30,7 +30,8 @@ class CacheFull(RuntimeError):
 
 
 class BlockAllocator:
-    """The free list of the pool's blocks. Every block is either free or owned, never both."""
+    """The free list of the pool's blocks. Every block is either free or owned, never both.
+    Released blocks are handed out first again (last in, first out)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
@@ -58,7 +59,7 @@ class BlockAllocator:
         for block in blocks:
             assert block in self._used, f"block {block} released but not owned"
             self._used.remove(block)
-            self._free.append(block)
+            self._free.appendleft(block)
 
 
 class BlockTable:

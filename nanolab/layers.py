@@ -18,6 +18,29 @@ from torch import nn
 from nanolab.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` without bias that can run through oneDNN on the CPU.
+
+    After `prepack()`, the weight is also held reordered into oneDNN's blocked layout (the
+    path inductor's CPU freezing takes) and the matmul goes through oneDNN. MKL's GEMV, which
+    `F.linear` uses for a single decode row, keeps to one core; on the 2-core CPU machine the
+    prepacked matmuls of SmolLM2's layers ran 1.6x faster at 1 row and 2.2x at 8. The packed
+    copy doubles the weights' memory, which a CPU box has to spare.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -74,8 +97,8 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         # q, k and v fused into one matmul: [(heads + 2 * kv_heads) * head_dim, hidden]
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
         rows, t, _ = x.shape
@@ -93,8 +116,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         # gate and up fused: [2 * intermediate, hidden]
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

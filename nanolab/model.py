@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nanolab.config import ModelConfig
-from nanolab.layers import DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from nanolab.layers import DecoderLayer, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
 from nanolab.weights import load_checkpoint
 
 
@@ -24,7 +24,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -69,9 +69,13 @@ def _fuse(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torc
     return out
 
 
-def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu") -> LlamaModel:
+def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu", prepack: bool | None = None
+               ) -> LlamaModel:
     """Build the model on the meta device and fill it straight from the checkpoint, so a
-    model is never initialised twice and never held twice in memory."""
+    model is never initialised twice.
+
+    `prepack` (default: on for fp32 on the CPU, where oneDNN is available) routes every matmul
+    through oneDNN with prepacked weights; see `layers.Linear`."""
     config = ModelConfig.from_dir(path)
     state = _fuse(load_checkpoint(path, config, dtype=dtype, device=device), config)
     with torch.device("meta"):
@@ -80,4 +84,11 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu") 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if prepack is None:
+        prepack = torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if prepack:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+    return model

@@ -75,18 +75,20 @@ class Scheduler:
         return self._make_room_for_decode(), False
 
     def _admit(self) -> list[Sequence]:
-        """Admit waiting requests while rows, the token budget and free blocks allow. One spare
-        block is kept per running request so an admission does not force the next decode step
-        to preempt straight away."""
+        """Admit waiting requests while rows, the token budget and free blocks allow. Blocks are
+        kept back for the decode step that follows, one for every row (running or admitted)
+        whose table is full, so an admission never forces that step to preempt."""
         batch: list[Sequence] = []
         tokens = 0
+        block = self.cache.block_size
         free = self.cache.allocator.num_free
+        spare = sum(self.cache.table(s.row).blocks_needed(1) for s in self.running)
         while self.waiting and self.cache.free_row_count() > 0:
             seq = self.waiting[0]
-            need = cdiv(seq.num_tokens, self.cache.block_size)
+            need = cdiv(seq.num_tokens, block) + (seq.num_tokens % block == 0)
             if batch and tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
-            if free - need < len(self.running) + len(batch):
+            if free - need < spare:
                 break
             self.waiting.popleft()
             seq.row = self.cache.open_row()

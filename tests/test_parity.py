@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import needs_smollm2
-from transformers import LlamaForCausalLM
 
-from nanolab import BatchedPagedKVCache, Engine, SamplingParams
+from nanolab import BatchedPagedKVCache, load_model
+from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
 from nanolab.tokenizer import Tokenizer
 
 PARAGRAPH = (
@@ -26,37 +26,17 @@ def long_prompt(tokenizer: Tokenizer, min_tokens: int = 1024) -> list[int]:
     return ids
 
 
-def hf_model(path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None  # decode exactly max_new_tokens, as ignore_eos does
-    return model
-
-
 def nanolab_logits(model, ids: list[int]) -> torch.Tensor:
     """[T, vocab] logits of one prefill over a fresh cache."""
-    c = model.config
+    c, weight = model.config, model.embed_tokens.weight
+    dev = weight.device
     cache = BatchedPagedKVCache(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
-                                head_dim=c.head_dim, num_blocks=len(ids) // 16 + 2, block_size=16, max_rows=1)
+                                head_dim=c.head_dim, num_blocks=len(ids) // 16 + 2, block_size=16, max_rows=1,
+                                dtype=weight.dtype, device=dev)
     row = cache.open_row()
     with torch.inference_mode():
-        return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache=cache.view([row], [len(ids)]))[0]
-
-
-def nanolab_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    engine = Engine(model, num_blocks=512, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [s.output_token_ids for s in seqs]
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        return model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
+                     cache=cache.view([row], [len(ids)]))[0]
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -65,7 +45,7 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def test_tiny_logits_match_hf(tiny_path, tiny_model):
-    hf = hf_model(tiny_path)
+    hf = load_hf(tiny_path)
     for length in (1, 37, 1100):
         ids = torch.randint(3, tiny_model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
         with torch.inference_mode():
@@ -74,7 +54,7 @@ def test_tiny_logits_match_hf(tiny_path, tiny_model):
 
 
 def test_tiny_greedy_matches_hf(tiny_path, tiny_model):
-    hf = hf_model(tiny_path)
+    hf = load_hf(tiny_path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 23, 1030)]
     ours = nanolab_greedy(tiny_model, prompts, 64)
@@ -85,7 +65,7 @@ def test_tiny_greedy_matches_hf(tiny_path, tiny_model):
 @needs_smollm2
 def test_smollm2_logits_match_hf(smollm2_path, smollm2_model):
     tok = Tokenizer.from_dir(smollm2_path)
-    hf = hf_model(smollm2_path)
+    hf = load_hf(smollm2_path)
     for ids in (tok.encode("The capital of France is"), long_prompt(tok)):
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0]
@@ -96,7 +76,7 @@ def test_smollm2_logits_match_hf(smollm2_path, smollm2_model):
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_path, smollm2_model):
     tok = Tokenizer.from_dir(smollm2_path)
-    hf = hf_model(smollm2_path)
+    hf = load_hf(smollm2_path)
     prompts = [
         tok.encode("The capital of France is"),
         tok.encode_chat([{"role": "user", "content": "Name three rivers in Europe."}]),
@@ -106,3 +86,14 @@ def test_smollm2_greedy_matches_hf(smollm2_path, smollm2_model):
     ours = nanolab_greedy(smollm2_model, prompts, 64)
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert tokens == hf_greedy(hf, prompt, 64)
+
+
+def test_prepacked_matmuls_match_plain(tiny_path):
+    """The CPU's oneDNN path (`layers.Linear.prepack`) computes what `F.linear` computes."""
+    plain = load_model(tiny_path, prepack=False)
+    packed = load_model(tiny_path, prepack=True)
+    assert packed.lm_head.packed is not None and plain.lm_head.packed is None
+    ids = list(range(3, 200))
+    assert_logits_close(nanolab_logits(packed, ids), nanolab_logits(plain, ids))
+    prompts = [[5] * 7, list(range(10, 40))]
+    assert nanolab_greedy(packed, prompts, 32) == nanolab_greedy(plain, prompts, 32)

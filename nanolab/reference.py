@@ -1,0 +1,46 @@
+"""HF transformers as the reference arm: the same weights through `LlamaForCausalLM`, for parity
+checks and side-by-side timings. nanolab's own greedy decode sits beside it so tests and notebooks
+compare the two through one pair of functions.
+
+Introduced with the engine core (before Day 49).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanolab.engine import Engine
+from nanolab.model import LlamaModel
+from nanolab.sampling import SamplingParams
+
+
+def load_hf(path: Path, dtype: torch.dtype = torch.float32, device="cpu"):
+    """transformers' model for a nanolab weights folder, eager attention, never stopping on EOS
+    by itself (greedy comparisons decode exactly the tokens asked for)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    return model.to(device).eval()
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt."""
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def nanolab_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, **engine_kwargs) -> list[list[int]]:
+    """nanolab's greedy continuations of all prompts, decoded together in one engine."""
+    engine_kwargs.setdefault("num_blocks", sum(len(p) + new_tokens for p in prompts) // 16 + len(prompts) + 1)
+    engine = Engine(model, **engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [s.output_token_ids for s in seqs]

@@ -1,0 +1,200 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The engine before the compiler
+#
+# Every later chapter changes one piece of this engine and measures what the change bought, so
+# this one takes stock of it as it stands on the eve of Day 49, with nothing compiled, captured or
+# hand-written in Triton yet:
+#
+# - a Llama-family decoder (`nanolab/model.py`, `nanolab/layers.py`) loaded from safetensors in
+#   the Hugging Face layout;
+# - a paged KV cache (`nanolab/cache.py`): one K/V pool per layer cut into fixed-size blocks, and a
+#   `BlockTable` per running request listing its blocks in order;
+# - continuous batching (`nanolab/scheduler.py`): requests join and leave between steps, are
+#   admitted while free blocks last, and are preempted and later recomputed when the pool runs dry;
+# - a vLLM-shaped front door, `LLM` and `SamplingParams`.
+#
+# The chapter generates text, draws the cache's bookkeeping for a ragged batch, checks the greedy
+# tokens against HF transformers on the same weights, and times decoding against transformers in
+# the same process. On a CPU it runs the embedded SmolLM2-135M-Instruct in fp32; on a GPU it runs
+# Llama-3.2-1B shapes in bf16 (random weights unless you point `NANOLAB_MODEL` at a real folder).
+
+# %%
+import gc
+import os
+
+import pandas as pd
+import torch
+
+from nanolab import LLM, Engine, SamplingParams, load_model
+from nanolab.bench import decode_table
+from nanolab.plots import plot_block_tables, plot_decode_speed
+from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
+from nanolab.report import committed_tables, run_label, save_figure, save_table, show
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+MODEL = os.environ.get("NANOLAB_MODEL", "llama-3.2-1b" if ON_GPU else "smollm2-135m")
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+# CPU sizes keep the chapter inside CI's budget on two cores; the GPU sizes are the real ones.
+BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU else \
+    dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)
+PARITY_TOKENS = 32 if ON_GPU else 24
+
+llm = LLM(MODEL, device=DEVICE, dtype=DTYPE)
+label = run_label(DEVICE, MODEL, DTYPE, weights=llm.weights_kind)
+print(label.caption())
+print(f"KV pool: {llm.engine.cache.num_blocks} blocks of {llm.engine.cache.block_size} tokens")
+
+# %% [markdown]
+# ## Generating text
+#
+# `generate` takes a list of prompts and returns one result per prompt, in order. All three run
+# in one continuously batched loop: one ragged prefill step, then one decode step per token for
+# the whole batch.
+
+# %%
+prompts = ["The capital of France is", "A paged KV cache stores", "def fibonacci(n):"]
+outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+show(pd.DataFrame({
+    "prompt": prompts,
+    "completion": [o.text for o in outputs],
+    "new tokens": [len(o.token_ids) for o in outputs],
+    "finish": [o.finish_reason for o in outputs],
+}))
+
+# %% [markdown]
+# `chat` renders the model's own chat template (ChatML for SmolLM2) and stops at the end-of-turn
+# token; `stream` yields the text as each token arrives.
+
+# %%
+question = [{"role": "user", "content": "What is the capital of France?"}]
+(answer,) = llm.chat(question, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+print(repr(answer.text), answer.finish_reason)
+if llm.weights_kind == "real" and MODEL == "smollm2-135m":
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+for delta in llm.stream("Three facts about the Moon:", SamplingParams(temperature=0.7, top_p=0.9, seed=0,
+                                                                     max_tokens=40)):
+    print(delta, end="", flush=True)
+print()
+
+# %% [markdown]
+# ## What the cache holds for a ragged batch
+#
+# Three requests of different lengths, small 4-token blocks so the picture has several per row.
+# After a few decode steps the middle request is aborted and a fourth joins: it takes the blocks
+# the aborted one gave back, so a row's blocks need not be contiguous in the pool. The read
+# rectangle on the right is what the reference attention gathers every step: each row is padded
+# to the longest row's length, and the padding cells name slot 0, are loaded, and are masked
+# afterwards. Day 50 prices rebuilding this rectangle; Day 59 stops building it.
+
+# %%
+demo = Engine(llm.model, num_blocks=48, block_size=4)
+texts = ["Paged attention splits", "Blocks return to the pool when a request ends, however it ends.", "Hi"]
+seqs = [demo.add_request(llm.tokenizer.encode(t), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        for t in texts]
+for _ in range(4):
+    demo.step()
+demo.abort_request(seqs[1].request_id)
+late = demo.add_request(llm.tokenizer.encode("A late request joins mid-flight"),
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+for _ in range(3):
+    demo.step()
+live = [seqs[0], seqs[2], late]
+fig = plot_block_tables(demo.cache, [s.row for s in live], ["request 0", "request 2", "request 3 (late)"])
+save_figure(fig, "engine_block_tables", label)
+show(fig)
+
+# Every block is owned once, and everything returns to the pool when the requests end.
+owned = [b for s in live for b in demo.cache.table(s.row).blocks]
+assert len(owned) == len(set(owned)) == demo.cache.allocator.num_used
+for s in live:
+    demo.abort_request(s.request_id)
+assert demo.cache.allocator.num_free == demo.cache.num_blocks
+
+# %% [markdown]
+# ## The gate: nanolab's greedy tokens are HF transformers' greedy tokens
+#
+# Same folder of weights, loaded by transformers' `LlamaForCausalLM`, in fp32 on both sides (bf16
+# rounding differs between any two implementations and would flip near-ties on random weights).
+# Each prompt decodes greedily; nanolab decodes all of them together in one ragged batch and
+# transformers one at a time.
+
+# %%
+parity_model = llm.model if llm.dtype == torch.float32 else load_model(llm.path, dtype=torch.float32, device=DEVICE)
+hf = load_hf(llm.path, torch.float32, DEVICE)
+parity_prompts = [llm.tokenizer.encode(p) for p in prompts] + [llm.tokenizer.encode_chat(question)]
+ours = nanolab_greedy(parity_model, parity_prompts, PARITY_TOKENS)
+theirs = [hf_greedy(hf, p, PARITY_TOKENS) for p in parity_prompts]
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    return next((str(i) for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), "none")
+
+
+show(pd.DataFrame({
+    "prompt tokens": [len(p) for p in parity_prompts],
+    "new tokens": [len(t) for t in ours],
+    "first differing token": [first_difference(a, b) for a, b in zip(ours, theirs, strict=True)],
+}))
+assert ours == theirs, "nanolab's greedy tokens differ from HF transformers'"
+del hf, parity_model
+gc.collect()
+if ON_GPU:
+    torch.cuda.empty_cache()
+
+# %% [markdown]
+# ## Decode speed against HF transformers, same machine, same run
+#
+# Both arms decode greedily from the same random prompts. nanolab is timed step by step through
+# `Engine.step`; transformers' `generate` is timed as the difference between generating
+# `1 + steps` tokens and generating 1, which leaves its prefill out. `hf-static` is transformers
+# with its static cache (the fast eager configuration); `hf-dynamic` is its default. Nothing is
+# compiled on either side.
+
+# %%
+df = decode_table(llm, BENCH["batches"], BENCH["prompt_len"], BENCH["steps"], repeats=BENCH["repeats"],
+                  progress=False)
+path = save_table(df, "engine_decode", label)
+show(df[["engine", "batch", "prompt_len", "steps", "ms_per_step", "tokens_per_s", "nanolab_speedup"]].round(2))
+for arm in ("hf-static", "hf-dynamic"):
+    ratios = df[df.engine == arm].set_index("batch").nanolab_speedup
+    print(f"nanolab tokens/s over {arm}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
+
+# %% [markdown]
+# The committed GPU run sits beside whatever this run measured: each panel is one device's table
+# from `data/engine_decode_<device>.csv`, titled with the device, model, dtype and date that made
+# it.
+
+# %%
+tables = committed_tables("engine_decode")
+fig = plot_decode_speed(tables)
+save_figure(fig, "engine_decode", label)
+show(fig)
+for slug, table in tables.items():
+    first = table.iloc[0]
+    print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, {first.date}")
+
+# %% [markdown]
+# ## What this sets up
+#
+# Two things in the forward are about to matter. The cache's `write` decides where each step's
+# K/V goes while the forward runs: on layer 0 it grows the block tables with a Python loop over
+# the rows, and every later layer reuses the slots layer 0 chose. And the read rebuilds the
+# `[rows, max_ctx]` rectangle from the tables every step. Neither costs much in eager mode.
+# Day 49 hands this forward to `torch.compile` and finds that both are values a tracer must
+# guard on.
+
+# %%
+assert llm.engine.cache.allocator.num_free == llm.engine.cache.num_blocks
+assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU part of the series, as one batch for a CUDA box whose image already has torch,
+# transformers and pytest (the H200 image has no jupytext, so notebooks run as plain scripts;
+# a percent-format notebook is valid Python). Results land in data/ and figures/ under the
+# device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
+#   scripts/gpu_run.sh [tests] [notebooks] [bench]     (default: all three)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+parts=("${@:-tests notebooks bench}")
+parts=(${parts[*]})
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+for part in "${parts[@]}"; do
+    echo "== $part ($(date -u +%T))"
+    case $part in
+        tests) python3 -m pytest -q -p no:cacheprovider tests/ -x || status=1 ;;
+        notebooks) for nb in notebooks/*.py; do echo "-- $nb"; python3 "$nb" || status=1; done ;;
+        bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
+                   --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;
+        *) echo "unknown part $part" >&2; status=2 ;;
+    esac
+done
+if [[ -n "${OUT:-}" ]]; then
+    tar czf "$OUT/results.tgz" data figures
+fi
+exit $status

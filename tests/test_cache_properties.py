@@ -1,0 +1,287 @@
+"""Properties of the paged cache under continuous batching, over random sequences of operations
+(add a request, step, abort a request) on a pool small enough that preemption really happens.
+
+Two levels: the scheduler and cache driven by a fake forward that writes random K/V for every
+layer (no model), and the real `Engine` on the `tiny` preset. After every operation the pool's
+bookkeeping must add up; at the end every block is free and every row closed.
+"""
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from nanolab import Engine, SamplingParams, load_model, resolve_weights
+from nanolab.cache import BatchedPagedKVCache, cdiv
+from nanolab.scheduler import Scheduler, Sequence, SequenceStatus
+
+BLOCK = 4
+VOCAB = 512
+MAX_STEPS = 5000  # a drain that takes longer than this has livelocked
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's ops are microseconds; torch's thread pool only adds contention on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def tiny_model():
+    return load_model(resolve_weights("tiny", progress=False))
+
+
+def check_pool(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
+    """The invariants that must hold between any two operations."""
+    allocator = cache.allocator
+    tables = [t for t in cache.tables if t is not None]
+    owned = [b for t in tables for b in t.blocks]
+    assert len(owned) == len(set(owned)), "a block is owned by two tables, or twice by one"
+    assert set(owned) == allocator._used, "the allocator's owned set differs from the open tables' blocks"
+    assert not set(owned) & set(allocator._free), "an owned block is also on the free list"
+    assert allocator.num_free + allocator.num_used == cache.num_blocks
+    assert allocator.num_used == sum(len(t.blocks) for t in tables)
+    for t in tables:
+        assert len(t.blocks) == cdiv(t.num_tokens, cache.block_size)
+    # Rows: open exactly for the running requests.
+    open_rows = [r for r, t in enumerate(cache.tables) if t is not None]
+    assert sorted(s.row for s in scheduler.running) == open_rows
+    for seq in scheduler.running:
+        assert seq.status is SequenceStatus.RUNNING
+        # The table holds every token but the last sampled one: a prefill writes the whole sequence
+        # and then samples one, a decode writes the previous sample and then samples one.
+        assert cache.table(seq.row).num_tokens == seq.num_tokens - 1
+    for seq in scheduler.waiting:
+        assert seq.status is SequenceStatus.WAITING and seq.row is None
+
+
+def check_drained(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
+    assert not scheduler.has_unfinished()
+    assert cache.allocator.num_free == cache.num_blocks and cache.allocator.num_used == 0
+    assert all(t is None for t in cache.tables)
+
+
+def fits(prompt_len: int, max_tokens: int, num_blocks: int) -> bool:
+    """Engine.validate_request's pool check: the longest the request can grow must fit the pool."""
+    return cdiv(prompt_len + max_tokens, BLOCK) <= num_blocks
+
+
+# Operations: ("add", prompt_len, max_tokens, ignore_eos), ("step", n), ("abort", pick).
+ADD = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 48), st.booleans())
+STEP = st.tuples(st.just("step"), st.integers(1, 8))
+ABORT = st.tuples(st.just("abort"), st.integers(0, 1 << 16))
+# A burst of adds first, so several requests grow together and the pool runs out.
+OPS = st.builds(lambda first, rest: first + rest, st.lists(ADD, min_size=2, max_size=6),
+                st.lists(st.one_of(ADD, STEP, ABORT), max_size=30))
+
+
+# Level (a): scheduler and cache, no model.
+
+class FakeForward:
+    """`Engine.step` with random K/V in place of the model and random tokens in place of sampling.
+    It remembers the K it wrote at layer 0 for each token of each running request, to check that
+    no request's slots are overwritten by another's."""
+
+    num_layers, kv_heads, head_dim = 2, 2, 4
+
+    def __init__(self, num_blocks: int, max_rows: int, seed: int) -> None:
+        self.cache = BatchedPagedKVCache(num_layers=self.num_layers, num_kv_heads=self.kv_heads,
+                                         head_dim=self.head_dim, num_blocks=num_blocks, block_size=BLOCK,
+                                         max_rows=max_rows)
+        self.scheduler = Scheduler(self.cache)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.seqs: list[Sequence] = []
+        self.written: dict[int, torch.Tensor] = {}  # request_id -> [tokens, kv_heads, head_dim], layer 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        prompt = [self.rng.randrange(VOCAB) for _ in range(prompt_len)]
+        seq = Sequence(len(self.seqs), prompt, SamplingParams(max_tokens=max_tokens))
+        self.seqs.append(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, pick: int) -> None:
+        if self.seqs:
+            self.scheduler.abort(self.seqs[pick % len(self.seqs)])
+
+    def step(self) -> None:
+        seqs, prefill = self.scheduler.schedule()
+        if not seqs:
+            return
+        rows = tuple(s.row for s in seqs)
+        lengths = [s.num_tokens for s in seqs] if prefill else [1] * len(seqs)
+        shape = (len(seqs), max(lengths), self.kv_heads, self.head_dim)
+        for layer in range(self.num_layers):
+            k, v = torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
+            self.cache.write(layer, rows, k, v, lengths)
+            if layer == 0:
+                for i, (s, n) in enumerate(zip(seqs, lengths)):
+                    old = self.written[s.request_id] if not prefill else k[i, :0]
+                    self.written[s.request_id] = torch.cat([old, k[i, :n]])
+        for s in seqs:
+            s.output_token_ids.append(self.rng.randrange(VOCAB))
+            if len(s.output_token_ids) >= s.params.max_tokens:
+                self.scheduler.finish(s, "length")
+
+    def check(self) -> None:
+        check_pool(self.cache, self.scheduler)
+        for s in self.scheduler.running:
+            table = self.cache.table(s.row)
+            slots = [table.slot(p) for p in range(table.num_tokens)]
+            assert torch.equal(self.cache.k_pools[0][slots], self.written[s.request_id]), \
+                f"request {s.request_id}'s K/V was overwritten"
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(6, 16), max_rows=st.integers(1, 4), seed=st.integers(0, 2**31),
+       drain=st.sampled_from(["abort", "complete"]))
+def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain) -> None:
+    fake = FakeForward(num_blocks, max_rows, seed)
+    for op in ops:
+        if op[0] == "add":
+            if fits(op[1], op[2], num_blocks):
+                fake.add(op[1], op[2])
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                fake.step()
+                fake.check()
+        else:
+            fake.abort(op[1])
+        fake.check()
+    if drain == "abort":
+        for seq in fake.seqs:
+            fake.scheduler.abort(seq)
+            fake.check()
+    else:
+        for _ in range(MAX_STEPS):
+            if not fake.scheduler.has_unfinished():
+                break
+            fake.step()
+            fake.check()
+        for s in fake.seqs:
+            assert s.finish_reason == "abort" or len(s.output_token_ids) == s.params.max_tokens
+    check_drained(fake.cache, fake.scheduler)
+    assert all(s.finished and s.row is None for s in fake.seqs)
+    event(f"fake forward: {'preempted' if fake.scheduler.num_preemptions else 'no preemption'}")
+
+
+def test_fake_forward_preempts_on_a_small_pool() -> None:
+    """Three requests of 7 tokens growing to 15 on 8 blocks of 4: all are admitted, but they
+    cannot all grow, so the newest is preempted and later recomputed; every one still finishes."""
+    fake = FakeForward(num_blocks=8, max_rows=4, seed=0)
+    for _ in range(3):
+        fake.add(7, 8)
+    for _ in range(MAX_STEPS):
+        if not fake.scheduler.has_unfinished():
+            break
+        fake.step()
+        fake.check()
+    assert fake.scheduler.num_preemptions >= 1
+    assert [len(s.output_token_ids) for s in fake.seqs] == [8, 8, 8]
+    check_drained(fake.cache, fake.scheduler)
+
+
+# Level (b): the real Engine on tiny.
+
+def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
+    rng = random.Random(seed)
+    seqs: list[Sequence] = []
+    check_pool(engine.cache, engine.scheduler)
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, ignore_eos = op
+            prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+            params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
+                                    ignore_eos=ignore_eos, seed=rng.randrange(1000))
+            if fits(prompt_len, max_tokens, engine.cache.num_blocks):
+                seqs.append(engine.add_request(prompt, params))
+            else:
+                before = (len(engine.scheduler.waiting), len(engine.requests))
+                with pytest.raises(ValueError, match="more than the whole KV pool holds"):
+                    engine.add_request(prompt, params)
+                assert (len(engine.scheduler.waiting), len(engine.requests)) == before
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+                check_pool(engine.cache, engine.scheduler)
+        elif seqs:
+            engine.abort_request(seqs[op[1] % len(seqs)].request_id)
+        check_pool(engine.cache, engine.scheduler)
+    return seqs
+
+
+def drain(engine: Engine) -> None:
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+        check_pool(engine.cache, engine.scheduler)
+    raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
+
+
+@settings(max_examples=250, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
+       finish=st.sampled_from(["abort", "complete"]))
+def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish) -> None:
+    engine = Engine(tiny_model(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    seqs = run_ops(engine, ops, seed)
+    if finish == "abort":
+        for seq in seqs:
+            engine.abort_request(seq.request_id)
+            check_pool(engine.cache, engine.scheduler)
+    else:
+        drain(engine)
+        for s in seqs:
+            if s.finish_reason == "length":
+                assert len(s.output_token_ids) == s.params.max_tokens
+            elif s.finish_reason == "stop":
+                assert s.output_token_ids[-1] in engine.eos_token_ids and not s.params.ignore_eos
+            else:
+                assert s.finish_reason == "abort"
+    check_drained(engine.cache, engine.scheduler)
+    assert not engine.requests
+    assert all(s.finished and s.row is None for s in seqs)
+    event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
+
+
+def greedy_outputs(requests, num_blocks: int, max_num_seqs: int) -> tuple[list[list[int]], int]:
+    engine = Engine(tiny_model(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
+            for prompt, n, ignore_eos in requests]
+    drain(engine)
+    check_drained(engine.cache, engine.scheduler)
+    return [s.output_token_ids for s in seqs], engine.scheduler.num_preemptions
+
+
+PROMPT = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
+REQUEST = st.tuples(PROMPT, st.integers(1, 16), st.booleans())  # prompt, max_tokens, ignore_eos
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests=st.lists(REQUEST, min_size=1, max_size=6), spare=st.integers(0, 3),
+       max_num_seqs=st.integers(2, 4))
+def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs) -> None:
+    """Recompute preemption re-prefills a request from its tokens so far; greedy decoding must
+    then continue exactly as if it had never been interrupted."""
+    smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
+    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs)
+    large, none = greedy_outputs(requests, 512, max_num_seqs)
+    assert none == 0
+    assert small == large
+    event(f"greedy: {'preempted' if preemptions else 'no preemption'}")
+
+
+def test_engine_preempts_on_a_small_pool_and_greedy_is_unchanged() -> None:
+    requests = [(list(range(10 + i, 17 + i)), 8, True) for i in range(3)]
+    small, preemptions = greedy_outputs(requests, 8, 4)
+    assert preemptions >= 1
+    large, none = greedy_outputs(requests, 512, 4)
+    assert none == 0
+    assert small == large
+    assert [len(out) for out in small] == [8, 8, 8]
