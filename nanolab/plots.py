@@ -72,7 +72,8 @@ def plot_decode_speed(tables: dict[str, pd.DataFrame]):
         ax.set_yscale("log")
         ax.set_xlabel("batch (requests decoding together)")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{first.device}\n{first.model}, {first['dtype']}, {first.date}", fontsize=9)
+        ax.set_title(f"{first.device}\n{first.model} ({first.weights} weights), {first['dtype']}, {first.date}",
+                     fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend()
     fig.tight_layout()

@@ -184,6 +184,8 @@ show(fig)
 for slug, table in tables.items():
     first = table.iloc[0]
     print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, {first.date}")
+both = pd.concat([t.assign(device=slug) for slug, t in tables.items()])
+show(both.pivot_table(index=["device", "batch"], columns="engine", values="tokens_per_s").round(1))
 
 # %% [markdown]
 # ## What this sets up
