@@ -4,11 +4,12 @@ Introduced with the engine core (before Day 49). The pool is cut into fixed-size
 sequence owns a `BlockTable` (vLLM: one row of its block table) listing its blocks in order, so
 token p of a sequence lives in pool slot `blocks[p // block_size] * block_size + p % block_size`.
 
-This is the engine as it stood on the eve of Day 49. The forward decides where this step's K/V
-goes while it runs: `write` on layer 0 grows the tables and stashes the slots it chose, and
-layers 1.. scatter to the same places (the layer-0 handshake). The read's `[rows, max_ctx]`
-`slot_mapping` rectangle is rebuilt from the tables on the host. Day 49 measures what that costs
-under torch.compile and Day 50 moves all of it out of the forward.
+Two ways to address a step. Unplanned (the engine as it stood on the eve of Day 49, kept for
+prefill and as the comparison arm): the forward decides where this step's K/V goes while it
+runs. `write` on layer 0 grows the tables and stashes the slots it chose, layers 1.. scatter to
+the same places (the layer-0 handshake), and the read's `[rows, max_ctx]` `slot_mapping`
+rectangle is rebuilt from the tables. Planned (Day 50, decode): `plan_decode` does all of that on
+the host before the forward, and the forward only reads the plan's tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanolab.paged_attention import attention_mask_bias, paged_attention_batched_reference
+from nanolab.plan import DecodePlan
 
 
 def cdiv(a: int, b: int) -> int:
@@ -113,6 +115,7 @@ class BatchedPagedKVCache:
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.tables: list[BlockTable | None] = [None] * max_rows
         self._step: _StepSlots | None = None
+        self._plans = 0  # plans built so far; a plan whose epoch is older is stale
 
     @property
     def num_blocks(self) -> int:
@@ -157,20 +160,63 @@ class BatchedPagedKVCache:
         lens = [self.table(row).num_tokens for row in rows]
         return min(lens), max(lens)
 
-    def view(self, rows, lengths=None) -> BatchedCacheRows:
+    def view(self, rows, lengths=None, plan: DecodePlan | None = None) -> BatchedCacheRows:
         """The cache as one forward over `rows` sees it; `lengths` are the new tokens per row
-        (all 1 in decode, ragged in prefill)."""
+        (all 1 in decode, ragged in prefill). A plan is checked here, outside the forward: it
+        must be the newest one and cover exactly these rows."""
         rows = tuple(rows)
-        return BatchedCacheRows(self, rows, tuple(lengths) if lengths is not None else (1,) * len(rows))
+        if plan is not None:
+            if plan.epoch != self._plans:
+                raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self._plans} exists; "
+                                   "its slots have been handed out again")
+            if plan.rows != rows:
+                raise ValueError(f"the plan covers rows {plan.rows}, not {rows}")
+        return BatchedCacheRows(self, rows, tuple(lengths) if lengths is not None else (1,) * len(rows), plan)
+
+    def plan_decode(self, rows, device=None) -> DecodePlan:
+        """Grow every row's table by this step's token and return where everything goes.
+
+        Positions are read before the tables grow: a new token's position is the number of tokens
+        before it. A row with no tokens is refused: its decode would attend over its own token
+        and nothing else, a fluent continuation of nothing.
+        """
+        rows = tuple(rows)
+        tables = [self.table(row) for row in rows]
+        empty = [row for row, t in zip(rows, tables, strict=True) if t.num_tokens == 0]
+        if empty:
+            raise ValueError(f"decode over empty rows {empty}: a row needs its prompt before it can decode")
+        needed = sum(t.blocks_needed(1) for t in tables)
+        if needed > self.allocator.num_free:
+            raise CacheFull(f"this step needs {needed} blocks, the pool has {self.allocator.num_free} free")
+        positions = [t.num_tokens for t in tables]
+        for t in tables:
+            self._grow(t, 1)
+        write_slots = [t.slot(p) for t, p in zip(tables, positions, strict=True)]
+        mapping, context_lens = self.slot_mapping(rows)
+        device = torch.device(device) if device is not None else self.device
+        self._plans += 1
+        return DecodePlan(
+            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
+            slot_mapping=mapping.to(device),
+            context_lens=context_lens.to(device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device)[:, None],
+            min_ctx=min(positions) + 1,
+            max_ctx=max(positions) + 1,
+            rows=rows,
+            epoch=self._plans,
+        )
 
     def _grow(self, table: BlockTable, new_tokens: int) -> None:
         for _ in range(table.blocks_needed(new_tokens)):
             table.blocks.append(self.allocator.allocate())
         table.num_tokens += new_tokens
 
-    def slot_mapping(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The read rectangle, rebuilt from the tables on the host: slot_mapping [rows, max_ctx]
-        int64 (padding slot 0) and context_lens [rows] int64, both on the cache's device."""
+    def slot_mapping(self, rows, plan: DecodePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read rectangle: slot_mapping [rows, max_ctx] int64 (padding slot 0) and context_lens
+        [rows] int64 on the cache's device. Given a plan, the plan's own tensors (not copies);
+        otherwise rebuilt from the tables on the host."""
+        if plan is not None:
+            return plan.slot_mapping, plan.context_lens
         tables = [self.table(row) for row in rows]
         lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int64)
         width = int(lens.max())
@@ -182,13 +228,19 @@ class BatchedPagedKVCache:
         mapping = torch.where(p < lens[:, None], mapping, 0)
         return mapping.to(self.device), lens.to(self.device)
 
-    def write(self, layer: int, rows: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, lengths) -> None:
+    def write(self, layer: int, rows: tuple[int, ...], k: torch.Tensor, v: torch.Tensor, lengths,
+              plan: DecodePlan | None = None) -> None:
         """Store this forward's K/V, k and v [rows, T, kv_heads, head_dim], of which the first
         lengths[i] tokens of row i are real.
 
-        Layer 0 grows the tables, chooses the slots and stashes them; every later layer must name
-        the same rows and reuses layer 0's choice.
+        Given a plan (decode, T = 1), one index_put over the batch: no table grows, no slot is
+        computed, and no layer waits for layer 0. Otherwise layer 0 grows the tables, chooses the
+        slots and stashes them; every later layer must name the same rows and reuses the choice.
         """
+        if plan is not None:
+            self.k_pools[layer][plan.write_slots] = k[:, 0]
+            self.v_pools[layer][plan.write_slots] = v[:, 0]
+            return
         if layer == 0:
             t = k.shape[1]
             needed = sum(self.table(row).blocks_needed(n) for row, n in zip(rows, lengths, strict=True))
@@ -229,8 +281,15 @@ class BatchedPagedKVCache:
         self.v_pools[layer].index_copy_(0, step.slots, v)
 
     def paged_attention(self, layer: int, rows: tuple[int, ...], q: torch.Tensor,
-                        positions: torch.Tensor) -> torch.Tensor:
-        """Read layer `layer` for q [rows, T, heads, head_dim] -> [rows, T, heads, head_dim]."""
+                        positions: torch.Tensor, plan: DecodePlan | None = None) -> torch.Tensor:
+        """Read layer `layer` for q [rows, T, heads, head_dim] -> [rows, T, heads, head_dim].
+
+        Given a plan, the read is `validated`: the plan checked its bounds on the host, so the
+        traced region observes no value that changes from step to step."""
+        if plan is not None:
+            return paged_attention_batched_reference(
+                q, self.k_pools[layer], self.v_pools[layer], plan.slot_mapping, plan.context_lens, positions,
+                validated=True)
         step = self._step
         if step is None or step.rows != rows or step.next_layer != layer + 1:
             raise RuntimeError(f"layer {layer} read before writing this forward's K/V")
@@ -250,9 +309,10 @@ class BatchedCacheRows:
     cache: BatchedPagedKVCache
     rows: tuple[int, ...]
     lengths: tuple[int, ...]
+    plan: DecodePlan | None = None
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.write(layer, self.rows, k, v, self.lengths)
+        self.cache.write(layer, self.rows, k, v, self.lengths, self.plan)
 
     def paged_attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.cache.paged_attention(layer, self.rows, q, positions)
+        return self.cache.paged_attention(layer, self.rows, q, positions, self.plan)

@@ -34,8 +34,12 @@ class StepOutput:
 class Engine:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, planned: bool = True) -> None:
         self.model = model
+        # What a decode step calls: the model, or a compiled or captured stand-in for it (Day 49 on).
+        self.decode_forward: Callable = model
+        # Decode through a host-built DecodePlan (Day 50); False keeps the addressing in the forward.
+        self.planned = planned
         self.config = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -114,7 +118,10 @@ class Engine:
         return outputs
 
     def build_inputs(self, seqs: list[Sequence], prefill: bool):
-        """input_ids, positions [rows, T], the cache view, and the logits index [rows]."""
+        """input_ids, positions [rows, T], the cache view, and the logits index [rows].
+
+        A planned decode builds its DecodePlan here, which is where the tables grow; unplanned,
+        positions are read off the tables and the forward grows them."""
         rows = [s.row for s in seqs]
         if prefill:
             lengths = [s.num_tokens for s in seqs]
@@ -127,6 +134,10 @@ class Engine:
             positions = torch.where(steps < torch.tensor(lengths)[:, None], steps, 0)
             index = torch.tensor(lengths) - 1
             view = self.cache.view(rows, lengths)
+        elif self.planned:
+            plan = self.cache.plan_decode(rows)
+            ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=self.device)
+            return ids, plan.positions, self.cache.view(rows, plan=plan), None
         else:
             ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
             positions = torch.tensor([[self.cache.tables[row].num_tokens] for row in rows])
@@ -143,7 +154,7 @@ class Engine:
     @torch.inference_mode()
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         ids, positions, view, _ = self.build_inputs(seqs, prefill=False)
-        return self.model(ids, positions, cache=view)[:, -1]
+        return self.decode_forward(ids, positions, cache=view)[:, -1]
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -1,0 +1,190 @@
+"""Day 50: the DecodePlan, its wiring, its refusals, its arithmetic and its gates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanolab import BatchedPagedKVCache, BlockTable, Engine, SamplingParams
+from nanolab.plan import (
+    appended_cells,
+    check_plan_addressing,
+    check_plan_current,
+    check_plan_rows,
+    check_rebuild_bounded,
+    mapping_bytes,
+    mapping_cells,
+    plan_decode,
+    rebuild_cells,
+    rebuild_ratio,
+)
+
+KV_HEADS, HEAD_DIM = 2, 16
+
+
+def small_cache(model=None, num_blocks=32, block_size=4, max_rows=4) -> BatchedPagedKVCache:
+    layers = model.config.num_hidden_layers if model is not None else 3
+    return BatchedPagedKVCache(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=num_blocks,
+                               block_size=block_size, max_rows=max_rows)
+
+
+def prefilled(cache: BatchedPagedKVCache, lengths) -> list[int]:
+    """Open rows and write `lengths[i]` random tokens into each, through the unplanned path."""
+    rows = [cache.open_row() for _ in lengths]
+    t = max(lengths)
+    for layer in range(cache.num_layers):
+        k = torch.randn(len(rows), t, KV_HEADS, HEAD_DIM)
+        cache.write(layer, tuple(rows), k, torch.randn_like(k), lengths)
+    return rows
+
+
+def engine_at_decode(model, prompts, **kw) -> tuple[Engine, list]:
+    """An engine whose requests are prefilled and about to decode."""
+    engine = Engine(model, num_blocks=64, block_size=4, **kw)
+    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) for p in prompts]
+    engine.step()
+    return engine, seqs
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 23)), [3, 4]]
+
+
+def test_plan_fields():
+    cache = small_cache()
+    rows = prefilled(cache, [5, 13, 2])
+    plan = plan_decode(cache, rows, "cpu")
+    assert plan.positions.tolist() == [[5], [13], [2]]  # read before the tables grew
+    assert [cache.table(r).num_tokens for r in rows] == [6, 14, 3]
+    assert plan.context_lens.tolist() == [6, 14, 3]
+    assert (plan.min_ctx, plan.max_ctx) == (3, 14)
+    assert plan.write_slots.tolist() == [cache.table(r).slot(p) for r, p in zip(rows, [5, 13, 2], strict=True)]
+    assert (plan.batch_size, plan.width, plan.cells) == (3, 14, 42)
+    assert (plan.real_cells, plan.padding_cells) == (23, 19)
+    assert plan.padding_share == pytest.approx(19 / 42)
+    assert plan.mapping_bytes == 42 * 8 == mapping_bytes(3, 14)
+    assert "3 rows x 14 wide" in plan.render()
+    assert check_plan_addressing(cache, plan) and check_plan_rows(plan, rows) and check_plan_current(cache, plan)
+
+
+def test_slot_mapping_with_a_plan_is_the_plans_own_tensor():
+    cache = small_cache()
+    rows = prefilled(cache, [5, 9])
+    plan = plan_decode(cache, rows)
+    mapping, lens = cache.slot_mapping(rows, plan=plan)
+    assert mapping is plan.slot_mapping and lens is plan.context_lens
+    rebuilt, _ = cache.slot_mapping(rows)
+    assert rebuilt is not plan.slot_mapping and torch.equal(rebuilt, plan.slot_mapping)
+
+
+def test_planned_write_is_one_index_put_and_needs_no_layer_zero():
+    cache = small_cache()
+    rows = prefilled(cache, [5, 9])
+    plan = plan_decode(cache, rows)
+    k = torch.randn(2, 1, KV_HEADS, HEAD_DIM)
+    cache.write(2, tuple(rows), k, -k, (1, 1), plan)  # layer 2 first: nothing to wait for
+    assert torch.equal(cache.k_pools[2][plan.write_slots], k[:, 0])
+    assert torch.equal(cache.v_pools[2][plan.write_slots], -k[:, 0])
+    with pytest.raises(RuntimeError, match="before layer 0"):
+        cache.write(2, tuple(rows), k, k, (1, 1))  # the unplanned write does need layer 0 first
+
+
+def test_refuses_an_empty_row():
+    cache = small_cache()
+    rows = prefilled(cache, [4])
+    empty = cache.open_row()
+    free = cache.allocator.num_free
+    with pytest.raises(ValueError, match="empty"):
+        plan_decode(cache, rows + [empty])
+    assert cache.table(rows[0]).num_tokens == 4 and cache.allocator.num_free == free  # nothing grew
+
+
+def test_refuses_a_stale_plan_and_the_gate_sees_it():
+    cache = small_cache()
+    rows = prefilled(cache, [4, 7])
+    old = plan_decode(cache, rows)
+    new = plan_decode(cache, rows)
+    gate = check_plan_current(cache, old)
+    assert not gate and gate.numbers["stale_rows"] == 2
+    assert check_plan_current(cache, new)
+    with pytest.raises(RuntimeError, match="stale"):
+        cache.view(rows, plan=old)
+    cache.view(rows, plan=new)
+
+
+def test_gates_fail_on_wrong_plans():
+    cache = small_cache()
+    rows = prefilled(cache, [4, 7])
+    plan = plan_decode(cache, rows)
+    assert not check_plan_rows(plan, rows[::-1])
+    assert not check_plan_rows(plan, rows[:1])
+    corrupted = type(plan)(**{**plan.__dict__, "write_slots": plan.write_slots + 1})
+    gate = check_plan_addressing(cache, corrupted)
+    assert not gate and gate.numbers["wrong"] == 2
+
+
+def test_rebuild_table_is_the_seeds():
+    # Four rows decoding from a 16-token prompt (Day 50's table, exactly).
+    seed = {8: (656, 32), 64: (12_416, 256), 128: (41_216, 512), 512: (558_080, 2_048)}
+    for steps, (rebuilt, appended) in seed.items():
+        assert (rebuild_cells(4, 16, steps), appended_cells(4, steps)) == (rebuilt, appended)
+    assert rebuild_ratio(4, 16, 8) == 20.5 and rebuild_ratio(4, 16, 512) == 272.5
+    assert mapping_cells(4, 17) == 68
+    # Brute force: the sum of every step's rectangle.
+    assert rebuild_cells(3, 5, 9) == sum(3 * (5 + i) for i in range(1, 10))
+
+
+def test_check_rebuild_bounded_passes_short_runs_and_fails_long_ones():
+    assert check_rebuild_bounded(4, 16, 8)
+    gate = check_rebuild_bounded(4, 16, 512)
+    assert not gate and gate.numbers["ratio"] / gate.numbers["limit"] > 8
+
+
+def test_replayed_plan_gives_identical_logits_and_an_unplanned_forward_does_not(tiny_model):
+    engine, seqs = engine_at_decode(tiny_model, PROMPTS)
+    rows = [s.row for s in seqs]
+    ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
+    plan = engine.cache.plan_decode(rows)
+    with torch.inference_mode():
+        first = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
+        again = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
+    assert torch.equal(first, again)  # f(x) == f(x)
+
+    control, cseqs = engine_at_decode(tiny_model, PROMPTS)
+    crows = [s.row for s in cseqs]
+    positions = torch.tensor([[control.cache.table(r).num_tokens] for r in crows])
+    with torch.inference_mode():
+        once = tiny_model(ids, positions, cache=control.cache.view(crows))
+        twice = tiny_model(ids, positions, cache=control.cache.view(crows))
+    assert torch.allclose(once, first, atol=1e-5)  # the same step, addressed either way
+    assert not torch.allclose(once, twice)  # the second call attends over one more token
+
+
+def test_planned_forward_never_reads_num_tokens(tiny_model, monkeypatch):
+    engine, seqs = engine_at_decode(tiny_model, PROMPTS)
+    rows = [s.row for s in seqs]
+    ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
+    plan = engine.cache.plan_decode(rows)
+    view = engine.cache.view(rows, plan=plan)
+    positions = torch.tensor([[engine.cache.table(r).num_tokens - 1] for r in rows])
+
+    def forbidden(self):
+        raise AssertionError("the forward read BlockTable.num_tokens")
+
+    # A property is a data descriptor and beats the instance attribute.
+    monkeypatch.setattr(BlockTable, "num_tokens", property(forbidden), raising=False)
+    with torch.inference_mode():
+        tiny_model(ids, plan.positions, cache=view)
+        with pytest.raises(AssertionError, match="num_tokens"):
+            tiny_model(ids, positions, cache=engine.cache.view(rows))
+
+
+def test_planned_and_unplanned_engines_decode_the_same_tokens(tiny_model):
+    outs = []
+    for planned in (True, False):
+        engine = Engine(tiny_model, num_blocks=40, block_size=4, planned=planned)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        seqs = [engine.add_request(p, params) for p in PROMPTS * 3]
+        while engine.has_unfinished_requests():
+            engine.step()
+        outs.append([s.output_token_ids for s in seqs])
+    assert outs[0] == outs[1]
