@@ -101,6 +101,10 @@ class BatchedPagedKVCache:
     """Per-layer K/V pools `[num_blocks * block_size, kv_heads, head_dim]` and a block table per
     row. Rows are the engine's batch slots; a request holds one row while it runs."""
 
+    # Day 49's fix: the unplanned read gets (min_ctx, max_ctx) from the tables as host ints.
+    # False restores the read deriving them itself with int(context_lens.min()) (a device sync).
+    bounds_from_cache = True
+
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, max_rows: int = 64, dtype=torch.float32, device="cpu") -> None:
         self.num_layers = num_layers
@@ -219,7 +223,7 @@ class BatchedPagedKVCache:
             return plan.slot_mapping, plan.context_lens
         tables = [self.table(row) for row in rows]
         lens = torch.tensor([t.num_tokens for t in tables], dtype=torch.int64)
-        width = int(lens.max())
+        width = max(t.num_tokens for t in tables)
         blocks = torch.zeros((len(tables), cdiv(width, self.block_size)), dtype=torch.int64)
         for i, t in enumerate(tables):
             blocks[i, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int64)
@@ -297,7 +301,7 @@ class BatchedPagedKVCache:
             step.mask_bias = attention_mask_bias(step.context_lens, positions, step.slot_mapping.shape[1], q.dtype)
         return paged_attention_batched_reference(
             q, self.k_pools[layer], self.v_pools[layer], step.slot_mapping, step.context_lens, positions,
-            context_bounds=step.context_bounds, mask_bias=step.mask_bias,
+            context_bounds=step.context_bounds if self.bounds_from_cache else None, mask_bias=step.mask_bias,
         )
 
 

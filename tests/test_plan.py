@@ -188,3 +188,13 @@ def test_planned_and_unplanned_engines_decode_the_same_tokens(tiny_model):
             engine.step()
         outs.append([s.output_token_ids for s in seqs])
     assert outs[0] == outs[1]
+
+
+def test_decode_shape_reads_the_plans_width_and_is_not_off_by_one():
+    from nanolab.compilebench import decode_shape
+
+    cache = small_cache()
+    rows = prefilled(cache, [5, 9])
+    predicted = decode_shape(cache, rows)  # unplanned: the forward will grow the tables first
+    plan = plan_decode(cache, rows)
+    assert decode_shape(cache, rows, plan) == predicted == (2, 10) == (plan.batch_size, plan.slot_mapping.shape[1])
