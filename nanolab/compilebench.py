@@ -277,6 +277,8 @@ def results_table(results: list[CompileResult]) -> pd.DataFrame:
         raise ValueError("the table needs an 'off' row to measure speedup against")
     return pd.DataFrame([{
         "mode": r.mode,
+        "rows": r.rows,
+        "steps": r.steps,
         "shapes": r.shapes,
         "builds": r.builds,
         "reuse": r.reuse,
@@ -287,6 +289,13 @@ def results_table(results: list[CompileResult]) -> pd.DataFrame:
         "speedup": off.step_ms / r.step_ms,
         "breakeven steps": breakeven_steps(r, off),
     } for r in results])
+
+
+def guards_table(results: dict[str, CompileResult]) -> pd.DataFrame:
+    """Every guard failure of every mode, in order, dynamo's reason verbatim: one row each."""
+    return pd.DataFrame([{"mode": mode, "order": i, "reason": reason}
+                         for mode, r in results.items() for i, reason in enumerate(r.guard_failures)],
+                        columns=["mode", "order", "reason"])
 
 
 def compilebench_table(model, *, rows: int, prompt_len: int, steps: int, planned: bool,

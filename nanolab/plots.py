@@ -87,10 +87,10 @@ def _box(ax, x, y, w, h, text, face, edge="0.3", style="round,pad=0.02", fontsiz
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, wrap=True)
 
 
-def plot_decode_plan(guards: dict[str, str], sweep: pd.DataFrame, rebuild: pd.DataFrame):
+def plot_decode_plan(guards: dict[str, tuple[str, list[str]]], sweep: pd.DataFrame, rebuild: pd.DataFrame):
     """Day 50's diagram.
 
-    guards  {"unplanned": reason, "planned": reason}: dynamo's first guard failure in each arm
+    guards  {arm: (mode, reasons)}: dynamo's guard failures, verbatim, in one mode of each arm
     sweep   rows of the compile bench: arm ("unplanned"/"planned"), mode, builds, steps, step_ms
     rebuild rows of steps, rebuild_cells, appended_cells
     """
@@ -103,8 +103,7 @@ def plot_decode_plan(guards: dict[str, str], sweep: pd.DataFrame, rebuild: pd.Da
                                (0.52, "after: a DecodePlan built outside it", True)):
         where_ax.text(x0 + 0.22, 0.95, title, ha="center", fontsize=9, weight="bold")
         _box(where_ax, x0, 0.05, 0.44, 0.62, "", "white", edge="C3", ls="--")
-        where_ax.text(x0 + 0.22, 0.63, "traced region: model(ids, positions, cache=view)", ha="center",
-                      fontsize=7.5, color="C3")
+        where_ax.text(x0 + 0.22, 0.63, "traced region (torch.compile)", ha="center", fontsize=7.5, color="C3")
         if planned:
             _box(where_ax, x0 + 0.02, 0.72, 0.40, 0.16,
                  "plan_decode (host, once per step)\ngrows tables, builds write_slots,\n"
@@ -128,16 +127,17 @@ def plot_decode_plan(guards: dict[str, str], sweep: pd.DataFrame, rebuild: pd.Da
 
     guard_ax.set_axis_off()
     guard_ax.set_title("the guard dynamo fails on (its own words), and the builds it costs", fontsize=10)
-    dynamic = sweep[sweep["mode"] == "dynamic"].set_index("arm")
-    y = 0.92
+    y = 0.97
     for arm, colour in (("unplanned", "C3"), ("planned", "C0")):
-        row = dynamic.loc[arm]
-        guard_ax.text(0.0, y, f"{arm}: dynamic mode, {int(row.builds)} builds over {int(row.steps)} steps",
-                      fontsize=9, weight="bold", color=colour, va="top")
-        reason = guards.get(arm) or "(no guard failed)"
-        guard_ax.text(0.02, y - 0.08, "\n".join(textwrap.wrap(reason, 80)[:6]), fontsize=7.5, family="monospace",
-                      va="top")
-        y -= 0.48
+        mode, reasons = guards[arm]
+        runs = sweep[sweep["arm"] == arm].set_index("mode")
+        counts = ", ".join(f"{m} {int(r.builds)}" for m, r in runs.iterrows() if m != "off")
+        guard_ax.text(0.0, y, f"{arm}: builds over {int(runs.steps.iloc[0])} steps: {counts}", fontsize=9,
+                      weight="bold", color=colour, va="top")
+        shown = [line for reason in reasons[:3] for line in textwrap.wrap(reason.split("#")[0].strip(), 78)]
+        text = f"{mode}:\n" + ("\n".join(shown) if shown else "(no guard failed)")
+        guard_ax.text(0.02, y - 0.07, text, fontsize=7.5, family="monospace", va="top")
+        y -= 0.5
 
     arms = ["unplanned", "planned"]
     modes = list(dict.fromkeys(sweep["mode"]))
