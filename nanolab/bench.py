@@ -86,9 +86,13 @@ def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int =
         return time.perf_counter() - start
 
     run(steps + 1)  # warm-up
-    full = statistics.median(run(steps + 1) for _ in range(repeats))
-    prefill = statistics.median(run(1) for _ in range(repeats))
-    return DecodeTiming(f"hf-{cache}", len(prompts), prompts.shape[1], steps, max(full - prefill, 0.0) * 1000 / steps)
+    # Interleaved, so a slow patch of the machine lands on both sides of the difference.
+    pairs = [(run(steps + 1), run(1)) for _ in range(repeats)]
+    decode_s = statistics.median(full for full, _ in pairs) - statistics.median(prefill for _, prefill in pairs)
+    if decode_s <= 0:
+        raise RuntimeError(f"HF decode time not measurable: generate(max_new_tokens={steps + 1}) was not slower than "
+                           "generate(max_new_tokens=1); the machine is too busy for this benchmark")
+    return DecodeTiming(f"hf-{cache}", len(prompts), prompts.shape[1], steps, decode_s * 1000 / steps)
 
 
 def decode_table(llm: LLM, batches: list[int], prompt_len: int, steps: int, hf_caches=("static", "dynamic"),

@@ -21,7 +21,7 @@ from nanolab.model import load_model
 from nanolab.sampling import SamplingParams
 from nanolab.scheduler import Sequence
 from nanolab.tokenizer import IncrementalDetokenizer, Tokenizer
-from nanolab.weights import resolve_weights, weights_info
+from nanolab.weights import resolve_weights, weights_kind
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -106,7 +106,7 @@ class LLM:
     @property
     def weights_kind(self) -> str:
         """"real", or "synthesized random" for a preset whose weights were made up at its shapes."""
-        return "synthesized random" if weights_info(self.path).get("synthesized") else "real"
+        return weights_kind(self.path)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

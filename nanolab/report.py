@@ -122,6 +122,14 @@ def run_label(
     )
 
 
+def chapter_target(cpu_model: str) -> tuple[torch.device, str, torch.dtype]:
+    """Where a chapter runs: on a GPU, Llama-3.2-1B shapes in bf16; on the CPU, `cpu_model` in
+    fp32 at a size CI can afford. `NANOLAB_MODEL` (a preset or a folder) overrides the model."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), os.environ.get("NANOLAB_MODEL", "llama-3.2-1b"), torch.bfloat16
+    return torch.device("cpu"), os.environ.get("NANOLAB_MODEL", cpu_model), torch.float32
+
+
 def table_path(stem: str, slug: str) -> Path:
     return DATA_DIR / f"{stem}_{slug}.csv"
 

@@ -288,6 +288,11 @@ def load_checkpoint(path: Path | str, config: ModelConfig, *, dtype: torch.dtype
     return state
 
 
+def weights_kind(path: Path | str) -> str:
+    """How results from this folder are labelled: "real", or "synthesized random"."""
+    return "synthesized random" if weights_info(path).get("synthesized") else "real"
+
+
 def weights_info(path: Path | str) -> dict:
     """What `nanolab.json` says about a folder: {"synthesized": True, "seed", "preset", "dtype"} for
     random weights, {"synthesized": False} for anything else."""

@@ -30,7 +30,6 @@
 
 # %%
 import gc
-import os
 
 import pandas as pd
 import torch
@@ -39,12 +38,10 @@ from nanolab import LLM, Engine, SamplingParams, load_model
 from nanolab.bench import decode_table
 from nanolab.plots import plot_block_tables, plot_decode_speed
 from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
-from nanolab.report import committed_tables, run_label, save_figure, save_table, show
+from nanolab.report import chapter_target, committed_tables, run_label, save_figure, save_table, show
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-MODEL = os.environ.get("NANOLAB_MODEL", "llama-3.2-1b" if ON_GPU else "smollm2-135m")
-DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 # CPU sizes keep the chapter inside CI's budget on two cores; the GPU sizes are the real ones.
 BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU else \
     dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)

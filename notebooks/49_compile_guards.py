@@ -28,7 +28,6 @@
 # real folder). Both use the seed's batch: 4 rows, 16-token prompts, 9 decode steps.
 
 # %%
-import os
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -47,13 +46,11 @@ from nanolab.compilebench import (
     results_table,
     run_compilebench,
 )
-from nanolab.report import committed_tables, run_label, save_figure, save_table, show
-from nanolab.weights import weights_info
+from nanolab.report import chapter_target, committed_tables, run_label, save_figure, save_table, show
+from nanolab.weights import weights_kind
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
-MODEL = os.environ.get("NANOLAB_MODEL", "llama-3.2-1b" if ON_GPU else "tiny")
-DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 BENCH = dict(rows=4, prompt_len=16, steps=9)
 ROUND = {"reuse": 3, "compile s": 2, "step ms": 2, "speedup": 5, "breakeven steps": 1}
 pd.set_option("display.width", 160)
@@ -61,8 +58,7 @@ pd.set_option("display.max_columns", 20)
 
 path = nanolab.resolve_weights(MODEL)
 model = nanolab.load_model(path, dtype=DTYPE, device=DEVICE)
-weights = "synthesized random" if weights_info(path).get("synthesized") else "real"
-label = run_label(DEVICE, MODEL, DTYPE, weights=weights)
+label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
 print(label.caption())
 print(f"{model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}; {BENCH}")
 print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")

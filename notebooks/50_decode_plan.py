@@ -31,7 +31,6 @@
 # `paged_attention`.
 
 # %%
-import os
 
 import pandas as pd
 import torch
@@ -49,19 +48,16 @@ from nanolab.plan import (
     rebuild_ratio,
 )
 from nanolab.plots import plot_decode_plan
-from nanolab.report import committed_tables, load_table, run_label, save_figure, save_table, show
-from nanolab.weights import weights_info
+from nanolab.report import chapter_target, committed_tables, load_table, run_label, save_figure, save_table, show
+from nanolab.weights import weights_kind
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
-MODEL = os.environ.get("NANOLAB_MODEL", "llama-3.2-1b" if ON_GPU else "tiny")
-DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ROWS, PROMPT_LEN, STEPS = 4, 16, 11
 
 path = resolve_weights(MODEL)
 model = load_model(path, dtype=DTYPE, device=DEVICE)
-label = run_label(DEVICE, MODEL, DTYPE, weights="synthesized random" if weights_info(path).get("synthesized")
-                  else "real")
+label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
 print(label.caption())
 
 # %% [markdown]

@@ -3,6 +3,7 @@ real model, converted by `scripts/setup.sh`; tests that need it skip with a reas
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -10,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton reads this when @triton.jit decorates a kernel, so it must be set before any import of
+    # nanolab.kernels: without a GPU the kernels run in Triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanolab import load_model, resolve_weights  # noqa: E402
 
@@ -19,14 +24,29 @@ needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@functools.cache
+def load_tiny():
+    """The tiny model, loaded once per session, for tests that cannot take fixtures (hypothesis)."""
+    return load_model(resolve_weights("tiny", progress=False))
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     return resolve_weights("tiny")
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_path):
-    return load_model(tiny_path)
+def tiny_model():
+    return load_tiny()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model's ops are microseconds; torch's thread pool only adds contention on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,15 @@ layer (no model), and the real `Engine` on the `tiny` preset. After every operat
 bookkeeping must add up; at the end every block is free and every row closed.
 """
 
-import functools
 import random
 
 import pytest
 import torch
+from conftest import load_tiny
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from nanolab import Engine, SamplingParams, load_model, resolve_weights
+from nanolab import Engine, SamplingParams
 from nanolab.cache import BatchedPagedKVCache, cdiv
 from nanolab.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -23,18 +23,7 @@ VOCAB = 512
 MAX_STEPS = 5000  # a drain that takes longer than this has livelocked
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are microseconds; torch's thread pool only adds contention on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.cache
-def tiny_model():
-    return load_model(resolve_weights("tiny", progress=False))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def check_pool(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
@@ -229,7 +218,7 @@ def drain(engine: Engine) -> None:
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
        finish=st.sampled_from(["abort", "complete"]))
 def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish) -> None:
-    engine = Engine(tiny_model(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -251,7 +240,7 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
 
 
 def greedy_outputs(requests, num_blocks: int, max_num_seqs: int) -> tuple[list[list[int]], int]:
-    engine = Engine(tiny_model(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)

@@ -184,8 +184,8 @@ def test_breakeven_steps():
 def test_results_table_is_against_the_off_row():
     off = result(mode="off", builds=0, steps_with_build=0, step_ms=10.0)
     table = results_table([off, result(mode="dynamic", compile_s=1.0, step_ms=5.0)])
-    assert list(table.columns) == ["mode", "shapes", "builds", "reuse", "fell back", "graph breaks", "compile s",
-                                   "step ms", "speedup", "breakeven steps"]
+    assert list(table.columns) == ["mode", "rows", "steps", "shapes", "builds", "reuse", "fell back", "graph breaks",
+                                   "compile s", "step ms", "speedup", "breakeven steps"]
     assert table["speedup"].tolist() == [1.0, 2.0]
     assert table["reuse"].tolist() == [1.0, 0.9]
     assert table["breakeven steps"].tolist() == [0.0, pytest.approx(200)]

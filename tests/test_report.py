@@ -103,3 +103,13 @@ def test_show_prints_without_ipython(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_ipython)
     report.show("hello")
     assert capsys.readouterr().out == "hello\n"
+
+
+def test_chapter_target_on_the_cpu(monkeypatch):
+    from nanolab.report import chapter_target
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("NANOLAB_MODEL", raising=False)
+    assert chapter_target("tiny") == (torch.device("cpu"), "tiny", torch.float32)
+    monkeypatch.setenv("NANOLAB_MODEL", "/weights/llama")
+    assert chapter_target("tiny")[1] == "/weights/llama"

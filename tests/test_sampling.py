@@ -1,27 +1,15 @@
 """`SamplingParams` validation and the sampler: greedy, top-k, top-p and seeded determinism."""
 
-import functools
 import math
 
 import pytest
 import torch
+from conftest import load_tiny
 
-from nanolab import Engine, SamplingParams, load_model, resolve_weights
+from nanolab import Engine, SamplingParams
 from nanolab.sampling import sample
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's ops are microseconds; torch's thread pool only adds contention on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.cache
-def tiny_model():
-    return load_model(resolve_weights("tiny", progress=False))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Validation: every nonsense value is a ValueError that names its field.
@@ -149,7 +137,7 @@ def test_same_seed_same_tokens() -> None:
 
 def run(requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> list[list[int]]:
     """Every request's output tokens; the last `late` requests join after three steps."""
-    engine = Engine(tiny_model(), num_blocks=64, block_size=4, max_num_seqs=8)
+    engine = Engine(load_tiny(), num_blocks=64, block_size=4, max_num_seqs=8)
     first, rest = requests[: len(requests) - late], requests[len(requests) - late:]
     seqs = [engine.add_request(prompt, params) for prompt, params in first]
     for _ in range(3):
