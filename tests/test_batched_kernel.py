@@ -1,0 +1,208 @@
+"""Day 59's streamed decode read against `paged_attention_batched_reference`.
+
+On a CPU-only machine the kernels run in Triton's interpreter, fp32 (ENVIRONMENT.md: the
+interpreter's bf16 dot is wrong). Shapes stay tiny and tiles large: each launch is a Python loop.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from nanolab.cache import BatchedPagedKVCache, cdiv
+from nanolab.captured import spread_lengths, streamed_work
+from nanolab.kernels.paged_attention import (
+    VARIANTS,
+    choose_splits,
+    choose_variant,
+    kernel_agreement,
+    paged_attention_batched_kernel,
+    tile_lanes,
+)
+from nanolab.paged_attention import paged_attention_batched_reference
+from nanolab.plan import plan_decode
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEAD_DIM = 16
+BLOCK = 16  # keys per kernel tile (the cache's own block_size is 4: the two are independent)
+SHAPES = {"gqa 4:2": (4, 2), "mha 2:2": (2, 2)}
+# Prompt lengths per row; the decode step adds one token to each.
+BATCHES = {"uniform": [23, 23, 23], "ragged": [40, 2, 17, 9], "scattered": [30, 5, 19]}
+
+
+def _decode_batch(lengths, heads, kv_heads, *, seed=0, scatter=False, sink=False):
+    """A real decode step: prompts written through the cache, one token planned and written.
+
+    scatter writes the prompts round-robin a cache block at a time and frees a row on the way, so
+    every row's blocks are interleaved with the others'. sink first opens a row outside the batch
+    that owns block 0, so slot 0 (the padding's slot) holds no token of the batch.
+    Returns (cache, plan, q, sink_slots)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=kv_heads, head_dim=HEAD_DIM, num_blocks=64,
+                                block_size=4, max_rows=8, device=DEVICE)
+
+    def kv(n):
+        shape = (1, n, kv_heads, HEAD_DIM)
+        return torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE)
+
+    sink_slots = []
+    if sink:
+        row = cache.open_row()
+        cache.write(0, (row,), *kv(4), (4,))
+        sink_slots = [cache.table(row).slot(p) for p in range(4)]
+    if scatter:
+        doomed = cache.open_row()
+        cache.write(0, (doomed,), *kv(12), (12,))
+    rows = tuple(cache.open_row() for _ in lengths)
+    if scatter:
+        cache.free_row(doomed)
+        left = dict(zip(rows, lengths))
+        while any(left.values()):
+            for row in rows:
+                n = min(left[row], 4 - cache.table(row).num_tokens % 4)
+                if n:
+                    cache.write(0, (row,), *kv(n), (n,))
+                    left[row] -= n
+    else:
+        for row, n in zip(rows, lengths):
+            cache.write(0, (row,), *kv(n), (n,))
+    plan = plan_decode(cache, rows)
+    k_new, v_new = kv(len(rows))
+    cache.write(0, rows, k_new.transpose(0, 1), v_new.transpose(0, 1), (1,) * len(rows), plan=plan)
+    q = torch.randn((len(rows), 1, heads, HEAD_DIM), generator=g).to(DEVICE)
+    return cache, plan, q, sink_slots
+
+
+def _reference(cache, plan, q, mapping=None):
+    mapping = plan.slot_mapping if mapping is None else mapping
+    return paged_attention_batched_reference(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens,
+                                             plan.positions, validated=True)
+
+
+def _kernel(cache, plan, q, variant, mapping=None, **kw):
+    mapping = plan.slot_mapping if mapping is None else mapping
+    return paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens,
+                                          plan.positions, validated=True, block=BLOCK, variant=variant,
+                                          splits=2, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_equals_reference(variant, batch, shape):
+    heads, kv_heads = SHAPES[shape]
+    cache, plan, q, _ = _decode_batch(BATCHES[batch], heads, kv_heads, scatter=batch == "scattered")
+    if batch == "scattered":  # the mapping really is scattered: some row's slots are not one run
+        mapping = plan.slot_mapping.cpu()
+        assert any((mapping[i, 1:n] - mapping[i, : n - 1] != 1).any() for i, n in enumerate(plan.context_lens))
+    torch.testing.assert_close(_kernel(cache, plan, q, variant), _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_and_unvalidated_reads():
+    cache, plan, q, _ = _decode_batch(BATCHES["ragged"], 4, 2, scatter=True)
+    oracle = _reference(cache, plan, q)
+    got = paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping,
+                                         plan.context_lens, plan.positions, block=BLOCK)
+    torch.testing.assert_close(got, oracle, rtol=1e-5, atol=1e-5)
+    got = paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping,
+                                         plan.context_lens, block=BLOCK, variant="gqa",
+                                         context_bounds=(plan.min_ctx, plan.max_ctx))
+    torch.testing.assert_close(got, oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", ["slot 0", "-1"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nan_poisoned_padding_is_never_read(variant, padding):
+    """Every slot the padding names holds NaN. The reference loads them and masks afterwards, so
+    its short rows turn NaN; the kernel never issues those loads."""
+    cache, plan, q, sink_slots = _decode_batch(BATCHES["ragged"], 4, 2, scatter=True, sink=True)
+    clean = _reference(cache, plan, q)
+    lens = plan.context_lens
+    pad = torch.arange(plan.max_ctx, device=lens.device)[None, :] >= lens[:, None]  # [rows, max_ctx]
+    assert 0 in sink_slots and pad.any()
+    mapping = plan.slot_mapping.clone()
+    if padding == "-1":
+        mapping[pad] = -1
+        poisoned = [-1]  # where a -1 wraps: the pool's last slot, which no row of the batch owns
+    else:
+        poisoned = sink_slots  # padding names slot 0; poison the sink row's whole block around it
+        mapping[pad] = torch.tensor(sink_slots, device=lens.device).repeat(mapping.numel())[: int(pad.sum())]
+    for pool in (cache.k_pools[0], cache.v_pools[0]):
+        pool[poisoned] = float("nan")
+    oracle = _reference(cache, plan, q, mapping)
+    short = lens < plan.max_ctx
+    assert oracle[short].isnan().all(dim=-1).any(dim=-1).all()  # every padded row is poisoned
+    got = _kernel(cache, plan, q, variant, mapping)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiles_walked_equal_streamed_work(variant):
+    """The loop's own count against the host arithmetic: a long-tail batch (one row 64 wide, seven
+    at 8) walks 4 + 7 tiles of 16, not the rectangle's 32."""
+    heads, kv_heads = 4, 2
+    lengths = [n - 1 for n in spread_lengths(8, 64, "long tail")]  # the decode token makes them 64 and 8
+    cache, plan, q, _ = _decode_batch(lengths, heads, kv_heads)
+    counts = torch.zeros(len(lengths), dtype=torch.int32, device=DEVICE)
+    _kernel(cache, plan, q, variant, tile_counts=counts)
+    work = streamed_work(plan.context_lens.tolist(), BLOCK)
+    lanes = tile_lanes(variant, heads, kv_heads)
+    assert counts.tolist() == [lanes * cdiv(n, BLOCK) for n in plan.context_lens.tolist()]
+    assert int(counts.sum()) // lanes == work.walked == 11
+    assert work.rect_tiles == 32
+
+
+def _refusal_cases(cache, plan, q):
+    m, lens = plan.slot_mapping, plan.context_lens
+    return {
+        "short mapping": dict(slot_mapping=m[:-1], context_lens=lens),
+        "lens shape": dict(slot_mapping=m, context_lens=lens[:-1]),
+        "narrow mapping": dict(slot_mapping=m[:, :-1], context_lens=lens),
+        "empty row": dict(slot_mapping=m, context_lens=torch.where(lens == lens.min(), 0, lens)),
+        "both": dict(slot_mapping=m, context_lens=lens, validated=True, context_bounds=(1, plan.max_ctx)),
+        "bounds": dict(slot_mapping=m, context_lens=lens, context_bounds=(plan.min_ctx, plan.max_ctx + 1)),
+    }
+
+
+@pytest.mark.parametrize("case", ["short mapping", "lens shape", "narrow mapping", "empty row", "both", "bounds"])
+def test_refusals_match_the_reference(case):
+    cache, plan, q, _ = _decode_batch(BATCHES["ragged"], 4, 2)
+    kw = _refusal_cases(cache, plan, q)[case]
+    args = (q, cache.k_pools[0], cache.v_pools[0])
+    with pytest.raises(ValueError) as ref:
+        paged_attention_batched_reference(*args, positions=plan.positions, **kw)
+    with pytest.raises(ValueError, match=re.escape(str(ref.value))):
+        paged_attention_batched_kernel(*args, positions=plan.positions, **kw)
+
+
+def test_kernel_only_refusals():
+    cache, plan, q, _ = _decode_batch(BATCHES["uniform"], 4, 2)
+    args = (cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens)
+    with pytest.raises(ValueError, match="decode only"):
+        paged_attention_batched_kernel(q.expand(-1, 2, -1, -1), *args, validated=True)
+    with pytest.raises(ValueError, match="unknown variant"):
+        paged_attention_batched_kernel(q, *args, validated=True, variant="rows")
+    with pytest.raises(ValueError, match="evenly"):
+        paged_attention_batched_kernel(q[:, :, :3], *args, validated=True)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention_batched_kernel(q, *args, validated=True, block=24)
+
+
+def test_choose_variant():
+    assert choose_variant(rows=8, heads=32, kv_heads=8, max_ctx=2048) == "split"  # 64 programs, 132 SMs
+    assert choose_variant(rows=64, heads=32, kv_heads=8, max_ctx=8192) == "gqa"
+    assert choose_variant(rows=64, heads=32, kv_heads=32, max_ctx=8192) == "head"
+    assert choose_variant(rows=1, heads=32, kv_heads=8, max_ctx=64) == "gqa"  # too short to share out
+    assert choose_splits(rows=8, kv_heads=8, max_ctx=2048) == 3
+    assert choose_splits(rows=1, kv_heads=8, max_ctx=256) == 1
+
+
+def test_kernel_agreement_reads_like_the_seed():
+    cache, plan, q, _ = _decode_batch(BATCHES["ragged"], 4, 2, scatter=True)
+    agreement = kernel_agreement("ragged", q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping,
+                                 plan.context_lens, plan.positions, variant="gqa", block=BLOCK)
+    assert len(agreement.per_row) == 4 and agreement.worst < 1e-5
+    assert re.fullmatch(r"ragged     4 rows: worst \|kernel - oracle\| \d\.\d\de-\d\d", agreement.line)
