@@ -27,6 +27,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
+    """Bytes one block costs across every layer's K and V pools: what a pool budget is divided by."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class CacheFull(RuntimeError):
     """The pool has no free block left. The scheduler preempts before this can happen."""
 
@@ -129,9 +134,6 @@ class BatchedPagedKVCache:
     def max_rows(self) -> int:
         return len(self.tables)
 
-    def bytes_per_block(self) -> int:
-        pool = self.k_pools[0]
-        return 2 * self.num_layers * self.block_size * pool[0].numel() * pool.element_size()
 
     # Rows: the scheduler opens one per running request and frees it when the request leaves.
 

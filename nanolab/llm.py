@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from nanolab.cache import kv_bytes_per_block
 from nanolab.engine import Engine
 from nanolab.model import load_model
 from nanolab.sampling import SamplingParams
@@ -93,8 +94,8 @@ class LLM:
         if num_blocks is None:
             budget = kv_cache_bytes or default_kv_cache_bytes(device)
             c = self.model.config
-            per_block = 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim \
-                * torch.tensor([], dtype=self.dtype).element_size()
+            per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size,
+                                           self.dtype)
             num_blocks = max(1, budget // per_block)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode)

@@ -408,3 +408,12 @@ def test_cache_read_before_write_raises() -> None:
     cache.write(0, (row,), k, v, (1,))
     with pytest.raises(RuntimeError, match="read before writing"):
         cache.paged_attention(1, (row,), q, torch.zeros((1, 1), dtype=torch.int64))
+
+
+def test_kv_bytes_per_block_is_what_the_pools_hold():
+    from nanolab.cache import kv_bytes_per_block
+
+    cache = BatchedPagedKVCache(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=5, block_size=4,
+                                dtype=torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in cache.k_pools + cache.v_pools)
+    assert held == 5 * kv_bytes_per_block(3, 2, 8, 4, torch.bfloat16)
