@@ -23,8 +23,9 @@ def attention_mask_bias(context_lens: torch.Tensor, positions: torch.Tensor, wid
     of a step."""
     w = torch.arange(width, device=positions.device)
     allowed = (w < context_lens[:, None, None]) & (w <= positions[:, :, None])
-    zero = torch.zeros((), dtype=dtype, device=positions.device)
-    return torch.where(allowed, zero, torch.tensor(float("-inf"), dtype=dtype, device=positions.device))
+    # Python scalars, not device tensors: building a tensor from a Python float is a host-to-device
+    # copy, once per layer on the planned path.
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype)
 
 
 def check_read_inputs(slot_mapping: torch.Tensor, context_lens: torch.Tensor, q: torch.Tensor,
