@@ -39,7 +39,8 @@ class DecodeTiming:
         return 1000.0 * self.batch / self.ms_per_step
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device, so a host timer brackets the work it launched."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -59,11 +60,11 @@ def time_nanolab(llm: LLM, prompts: torch.Tensor, steps: int, repeats: int = 3) 
         seqs = [engine.add_request(p.tolist(), params) for p in prompts]
         while any(len(s.output_token_ids) == 0 for s in seqs):
             engine.step()
-        _sync(engine.device)
+        sync(engine.device)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        _sync(engine.device)
+        sync(engine.device)
         runs.append((time.perf_counter() - start) * 1000 / steps)
         assert all(s.finished for s in seqs), "a benchmark request outlived its steps"
     return DecodeTiming("nanolab", len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
@@ -78,11 +79,11 @@ def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int =
         kwargs["cache_implementation"] = "static"
 
     def run(new: int) -> float:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=new, **kwargs)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - start
 
     run(steps + 1)  # warm-up

@@ -38,6 +38,7 @@ import torch._dynamo
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 from torch._inductor.compile_fx import compile_fx
 
+from nanolab.bench import random_prompts, sync
 from nanolab.cache import BatchedCacheRows, BatchedPagedKVCache, cdiv
 from nanolab.engine import Engine
 from nanolab.gates import Gate
@@ -193,11 +194,6 @@ def _frame_compile_times() -> list[float]:
     return compilation_time_metrics.get(_FRAME_COMPILE, [])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int, planned: bool,
                      block_size: int = 16, seed: int = 0, dynamic_marks: bool = False,
                      constant_floats: bool = True, cold: bool = True) -> CompileResult:
@@ -234,8 +230,7 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
         forward = model if mode == "off" else torch.compile(model, dynamic=mode == "dynamic", backend=backend)
         probe = _DecodeProbe(forward, mark_plan_width_dynamic if dynamic_marks else None)
         engine.decode_forward = probe
-        g = torch.Generator().manual_seed(seed)
-        prompts = torch.randint(16, model.config.vocab_size, (rows, prompt_len), generator=g)
+        prompts = random_prompts(rows, prompt_len, model.config.vocab_size, seed)
         params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
         seqs = [engine.add_request(p.tolist(), params) for p in prompts]
         while any(not s.output_token_ids for s in seqs):
@@ -245,10 +240,10 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
         times, built = [], []
         for _ in range(steps):
             before = backend.builds
-            _sync(engine.device)
+            sync(engine.device)
             start = time.perf_counter()
             engine.step()
-            _sync(engine.device)
+            sync(engine.device)
             times.append(time.perf_counter() - start)
             built.append(backend.builds - before)
         assert all(s.finished for s in seqs), "a benchmark request outlived its steps"
