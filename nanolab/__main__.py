@@ -1,5 +1,5 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
-`python -m nanolab bench`.
+`python -m nanolab bench`, `python -m nanolab capturebench`.
 
 Introduced with the engine core (before Day 49).
 """
@@ -48,6 +48,12 @@ def _bench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _capturebench(args: argparse.Namespace) -> int:
+    from nanolab.capturebench import main
+
+    return main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench)
     bench.set_defaults(run=_bench)
+
+    capture = sub.add_parser("capturebench", help="decode with CUDA graphs on and off against HF static (CUDA)")
+    from nanolab.capturebench import add_arguments as capture_arguments
+
+    capture_arguments(capture)
+    capture.set_defaults(run=_capturebench)
 
     args = parser.parse_args(argv)
     return args.run(args)

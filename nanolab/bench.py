@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
+from nanolab.engine import Engine
 from nanolab.llm import LLM
 from nanolab.reference import load_hf
 from nanolab.sampling import SamplingParams
@@ -51,9 +52,9 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> to
     return torch.randint(16, vocab, (batch, prompt_len), generator=g)
 
 
-def time_nanolab(llm: LLM, prompts: torch.Tensor, steps: int, repeats: int = 3) -> DecodeTiming:
-    """Median ms per decode step of `llm.engine` over `steps` steps at batch len(prompts)."""
-    engine = llm.engine
+def time_nanolab(engine: Engine, prompts: torch.Tensor, steps: int, repeats: int = 3,
+                 arm: str = "nanolab") -> DecodeTiming:
+    """Median ms per decode step of `engine` over `steps` steps at batch len(prompts)."""
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     runs = []
     for _ in range(repeats + 1):  # the first run warms up allocators and kernels
@@ -67,7 +68,7 @@ def time_nanolab(llm: LLM, prompts: torch.Tensor, steps: int, repeats: int = 3) 
         sync(engine.device)
         runs.append((time.perf_counter() - start) * 1000 / steps)
         assert all(s.finished for s in seqs), "a benchmark request outlived its steps"
-    return DecodeTiming("nanolab", len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
+    return DecodeTiming(arm, len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
 
 
 def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int = 3) -> DecodeTiming:
@@ -108,7 +109,7 @@ def decode_table(llm: LLM, batches: list[int], prompt_len: int, steps: int, hf_c
     for batch, arm in tqdm(jobs, desc="decode bench", disable=not progress):
         prompts = random_prompts(batch, prompt_len, llm.config.vocab_size)
         if arm == "nanolab":
-            timings.append(time_nanolab(llm, prompts, steps, repeats))
+            timings.append(time_nanolab(llm.engine, prompts, steps, repeats))
         else:
             timings.append(time_hf(hf, prompts, steps, arm, repeats))
     del hf
@@ -127,13 +128,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def main(args: argparse.Namespace) -> int:
     from nanolab.report import run_label, save_table
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(64, *batches))
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(64, *batches),
+              enforce_eager=args.enforce_eager)
     df = decode_table(llm, batches, args.prompt_len, args.steps, repeats=args.repeats)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
     path = save_table(df, "decode_bench", label)

@@ -10,6 +10,19 @@ runs. `write` on layer 0 grows the tables and stashes the slots it chose, layers
 the same places (the layer-0 handshake), and the read's `[rows, max_ctx]` `slot_mapping`
 rectangle is rebuilt from the tables. Planned (Day 50, decode): `plan_decode` does all of that on
 the host before the forward, and the forward only reads the plan's tensors.
+
+Day 51 made the planned addressing persistent. The cache keeps a device block table
+`[max_rows + 1, max_blocks_per_row]` (vLLM v1's `BlockTable`) and a per-step buffer for each
+row's table row, write slot, context length and position, both allocated once. The host writes
+one table entry when a row gains a block and four scalars per row per step; the read's
+`[rows, width]` slot mapping is derived from the table on the device, inside the forward (see
+`view`). Every tensor a plan hands the forward lives at a fixed address, which is what a CUDA
+graph replay needs (Day 54).
+
+Slot -1 is the sink: every pool has one slot past its last block, owned by no block. Padding
+cells of a planned slot mapping and the write slots of rows padded up to a capture bucket name
+it, so a padded row's write lands there and the reference read's padding loads a finite value
+that the mask then removes. The last table row (`pad_row`) is all -1: padded rows point at it.
 """
 
 from __future__ import annotations
@@ -21,6 +34,8 @@ import torch
 
 from nanolab.paged_attention import attention_mask_bias, paged_attention_batched_reference
 from nanolab.plan import DecodePlan
+
+SINK = -1  # the pool slot past the last block: padded writes land there, padded reads load it
 
 
 def cdiv(a: int, b: int) -> int:
@@ -111,20 +126,33 @@ class BatchedPagedKVCache:
     bounds_from_cache = True
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, max_rows: int = 64, dtype=torch.float32, device="cpu") -> None:
+                 block_size: int = 16, max_rows: int = 64, max_model_len: int | None = None,
+                 dtype=torch.float32, device="cpu") -> None:
         self.num_layers = num_layers
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
         self.allocator = BlockAllocator(num_blocks)
         # Zeroed, not empty: the reference read loads padding slots and masks them afterwards,
-        # and 0 * NaN from uninitialised memory would still poison the row.
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # and 0 * NaN from uninitialised memory would still poison the row. The last slot is the sink.
+        shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.tables: list[BlockTable | None] = [None] * max_rows
         self._step: _StepSlots | None = None
         self._plans = 0  # plans built so far; a plan whose epoch is older is stale
+        # Day 51: the persistent addressing. A row can never hold more blocks than the pool has.
+        max_len = num_blocks * block_size if max_model_len is None else min(max_model_len, num_blocks * block_size)
+        self.max_blocks_per_row = cdiv(max_len, block_size)
+        self.block_table = torch.full((max_rows + 1, self.max_blocks_per_row), SINK, dtype=torch.int32,
+                                      device=self.device)  # [max_rows + 1, max_blocks_per_row]; last row pads
+        # One buffer per field, each its own allocation: a plan hands out views of them, and a view
+        # of a shared [4, max_rows] buffer let dynamo's duck sizing tie the read's width to that 4.
+        self.step_inputs = {name: torch.zeros(shape, dtype=torch.int64, device=self.device) for name, shape in (
+            ("table_rows", (max_rows,)), ("write_slots", (max_rows,)), ("context_lens", (max_rows,)),
+            ("positions", (max_rows, 1)))}
+        self._staged: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
+        self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +161,16 @@ class BatchedPagedKVCache:
     @property
     def max_rows(self) -> int:
         return len(self.tables)
+
+    @property
+    def pad_row(self) -> int:
+        """The block table's all-sink row, which rows padded up to a bucket point at."""
+        return self.max_rows
+
+    @property
+    def max_width(self) -> int:
+        """The widest read rectangle a plan can ask for: a row's whole block-table row."""
+        return self.max_blocks_per_row * self.block_size
 
 
     # Rows: the scheduler opens one per running request and frees it when the request leaves.
@@ -168,59 +206,114 @@ class BatchedPagedKVCache:
 
     def view(self, rows, lengths=None, plan: DecodePlan | None = None) -> BatchedCacheRows:
         """The cache as one forward over `rows` sees it; `lengths` are the new tokens per row
-        (all 1 in decode, ragged in prefill). A plan is checked here, outside the forward: it
-        must be the newest one and cover exactly these rows."""
-        rows = tuple(rows)
-        if plan is not None:
-            if plan.epoch != self._plans:
-                raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self._plans} exists; "
-                                   "its slots have been handed out again")
-            if plan.rows != rows:
-                raise ValueError(f"the plan covers rows {plan.rows}, not {rows}")
-        return BatchedCacheRows(self, rows, tuple(lengths) if lengths is not None else (1,) * len(rows), plan)
+        (all 1 in decode, ragged in prefill). A plan is checked here, on the host: it must be the
+        newest one and cover exactly these rows.
 
-    def plan_decode(self, rows, device=None) -> DecodePlan:
+        Given a plan, the view also derives the step's read inputs on the device, once for every
+        layer: the slot mapping [batch, width] from the persistent block table, and the mask. They
+        are derived here and not in `plan_decode` so that a CUDA graph that captures the view and
+        the forward together replays the derivation too (Day 54)."""
+        rows = tuple(rows)
+        if plan is None:
+            return BatchedCacheRows(self, rows, tuple(lengths) if lengths is not None else (1,) * len(rows))
+        self.require_current(plan)
+        if plan.rows != rows:
+            raise ValueError(f"the plan covers rows {plan.rows}, not {rows}")
+        mapping = plan.slot_mapping
+        mask = attention_mask_bias(plan.context_lens, plan.positions, plan.width, self.dtype)
+        return BatchedCacheRows(self, rows, (1,) * len(rows), plan, mapping, mask)
+
+    def require_current(self, plan: DecodePlan) -> None:
+        """Refuse a plan that a newer one has replaced: its buffers now hold the newer plan."""
+        if plan.epoch != self._plans:
+            raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self._plans} exists; "
+                               "its slots have been handed out again")
+
+    def plan_decode(self, rows, device=None, *, batch_size: int | None = None, width: int | None = None
+                    ) -> DecodePlan:
         """Grow every row's table by this step's token and return where everything goes.
 
         Positions are read before the tables grow: a new token's position is the number of tokens
         before it. A row with no tokens is refused: its decode would attend over its own token
         and nothing else, a fluent continuation of nothing.
+
+        `batch_size` pads the batch up to a capture bucket (Day 52): the extra rows point at the
+        all-sink table row, write to the sink and read one sink slot. `width` is the read
+        rectangle's width, at least the longest row (default: exactly the longest row).
+
+        The host work is O(rows): four scalars per row into `step_inputs` (a copy to the device
+        per field), plus one block-table entry for each row that crossed into a new block. The
+        plan's tensors are views of those two fixed buffers, so a plan is stale the moment the
+        next one is built; `view` and `check_plan_current` refuse it.
         """
         rows = tuple(rows)
+        device = torch.device(device) if device is not None else self.device
+        if device != self.device:
+            raise ValueError(f"a plan lives in the cache's buffers on {self.device}, not on {device}")
         tables = [self.table(row) for row in rows]
         empty = [row for row, t in zip(rows, tables, strict=True) if t.num_tokens == 0]
         if empty:
             raise ValueError(f"decode over empty rows {empty}: a row needs its prompt before it can decode")
+        batch = len(rows) if batch_size is None else batch_size
+        if not len(rows) <= batch <= self.max_rows:
+            raise ValueError(f"batch_size {batch} must hold the {len(rows)} rows and fit the {self.max_rows} "
+                             "rows of the cache")
+        longest = max((t.num_tokens for t in tables), default=0) + 1
+        width = longest if width is None else width
+        if not longest <= width <= self.max_width:
+            raise ValueError(f"width {width} must hold the longest row ({longest} tokens with this step's) "
+                             f"and fit the block table ({self.max_width} tokens a row)")
         needed = sum(t.blocks_needed(1) for t in tables)
         if needed > self.allocator.num_free:
             raise CacheFull(f"this step needs {needed} blocks, the pool has {self.allocator.num_free} free")
         positions = [t.num_tokens for t in tables]
-        for t in tables:
-            self._grow(t, 1)
-        write_slots = [t.slot(p) for t, p in zip(tables, positions, strict=True)]
-        mapping, context_lens = self.slot_mapping(rows)
-        device = torch.device(device) if device is not None else self.device
+        for row, t in zip(rows, tables, strict=True):
+            self._grow(t, 1, row)
+        pad = batch - len(rows)
+        step = torch.tensor([
+            list(rows) + [self.pad_row] * pad,  # table row of each batch row
+            [t.slot(p) for t, p in zip(tables, positions, strict=True)] + [SINK] * pad,  # write slot
+            [p + 1 for p in positions] + [1] * pad,  # context length, this step's token included
+            positions + [0] * pad,  # position of the new token
+        ], dtype=torch.int64)
+        self.flush_block_table()
+        views = {name: buffer[:batch] for name, buffer in self.step_inputs.items()}
+        for view, values in zip(views.values(), step, strict=True):
+            view.view(-1).copy_(values)
         self._plans += 1
         return DecodePlan(
-            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
-            slot_mapping=mapping.to(device),
-            context_lens=context_lens.to(device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device)[:, None],
-            min_ctx=min(positions) + 1,
-            max_ctx=max(positions) + 1,
+            **views,
+            block_table=self.block_table,
+            block_size=self.block_size,
+            width=width,
+            planned_lens=tuple(p + 1 for p in positions),
             rows=rows,
             epoch=self._plans,
         )
 
-    def _grow(self, table: BlockTable, new_tokens: int) -> None:
+    def _grow(self, table: BlockTable, new_tokens: int, row: int) -> None:
         for _ in range(table.blocks_needed(new_tokens)):
-            table.blocks.append(self.allocator.allocate())
+            block = self.allocator.allocate()
+            self._staged[row, len(table.blocks)] = block
+            table.blocks.append(block)
         table.num_tokens += new_tokens
 
+    def flush_block_table(self) -> None:
+        """Write the staged entries into the device block table: one index_put for all of them.
+        Staging is a dict, so a row freed and reopened before a flush keeps only its newest entry."""
+        if not self._staged:
+            return
+        (rows, cols), blocks = zip(*self._staged.keys(), strict=True), list(self._staged.values())
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device)
+        self.block_table[index[0], index[1]] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+        self.host_cells += len(blocks)
+        self._staged.clear()
+
     def slot_mapping(self, rows, plan: DecodePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The read rectangle: slot_mapping [rows, max_ctx] int64 (padding slot 0) and context_lens
-        [rows] int64 on the cache's device. Given a plan, the plan's own tensors (not copies);
-        otherwise rebuilt from the tables on the host."""
+        """The read rectangle: slot_mapping [rows, max_ctx] int64 and context_lens [rows] int64 on
+        the cache's device. Given a plan, the plan's: its mapping derived on the device from the
+        block table (padding -1, the sink) and its own context_lens. Otherwise rebuilt from the
+        tables on the host, padding slot 0 (the unplanned path, before Day 50)."""
         if plan is not None:
             return plan.slot_mapping, plan.context_lens
         tables = [self.table(row) for row in rows]
@@ -257,7 +350,7 @@ class BatchedPagedKVCache:
             for row, n in zip(rows, lengths, strict=True):
                 table = self.table(row)
                 start = table.num_tokens
-                self._grow(table, n)
+                self._grow(table, n, row)
                 slots.extend([table.slot(p) for p in range(start, table.num_tokens)])
             source = None
             if any(n != t for n in lengths):
@@ -287,15 +380,19 @@ class BatchedPagedKVCache:
         self.v_pools[layer].index_copy_(0, step.slots, v)
 
     def paged_attention(self, layer: int, rows: tuple[int, ...], q: torch.Tensor,
-                        positions: torch.Tensor, plan: DecodePlan | None = None) -> torch.Tensor:
+                        positions: torch.Tensor, plan: DecodePlan | None = None, *,
+                        slot_mapping: torch.Tensor | None = None, mask_bias: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """Read layer `layer` for q [rows, T, heads, head_dim] -> [rows, T, heads, head_dim].
 
         Given a plan, the read is `validated`: the plan checked its bounds on the host, so the
-        traced region observes no value that changes from step to step."""
+        traced region observes no value that changes from step to step. `slot_mapping` and
+        `mask_bias` are the view's, derived once per step; without them they are derived here."""
         if plan is not None:
+            mapping = plan.slot_mapping if slot_mapping is None else slot_mapping
             return paged_attention_batched_reference(
-                q, self.k_pools[layer], self.v_pools[layer], plan.slot_mapping, plan.context_lens, positions,
-                validated=True)
+                q, self.k_pools[layer], self.v_pools[layer], mapping, plan.context_lens, positions,
+                validated=True, mask_bias=mask_bias)
         step = self._step
         if step is None or step.rows != rows or step.next_layer != layer + 1:
             raise RuntimeError(f"layer {layer} read before writing this forward's K/V")
@@ -316,9 +413,12 @@ class BatchedCacheRows:
     rows: tuple[int, ...]
     lengths: tuple[int, ...]
     plan: DecodePlan | None = None
+    slot_mapping: torch.Tensor | None = None  # [batch, width] int64, the plan's, derived once per step
+    mask_bias: torch.Tensor | None = None  # [batch, 1, width], the plan's mask, built once per step
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, self.rows, k, v, self.lengths, self.plan)
 
     def paged_attention(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.cache.paged_attention(layer, self.rows, q, positions, self.plan)
+        return self.cache.paged_attention(layer, self.rows, q, positions, self.plan,
+                                          slot_mapping=self.slot_mapping, mask_bias=self.mask_bias)

@@ -113,13 +113,14 @@ def decode_shape(cache: BatchedPagedKVCache, rows, plan=None) -> tuple[int, int]
 
 
 def mark_plan_width_dynamic(view: BatchedCacheRows) -> None:
-    """Mark the plan's slot_mapping width as dynamic before a call, so the first build already
-    has a symbol for it instead of waiting for automatic dynamic to see a second width. The
-    planned path only: unplanned, the rectangle is built inside the forward and there is no
-    input to mark."""
+    """Mark the plan's read width as dynamic before a call (the view's slot_mapping [rows, width]
+    and mask [rows, 1, width]), so the first build already has a symbol for it instead of waiting
+    for automatic dynamic to see a second width. The planned path only: unplanned, the rectangle
+    is built inside the forward and there is no input to mark."""
     if view.plan is None:
         raise ValueError("dynamic marks need a DecodePlan: an unplanned forward builds its rectangle inside")
-    torch._dynamo.mark_dynamic(view.plan.slot_mapping, 1)
+    torch._dynamo.mark_dynamic(view.slot_mapping, 1)
+    torch._dynamo.mark_dynamic(view.mask_bias, 2)
 
 
 class CountingInductor:

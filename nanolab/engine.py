@@ -3,6 +3,10 @@
 Introduced with the engine core (before Day 49). `Engine.step` runs one forward over the batch
 the scheduler chose. Requests join (`add_request`) and leave (`abort_request`, or finishing)
 between steps. Every way a request ends returns its row and blocks to the pool.
+
+Decode runs through a host-built `DecodePlan` (Day 50). Given `buckets` (Day 52), a decode batch
+is padded up to its capture bucket; with `cuda_graphs` (Days 54 and 56) every bucket is captured
+at start and a step in the list replays its graph, while a step outside the list runs eagerly.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanolab.buckets import DecodeBuckets
 from nanolab.cache import BatchedPagedKVCache, cdiv
+from nanolab.graphs import CaptureReport, DecodeGraphs
 from nanolab.model import LlamaModel
+from nanolab.plan import DecodePlan
 from nanolab.sampling import SamplingParams, sample
 from nanolab.scheduler import Scheduler, Sequence
 
@@ -34,7 +41,8 @@ class StepOutput:
 class Engine:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
-                 detokenize: Callable[[list[int]], str] | None = None, planned: bool = True) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None, planned: bool = True,
+                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False, progress: bool = True) -> None:
         self.model = model
         # What a decode step calls: the model, or a compiled or captured stand-in for it (Day 49 on).
         self.decode_forward: Callable = model
@@ -48,13 +56,28 @@ class Engine:
         self.cache = BatchedPagedKVCache(
             num_layers=self.config.num_hidden_layers, num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=block_size,
-            max_rows=max_num_seqs, dtype=self.dtype, device=self.device,
+            max_rows=max_num_seqs, max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
         )
         self.scheduler = Scheduler(self.cache, max(max_num_batched_tokens, self.max_model_len))
         self.detokenize = detokenize
         self.eos_token_ids = frozenset(self.config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
+        if cuda_graphs and buckets is None:
+            # Up to 64 rows and 8,192 tokens: the reference read's rectangle grows with both.
+            buckets = DecodeBuckets.default(min(max_num_seqs, 64), min(self.cache.max_width, 8192), min_width=128)
+        if buckets is not None and not planned:
+            raise ValueError("capture buckets pad a DecodePlan; they need planned=True")
+        self.buckets = buckets
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(lambda *a, **k: self.decode_forward(*a, **k), self.cache, buckets)
+            self.graphs.capture(progress=progress)
+
+    @property
+    def capture_report(self) -> CaptureReport | None:
+        """Day 56: what warming the capture list at start cost, or None without graphs."""
+        return None if self.graphs is None else self.graphs.report
 
     # Requests in and out.
 
@@ -135,9 +158,8 @@ class Engine:
             index = torch.tensor(lengths) - 1
             view = self.cache.view(rows, lengths)
         elif self.planned:
-            plan = self.cache.plan_decode(rows)
-            ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=self.device)
-            return ids, plan.positions, self.cache.view(rows, plan=plan), None
+            plan, ids = self.plan_step(seqs)
+            return ids.to(self.device), plan.positions, self.cache.view(rows, plan=plan), None
         else:
             ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
             positions = torch.tensor([[self.cache.tables[row].num_tokens] for row in rows])
@@ -151,10 +173,26 @@ class Engine:
         ids, positions, view, index = self.build_inputs(seqs, prefill=True)
         return self.model(ids, positions, cache=view, logits_index=index)
 
+    def plan_step(self, seqs: list[Sequence]) -> tuple[DecodePlan, torch.Tensor]:
+        """Plan a decode step, padded to its bucket when it has one, and its input ids [batch, 1]
+        on the host (padded rows decode token 0)."""
+        shape = None if self.buckets is None else self.buckets.lookup(len(seqs), max(s.num_tokens for s in seqs))
+        plan = self.cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0], width=shape and shape[1])
+        ids = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
+        ids[: len(seqs), 0] = torch.tensor([s.output_token_ids[-1] for s in seqs])
+        return plan, ids
+
     @torch.inference_mode()
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        if self.graphs is not None:
+            plan, ids = self.plan_step(seqs)
+            shape = (plan.batch_size, plan.width)
+            if shape in self.graphs:
+                return self.graphs.replay(shape, ids[: len(seqs)], plan)
+            view = self.cache.view(plan.rows, plan=plan)  # outside the capture list: eager
+            return self.decode_forward(ids.to(self.device), plan.positions, cache=view)[: len(seqs), -1]
         ids, positions, view, _ = self.build_inputs(seqs, prefill=False)
-        return self.decode_forward(ids, positions, cache=view)[:, -1]
+        return self.decode_forward(ids, positions, cache=view)[: len(seqs), -1]
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -4,8 +4,8 @@
 K and V for every cell of `slot_mapping` ([rows, max_ctx], the longest row's width for every
 row) and a [rows, heads, T, max_ctx] score rectangle before it masks. That rectangle is what
 Day 54 prices and Day 59 replaces with a streamed kernel. Padding cells of the mapping must name
-a legal slot: they are really loaded and only masked afterwards, so a -1 would wrap onto the end
-of the pool and a NaN in a padding slot would poison the row.
+a legal slot: they are really loaded and only masked afterwards, so a NaN in a padding slot would
+poison the row. A -1 wraps onto the pool's last slot, which the cache keeps as a sink (Day 51).
 
 Introduced with the engine core (before Day 49); `context_bounds` on Day 49.
 """

@@ -16,12 +16,13 @@ from nanolab.model import LlamaModel
 from nanolab.sampling import SamplingParams
 
 
-def load_hf(path: Path, dtype: torch.dtype = torch.float32, device="cpu"):
-    """transformers' model for a nanolab weights folder, eager attention, never stopping on EOS
-    by itself (greedy comparisons decode exactly the tokens asked for)."""
+def load_hf(path: Path, dtype: torch.dtype = torch.float32, device="cpu", attn_implementation: str = "eager"):
+    """transformers' model for a nanolab weights folder, never stopping on EOS by itself (greedy
+    comparisons decode exactly the tokens asked for). Eager attention by default, the plainest
+    reference for parity; timings may ask for "sdpa", transformers' own default."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model.generation_config.eos_token_id = None
     return model.to(device).eval()
 

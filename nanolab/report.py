@@ -122,6 +122,12 @@ def run_label(
     )
 
 
+def table_label(df: pd.DataFrame) -> RunLabel:
+    """The label a saved table carries on its rows: where its numbers were measured."""
+    row = df.iloc[0]
+    return RunLabel(**{name: str(row[name]) for name in RunLabel.__dataclass_fields__})
+
+
 def chapter_target(cpu_model: str) -> tuple[torch.device, str, torch.dtype]:
     """Where a chapter runs: on a GPU, Llama-3.2-1B shapes in bf16; on the CPU, `cpu_model` in
     fp32 at a size CI can afford. `NANOLAB_MODEL` (a preset or a folder) overrides the model."""

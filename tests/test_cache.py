@@ -416,4 +416,5 @@ def test_kv_bytes_per_block_is_what_the_pools_hold():
     cache = BatchedPagedKVCache(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=5, block_size=4,
                                 dtype=torch.bfloat16)
     held = sum(p.numel() * p.element_size() for p in cache.k_pools + cache.v_pools)
-    assert held == 5 * kv_bytes_per_block(3, 2, 8, 4, torch.bfloat16)
+    sink = 2 * 3 * 2 * 8 * 2  # one slot per pool past the last block
+    assert held == 5 * kv_bytes_per_block(3, 2, 8, 4, torch.bfloat16) + sink

@@ -66,14 +66,16 @@ def test_plan_fields():
     assert check_plan_addressing(cache, plan) and check_plan_rows(plan, rows) and check_plan_current(cache, plan)
 
 
-def test_slot_mapping_with_a_plan_is_the_plans_own_tensor():
+def test_slot_mapping_with_a_plan_is_derived_from_the_device_table():
     cache = small_cache()
     rows = prefilled(cache, [5, 9])
     plan = plan_decode(cache, rows)
     mapping, lens = cache.slot_mapping(rows, plan=plan)
-    assert mapping is plan.slot_mapping and lens is plan.context_lens
+    assert lens is plan.context_lens and torch.equal(mapping, plan.slot_mapping)
+    # The host rebuild (the unplanned path) pads with slot 0; the derived mapping pads with the sink.
     rebuilt, _ = cache.slot_mapping(rows)
-    assert rebuilt is not plan.slot_mapping and torch.equal(rebuilt, plan.slot_mapping)
+    real = torch.arange(mapping.shape[1]) < lens[:, None]
+    assert torch.equal(rebuilt[real], mapping[real]) and (mapping[~real] == -1).all() and (rebuilt[~real] == 0).all()
 
 
 def test_planned_write_is_one_index_put_and_needs_no_layer_zero():
@@ -148,15 +150,19 @@ def test_replayed_plan_gives_identical_logits_and_an_unplanned_forward_does_not(
         first = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
         again = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
     assert torch.equal(first, again)  # f(x) == f(x)
+    assert [engine.cache.table(r).num_tokens for r in rows] == list(plan.planned_lens)  # and no state moved
 
     control, cseqs = engine_at_decode(tiny_model, PROMPTS)
     crows = [s.row for s in cseqs]
-    positions = torch.tensor([[control.cache.table(r).num_tokens] for r in crows])
+    before = [control.cache.table(r).num_tokens for r in crows]
+    positions = torch.tensor([[n] for n in before])
     with torch.inference_mode():
         once = tiny_model(ids, positions, cache=control.cache.view(crows))
-        twice = tiny_model(ids, positions, cache=control.cache.view(crows))
+        tiny_model(ids, positions, cache=control.cache.view(crows))
     assert torch.allclose(once, first, atol=1e-5)  # the same step, addressed either way
-    assert not torch.allclose(once, twice)  # the second call attends over one more token
+    # The second unplanned call wrote the token again, one slot further on: the history is now
+    # one token longer than the request's, and every later step attends over the duplicate.
+    assert [control.cache.table(r).num_tokens for r in crows] == [n + 2 for n in before]
 
 
 def test_planned_forward_never_reads_num_tokens(tiny_model, monkeypatch):

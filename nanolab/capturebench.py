@@ -1,0 +1,264 @@
+"""The capture chapter's measurement: decode step time with CUDA graphs on and off, against HF
+transformers' static-cache `generate`, at every batch and context, with the bandwidth floor.
+
+Introduced on Day 54 (and Day 56's warm-up report). CUDA only. In one process, on one set of
+weights: nanolab eager (the planned step, unpadded), nanolab with graphs (the same engine code,
+every decode step padded to its bucket and replayed), and HF's `generate` with a static cache and
+no compile. Each context length is the history at the last timed step: prompts are
+`context - steps` tokens long. The floor of a step is the bytes it must read (every weight once,
+and each row's K and V) over the copy bandwidth measured in the same run. Targets print as
+ratios; nothing asserts a time.
+
+    python -m nanolab capturebench --model llama-3.2-1b --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from nanolab.bench import random_prompts, time_hf, time_nanolab
+from nanolab.buckets import DecodeBuckets
+from nanolab.cache import cdiv, kv_bytes_per_block
+from nanolab.config import ModelConfig
+from nanolab.engine import Engine
+from nanolab.graphs import DecodeGraphs
+from nanolab.model import LlamaModel, load_model
+from nanolab.reference import load_hf
+from nanolab.sampling import SamplingParams
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 2048)
+GPT_FAST_BATCH1_MS = 1.29  # REFERENCES.md: gpt-fast, compiled with CUDA graphs, same card and shapes
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), the median of `repeats`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes of every distinct parameter: what a decode step must stream at least once."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def kv_read_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
+    """Bytes of K and V a decode step reads: each row's whole history, every layer."""
+    per_token = kv_bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 1, dtype)
+    return batch * context * per_token
+
+
+@dataclass(frozen=True)
+class CaptureBench:
+    steps: pd.DataFrame  # arm, batch, context, ms_per_step, tokens_per_s, floor_ms, ...
+    capture: pd.DataFrame  # pool, shapes, seconds, pool_mib
+    agreement: pd.DataFrame  # graphs against eager: tokens that agree
+    profile: pd.DataFrame  # the graphed batch-1 step's kernels by GPU time
+
+
+def _agreement(engine: Engine, eager: Engine, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """Greedy tokens of the graphed engine against the same engine with its graphs set aside (the
+    same padded shapes, eagerly) and against the unpadded eager engine."""
+    prompts = random_prompts(batch, context - steps, vocab, seed=1).tolist()
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+
+    def greedy(e: Engine) -> list[list[int]]:
+        seqs = [e.add_request(p, params) for p in prompts]
+        while e.has_unfinished_requests():
+            e.step()
+        return [s.output_token_ids for s in seqs]
+
+    graphed = greedy(engine)
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        padded = greedy(engine)
+    finally:
+        engine.graphs = graphs
+    plain = greedy(eager)
+    return {"batch": batch, "context": context, "steps": steps,
+            "rows equal, graphs vs same shapes eager": sum(a == b for a, b in zip(graphed, padded, strict=True)),
+            "rows equal, graphs vs unpadded eager": sum(a == b for a, b in zip(graphed, plain, strict=True)),
+            "rows": batch}
+
+
+def _profile(engine: Engine, prompts: torch.Tensor, steps: int, arm: str) -> pd.DataFrame:
+    """Kernels of `steps` graphed decode steps, by total GPU time: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    seqs = [engine.add_request(p.tolist(), params) for p in prompts]
+    while any(len(s.output_token_ids) == 0 for s in seqs):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    df = pd.DataFrame([{"arm": arm, "kernel": e.key[:90], "calls": e.count, "gpu_us": e.self_device_time_total}
+                       for e in events])
+    df = df.sort_values("gpu_us", ascending=False, ignore_index=True)
+    df["us_per_step"] = df.gpu_us / steps
+    df["share"] = df.gpu_us / df.gpu_us.sum()
+    return df
+
+
+def bench_buckets(batches, contexts) -> DecodeBuckets:
+    """The bench's capture list: powers of two up to the largest batch, and widths from the
+    shortest context to twice the longest."""
+    return DecodeBuckets.default(max(batches), 2 * max(contexts), min_width=min(contexts))
+
+
+def compiled_graphs(model: LlamaModel, buckets: DecodeBuckets, progress: bool, **engine_kwargs) -> Engine:
+    """An engine whose graphs capture the model compiled by inductor (Day 50's planned dynamic
+    compile, floats constant) instead of the eager model: inductor fuses the small elementwise
+    kernels that the eager graph replays one by one. Compiling happens in the warm-ups."""
+    engine = Engine(model, buckets=buckets, **engine_kwargs)
+    with torch._dynamo.config.patch(specialize_float=True):
+        engine.decode_forward = torch.compile(model, dynamic=True)
+        engine.graphs = DecodeGraphs(engine.decode_forward, engine.cache, buckets)
+        engine.graphs.capture(progress=progress)
+    return engine
+
+
+def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts=CONTEXTS, steps: int = 32,
+                     repeats: int = 3, block_size: int = 16, compile: bool = True, progress: bool = True
+                     ) -> CaptureBench:
+    device = torch.device("cuda")
+    model = load_model(model_path, dtype=dtype, device=device)
+    config = model.config
+    max_batch = max(batches)
+    num_blocks = max_batch * (cdiv(max(contexts), block_size) + 1) + 16
+    buckets = bench_buckets(batches, contexts)
+    kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, progress=progress)
+
+    # Day 54: the capture list with a pool per graph, then with one shared pool (kept).
+    graphed = Engine(model, buckets=buckets, **kw)
+    graphed.graphs = DecodeGraphs(graphed.decode_forward, graphed.cache, buckets)
+    reports = [graphed.graphs.capture(shared_pool=False, progress=progress),
+               graphed.graphs.capture(shared_pool=True, progress=progress)]
+    arms = {"nanolab graphs": graphed}
+    if compile:
+        arms["nanolab graphs + compile"] = compiled_graphs(model, buckets, **kw)
+        reports.append(arms["nanolab graphs + compile"].graphs.report)
+    capture = pd.DataFrame([{"forward": "eager" if i < 2 else "compiled (compile time included)",
+                             "pool": "shared" if r.shared_pool else "one per graph", "shapes": r.shapes,
+                             "seconds": r.seconds, "pool_mib": r.pool_bytes / 2**20} for i, r in enumerate(reports)])
+    eager = Engine(model, **kw)
+    arms["nanolab eager"] = eager
+
+    bandwidth = copy_bandwidth(device)
+    weights = weight_bytes(model)
+    hf = load_hf(model_path, dtype, device, attn_implementation="sdpa")
+    records = []
+    jobs = [(c, b) for c in contexts for b in batches]
+    for context, batch in tqdm(jobs, desc="capture bench", disable=not progress):
+        prompts = random_prompts(batch, context - steps, config.vocab_size)
+        floor = (weights + kv_read_bytes(config, batch, context, dtype)) / bandwidth * 1000
+        timings = [time_nanolab(engine, prompts, steps, repeats, arm) for arm, engine in arms.items()]
+        timings.append(time_hf(hf, prompts, steps, "static", repeats))
+        for timing in timings:
+            arm = timing.engine
+            records.append({"arm": arm, "batch": batch, "context": context, "steps": steps,
+                            "ms_per_step": timing.ms_per_step, "tokens_per_s": timing.tokens_per_s,
+                            "floor_ms": floor, "bandwidth_tb_s": bandwidth / 1e12})
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    df = pd.DataFrame(records)
+    hf_ms = df[df.arm == "hf-static"].set_index(["batch", "context"]).ms_per_step
+    df["speedup_vs_hf_static"] = [hf_ms[b, c] / ms for b, c, ms in zip(df.batch, df.context, df.ms_per_step,
+                                                                         strict=True)]
+    df["x_floor"] = df.ms_per_step / df.floor_ms
+    agreement = pd.DataFrame([_agreement(graphed, eager, b, c, steps, config.vocab_size)
+                              for b, c in ((1, contexts[0]), (8, contexts[0]), (4, contexts[-1]))])
+    # Profiled at both corners of the measured grid: the smallest step and the largest.
+    profile = pd.concat([
+        _profile(arms[a], random_prompts(b, c - steps, config.vocab_size), steps, a).assign(batch=b, context=c)
+        for b, c in ((min(batches), min(contexts)), (max(batches), max(contexts)))
+        for a in arms if a != "nanolab eager"], ignore_index=True)
+    return CaptureBench(df, capture, agreement, profile)
+
+
+def step_breakdown(steps: pd.DataFrame, profile: pd.DataFrame, batch: int, context: int) -> pd.DataFrame:
+    """Where a profiled step's time goes, per graphed arm: GPU time in matmuls (cuBLAS's kernels,
+    and a split-K reduction), GPU time in every other kernel, and the rest of the measured step,
+    which is the host (scheduling, planning, copies, the launch, the sampled tokens' readback)
+    with the GPU idle. The floor is beside it."""
+    records = []
+    profile = profile[(profile.batch == batch) & (profile.context == context)]
+    for arm, kernels in profile.groupby("arm"):
+        step = steps[(steps.arm == arm) & (steps.batch == batch) & (steps.context == context)].iloc[0]
+        matmul = kernels.kernel.str.contains("nvjet|gemm|splitKreduce|cutlass", case=False)
+        gpu_matmul = kernels[matmul].us_per_step.sum() / 1000
+        gpu_other = kernels[~matmul].us_per_step.sum() / 1000
+        records.append({"arm": arm, "batch": batch, "context": context, "step_ms": step.ms_per_step,
+                        "gpu_matmul_ms": gpu_matmul, "gpu_other_ms": gpu_other,
+                        "host_ms": step.ms_per_step - gpu_matmul - gpu_other, "floor_ms": step.floor_ms,
+                        "kernels_per_step": kernels.calls.sum() / step.steps})
+    return pd.DataFrame(records)
+
+
+def targets(steps: pd.DataFrame) -> list[str]:
+    """The issue's targets as ratios, with the margin by which each is met or missed."""
+    lines = []
+    for (arm, context), rows in steps[steps.arm.str.startswith("nanolab graphs")].groupby(["arm", "context"]):
+        b1 = rows[rows.batch == 1].iloc[0]
+        lines.append(f"{arm}, context {context}, batch 1: {b1.ms_per_step:.3f} ms a step; target 0.9 ms "
+                     f"({0.9 / b1.ms_per_step:.2f}x of target), {b1.x_floor:.2f}x the floor, "
+                     f"{GPT_FAST_BATCH1_MS / b1.ms_per_step:.2f}x gpt-fast's {GPT_FAST_BATCH1_MS} ms (target 1.4x)")
+        worst = rows.loc[rows.speedup_vs_hf_static.idxmin()]
+        lines.append(f"{arm}, context {context}: against HF static, {rows.speedup_vs_hf_static.min():.2f}x at worst "
+                     f"(batch {worst.batch}) to {rows.speedup_vs_hf_static.max():.2f}x; target 3x at every batch")
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled-graphs arm")
+
+
+def main(args: argparse.Namespace) -> int:
+    from nanolab.llm import resolve_dtype
+    from nanolab.report import run_label, save_table
+    from nanolab.weights import resolve_weights, weights_kind
+
+    if not torch.cuda.is_available():
+        print("error: the capture bench needs a CUDA device")
+        return 2
+    path = resolve_weights(args.model)
+    dtype = resolve_dtype(args.dtype, torch.device("cuda"))
+    bench = run_capturebench(path, dtype, [int(b) for b in args.batches.split(",")],
+                             [int(c) for c in args.contexts.split(",")], args.steps, args.repeats,
+                             compile=not args.no_compile)
+    label = run_label(torch.device("cuda"), args.model, dtype, weights=weights_kind(path))
+    for name, table in (("day54_decode", bench.steps), ("day54_capture", bench.capture),
+                        ("day54_agreement", bench.agreement), ("day54_profile", bench.profile)):
+        print(f"{name}: {save_table(table, name, label)}")
+        print(table.head(25).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print("\n".join(targets(bench.steps)))
+    print(label.caption())
+    return 0

@@ -1,0 +1,122 @@
+"""CUDA graphs of the planned decode step, one per capture bucket, over one shared memory pool.
+
+Introduced on Day 54 (capture) and Day 56 (warm-up at engine start). An eager decode step on a GPU
+is launch-bound: hundreds of small kernels, each costing the host several microseconds to launch.
+A CUDA graph records them once and replays them with one launch. It replays fixed shapes at fixed
+addresses, which is what Days 50 to 52 prepared: the plan's tensors are views of the cache's fixed
+buffers (Day 51), and `DecodeBuckets` (Day 52) closes the shape set.
+
+What a graph captures is `cache.view(plan)` and the forward together, so the derivation of the
+step's slot mapping and mask from the persistent block table is replayed too. A capture plan is
+all padding: its rows point at the block table's all-sink row and write only to the sink, so
+warming and capturing a shape never touches a live row.
+
+Capture runs largest shape first and every graph shares one pool (`torch.cuda.graph_pool_handle`):
+the first graph sizes the arena and every later one reuses it, since only one graph runs at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from nanolab.buckets import DecodeBuckets
+from nanolab.cache import BatchedPagedKVCache
+from nanolab.plan import DecodePlan
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What warming the capture list cost: time, and the device memory the graphs keep."""
+
+    shapes: int
+    seconds: float
+    pool_bytes: int  # device memory reserved by the captures and kept while the graphs live
+    shared_pool: bool
+
+    def __str__(self) -> str:
+        pool = "one shared pool" if self.shared_pool else "a pool per graph"
+        return (f"captured {self.shapes} decode graphs in {self.seconds:.2f} s; "
+                f"{pool} holds {self.pool_bytes / 2**20:.1f} MiB")
+
+
+def planned_step(forward: Callable, cache: BatchedPagedKVCache, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """One planned decode step: ids [batch, 1] -> logits [batch, vocab] fp32. The view derives the
+    step's read inputs on the device; this is the function a graph captures."""
+    return forward(ids, plan.positions, cache=cache.view(plan.rows, plan=plan))[:, -1]
+
+
+class DecodeGraphs:
+    """A CUDA graph per bucket of `buckets`, each replaying `planned_step` at that shape.
+
+    `ids` is the one static input the engine writes per step ([max batch, 1], sized for the
+    largest bucket); everything else a graph reads is the cache's: pools, block table and
+    `step_inputs`, which `plan_decode` fills before each replay."""
+
+    def __init__(self, forward: Callable, cache: BatchedPagedKVCache, buckets: DecodeBuckets) -> None:
+        if cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {cache.device}")
+        if buckets.max_batch_size > cache.max_rows or buckets.max_width > cache.max_width:
+            raise ValueError(f"the largest bucket ({buckets.max_batch_size} rows x {buckets.max_width}) does not fit "
+                             f"the cache ({cache.max_rows} rows x {cache.max_width} tokens)")
+        self.forward = forward
+        self.cache = cache
+        self.buckets = buckets
+        self.ids = torch.zeros((buckets.max_batch_size, 1), dtype=torch.int64, device=cache.device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # each graph's output, [batch, vocab]
+        self.report: CaptureReport | None = None
+
+    def __contains__(self, shape) -> bool:
+        return shape in self.graphs
+
+    def capture(self, *, shared_pool: bool = True, progress: bool = True) -> CaptureReport:
+        """Warm and capture every bucket, largest first. Each shape runs once eagerly on a side
+        stream (the warm-up: lazy library initialisation and allocator growth must not happen
+        inside a capture), then once under capture."""
+        self.release()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle() if shared_pool else None
+        start = time.perf_counter()
+        shapes = self.buckets.shapes
+        for batch, width in tqdm(shapes, desc="capturing decode graphs", unit="graph", disable=not progress):
+            plan = self.cache.plan_decode((), batch_size=batch, width=width)  # all padding: writes the sink only
+            ids = self.ids[:batch]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                planned_step(self.forward, self.cache, ids, plan)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                self.logits[batch, width] = planned_step(self.forward, self.cache, ids, plan)
+            self.graphs[batch, width] = graph
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        torch.cuda.empty_cache()  # what the warm-ups left cached is not the graphs'
+        self.report = CaptureReport(len(shapes), seconds, torch.cuda.memory_reserved() - before, shared_pool)
+        return self.report
+
+    def release(self) -> None:
+        """Drop every graph and its outputs, returning their pools."""
+        self.graphs.clear()
+        self.logits.clear()
+        self.report = None
+
+    def replay(self, shape: tuple[int, int], ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """Run the step `plan` describes (already planned at `shape`) through its graph: ids [rows, 1]
+        -> logits [rows, vocab], a view of the graph's output that the next replay overwrites."""
+        batch, width = shape
+        self.cache.require_current(plan)
+        if (plan.batch_size, plan.width) != shape:
+            raise ValueError(f"the plan is {plan.batch_size} x {plan.width}, the graph {batch} x {width}")
+        rows = ids.shape[0]
+        self.ids[:rows].copy_(ids, non_blocking=True)
+        self.graphs[shape].replay()
+        return self.logits[shape][:rows]
