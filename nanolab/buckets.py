@@ -7,7 +7,8 @@ bucket that holds it, padded up (`lookup`). Padding is the price: padded rows ru
 and padded width is gathered and scored by the reference read (`padding_waste`).
 
 vLLM calls the batch axis its cudagraph capture sizes and keeps a lookup from batch size to padded
-size; its read has no width axis to bucket (Day 59's streamed kernel removes ours, Day 60).
+size; its read has no width axis to bucket. Day 60's streamed read removes ours: `without_width()`
+keeps the batch axis alone (`widths` None), and a bucket is then (batch, None).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class DecodeBuckets:
     batch_sizes: tuple[int, ...]  # ascending
-    widths: tuple[int, ...]  # ascending; each a multiple of the cache's block size
+    widths: tuple[int, ...] | None  # ascending; None when the read has no width axis (Day 60)
 
     def __post_init__(self) -> None:
         for name, axis in (("batch_sizes", self.batch_sizes), ("widths", self.widths)):
+            if axis is None and name == "widths":
+                continue
             if not axis or list(axis) != sorted(set(axis)) or axis[0] < 1:
                 raise ValueError(f"{name} must be distinct positive sizes in ascending order, got {axis}")
 
@@ -46,29 +49,40 @@ class DecodeBuckets:
             min_width = max_width
         return cls(_powers_of_two(1, max_batch_size), _powers_of_two(min_width, max_width))
 
+    def without_width(self) -> DecodeBuckets:
+        """The same batch axis and no width axis: the list a read with no rectangle needs."""
+        return DecodeBuckets(self.batch_sizes, None)
+
     @property
-    def shapes(self) -> list[tuple[int, int]]:
+    def shapes(self) -> list[tuple[int, int | None]]:
         """Every (batch, width), largest first: the order to capture in, so the first graph sizes the
         shared pool and every later one fits inside it."""
+        if self.widths is None:
+            return [(b, None) for b in reversed(self.batch_sizes)]
         return sorted(((b, w) for b in self.batch_sizes for w in self.widths), key=lambda s: (-s[0] * s[1], -s[0]))
 
     def __len__(self) -> int:
-        return len(self.batch_sizes) * len(self.widths)
+        return len(self.batch_sizes) * (1 if self.widths is None else len(self.widths))
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
     @property
-    def max_width(self) -> int:
-        return self.widths[-1]
+    def max_width(self) -> int | None:
+        return None if self.widths is None else self.widths[-1]
 
-    def lookup(self, rows: int, max_ctx: int) -> tuple[int, int] | None:
+    def lookup(self, rows: int, max_ctx: int) -> tuple[int, int | None] | None:
         """The smallest bucket (batch, width) holding `rows` rows of at most `max_ctx` tokens, or
-        None when the batch is outside the list (it then runs eagerly)."""
+        None when the batch is outside the list (it then runs eagerly). Without a width axis any
+        length fits, and the width is None."""
         batch = next((b for b in self.batch_sizes if b >= rows), None)
+        if batch is None:
+            return None
+        if self.widths is None:
+            return batch, None
         width = next((w for w in self.widths if w >= max_ctx), None)
-        return None if batch is None or width is None else (batch, width)
+        return None if width is None else (batch, width)
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,7 @@ class PaddingWaste:
     rows: int
     max_ctx: int
     batch: int
-    width: int
+    width: int | None  # None: no width axis, each row reads its own length
 
     @property
     def padded_rows(self) -> int:
@@ -86,8 +100,9 @@ class PaddingWaste:
 
     @property
     def cells(self) -> int:
-        """Cells of the bucket's read rectangle [batch, width]."""
-        return self.batch * self.width
+        """Cells of the bucket's read rectangle [batch, width]; without a width, each of the batch's
+        rows charged the live batch's longest row."""
+        return self.batch * (self.max_ctx if self.width is None else self.width)
 
     @property
     def live_cells(self) -> int:
@@ -112,9 +127,11 @@ def bucket_table(buckets: DecodeBuckets) -> pd.DataFrame:
     records = []
     for i, b in enumerate(buckets.batch_sizes):
         lo_b = buckets.batch_sizes[i - 1] + 1 if i else 1
-        for j, w in enumerate(buckets.widths):
-            lo_w = buckets.widths[j - 1] + 1 if j else 1
+        widths = [None] if buckets.widths is None else buckets.widths
+        for j, w in enumerate(widths):
+            lo_w = buckets.widths[j - 1] + 1 if j and w is not None else 1
             worst = PaddingWaste(lo_b, lo_w, b, w)
-            records.append({"batch": b, "width": w, "rows": f"{lo_b}-{b}", "tokens": f"{lo_w}-{w}",
+            records.append({"batch": b, "width": w, "rows": f"{lo_b}-{b}",
+                            "tokens": "any" if w is None else f"{lo_w}-{w}",
                             "worst padded rows": worst.padded_rows, "worst waste": worst.waste_share})
     return pd.DataFrame.from_records(records)

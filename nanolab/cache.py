@@ -124,10 +124,14 @@ class BatchedPagedKVCache:
     # Day 49's fix: the unplanned read gets (min_ctx, max_ctx) from the tables as host ints.
     # False restores the read deriving them itself with int(context_lens.min()) (a device sync).
     bounds_from_cache = True
+    # Day 60: a planned decode reads through the streamed Triton kernel, addressed by the block
+    # table (`kernels.paged_attention.paged_attention_table_kernel`), instead of the reference's
+    # rectangle. Prefill (several queries a row) always reads through the reference.
+    streamed_read = False
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, max_rows: int = 64, max_model_len: int | None = None,
-                 dtype=torch.float32, device="cpu") -> None:
+                 dtype=torch.float32, device="cpu", streamed_read: bool | None = None) -> None:
         self.num_layers = num_layers
         self.block_size = block_size
         self.device = torch.device(device)
@@ -153,6 +157,8 @@ class BatchedPagedKVCache:
             ("positions", (max_rows, 1)))}
         self._staged: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
         self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
+        if streamed_read is not None:
+            self.streamed_read = streamed_read
 
     @property
     def num_blocks(self) -> int:
@@ -219,6 +225,8 @@ class BatchedPagedKVCache:
         self.require_current(plan)
         if plan.rows != rows:
             raise ValueError(f"the plan covers rows {plan.rows}, not {rows}")
+        if self.streamed_read:  # the kernel reads the block table itself: nothing to derive
+            return BatchedCacheRows(self, rows, (1,) * len(rows), plan)
         mapping = plan.slot_mapping
         mask = attention_mask_bias(plan.context_lens, plan.positions, plan.width, self.dtype)
         return BatchedCacheRows(self, rows, (1,) * len(rows), plan, mapping, mask)
@@ -388,6 +396,13 @@ class BatchedPagedKVCache:
         Given a plan, the read is `validated`: the plan checked its bounds on the host, so the
         traced region observes no value that changes from step to step. `slot_mapping` and
         `mask_bias` are the view's, derived once per step; without them they are derived here."""
+        if plan is not None and self.streamed_read:
+            # Imported on first use: Triton reads TRITON_INTERPRET when it decorates the kernels, so a
+            # CPU caller can still set it after importing nanolab (and kernels imports this module).
+            from nanolab.kernels.paged_attention import paged_attention_table_kernel
+
+            return paged_attention_table_kernel(q, self.k_pools[layer], self.v_pools[layer], plan.block_table,
+                                                plan.table_rows, self.block_size, plan.context_lens, positions)
         if plan is not None:
             mapping = plan.slot_mapping if slot_mapping is None else slot_mapping
             return paged_attention_batched_reference(

@@ -42,7 +42,8 @@ class Engine:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  detokenize: Callable[[list[int]], str] | None = None, planned: bool = True,
-                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False, progress: bool = True) -> None:
+                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False, progress: bool = True,
+                 streamed_read: bool | None = None) -> None:
         self.model = model
         # What a decode step calls: the model, or a compiled or captured stand-in for it (Day 49 on).
         self.decode_forward: Callable = model
@@ -57,6 +58,7 @@ class Engine:
             num_layers=self.config.num_hidden_layers, num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim, num_blocks=num_blocks, block_size=block_size,
             max_rows=max_num_seqs, max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
+            streamed_read=streamed_read,
         )
         self.scheduler = Scheduler(self.cache, max(max_num_batched_tokens, self.max_model_len))
         self.detokenize = detokenize
@@ -186,7 +188,7 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         if self.graphs is not None:
             plan, ids = self.plan_step(seqs)
-            shape = (plan.batch_size, plan.width)
+            shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:
                 return self.graphs.replay(shape, ids[: len(seqs)], plan)
             view = self.cache.view(plan.rows, plan=plan)  # outside the capture list: eager

@@ -58,17 +58,20 @@ class DecodeGraphs:
     `step_inputs`, which `plan_decode` fills before each replay."""
 
     def __init__(self, forward: Callable, cache: BatchedPagedKVCache, buckets: DecodeBuckets) -> None:
+        if buckets.widths is None and not cache.streamed_read:
+            raise ValueError("a capture list without widths needs the streamed read: the reference read's "
+                             "rectangle is as wide as its bucket")
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {cache.device}")
-        if buckets.max_batch_size > cache.max_rows or buckets.max_width > cache.max_width:
+        if buckets.max_batch_size > cache.max_rows or (buckets.max_width or 0) > cache.max_width:
             raise ValueError(f"the largest bucket ({buckets.max_batch_size} rows x {buckets.max_width}) does not fit "
                              f"the cache ({cache.max_rows} rows x {cache.max_width} tokens)")
         self.forward = forward
         self.cache = cache
         self.buckets = buckets
         self.ids = torch.zeros((buckets.max_batch_size, 1), dtype=torch.int64, device=cache.device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}  # each graph's output, [batch, vocab]
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int | None], torch.Tensor] = {}  # each graph's output, [batch, vocab]
         self.report: CaptureReport | None = None
 
     def __contains__(self, shape) -> bool:
@@ -109,12 +112,13 @@ class DecodeGraphs:
         self.logits.clear()
         self.report = None
 
-    def replay(self, shape: tuple[int, int], ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    def replay(self, shape: tuple[int, int | None], ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """Run the step `plan` describes (already planned at `shape`) through its graph: ids [rows, 1]
-        -> logits [rows, vocab], a view of the graph's output that the next replay overwrites."""
+        -> logits [rows, vocab], a view of the graph's output that the next replay overwrites. A
+        graph without a width (the streamed read) serves a plan of any width."""
         batch, width = shape
         self.cache.require_current(plan)
-        if (plan.batch_size, plan.width) != shape:
+        if plan.batch_size != batch or width not in (None, plan.width):
             raise ValueError(f"the plan is {plan.batch_size} x {plan.width}, the graph {batch} x {width}")
         rows = ids.shape[0]
         self.ids[:rows].copy_(ids, non_blocking=True)

@@ -19,6 +19,7 @@ from nanolab.kernels.paged_attention import (
     choose_variant,
     kernel_agreement,
     paged_attention_batched_kernel,
+    paged_attention_table_kernel,
     tile_lanes,
 )
 from nanolab.paged_attention import paged_attention_batched_reference
@@ -206,3 +207,52 @@ def test_kernel_agreement_reads_like_the_seed():
                                  plan.context_lens, plan.positions, variant="gqa", block=BLOCK)
     assert len(agreement.per_row) == 4 and agreement.worst < 1e-5
     assert re.fullmatch(r"ragged     4 rows: worst \|kernel - oracle\| \d\.\d\de-\d\d", agreement.line)
+
+
+# Day 60: the same read addressed through the block table, with no slot mapping and no width.
+
+def _table_kernel(cache, plan, q, variant, **kw):
+    return paged_attention_table_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.block_table, plan.table_rows,
+                                        cache.block_size, plan.context_lens, plan.positions, block=BLOCK,
+                                        variant=variant, splits=2, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_table_kernel_equals_reference(variant, batch, shape):
+    heads, kv_heads = SHAPES[shape]
+    cache, plan, q, _ = _decode_batch(BATCHES[batch], heads, kv_heads, scatter=batch == "scattered")
+    torch.testing.assert_close(_table_kernel(cache, plan, q, variant), _reference(cache, plan, q),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_table_kernel_reads_only_the_batch_slots(variant):
+    """Every slot outside the batch's histories holds NaN: the sink, the freed row's blocks and
+    every free block. Addressed through the table, the kernel loads none of them."""
+    cache, plan, q, _ = _decode_batch(BATCHES["scattered"], 4, 2, scatter=True)
+    clean = _reference(cache, plan, q)
+    live = {cache.table(row).slot(p) for row in plan.rows for p in range(cache.table(row).num_tokens)}
+    dead = [slot for slot in range(cache.k_pools[0].shape[0]) if slot not in live]
+    for pool in (cache.k_pools[0], cache.v_pools[0]):
+        pool[dead] = float("nan")
+    got = _table_kernel(cache, plan, q, variant)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, clean, rtol=1e-5, atol=1e-5)
+
+
+def test_table_kernel_walks_its_own_tiles_and_refuses_bad_inputs():
+    lengths = [n - 1 for n in spread_lengths(8, 64, "long tail")]
+    cache, plan, q, _ = _decode_batch(lengths, 4, 2)
+    counts = torch.zeros(len(lengths), dtype=torch.int32, device=DEVICE)
+    _table_kernel(cache, plan, q, "gqa", tile_counts=counts)
+    assert int(counts.sum()) // tile_lanes("gqa", 4, 2) == streamed_work(plan.context_lens.tolist(), BLOCK).walked
+    args = (q, cache.k_pools[0], cache.v_pools[0])
+    with pytest.raises(ValueError, match="must describe"):
+        paged_attention_table_kernel(*args, plan.block_table, plan.table_rows[:-1], 4, plan.context_lens)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention_table_kernel(*args, plan.block_table.t(), plan.table_rows, 4, plan.context_lens)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_attention_table_kernel(*args, plan.block_table, plan.table_rows, 0, plan.context_lens)
+

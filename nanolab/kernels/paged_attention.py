@@ -38,11 +38,26 @@ VARIANTS = ("head", "gqa", "split")
 
 
 @triton.jit
+def _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE: tl.constexpr):
+    """Pool slots of keys w of batch row r, neutralised to 0 where not `valid` before they form an
+    address (padding may be -1). PAGE == 0: map_ptr is the [rows, width] slot mapping. PAGE > 0:
+    map_ptr is the [table_rows, max_blocks] block table, row r's table row is rows_ptr[r], and the
+    slot is table[row, w // PAGE] * PAGE + w % PAGE, so the read has no width axis (Day 60)."""
+    if PAGE == 0:
+        slot = tl.load(map_ptr + r * stride_mr + w, mask=valid, other=0)
+    else:
+        row = tl.load(rows_ptr + r)
+        block = tl.load(map_ptr + row * stride_mr + w // PAGE, mask=valid, other=0)
+        slot = block.to(tl.int64) * PAGE + w % PAGE
+    return tl.where(valid, slot, 0)
+
+
+@triton.jit
 def _paged_decode_head(
-    q_ptr, k_ptr, v_ptr, map_ptr, lens_ptr, out_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, out_ptr, tiles_ptr,
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_or, stride_oh,
     scale, head_dim,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, COUNT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One program: row r, query head h. Live state: a [BLOCK, D] K tile, the same of V, m, l, acc[D]."""
     r = tl.program_id(0)
@@ -59,8 +74,7 @@ def _paged_decode_head(
     for b in range(tl.cdiv(ctx, BLOCK)):  # the run-time bound: a short row walks only its own tiles
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot = tl.load(map_ptr + r * stride_mr + w, mask=valid, other=0)
-        slot = tl.where(valid, slot, 0)  # neutralised before it indexes: padding may be -1
+        slot = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK]
@@ -81,11 +95,11 @@ def _paged_decode_head(
 
 @triton.jit
 def _paged_decode_group(
-    q_ptr, k_ptr, v_ptr, map_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, COUNT: tl.constexpr,
+    PAGE: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
@@ -114,8 +128,7 @@ def _paged_decode_group(
     for b in range(first, last):
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot = tl.load(map_ptr + r * stride_mr + w, mask=valid, other=0)
-        slot = tl.where(valid, slot, 0)
+        slot = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
         if IEEE:
@@ -219,6 +232,53 @@ def paged_attention_batched_kernel(
     returns       [rows, 1, heads, head_dim]   in q's dtype
     """
     check_read_inputs(slot_mapping, context_lens, q, context_bounds, validated)
+    if slot_mapping.stride(1) != 1:
+        raise ValueError("slot_mapping must be contiguous along its width")
+    return _launch(q, k_pool, v_pool, slot_mapping, context_lens, context_lens, positions, 0,
+                   slot_mapping.shape[1], block, variant, splits, num_sms, tile_counts)
+
+
+def paged_attention_table_kernel(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    *,
+    block: int = 64,
+    variant: str = "auto",
+    splits: int | None = None,
+    num_sms: int = 132,
+    tile_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The streamed read addressed through the block table itself (Day 60): no slot mapping, so
+    no width. Row r reads slot `block_table[table_rows[r], p // block_size] * block_size + p %
+    block_size` for its keys p < context_lens[r]. Always a validated read: the plan that filled
+    table_rows and context_lens checked them on the host.
+
+    block_table   [table rows, max_blocks] int32 or int64   the cache's persistent table
+    table_rows    [rows] int64                              each batch row's table row
+    The variant is chosen for the table's capacity, which is fixed, so a captured graph's choice
+    holds for every context length; a split share is cut from each row's own tiles at run time.
+    """
+    rows = q.shape[0]
+    if table_rows.shape != (rows,) or context_lens.shape != (rows,):
+        raise ValueError(f"table_rows {tuple(table_rows.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must describe the {rows} rows of q")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a [table rows, max_blocks] tensor, contiguous along a row")
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return _launch(q, k_pool, v_pool, block_table, table_rows, context_lens, positions, block_size,
+                   block_table.shape[1] * block_size, block, variant, splits, num_sms, tile_counts)
+
+
+def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, page: int, width: int, block: int,
+            variant: str, splits: int | None, num_sms: int, tile_counts: torch.Tensor | None) -> torch.Tensor:
+    """Launch a variant. addresses is the slot mapping (page 0) or the block table (page > 0)."""
     rows, t, heads, d = q.shape
     if t != 1:
         raise ValueError(f"the streamed read is decode only (one query per row), got T = {t}")
@@ -227,7 +287,6 @@ def paged_attention_batched_kernel(
         raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    width = slot_mapping.shape[1]
     if variant == "auto":
         variant = choose_variant(rows, heads, kv_heads, width, num_sms, block)
     if variant not in VARIANTS:
@@ -243,26 +302,26 @@ def paged_attention_batched_kernel(
     scale = 1.0 / math.sqrt(d)
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-               slot_mapping.stride(0), out.stride(0), out.stride(1))
-    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q3.stride(2) == 1 and slot_mapping.stride(1) == 1
+               addresses.stride(0), out.stride(0), out.stride(1))
+    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q3.stride(2) == 1
     if variant == "head":
         _paged_decode_head[(rows, heads)](
-            q3, k_pool, v_pool, slot_mapping, lens, out, tiles, *strides, scale, d,
-            GROUP=group, BLOCK=block, D=D, COUNT=count)
+            q3, k_pool, v_pool, addresses, table_rows, lens, out, tiles, *strides, scale, d,
+            GROUP=group, BLOCK=block, D=D, PAGE=page, COUNT=count)
         return out[:, None]
     n_splits = 1 if variant == "gqa" else (splits or choose_splits(rows, kv_heads, width, num_sms, block))
     ieee = k_pool.dtype == torch.float32
     if n_splits == 1:
         _paged_decode_group[(rows, kv_heads, 1)](
-            q3, k_pool, v_pool, slot_mapping, lens, out, lens, lens, tiles, *strides, scale, d,
-            GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=1, IEEE=ieee, COUNT=count)
+            q3, k_pool, v_pool, addresses, table_rows, lens, out, lens, lens, tiles, *strides, scale, d,
+            GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=1, PAGE=page, IEEE=ieee, COUNT=count)
         return out[:, None]
     acc = torch.empty((rows, heads, n_splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((rows, heads, n_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     _paged_decode_group[(rows, kv_heads, n_splits)](
-        q3, k_pool, v_pool, slot_mapping, lens, acc, m, l, tiles, *strides, scale, d,
-        GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=n_splits, IEEE=ieee, COUNT=count)
+        q3, k_pool, v_pool, addresses, table_rows, lens, acc, m, l, tiles, *strides, scale, d,
+        GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=n_splits, PAGE=page, IEEE=ieee, COUNT=count)
     return _merge_splits(acc[..., :d], m, l).to(q.dtype)[:, None]
 
 
