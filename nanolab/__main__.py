@@ -1,5 +1,5 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
-`python -m nanolab bench`, `python -m nanolab capturebench`.
+`python -m nanolab bench`, `python -m nanolab capturebench`, `python -m nanolab streambench`.
 
 Introduced with the engine core (before Day 49).
 """
@@ -54,6 +54,12 @@ def _capturebench(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _streambench(args: argparse.Namespace) -> int:
+    from nanolab.streambench import main
+
+    return main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
 
     capture_arguments(capture)
     capture.set_defaults(run=_capturebench)
+
+    stream = sub.add_parser("streambench", help="the decode read alone: reference, streamed kernels, SDPA (CUDA)")
+    from nanolab.streambench import add_arguments as stream_arguments
+
+    stream_arguments(stream)
+    stream.set_defaults(run=_streambench)
 
     args = parser.parse_args(argv)
     return args.run(args)

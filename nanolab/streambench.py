@@ -1,0 +1,192 @@
+"""Day 59's device measurement: the decode read alone, the rectangle against the streamed kernel.
+
+Introduced on Day 59 (the seed's streambench.py was host-only; `captured.streambench_table` is that
+table). This times one layer's decode read at bf16, 32 query heads over 8 KV heads, head_dim 64:
+
+- "reference": `paged_attention_batched_reference`, which gathers the [rows, width] rectangle;
+- each streamed variant through the slot mapping ("head", "gqa", "split"), and "table", the
+  streamed read addressed through the block table (Day 60's wiring, variant chosen by shape);
+- "sdpa": torch's scaled_dot_product_attention (the flash backend on CUDA) over an equivalent
+  contiguous cache [rows, kv_heads, width, head_dim]. It has no per-row lengths without a mask, and
+  a mask takes flash away, so on a ragged batch it reads the whole rectangle.
+
+Bandwidth counts the K and V bytes the batch really holds (each row's own length), over the time,
+for every arm: a read that loads padding gets no credit for it. Every launch is preceded by a write
+of a buffer larger than the L2 cache, so no arm reads K/V that a previous launch left there.
+Blocks are scattered over the pool, as a long-running server leaves them.
+
+    python -m nanolab streambench
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from nanolab.cache import cdiv
+from nanolab.captured import spread_lengths
+from nanolab.paged_attention import paged_attention_batched_reference
+from nanolab.plan import derive_slot_mapping
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 64, 16
+# The issue's shapes: (label, row lengths).
+SHAPES = {
+    "64 x 8192": [8192] * 64,
+    "8 x 2048": [2048] * 8,
+    "256 x 1024": [1024] * 256,
+    "long tail 64 x 8192": spread_lengths(64, 8192, "long tail"),
+}
+ARMS = ("reference", "head", "gqa", "split", "table", "sdpa")
+
+
+@dataclass(frozen=True)
+class ReadBatch:
+    """One layer's decode read: a scattered paged pool and the same history laid out contiguously."""
+
+    q: torch.Tensor  # [rows, 1, heads, head_dim]
+    k_pool: torch.Tensor  # [slots + 1, kv_heads, head_dim]; the last slot is the sink
+    v_pool: torch.Tensor
+    block_table: torch.Tensor  # [rows, max_blocks] int32
+    table_rows: torch.Tensor  # [rows] int64: row r reads table row r
+    context_lens: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows, 1] int64
+    slot_mapping: torch.Tensor  # [rows, width] int64, -1 past each row's length
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes the batch holds: what a read must load at least once."""
+        per_token = 2 * self.k_pool.shape[1] * self.k_pool.shape[2] * self.k_pool.element_size()
+        return int(self.context_lens.sum()) * per_token
+
+    def contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as a contiguous cache [rows, kv_heads, width, head_dim], zero past each row."""
+        safe = self.slot_mapping.clamp(min=0)
+        keep = (self.slot_mapping >= 0)[..., None, None]
+        k = torch.where(keep, self.k_pool[safe], 0).transpose(1, 2).contiguous()
+        v = torch.where(keep, self.v_pool[safe], 0).transpose(1, 2).contiguous()
+        return k, v
+
+
+def read_batch(lengths: list[int], *, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
+               page: int = PAGE, dtype=torch.bfloat16, device="cuda", seed: int = 0) -> ReadBatch:
+    """A batch whose rows hold `lengths` tokens, in blocks of `page` drawn at random from the pool."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [cdiv(n, page) for n in lengths]
+    num_blocks = sum(blocks)
+    order = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(lengths), max(blocks)), -1, dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = order[start:start + n].to(torch.int32)
+        start += n
+    shape = (num_blocks * page + 1, kv_heads, head_dim)
+    k_pool = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    v_pool = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    table = table.to(device)
+    rows = torch.arange(len(lengths), device=device)
+    mapping = derive_slot_mapping(table, rows, lens, max(lengths), page)
+    q = torch.randn((len(lengths), 1, heads, head_dim), generator=g).to(device=device, dtype=dtype)
+    return ReadBatch(q, k_pool, v_pool, table, rows, lens, (lens - 1)[:, None], mapping)
+
+
+def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
+    """The read `arm` performs on `batch`, as a no-argument callable returning [rows, 1, heads, d]."""
+    from nanolab.kernels.paged_attention import paged_attention_batched_kernel, paged_attention_table_kernel
+
+    b = batch
+    if arm == "reference":
+        return lambda: paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
+                                                         b.positions, validated=True)
+    if arm in ("head", "gqa", "split"):
+        return lambda: paged_attention_batched_kernel(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
+                                                      b.positions, validated=True, variant=arm)
+    if arm == "table":
+        return lambda: paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page,
+                                                    b.context_lens, b.positions)
+    if arm == "sdpa":
+        k, v = b.contiguous()
+        q = b.q.transpose(1, 2)  # [rows, heads, 1, d]
+
+        def sdpa():
+            if q.is_cuda:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            return out.transpose(1, 2)
+
+        return sdpa
+    raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
+
+
+def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 256 << 20) -> float:
+    """Median microseconds of `fn` over `repeats` launches, each after a write that evicts the L2."""
+    scratch = torch.empty(flush_bytes if device.type == "cuda" else 1, dtype=torch.uint8, device=device)
+    fn()  # compile and warm
+    times = []
+    for _ in range(repeats):
+        scratch.zero_()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def run_streambench(shapes: dict[str, list[int]] = SHAPES, arms=ARMS, device="cuda", dtype=torch.bfloat16,
+                    repeats: int = 20, page: int = PAGE, **batch_kwargs) -> pd.DataFrame:
+    """One row per (shape, arm): microseconds, achieved K/V bandwidth, and the worst difference from
+    the reference."""
+    device = torch.device(device)
+    records = []
+    for label, lengths in shapes.items():
+        batch = read_batch(lengths, dtype=dtype, device=device, page=page, **batch_kwargs)
+        oracle = read_fn("reference", batch, page)().float()
+        ragged = min(lengths) != max(lengths)
+        for arm in arms:
+            fn = read_fn(arm, batch, page)
+            if arm == "sdpa" and ragged:
+                err = float("nan")  # the contiguous rectangle has no lengths: it answers another question
+            else:
+                err = float((fn().float() - oracle).abs().max())
+            us = time_us(fn, device, repeats)
+            records.append({"shape": label, "rows": len(lengths), "width": max(lengths), "arm": arm, "us": us,
+                            "kv_bytes": batch.kv_bytes, "tb_s": batch.kv_bytes / us / 1e6, "max_err": err})
+        del batch
+    df = pd.DataFrame(records)
+    ref = df[df.arm == "reference"].set_index("shape").us
+    df["x_reference"] = [ref[s] / us for s, us in zip(df["shape"], df.us, strict=True)]
+    return df
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=20)
+
+
+def main(args: argparse.Namespace) -> int:
+    from nanolab.report import run_label, save_table
+
+    if not torch.cuda.is_available():
+        print("error: the streamed-read bench needs a CUDA device")
+        return 2
+    df = run_streambench(repeats=args.repeats)
+    label = run_label(torch.device("cuda"), "decode read, 32/8 heads, head_dim 64", torch.bfloat16,
+                      weights="synthesized random")
+    print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"wrote {save_table(df, 'day59_streambench', label)}")
+    return 0

@@ -1,0 +1,38 @@
+"""The streamed-read bench's plumbing at a toy size on the CPU (the kernels in Triton's
+interpreter, fp32): every arm answers the reference's question, and bandwidth counts only the
+K/V the batch holds. Its numbers come from the H200."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanolab.streambench import ARMS, read_batch, run_streambench
+
+TOY = dict(heads=4, kv_heads=2, head_dim=16, page=4, dtype=torch.float32, device="cpu")
+
+
+def test_read_batch_scatters_blocks_and_lays_out_the_same_history():
+    batch = read_batch([9, 3, 16], seed=1, **{k: v for k, v in TOY.items()})
+    assert batch.block_table.shape == (3, 4) and (batch.block_table[1, 1:] == -1).all()
+    used = batch.block_table[batch.block_table >= 0]
+    assert sorted(used.tolist()) == list(range(3 + 1 + 4))  # every pool block used once
+    k, v = batch.contiguous()
+    assert k.shape == (3, 2, 16, 16)
+    torch.testing.assert_close(k[0, :, 8], batch.k_pool[batch.slot_mapping[0, 8]])
+    assert (k[1, :, 3:] == 0).all()
+    assert batch.kv_bytes == (9 + 3 + 16) * 2 * 2 * 16 * 4
+
+
+def test_every_arm_agrees_with_the_reference():
+    shapes = {"uniform": [12, 12], "ragged": [13, 2, 7]}
+    df = run_streambench(shapes, repeats=1, **TOY)
+    assert list(df.arm.unique()) == list(ARMS) and len(df) == 2 * len(ARMS)
+    for _, row in df.iterrows():
+        if row.arm == "sdpa" and row["shape"] == "ragged":
+            assert math.isnan(row.max_err)  # a contiguous rectangle answers another question
+        else:
+            assert row.max_err < 1e-4, row.to_dict()
+    assert (df.tb_s > 0).all() and (df.x_reference > 0).all()
+    assert (df[df.arm == "reference"].x_reference == 1).all()
