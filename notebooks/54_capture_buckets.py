@@ -15,7 +15,7 @@
 # every token goes, and the forward only reads the plan's tensors. On a GPU that forward is still
 # slow for a reason no plan can fix. The engine's eager step launches about 470 small kernels, and
 # the host spends several microseconds on each launch, so a 1B-parameter model that could stream
-# its weights in 0.6 ms takes 7 to 12 ms a step (the `nanolab eager` line below). A CUDA graph
+# its weights in 0.6 ms takes more than ten times that a step (the `nanolab eager` line below). A CUDA graph
 # records the launches once and replays them with one call. It replays exactly what it recorded:
 # the same shapes, reading and writing the same addresses. This chapter builds what that needs.
 #
