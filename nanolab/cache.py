@@ -15,8 +15,8 @@ Day 51 made the planned addressing persistent. The cache keeps a device block ta
 `[max_rows + 1, max_blocks_per_row]` (vLLM v1's `BlockTable`) and a per-step buffer for each
 row's table row, write slot, context length and position, both allocated once. The host writes
 one table entry when a row gains a block and four scalars per row per step; the read's
-`[rows, width]` slot mapping is derived from the table on the device, inside the forward (see
-`view`). Every tensor a plan hands the forward lives at a fixed address, which is what a CUDA
+`[rows, width]` slot mapping is derived from the table on the device, once per step, by `view`
+(which a captured graph records, so a replay derives it again). Every tensor a plan hands the forward lives at a fixed address, which is what a CUDA
 graph replay needs (Day 54).
 
 Slot -1 is the sink: every pool has one slot past its last block, owned by no block. Padding
@@ -118,8 +118,8 @@ class _StepSlots:
 
 
 class BatchedPagedKVCache:
-    """Per-layer K/V pools `[num_blocks * block_size, kv_heads, head_dim]` and a block table per
-    row. Rows are the engine's batch slots; a request holds one row while it runs."""
+    """Per-layer K/V pools `[num_blocks * block_size + 1, kv_heads, head_dim]` (the last slot is
+    the sink) and a block table per row. Rows are the engine's batch slots; a request holds one row while it runs."""
 
     # Day 49's fix: the unplanned read gets (min_ctx, max_ctx) from the tables as host ints.
     # False restores the read deriving them itself with int(context_lens.min()) (a device sync).

@@ -251,3 +251,67 @@ def plot_capture_buckets(buckets, waste: pd.DataFrame, capture: pd.DataFrame, st
     ax.set_title("decode step time: graphs on and off, HF transformers' static cache, and the floor", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_streamed_read(table: pd.DataFrame, example_lengths: list[int], *, heads: int = 32, block: int = 128,
+                       head_dim: int = 64):
+    """Day 59's four panels: the rectangle the reference scores for a ragged batch, one streamed
+    program's whole live state, the ragged walk against the rectangle's tiles, and the table.
+
+    table            `captured.streambench_table()` (host arithmetic, the seed's rows)
+    example_lengths  one ragged batch's row lengths, drawn in the first and third panels
+    """
+    from nanolab.captured import render_streambench, streamed_work
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9), gridspec_kw=dict(height_ratios=[1, 1.05]))
+    (rect_ax, state_ax), (walk_ax, table_ax) = axes
+    work = streamed_work(example_lengths, block)
+    tiles = -(-work.width // block)
+    big = table.iloc[table["rectangle MB"].idxmax()]
+
+    # The oracle's rectangle: every row charged the widest row's tiles, padding loaded and masked.
+    grid = np.zeros((len(example_lengths), tiles))
+    for r, n in enumerate(example_lengths):
+        grid[r, : -(-n // block)] = 1
+    rect_ax.pcolormesh(grid, cmap=plt.matplotlib.colors.ListedColormap(["#f4c7c3", "#7aa6d6"]), vmin=0, vmax=1,
+                       edgecolors="white", linewidth=0.8)
+    rect_ax.invert_yaxis()
+    rect_ax.set_xlabel(f"key tiles of {block} (width {work.width})")
+    rect_ax.set_ylabel("row")
+    rect_ax.set_title(f"the reference: a [rows, heads, 1, width] rectangle. Blue holds tokens; red is padding, "
+                      f"loaded, scored, then masked.\nAt {int(big.rows)} rows x {int(big.width)}, {heads} heads: "
+                      f"{big['rectangle MB']:.1f} MB of scores in one intermediate", fontsize=8.5)
+
+    # One program's live state: nothing in it has the width in it.
+    state_ax.set_xlim(0, 1)
+    state_ax.set_ylim(0, 1)
+    state_ax.axis("off")
+    _box(state_ax, 0.03, 0.55, 0.42, 0.3, f"K tile [{block}, {head_dim}]\nloaded from row r's own blocks", "#dbe9f6")
+    _box(state_ax, 0.53, 0.55, 0.42, 0.3, f"V tile [{block}, {head_dim}]", "#dbe9f6")
+    _box(state_ax, 0.03, 0.18, 0.27, 0.22, "running max m\ndenominator l", "#e6f2e6")
+    _box(state_ax, 0.36, 0.18, 0.27, 0.22, f"accumulator\nacc [{head_dim}]", "#e6f2e6")
+    _box(state_ax, 0.69, 0.18, 0.27, 0.22, f"scores\n[{block}] (this tile's)", "#e6f2e6")
+    state_ax.set_title(f"the streamed read: one program per (row, head) holds only this.\nAt {int(big.rows)} rows x "
+                       f"{heads} heads, {block}-key tiles: {big['tile MB']:.2f} MB, {big['holds']:.0f}x less "
+                       f"(width / block)", fontsize=8.5)
+
+    # The ragged walk.
+    rows = np.arange(len(example_lengths))
+    walked = [-(-n // block) for n in example_lengths]
+    walk_ax.barh(rows, [tiles] * len(rows), color="#f4c7c3", label=f"rectangle: {work.rect_tiles} tiles")
+    walk_ax.barh(rows, walked, color="#7aa6d6", label=f"streamed: {work.walked} tiles")
+    walk_ax.invert_yaxis()
+    walk_ax.set_xlabel("tiles a row's program walks")
+    walk_ax.set_ylabel("row")
+    walk_ax.legend(fontsize=8, loc="lower right")
+    walk_ax.text(0.97, 0.55, "for b in range(tl.cdiv(ctx, BLOCK)):", transform=walk_ax.transAxes, ha="right",
+                 fontsize=8, family="monospace", bbox=dict(facecolor="white", edgecolor="0.6"))
+    walk_ax.set_title(f"the ragged walk: {work.walked} tiles against {work.rect_tiles} "
+                      f"({work.ragged_saving:.2f}x); the loop bound is each row's own length", fontsize=8.5)
+
+    table_ax.axis("off")
+    table_ax.text(0.0, 1.0, render_streambench(table), family="monospace", fontsize=8.5, va="top")
+    table_ax.set_title("the table, uniform rows left in: the tile saving is unconditional, the walk saving is "
+                       "the spread", fontsize=8.5)
+    fig.tight_layout()
+    return fig

