@@ -16,8 +16,8 @@ Day 51 made the planned addressing persistent. The cache keeps a device block ta
 row's table row, write slot, context length and position, both allocated once. The host writes
 one table entry when a row gains a block and four scalars per row per step; the read's
 `[rows, width]` slot mapping is derived from the table on the device, once per step, by `view`
-(which a captured graph records, so a replay derives it again). Every tensor a plan hands the forward lives at a fixed address, which is what a CUDA
-graph replay needs (Day 54).
+(which a captured graph records, so a replay derives it again). Every tensor a plan hands the
+forward lives at a fixed address, which is what a CUDA graph replay needs (Day 54).
 
 Slot -1 is the sink: every pool has one slot past its last block, owned by no block. Padding
 cells of a planned slot mapping and the write slots of rows padded up to a capture bucket name
