@@ -260,7 +260,7 @@ assert eager_pools["shared"] < eager_pools["one per graph"]
 # With a pool per graph, every graph keeps its own peak. Sharing one pool lets each later, smaller
 # capture reuse what the largest one reserved, since only one graph ever runs at a time. The seed
 # measured about 5x on its list; here the gap depends on how many shapes the list holds and how
-# close their peaks are. Capturing the eager forward takes well under a second for the whole
+# close their peaks are. Capturing the eager forward takes about a second for the whole
 # list. The compiled arm's capture time includes inductor's builds, which happen during the
 # warm-ups.
 #
