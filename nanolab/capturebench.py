@@ -140,8 +140,9 @@ def compiled_graphs(model: LlamaModel, buckets: DecodeBuckets, progress: bool, *
 
 
 def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts=CONTEXTS, steps: int = 32,
-                     repeats: int = 3, block_size: int = 16, compile: bool = True, progress: bool = True
-                     ) -> CaptureBench:
+                     repeats: int = 3, block_size: int = 16, compile: bool = True, streamed: bool = False,
+                     progress: bool = True) -> CaptureBench:
+    """`streamed` adds Day 60's arm: graphs over the streamed read, captured for the batch axis alone."""
     device = torch.device("cuda")
     model = load_model(model_path, dtype=dtype, device=device)
     config = model.config
@@ -153,15 +154,19 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
     # Day 54: the capture list with a pool per graph, then with one shared pool (kept).
     graphed = Engine(model, buckets=buckets, **kw)
     graphed.graphs = DecodeGraphs(graphed.decode_forward, graphed.cache, buckets)
-    reports = [graphed.graphs.capture(shared_pool=False, progress=progress),
-               graphed.graphs.capture(shared_pool=True, progress=progress)]
+    reports = [("eager", graphed.graphs.capture(shared_pool=False, progress=progress)),
+               ("eager", graphed.graphs.capture(shared_pool=True, progress=progress))]
     arms = {"nanolab graphs": graphed}
     if compile:
         arms["nanolab graphs + compile"] = compiled_graphs(model, buckets, **kw)
-        reports.append(arms["nanolab graphs + compile"].graphs.report)
-    capture = pd.DataFrame([{"forward": "eager" if i < 2 else "compiled (compile time included)",
-                             "pool": "shared" if r.shared_pool else "one per graph", "shapes": r.shapes,
-                             "seconds": r.seconds, "pool_mib": r.pool_bytes / 2**20} for i, r in enumerate(reports)])
+        reports.append(("compiled (compile time included)", arms["nanolab graphs + compile"].graphs.report))
+    if streamed:
+        arms["nanolab graphs, streamed read"] = Engine(model, buckets=buckets.without_width(), streamed_read=True,
+                                                       cuda_graphs=True, **kw)
+        reports.append(("eager, streamed read", arms["nanolab graphs, streamed read"].capture_report))
+    capture = pd.DataFrame([{"forward": forward, "pool": "shared" if r.shared_pool else "one per graph",
+                             "shapes": r.shapes, "seconds": r.seconds, "pool_mib": r.pool_bytes / 2**20}
+                            for forward, r in reports])
     eager = Engine(model, **kw)
     arms["nanolab eager"] = eager
 
@@ -239,6 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled-graphs arm")
+    parser.add_argument("--streamed", action="store_true", help="add graphs over the streamed read (Day 60)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -253,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, torch.device("cuda"))
     bench = run_capturebench(path, dtype, [int(b) for b in args.batches.split(",")],
                              [int(c) for c in args.contexts.split(",")], args.steps, args.repeats,
-                             compile=not args.no_compile)
+                             compile=not args.no_compile, streamed=args.streamed)
     label = run_label(torch.device("cuda"), args.model, dtype, weights=weights_kind(path))
     for name, table in (("day54_decode", bench.steps), ("day54_capture", bench.capture),
                         ("day54_agreement", bench.agreement), ("day54_profile", bench.profile)):
