@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanolab.kernels.paged_attention import paged_attention_table_kernel
 from nanolab.paged_attention import attention_mask_bias, paged_attention_batched_reference
 from nanolab.plan import DecodePlan
 
@@ -397,10 +398,6 @@ class BatchedPagedKVCache:
         traced region observes no value that changes from step to step. `slot_mapping` and
         `mask_bias` are the view's, derived once per step; without them they are derived here."""
         if plan is not None and self.streamed_read:
-            # Imported on first use: Triton reads TRITON_INTERPRET when it decorates the kernels, so a
-            # CPU caller can still set it after importing nanolab (and kernels imports this module).
-            from nanolab.kernels.paged_attention import paged_attention_table_kernel
-
             return paged_attention_table_kernel(q, self.k_pools[layer], self.v_pools[layer], plan.block_table,
                                                 plan.table_rows, self.block_size, plan.context_lens, positions)
         if plan is not None:

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanolab.cache import cdiv
 from nanolab.paged_attention import check_read_inputs, paged_attention_batched_reference
 
 VARIANTS = ("head", "gqa", "split")
@@ -182,7 +181,7 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
     - "gqa" otherwise: each K/V tile is read once per group instead of once per query head, which
       divides the bytes moved (the whole cost of decode) by heads / kv_heads.
     """
-    if rows * kv_heads < num_sms and cdiv(max_ctx, block) >= 8:
+    if rows * kv_heads < num_sms and triton.cdiv(max_ctx, block) >= 8:
         return "split"
     if heads == kv_heads:
         return "head"
@@ -191,7 +190,7 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
 
 def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = 64) -> int:
     """Shares per row for "split": enough programs to cover the SMs, at least 4 tiles a share."""
-    return max(1, min(cdiv(num_sms, rows * kv_heads), cdiv(max_ctx, block) // 4))
+    return max(1, min(triton.cdiv(num_sms, rows * kv_heads), triton.cdiv(max_ctx, block) // 4))
 
 
 def tile_lanes(variant: str, heads: int, kv_heads: int) -> int:
