@@ -101,6 +101,21 @@ _PATTERNS = {
     "long tail": (1, 8, 8, 8, 8, 8, 8, 8),
 }
 
+# The seed's printed table (Day 59), verbatim: `render_streambench(streambench_table())` must equal it.
+SEED_STREAMBENCH = """\
+ rows  width     spread    rectangle       tile   holds   walked  rect tiles  walks
+    8   2048    uniform       2.1 MB    0.13 MB     16x      128         128  1.00x
+    8   2048         2x       2.1 MB    0.13 MB     16x       96         128  1.33x
+    8   2048         4x       2.1 MB    0.13 MB     16x       60         128  2.13x
+    8   2048  long tail       2.1 MB    0.13 MB     16x       30         128  4.27x
+    8   8192    uniform       8.4 MB    0.13 MB     64x      512         512  1.00x
+    8   8192  long tail       8.4 MB    0.13 MB     64x      120         512  4.27x
+   32   8192         4x      33.6 MB    0.52 MB     64x      960        2048  2.13x
+   32   8192  long tail      33.6 MB    0.52 MB     64x      480        2048  4.27x
+  256   2048  long tail      67.1 MB    4.19 MB     16x      960        4096  4.27x
+  256   8192    uniform     268.4 MB    4.19 MB     64x    16384       16384  1.00x
+  256   8192  long tail     268.4 MB    4.19 MB     64x     3840       16384  4.27x"""
+
 # The seed's table: (rows, width, spread), 32 heads, 128-key tiles.
 STREAMBENCH_SHAPES = (
     (8, 2048, "uniform"), (8, 2048, "2x"), (8, 2048, "4x"), (8, 2048, "long tail"),

@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanolab.cache import cdiv
 from nanolab.captured import spread_lengths
+from nanolab.kernels.paged_attention import paged_attention_batched_kernel, paged_attention_table_kernel
 from nanolab.paged_attention import paged_attention_batched_reference
 from nanolab.plan import derive_slot_mapping
 
@@ -99,8 +100,6 @@ def read_batch(lengths: list[int], *, heads: int = HEADS, kv_heads: int = KV_HEA
 
 def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
     """The read `arm` performs on `batch`, as a no-argument callable returning [rows, 1, heads, d]."""
-    from nanolab.kernels.paged_attention import paged_attention_batched_kernel, paged_attention_table_kernel
-
     b = batch
     if arm == "reference":
         return lambda: paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,

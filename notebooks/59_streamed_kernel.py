@@ -39,6 +39,7 @@ from nanolab import Engine, SamplingParams, load_model, resolve_weights
 from nanolab.bench import random_prompts, time_nanolab
 from nanolab.buckets import DecodeBuckets
 from nanolab.captured import (
+    SEED_STREAMBENCH,
     render_streambench,
     spread_lengths,
     streambench_table,
@@ -75,23 +76,10 @@ print(label.caption())
 # that arithmetic (`nanolab.captured`), and it must match the seed's print exactly.
 
 # %%
-SEED = """\
- rows  width     spread    rectangle       tile   holds   walked  rect tiles  walks
-    8   2048    uniform       2.1 MB    0.13 MB     16x      128         128  1.00x
-    8   2048         2x       2.1 MB    0.13 MB     16x       96         128  1.33x
-    8   2048         4x       2.1 MB    0.13 MB     16x       60         128  2.13x
-    8   2048  long tail       2.1 MB    0.13 MB     16x       30         128  4.27x
-    8   8192    uniform       8.4 MB    0.13 MB     64x      512         512  1.00x
-    8   8192  long tail       8.4 MB    0.13 MB     64x      120         512  4.27x
-   32   8192         4x      33.6 MB    0.52 MB     64x      960        2048  2.13x
-   32   8192  long tail      33.6 MB    0.52 MB     64x      480        2048  4.27x
-  256   2048  long tail      67.1 MB    4.19 MB     16x      960        4096  4.27x
-  256   8192    uniform     268.4 MB    4.19 MB     64x    16384       16384  1.00x
-  256   8192  long tail     268.4 MB    4.19 MB     64x     3840       16384  4.27x"""
 table = streambench_table()
 save_table(table, "day59_streambench_host", label)
 print(render_streambench(table))
-assert render_streambench(table) == SEED
+assert render_streambench(table) == SEED_STREAMBENCH
 assert workspace_bytes(256, 32, 8192) / streamed_workspace_bytes(256, 32, 128) == 64
 
 # %% [markdown]

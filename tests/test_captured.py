@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nanolab.captured import (
+    SEED_STREAMBENCH,
     SPREADS,
     StreamedWork,
     render_streambench,
@@ -18,24 +19,9 @@ from nanolab.captured import (
     workspace_saving,
 )
 
-# The seed's table (Day 59), verbatim.
-SEED_TABLE = """\
- rows  width     spread    rectangle       tile   holds   walked  rect tiles  walks
-    8   2048    uniform       2.1 MB    0.13 MB     16x      128         128  1.00x
-    8   2048         2x       2.1 MB    0.13 MB     16x       96         128  1.33x
-    8   2048         4x       2.1 MB    0.13 MB     16x       60         128  2.13x
-    8   2048  long tail       2.1 MB    0.13 MB     16x       30         128  4.27x
-    8   8192    uniform       8.4 MB    0.13 MB     64x      512         512  1.00x
-    8   8192  long tail       8.4 MB    0.13 MB     64x      120         512  4.27x
-   32   8192         4x      33.6 MB    0.52 MB     64x      960        2048  2.13x
-   32   8192  long tail      33.6 MB    0.52 MB     64x      480        2048  4.27x
-  256   2048  long tail      67.1 MB    4.19 MB     16x      960        4096  4.27x
-  256   8192    uniform     268.4 MB    4.19 MB     64x    16384       16384  1.00x
-  256   8192  long tail     268.4 MB    4.19 MB     64x     3840       16384  4.27x"""
-
 
 def _seed_rows():
-    for line in SEED_TABLE.splitlines()[1:]:
+    for line in SEED_STREAMBENCH.splitlines()[1:]:
         cells = line.split()
         if cells[2] == "long":
             cells[2:4] = ["long tail"]
@@ -107,4 +93,4 @@ def test_streambench_table_equals_the_seed_cell_by_cell():
 
 
 def test_streambench_renders_as_the_seed_prints_it():
-    assert render_streambench(streambench_table()) == SEED_TABLE
+    assert render_streambench(streambench_table()) == SEED_STREAMBENCH
