@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention_table_kernel
 from nanolab.paged_attention import attention_mask_bias, paged_attention_batched_reference
 from nanolab.plan import DecodePlan
@@ -127,8 +128,11 @@ class BatchedPagedKVCache:
     bounds_from_cache = True
     # Day 60: a planned decode reads through the streamed Triton kernel, addressed by the block
     # table (`kernels.paged_attention.paged_attention_table_kernel`), instead of the reference's
-    # rectangle. Prefill (several queries a row) always reads through the reference.
-    streamed_read = False
+    # rectangle. Prefill (several queries a row) always reads through the reference. None picks
+    # by device: on for a CUDA cache, where the H200 measured the engine's graphed decode step
+    # faster at every batch and context (notebooks/59_streamed_kernel.py); off on a CPU, where
+    # Triton has only its interpreter.
+    streamed_read: bool | None = None
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, max_rows: int = 64, max_model_len: int | None = None,
@@ -158,8 +162,13 @@ class BatchedPagedKVCache:
             ("positions", (max_rows, 1)))}
         self._staged: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
         self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
-        if streamed_read is not None:
-            self.streamed_read = streamed_read
+        if streamed_read is None:
+            streamed_read = type(self).streamed_read
+        self.streamed_read = self.device.type == "cuda" if streamed_read is None else streamed_read
+        if self.streamed_read and self.device.type != "cuda" and not INTERPRETED:
+            raise ValueError("the streamed read needs a CUDA cache, or Triton's interpreter for a CPU one: on a "
+                             "machine with CUDA the interpreter is off unless TRITON_INTERPRET=1 is set before "
+                             "nanolab is imported")
 
     @property
     def num_blocks(self) -> int:

@@ -227,7 +227,8 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
         if constant_floats:
             stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
         engine = Engine(model, num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1,
-                        block_size=block_size, max_num_seqs=max(rows, 1), planned=planned)
+                        block_size=block_size, max_num_seqs=max(rows, 1), planned=planned,
+                        streamed_read=False)  # Days 49 and 50 study the reference read's guards
         forward = model if mode == "off" else torch.compile(model, dynamic=mode == "dynamic", backend=backend)
         probe = _DecodeProbe(forward, mark_plan_width_dynamic if dynamic_marks else None)
         engine.decode_forward = probe

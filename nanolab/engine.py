@@ -66,8 +66,11 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
         if cuda_graphs and buckets is None:
-            # Up to 64 rows and 8,192 tokens: the reference read's rectangle grows with both.
+            # Up to 64 rows and 8,192 tokens: the reference read's rectangle grows with both. The
+            # streamed read has no width, so its list is the batch axis alone (Day 60).
             buckets = DecodeBuckets.default(min(max_num_seqs, 64), min(self.cache.max_width, 8192), min_width=128)
+            if self.cache.streamed_read:
+                buckets = buckets.without_width()
         if buckets is not None and not planned:
             raise ValueError("capture buckets pad a DecodePlan; they need planned=True")
         self.buckets = buckets

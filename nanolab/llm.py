@@ -83,9 +83,11 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, enforce_eager: bool = False) -> None:
+                 kv_cache_bytes: int | None = None, enforce_eager: bool = False,
+                 streamed_read: bool | None = None) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
-        capture list is warmed here, with a progress bar (Day 56)."""
+        capture list is warmed here, with a progress bar (Day 56). `streamed_read` picks the decode
+        read (Day 60); None takes the cache's choice for the device: streamed on CUDA."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
@@ -101,7 +103,7 @@ class LLM:
             num_blocks = max(1, budget // per_block)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode,
-                             cuda_graphs=device.type == "cuda" and not enforce_eager)
+                             cuda_graphs=device.type == "cuda" and not enforce_eager, streamed_read=streamed_read)
 
     @property
     def config(self):

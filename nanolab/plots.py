@@ -254,12 +254,15 @@ def plot_capture_buckets(buckets, waste: pd.DataFrame, capture: pd.DataFrame, st
 
 
 def plot_streamed_read(table: pd.DataFrame, example_lengths: list[int], *, heads: int = 32, block: int = 128,
-                       head_dim: int = 64):
+                       head_dim: int = 64, measured: pd.DataFrame | None = None):
     """Day 59's four panels: the rectangle the reference scores for a ragged batch, one streamed
     program's whole live state, the ragged walk against the rectangle's tiles, and the table.
 
     table            `captured.streambench_table()` (host arithmetic, the seed's rows)
     example_lengths  one ragged batch's row lengths, drawn in the first and third panels
+    measured         `streambench.run_streambench`'s table from a GPU; when given, the fourth panel
+                     shows it (microseconds per arm, and the engine's read's bandwidth) under the
+                     host table, labelled with the device and date it was measured on
     """
     from nanolab.captured import render_streambench, streamed_work
 
@@ -310,8 +313,85 @@ def plot_streamed_read(table: pd.DataFrame, example_lengths: list[int], *, heads
                       f"({work.ragged_saving:.2f}x); the loop bound is each row's own length", fontsize=8.5)
 
     table_ax.axis("off")
-    table_ax.text(0.0, 1.0, render_streambench(table), family="monospace", fontsize=8.5, va="top")
-    table_ax.set_title("the table, uniform rows left in: the tile saving is unconditional, the walk saving is "
-                       "the spread", fontsize=8.5)
+    table_ax.text(0.0, 1.0, render_streambench(table), family="monospace", fontsize=8.5 if measured is None else 7,
+                  va="top")
+    title = "the table, uniform rows left in: the tile saving is unconditional, the walk saving is the spread"
+    if measured is not None:
+        table_ax.text(0.0, 0.36, _measured_text(measured), family="monospace", fontsize=7, va="top")
+        title = "above, the host arithmetic (the seed's table); below, one layer's read measured"
+    table_ax.set_title(title, fontsize=8.5)
+    fig.tight_layout()
+    return fig
+
+
+def _measured_text(measured: pd.DataFrame) -> str:
+    """The streambench table as text: microseconds per arm for each shape, then the table-addressed
+    read's K/V bandwidth and its speedup over the rectangle."""
+    arms = [a for a in ("reference", "head", "gqa", "split", "table", "sdpa") if a in set(measured.arm)]
+    us = measured.pivot(index="shape", columns="arm", values="us")
+    tb = measured[measured.arm == "table"].set_index("shape")
+    row = measured.iloc[0]
+    lines = [f"{row['device']}, {row['dtype']}, {row['date']}, torch {row['torch']}, triton {row['triton']}: "
+             "microseconds",
+             f"{'shape':<20}" + "".join(f"{a:>10}" for a in arms) + f"{'TB/s':>7}{'x ref':>7}"]
+    for shape in measured["shape"].unique():
+        lines.append(f"{shape:<20}" + "".join(f"{us.loc[shape, a]:>10.1f}" for a in arms)
+                     + f"{tb.loc[shape, 'tb_s']:>7.2f}{tb.loc[shape, 'x_reference']:>6.1f}x")
+    lines.append("TB/s: K/V bytes the rows hold over the table read's time")
+    return "\n".join(lines)
+
+
+def plot_launch_sweep(sweep: pd.DataFrame, chosen: dict[str, int]):
+    """The launch sweep: for each swept shape, the fastest time found at each number of split
+    shares (1 is "gqa", one program per row and KV head), with the share count the rule picks
+    ringed. `chosen` maps a shape to the rule's share count."""
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    group = sweep[sweep.variant != "head"]
+    best = group.groupby(["shape", "splits"]).us.min().reset_index()
+    for i, (shape, part) in enumerate(best.groupby("shape", sort=False)):
+        ax.plot(part.splits, part.us, marker="o", color=f"C{i}", label=shape)
+        pick = part[part.splits == chosen[shape]]
+        ax.scatter(pick.splits, pick.us, s=160, facecolors="none", edgecolors=f"C{i}", linewidths=1.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    shares = sorted(best.splits.unique())
+    ax.set_xticks(shares, [str(s) for s in shares])
+    ax.minorticks_off()
+    ax.set_xlabel("split shares per row (1: one program per row and KV head)")
+    ax.set_ylabel("microseconds, fastest launch setting")
+    ax.set_title("one layer's read through the block table: sharing the walk out fills the card\n"
+                 "(ringed: the shares the rule picks)", fontsize=9)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_streamed_engine(steps: pd.DataFrame, reference: str, streamed: str):
+    """Day 60 end to end: ms per decode step against batch with the reference read and with the
+    streamed read (both replayed as graphs), one line per context, and the ratio between them."""
+    fig, (time_ax, ratio_ax) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw=dict(width_ratios=[1.3, 1]))
+    for i, (context, part) in enumerate(steps.groupby("context")):
+        ls = "-" if i == 0 else "--"
+        for arm, colour, marker in ((reference, "C0", "o"), (streamed, "C3", "D")):
+            rows = part[part.arm == arm].sort_values("batch")
+            time_ax.plot(rows.batch, rows.ms_per_step, color=colour, marker=marker, ls=ls,
+                         label=f"{arm.replace('nanolab ', '')}, context {context}")
+        floor = part[part.arm == reference].sort_values("batch")
+        time_ax.plot(floor.batch, floor.floor_ms, color="k", lw=1, ls=ls, label=f"floor, context {context}")
+        ref = part[part.arm == reference].set_index("batch").ms_per_step
+        new = part[part.arm == streamed].set_index("batch").ms_per_step
+        ratio_ax.plot(ref.index, ref / new, color=f"C{i + 4}", marker="o", ls=ls, label=f"context {context}")
+    _log_batch_axes(time_ax, steps.batch, "ms per decode step")
+    time_ax.legend(fontsize=7, ncol=2)
+    time_ax.set_title("the decode step, graphs over either read", fontsize=9)
+    ratio_ax.set_xscale("log", base=2)
+    sizes = sorted(steps.batch.unique())
+    ratio_ax.set_xticks(sizes, [str(b) for b in sizes])
+    ratio_ax.minorticks_off()
+    ratio_ax.axhline(1, color="k", lw=1)
+    ratio_ax.set_xlabel("batch (requests decoding together)")
+    ratio_ax.set_ylabel("reference step time / streamed step time")
+    ratio_ax.set_title("above 1: the streamed read's step is faster", fontsize=9)
+    ratio_ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -6,13 +6,15 @@ table). This times one layer's decode read at bf16, 32 query heads over 8 KV hea
 - "reference": `paged_attention_batched_reference`, which gathers the [rows, width] rectangle;
 - each streamed variant through the slot mapping ("head", "gqa", "split"), and "table", the
   streamed read addressed through the block table (Day 60's wiring, variant chosen by shape);
-- "sdpa": torch's scaled_dot_product_attention (the flash backend on CUDA) over an equivalent
+- "sdpa": torch's scaled_dot_product_attention (flash on CUDA at 16 bits) over an equivalent
   contiguous cache [rows, kv_heads, width, head_dim]. It has no per-row lengths without a mask, and
   a mask takes flash away, so on a ragged batch it reads the whole rectangle.
 
 Bandwidth counts the K and V bytes the batch really holds (each row's own length), over the time,
-for every arm: a read that loads padding gets no credit for it. Every launch is preceded by a write
-of a buffer larger than the L2 cache, so no arm reads K/V that a previous launch left there.
+for every arm: a read that loads padding gets no credit for it. Every arm is timed as a CUDA graph
+replay, as the engine runs it, so Python's launch cost is not in the time, and every replay is
+preceded by a write of a buffer larger than the L2 cache, so no arm reads K/V that a previous
+replay left there.
 Blocks are scattered over the pool, as a long-running server leaves them.
 
     python -m nanolab streambench
@@ -115,7 +117,7 @@ def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
         q = b.q.transpose(1, 2)  # [rows, heads, 1, d]
 
         def sdpa():
-            if q.is_cuda:
+            if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # flash has no fp32 kernel
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             else:
@@ -126,24 +128,40 @@ def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
     raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
 
 
-def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 256 << 20) -> float:
-    """Median microseconds of `fn` over `repeats` launches, each after a write that evicts the L2."""
-    scratch = torch.empty(flush_bytes if device.type == "cuda" else 1, dtype=torch.uint8, device=device)
+def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 512 << 20) -> float:
+    """Median microseconds of `fn` over `repeats` launches, each after a write that evicts the L2.
+
+    On CUDA, `fn` is captured once into a CUDA graph and replayed, as the engine replays its decode
+    step: the time is the GPU's, with no Python launch cost in it. The flush runs just before each
+    replay and takes longer than the replay takes to issue, so the start event is never waiting on
+    the host."""
     fn()  # compile and warm
-    times = []
-    for _ in range(repeats):
-        scratch.zero_()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000)
-        else:
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times)
+    scratch = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up off the capture stream, as capture requires
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        scratch.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    del graph
     return statistics.median(times)
 
 
@@ -173,8 +191,59 @@ def run_streambench(shapes: dict[str, list[int]] = SHAPES, arms=ARMS, device="cu
     return df
 
 
+# Day 60's read runs at every batch the engine captures, so the sweep adds the small batches
+# whose (row, KV head) programs cannot fill the card.
+TUNE_SHAPES = {**SHAPES, "1 x 2048": [2048], "1 x 8192": [8192], "16 x 2048": [2048] * 16}
+
+
+def launch_grid(variant: str, rows: int, kv_heads: int = KV_HEADS, num_sms: int = 132):
+    """The launch settings the sweep tries for one variant: (block, num_warps, num_stages, splits).
+    Splits are tried only while the split programs stay within eight waves of the card."""
+    blocks, warps, stages = (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)
+    if variant == "head":
+        return [(b, w, s, 1) for b in (32, 64, 128) for w in (1, 2, 4) for s in (1, 2, 3)]
+    splits = [1] if variant == "gqa" else [n for n in (2, 4, 8, 16) if rows * kv_heads * n <= 8 * num_sms]
+    return [(b, w, s, n) for n in splits for b in blocks for w in warps for s in stages]
+
+
+def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "split"), device="cuda",
+         dtype=torch.bfloat16, repeats: int = 10, page: int = PAGE, progress: bool = True) -> pd.DataFrame:
+    """Time the table-addressed read (the engine's) at every launch setting of `launch_grid`: one row
+    per (shape, variant, block, num_warps, num_stages, splits). The rule in
+    `kernels.paged_attention.choose_launch` is read off this table."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(device)
+    jobs = [(label, v, cfg) for label, lengths in shapes.items() for v in variants
+            for cfg in launch_grid(v, len(lengths))]
+    records, batches = [], {}
+    for label, variant, (block, warps, stages, splits) in tqdm(jobs, desc="launch sweep", disable=not progress):
+        if label not in batches:
+            batches.clear()
+            batches[label] = read_batch(shapes[label], dtype=dtype, device=device, page=page)
+        b = batches[label]
+
+        def fn(b=b, variant=variant, block=block, warps=warps, stages=stages, splits=splits):
+            return paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page,
+                                                b.context_lens, b.positions, variant=variant, block=block,
+                                                splits=splits if variant == "split" else None,
+                                                num_warps=warps, num_stages=stages)
+        try:
+            us = time_us(fn, device, repeats)
+        except Exception as e:  # a setting the compiler cannot fit (shared memory, registers): record it
+            print(f"{label} {variant} block {block} warps {warps} stages {stages} splits {splits}: "
+                  f"{type(e).__name__}: {str(e)[:120]}")
+            us = float("nan")
+        records.append({"shape": label, "rows": len(b.context_lens), "width": int(b.context_lens.max()),
+                        "variant": variant, "block": block, "num_warps": warps, "num_stages": stages,
+                        "splits": splits, "us": us, "tb_s": b.kv_bytes / us / 1e6})
+    return pd.DataFrame(records)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep the table read's launch settings instead (day59_launch_sweep)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -183,9 +252,15 @@ def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("error: the streamed-read bench needs a CUDA device")
         return 2
-    df = run_streambench(repeats=args.repeats)
     label = run_label(torch.device("cuda"), "decode read, 32/8 heads, head_dim 64", torch.bfloat16,
                       weights="synthesized random")
+    if args.tune:
+        sweep = tune()
+        best = sweep.loc[sweep.groupby(["shape", "variant"]).us.idxmin()]
+        print(best.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print(f"wrote {save_table(sweep, 'day59_launch_sweep', label)}")
+        return 0
+    df = run_streambench(repeats=args.repeats)
     print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {save_table(df, 'day59_streambench', label)}")
     return 0

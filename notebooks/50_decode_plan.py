@@ -74,7 +74,7 @@ print(label.caption())
 # mapping is as wide as the longest row, and the shorter rows' padding is counted.
 
 # %%
-engine = Engine(model, num_blocks=64, block_size=16)
+engine = Engine(model, num_blocks=64, block_size=16, streamed_read=False)  # the read of Days 49 to 58
 prompts = [list(range(20, 20 + n)) for n in (5, 13, 2)]
 seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts]
 engine.step()  # the ragged prefill: still the unplanned path, which decides slots while it runs

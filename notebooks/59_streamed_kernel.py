@@ -38,6 +38,7 @@ import torch
 from nanolab import Engine, SamplingParams, load_model, resolve_weights
 from nanolab.bench import random_prompts, time_nanolab
 from nanolab.buckets import DecodeBuckets
+from nanolab.capturebench import run_capturebench
 from nanolab.captured import (
     SEED_STREAMBENCH,
     render_streambench,
@@ -48,6 +49,9 @@ from nanolab.captured import (
     workspace_bytes,
 )
 from nanolab.kernels.paged_attention import (
+    BLOCK,
+    LAUNCH,
+    choose_splits,
     choose_variant,
     kernel_agreement,
     paged_attention_batched_kernel,
@@ -55,9 +59,18 @@ from nanolab.kernels.paged_attention import (
     tile_lanes,
 )
 from nanolab.paged_attention import paged_attention_batched_reference
-from nanolab.plots import plot_streamed_read
-from nanolab.report import chapter_target, load_table, run_label, save_figure, save_table, show
-from nanolab.streambench import read_batch
+from nanolab.plots import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
+from nanolab.report import (
+    chapter_target,
+    figure_path,
+    load_table,
+    run_label,
+    save_figure,
+    save_table,
+    show,
+    table_label,
+)
+from nanolab.streambench import read_batch, run_streambench
 from nanolab.weights import weights_kind
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
@@ -189,31 +202,63 @@ def greedy(engine: Engine) -> list[list[int]]:
     return [s.output_token_ids for s in seqs]
 
 
-reference_tokens = greedy(Engine(model, num_blocks=32))
-streamed_tokens = greedy(Engine(model, num_blocks=32, streamed_read=True))
-print(f"{MODEL}, {DTYPE}: streamed read decodes the reference's tokens: {streamed_tokens == reference_tokens}")
-if DTYPE == torch.float32:  # in bf16 the two reads round differently, and random weights have near-ties
-    assert streamed_tokens == reference_tokens
+# fp32 keeps rounding out of the question; on a GPU the chapter's bf16 model is loaded again in fp32
+exact_model = model if DTYPE == torch.float32 else load_model(path, dtype=torch.float32, device=DEVICE)
+for m in dict.fromkeys((exact_model, model)):
+    dtype = next(m.parameters()).dtype
+    same = greedy(Engine(m, num_blocks=32, streamed_read=True)) == greedy(Engine(m, num_blocks=32,
+                                                                                 streamed_read=False))
+    print(f"{MODEL}, {dtype}: the streamed read decodes the reference's greedy tokens: {same}")
+    if dtype == torch.float32:
+        assert same
+del exact_model
+
+# %% [markdown]
+# In bf16 the two reads need not agree token for token. The reference rounds its scores to bf16
+# before the softmax, and the kernel keeps them in fp32 but rounds the probabilities to bf16 before
+# the second product. With random weights the top two logits are often close, so one rounding can
+# flip a token, and every later step then follows a different history. The cell below measures
+# each read's error against the same read done exactly (float64, from the same inputs), so the
+# difference can be read as rounding rather than as a wrong answer.
+
+# %%
+b = read_batch(batches["ragged"], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
+               device=DEVICE)
+exact = paged_attention_batched_reference(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping,
+                                          b.context_lens, b.positions, validated=True)
+reads = {"reference": paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
+                                                        b.positions, validated=True),
+         "streamed (table)": paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
+                                                          b.context_lens, b.positions, block=TILE)}
+exactness = pd.DataFrame([{"read": name, "dtype": str(kernel_dtype).removeprefix("torch."),
+                           "worst |read - exact|": float((out.double() - exact).abs().max())}
+                          for name, out in reads.items()])
+show(exactness)
 
 # %% [markdown]
 # ### The default, per device
 #
 # The seed kept the streamed read off by default because its kernel was a Python loop. This kernel
 # is Triton, but on a CPU Triton has only its interpreter, which runs each program as Python. Here
-# is what that costs per decode step, measured now:
+# is what that costs per decode step, measured now (on a GPU, the same cell times both reads with
+# the engine eager, no graphs):
 
 # %%
 steps = 3
-arms = {"reference": Engine(model, num_blocks=32), "streamed": Engine(model, num_blocks=32, streamed_read=True)}
+arms = {"reference": Engine(model, num_blocks=32, streamed_read=False),
+        "streamed": Engine(model, num_blocks=32, streamed_read=True)}
 timing = pd.DataFrame([{"read": name, "ms_per_step": time_nanolab(engine, random_prompts(2, 24,
                         model.config.vocab_size), steps, repeats=1).ms_per_step} for name, engine in arms.items()])
 save_table(timing, "day60_read_cost", label)
 show(timing)
 
 # %% [markdown]
-# On the CPU the reference stays the default. On a GPU the answer comes from the measurement
-# below. Until the H200 has measured the streamed read against the rectangle inside the engine,
-# `streamed_read` stays off there too.
+# So on a CPU the reference stays the default. On a CUDA device the cache reads through the
+# streamed kernel unless told otherwise (`streamed_read=None` picks by device). The H200
+# measurement at the end of this chapter is the reason: with graphs, as `LLM` runs on a GPU, the
+# streamed step is faster than the reference's at every batch and context the capture chapter
+# measured. The chapters before this one pass `streamed_read=False`, because they study the read
+# of their day.
 #
 # ### The capture list loses an axis
 #
@@ -230,19 +275,173 @@ print(f"largest bucket's scores: {workspace_bytes(32, 32, 8192) / 1e6:.1f} MB as
 # %% [markdown]
 # ## On the H200
 #
-# `python -m nanolab streambench` times one layer's read at bf16, 32/8 heads, head_dim 64. It
-# runs the reference, each variant, the table-addressed read, and torch's SDPA flash kernel over
-# an equivalent contiguous cache. The shapes are 64 x 8,192, 8 x 2,048, 256 x 1,024 and a long-tail
-# batch. Bandwidth counts only the K/V bytes the batch holds.
+# ### Choosing the launch
+#
+# A Triton kernel leaves its tile size, warps and software-pipeline depth to whoever launches it,
+# and the split variant also needs a share count. `python -m nanolab streambench --tune` times the
+# table-addressed read (the engine's) at every setting in a grid, at bf16 with 32 query heads over
+# 8 KV heads and head_dim 64: 1,053 launches over seven shapes from one row to 256. Each launch is a
+# CUDA-graph replay after a write that evicts the L2, so the timing is GPU time alone.
 
 # %%
+sweep = load_table("day59_launch_sweep", "h200")
+assert sweep is not None, "data/day59_launch_sweep_h200.csv is missing (scripts/gpu_run.sh tune on a GPU)"
+print(f"measured on: {table_label(sweep).caption()}")
+swept = sweep.groupby("shape", sort=False)[["rows", "width"]].first()
+rule = {shape: (choose_variant(int(r.rows), HEADS, KV_HEADS, int(r.width)),
+                choose_splits(int(r.rows), KV_HEADS, int(r.width))) for shape, r in swept.iterrows()}
+chosen_splits = {shape: splits if variant == "split" else 1 for shape, (variant, splits) in rule.items()}
+fastest = sweep.groupby(["shape", "variant"], sort=False).us.min().unstack()
+warps, stages = LAUNCH["gqa"]
+picked = [sweep[(sweep["shape"] == shape) & (sweep.variant == variant) & (sweep.splits == chosen_splits[shape])
+                & (sweep.block == BLOCK) & (sweep.num_warps == warps) & (sweep.num_stages == stages)].us.iloc[0]
+          for shape, (variant, _) in rule.items()]
+fastest["rule picks"] = [f"{v} x{chosen_splits[s]}" if v == "split" else v for s, (v, _) in rule.items()]
+fastest["rule's us"] = picked
+fastest["of best"] = fastest["rule's us"] / sweep.groupby("shape", sort=False).us.min()
+show(fastest.round(2))
+assert (fastest["of best"] <= 1.12).all()
+
+# %%
+fig = plot_launch_sweep(sweep, chosen_splits)
+if ON_GPU or not figure_path("day59_launch_sweep", "h200").exists():
+    save_figure(fig, "day59_launch_sweep", table_label(sweep))
+show(fig)
+
+# %% [markdown]
+# Three things are plain in the sweep.
+#
+# - **"head" loses everywhere**, by 3.5x to 4.4x against the best "gqa" or "split" setting, because
+#   its four programs per KV head each load the same K/V tile. The seed's grid is kept for the
+#   record and for models whose heads do not share.
+# - **Small batches want their walks shared out.** One row has 8 (row, KV head) programs for a card
+#   of 132 SMs, so one program's serial walk is the whole time. Cut into 16 shares, the same read
+#   finishes several times sooner. The rule (`choose_splits`) aims for about eight programs per SM
+#   and takes the power of two below that, at most 16.
+# - **One launch setting does**: 128-key tiles, 4 warps, 3 pipeline stages (`BLOCK` and `LAUNCH`).
+#   It is within 12% of the best setting found for every shape, and the test suite holds the rule
+#   to that against this committed table.
+#
+# ### The read, arm by arm
+#
+# `python -m nanolab streambench` times the reference, each variant through the slot mapping, the
+# table-addressed read with the rule's choice, and torch's SDPA flash kernel over an equivalent
+# contiguous cache, at the issue's four shapes. On a GPU this cell reruns it; elsewhere it shows
+# the committed H200 table.
+
+# %%
+if ON_GPU:
+    measured = run_streambench()
+    save_table(measured, "day59_streambench", run_label(DEVICE, "decode read, 32/8 heads, head_dim 64",
+                                                        torch.bfloat16, weights="synthesized random"))
 measured = load_table("day59_streambench", "h200")
-if measured is None:
-    print("not measured yet: data/day59_streambench_h200.csv is absent (run scripts/gpu_run.sh stream on a GPU)")
-else:
-    show(measured.pivot(index="shape", columns="arm", values="us").round(1))
+assert measured is not None, "data/day59_streambench_h200.csv is missing (scripts/gpu_run.sh stream on a GPU)"
+print(f"measured on: {table_label(measured).caption()}")
+show(measured.pivot(index="shape", columns="arm", values="us").round(1))
+show(measured.pivot(index="shape", columns="arm", values="tb_s").round(2))
+assert (measured[measured.arm != "sdpa"].max_err < 2e-2).all()  # every arm answers the reference's question
+
+# %% [markdown]
+# The issue's targets, as ratios (they are printed, not asserted: a timing is not a test):
 
 # %%
-fig = plot_streamed_read(table, spread_lengths(8, 2048, "long tail"))
+by = measured.set_index(["shape", "arm"])
+big, small = by.loc["64 x 8192"], by.loc["8 x 2048"]
+print(f"64 x 8192: the table read takes {big.us['table']:.0f} us at {big.tb_s['table']:.2f} TB/s "
+      f"(target 3.0 TB/s: {big.tb_s['table'] / 3.0:.2f}x); SDPA flash on a contiguous cache takes "
+      f"{big.us['sdpa']:.0f} us ({big.us['sdpa'] / big.us['table']:.2f}x the table read's time); "
+      f"the rectangle takes {big.us['reference']:.0f} us ({big.x_reference['table']:.1f}x, target 20x)")
+needed = big.kv_bytes["table"] / (big.us["reference"] / 20) / 1e6
+print(f"  20x the rectangle would need {needed:.1f} TB/s; the H200's HBM peaks at 4.8 TB/s (REFERENCES.md)")
+print(f"8 x 2048: the table read takes {small.us['table']:.1f} us (target 25 us: "
+      f"{25 / small.us['table']:.2f}x)")
+tail = by.loc["long tail 64 x 8192"]
+print(f"long tail 64 x 8192: {tail.us['table']:.0f} us against the rectangle's {tail.us['reference']:.0f} us "
+      f"({tail.x_reference['table']:.1f}x); SDPA, which has no lengths, reads the whole rectangle in "
+      f"{tail.us['sdpa']:.0f} us")
+
+# %%
+fig = plot_streamed_read(table, spread_lengths(8, 2048, "long tail"), measured=measured)
 save_figure(fig, "day59_streamed_read", label)
 show(fig)
+
+# %% [markdown]
+# The 20x target against the rectangle cannot be met on this card, and the cell above shows why.
+# Replayed from a graph, the reference is a handful of large, well-fed kernels (a gather, two
+# batched matmuls, a softmax). At 64 x 8,192 it is only about 12x slower than a read at 3.8 TB/s,
+# so 20x would need more bandwidth than the HBM has. The other targets are met: the read streams
+# K/V at over 3 TB/s and beats SDPA flash reading a contiguous cache, and the small batch comes in
+# under 25 us. On the long-tail batch the gap is widest, because the kernel walks only each row's
+# own tiles. SDPA has no per-row lengths, so it reads the whole rectangle there.
+#
+# ## Day 60 on the H200: the engine, end to end
+#
+# The read is one kernel; the engine's decode step is 16 layers of it with the matmuls between.
+# `python -m nanolab capturebench --streamed` runs the capture chapter's measurement with one more
+# arm: graphs over the streamed read, captured for the batch axis alone. Llama-3.2-1B shapes, bf16,
+# the same batches and contexts as the capture chapter, all arms in one process.
+
+# %%
+stems = ("day60_decode", "day60_capture", "day60_agreement", "day60_profile")
+if ON_GPU:
+    bench = run_capturebench(path, DTYPE, compile=False, streamed=True, progress=False)
+    for stem, frame in zip(stems, (bench.steps, bench.capture, bench.agreement, bench.profile), strict=True):
+        save_table(frame, stem, label)
+steps, capture, agreement, profile = (load_table(stem, "h200") for stem in stems)
+assert steps is not None, "data/day60_decode_h200.csv is missing (scripts/gpu_run.sh capture with --streamed)"
+print(f"measured on: {table_label(steps).caption()}")
+REFERENCE, STREAMED = "nanolab graphs", "nanolab graphs, streamed read"
+ratio = steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step")
+ratio = pd.concat({c: ratio[c][REFERENCE] / ratio[c][STREAMED] for c in sorted(steps.context.unique())}, axis=1)
+show(steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step").round(3))
+print("reference step time / streamed step time, by batch (columns: context):")
+show(ratio.round(2))
+
+# %%
+print(f"the streamed step against the reference's, graphs on both: {ratio.min().min():.2f}x to "
+      f"{ratio.max().max():.2f}x faster; slower at {int((ratio < 1).sum().sum())} of {ratio.size} points")
+eager_cost = load_table("day60_read_cost", "h200")
+if eager_cost is not None:
+    cost = eager_cost.set_index("read").ms_per_step
+    print(f"eager, no graphs ({table_label(eager_cost).device}): {cost['reference']:.2f} ms a step through the "
+          f"reference, {cost['streamed']:.2f} through the kernel")
+
+# %%
+fig = plot_streamed_engine(steps, REFERENCE, STREAMED)
+if ON_GPU or not figure_path("day60_streamed_engine", "h200").exists():
+    save_figure(fig, "day60_streamed_engine", table_label(steps))
+show(fig)
+
+# %% [markdown]
+# ### The capture list and the tokens
+#
+# Graphs over the streamed read need one shape per batch size. The rectangle's list needs one per
+# (batch, width). The pool no longer holds a rectangle either:
+
+# %%
+show(capture.drop(columns=[c for c in capture.columns if c in table_label(capture).as_columns()]).round(2))
+pools = capture.set_index("forward")
+print(f"the streamed list: {int(pools.shapes['eager, streamed read'])} graphs in "
+      f"{pools.pool_mib['eager, streamed read']:.0f} MiB; the rectangle's shared pool: "
+      f"{int(capture[capture['pool'] == 'shared'].shapes.iloc[0])} graphs in "
+      f"{capture[capture['pool'] == 'shared'].pool_mib.iloc[0]:.0f} MiB")
+show(agreement.drop(columns=[c for c in agreement.columns if c in table_label(agreement).as_columns()]))
+
+# %% [markdown]
+# The agreement table is bf16 on random weights. Both the graphs over the reference read and the
+# graphs over the streamed read drift from the unpadded eager engine within 32 steps, through
+# rounding and near-tied logits, as the bf16 error cell above explains. The acceptance test is the
+# fp32 run: `tests/test_streamed_read.py` decodes ragged prompts of up to 1,000 tokens at
+# Llama-3.2-1B shapes on the H200, graphs over the streamed read against the eager reference, and
+# requires the same tokens. Earlier in this chapter the same check ran on this machine's model.
+#
+# ### The default
+#
+# The streamed step is faster at every point. The margin is smallest at batch 1 and context 128,
+# where the weights dominate the step, and largest at batch 64 and context 2,048, where the
+# rectangle did.
+# The capture list shrinks from one graph per (batch, width) to one per batch, and its pool by an
+# order of magnitude. On a CUDA device the cache therefore defaults to the streamed read, and
+# `LLM` captures the batch-only list. Eager steps (`enforce_eager=True`) are launch-bound either
+# way: there the kernel's Python launch costs about as much as the rectangle's kernels, as the
+# eager line above shows.

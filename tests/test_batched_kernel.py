@@ -13,6 +13,7 @@ import torch
 
 from nanolab.cache import BatchedPagedKVCache, cdiv
 from nanolab.captured import spread_lengths, streamed_work
+from nanolab.kernels import paged_attention as kernels
 from nanolab.kernels.paged_attention import (
     VARIANTS,
     choose_splits,
@@ -24,6 +25,7 @@ from nanolab.kernels.paged_attention import (
 )
 from nanolab.paged_attention import paged_attention_batched_reference
 from nanolab.plan import plan_decode
+from nanolab.report import load_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM = 16
@@ -194,11 +196,31 @@ def test_kernel_only_refusals():
 
 def test_choose_variant():
     assert choose_variant(rows=8, heads=32, kv_heads=8, max_ctx=2048) == "split"  # 64 programs, 132 SMs
-    assert choose_variant(rows=64, heads=32, kv_heads=8, max_ctx=8192) == "gqa"
+    assert choose_variant(rows=64, heads=32, kv_heads=8, max_ctx=8192) == "split"  # 512 programs, in 2 shares
+    assert choose_variant(rows=256, heads=32, kv_heads=8, max_ctx=1024) == "gqa"  # 2,048 programs
     assert choose_variant(rows=64, heads=32, kv_heads=32, max_ctx=8192) == "head"
-    assert choose_variant(rows=1, heads=32, kv_heads=8, max_ctx=64) == "gqa"  # too short to share out
-    assert choose_splits(rows=8, kv_heads=8, max_ctx=2048) == 3
-    assert choose_splits(rows=1, kv_heads=8, max_ctx=256) == 1
+    assert choose_variant(rows=1, heads=32, kv_heads=8, max_ctx=64) == "gqa"  # one tile: nothing to share out
+    assert choose_splits(rows=8, kv_heads=8, max_ctx=2048) == 16
+    assert choose_splits(rows=16, kv_heads=8, max_ctx=2048) == 8
+    assert choose_splits(rows=1, kv_heads=8, max_ctx=8192) == 16  # capped
+    assert choose_splits(rows=1, kv_heads=8, max_ctx=256) == 2  # one share a tile
+    assert choose_splits(rows=8, kv_heads=8, max_ctx=2048, num_sms=16) == 2  # a smaller card
+
+
+def test_the_launch_rule_is_read_off_the_h200_sweep():
+    """The default launch at each swept shape is within 12% of the fastest setting the sweep found
+    for that shape (data/day59_launch_sweep_h200.csv, `python -m nanolab streambench --tune`)."""
+    sweep = load_table("day59_launch_sweep", "h200")
+    assert sweep is not None, "the committed H200 sweep is missing"
+    for shape, runs in sweep.groupby("shape"):
+        rows, width = int(runs.rows.iloc[0]), int(runs.width.iloc[0])
+        variant = choose_variant(rows, 32, 8, width)
+        splits = choose_splits(rows, 8, width) if variant == "split" else 1
+        warps, stages = kernels.LAUNCH[variant]
+        pick = runs[(runs.variant == variant) & (runs.splits == splits) & (runs.block == kernels.BLOCK)
+                    & (runs.num_warps == warps) & (runs.num_stages == stages)]
+        assert len(pick) == 1, (shape, variant, splits)
+        assert pick.us.iloc[0] <= 1.12 * runs.us.min(), (shape, pick.us.iloc[0], runs.us.min())
 
 
 def test_kernel_agreement_reads_like_the_seed():

@@ -15,6 +15,14 @@ from nanolab.graphs import DecodeGraphs, planned_step
 
 pytestmark = needs_cuda
 
+
+@pytest.fixture(autouse=True)
+def reference_read(monkeypatch):
+    """Days 54 and 56 capture the reference read; tests/test_streamed_read.py captures Day 60's."""
+    from nanolab.cache import BatchedPagedKVCache
+
+    monkeypatch.setattr(BatchedPagedKVCache, "streamed_read", False)
+
 BUCKETS = DecodeBuckets((1, 2, 4, 8), (32, 64, 128))
 
 

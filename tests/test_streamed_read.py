@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_smollm2
+from conftest import needs_cuda, needs_smollm2
 from test_engine import assert_all_free, ragged_prompts, run
 
 from nanolab import Engine, SamplingParams
 from nanolab.buckets import DecodeBuckets, bucket_table, padding_waste
 from nanolab.cache import BatchedPagedKVCache
+from nanolab.kernels import INTERPRETED
+
+# CPU caches read through Triton's interpreter, which is on only where there is no CUDA (or when
+# TRITON_INTERPRET=1 is set by hand); the CUDA tests at the end run the compiled kernels instead.
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="Triton's interpreter is off on a CUDA machine")
 
 
+@interpreted
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_streamed_engine_decodes_the_reference_tokens(tiny_model, block_size):
     prompts = ragged_prompts(512)
@@ -24,6 +30,7 @@ def test_streamed_engine_decodes_the_reference_tokens(tiny_model, block_size):
     assert_all_free(streamed)
 
 
+@interpreted
 def test_streamed_read_in_padded_batches_without_a_width(tiny_model):
     prompts = ragged_prompts(512)
     reference = run(Engine(tiny_model, num_blocks=96, block_size=4), prompts, join_after=3)
@@ -32,6 +39,7 @@ def test_streamed_read_in_padded_batches_without_a_width(tiny_model):
     assert run(engine, prompts, join_after=3) == reference
 
 
+@interpreted
 def test_a_streamed_view_derives_nothing():
     cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4,
                                 streamed_read=True)
@@ -43,6 +51,7 @@ def test_a_streamed_view_derives_nothing():
     assert view.slot_mapping is None and view.mask_bias is None and view.plan is plan
 
 
+@interpreted
 @needs_smollm2
 def test_streamed_engine_on_smollm2(smollm2_model):
     prompts = ragged_prompts(smollm2_model.config.vocab_size)[:3]
@@ -69,3 +78,61 @@ def test_graphs_without_widths_need_the_streamed_read(tiny_model):
     cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8)
     with pytest.raises(ValueError, match="needs the streamed read"):
         DecodeGraphs(tiny_model, cache, DecodeBuckets((1, 2), None))
+
+
+# On a GPU: the compiled kernels (not the interpreter), graphs over the widthless list, and the
+# acceptance at Llama-3.2-1B shapes. fp32 keeps the two reads' rounding apart from the question.
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streamed_graphs_decode_the_reference_tokens(tiny_path, dtype):
+    from nanolab import load_model
+
+    model = load_model(tiny_path, dtype=dtype, device="cuda")
+    prompts = ragged_prompts(model.config.vocab_size)
+    kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
+    narrow = DecodeBuckets((1, 2, 4, 8), None)
+    graphed = Engine(model, buckets=narrow, streamed_read=True, cuda_graphs=True, progress=False, **kw)
+    assert graphed.graphs is not None and len(graphed.graphs.graphs) == 4
+    out = run(graphed, prompts, join_after=3)
+    assert out == run(Engine(model, buckets=narrow, streamed_read=True, **kw), prompts, join_after=3)
+    if dtype == torch.float32:
+        assert out == run(Engine(model, **kw), prompts, join_after=3)  # the reference read, unpadded
+    assert_all_free(graphed)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="with the interpreter on, a CPU cache can use the streamed read")
+def test_a_cpu_cache_without_the_interpreter_refuses_the_streamed_read():
+    with pytest.raises(ValueError, match="needs a CUDA cache"):
+        BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, streamed_read=True)
+
+
+@needs_cuda
+def test_streamed_read_at_llama_1b_shapes(tmp_path):
+    from nanolab import load_model
+    from nanolab.config import PRESETS
+    from nanolab.weights import synthesize_weights
+
+    path = synthesize_weights(PRESETS["llama-3.2-1b"], tmp_path / "llama-1b-shapes", progress=False)
+    model = load_model(path, dtype=torch.float32, device="cuda")
+    prompts = ragged_prompts(model.config.vocab_size, lengths=(5, 17, 100, 300, 700, 1000))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(num_blocks=512, block_size=16, max_num_seqs=8)
+    reference = run(Engine(model, **kw), prompts, params, join_after=4)
+    streamed = Engine(model, buckets=DecodeBuckets((1, 2, 4, 8), None), streamed_read=True, cuda_graphs=True,
+                      progress=False, **kw)
+    assert run(streamed, prompts, params, join_after=4) == reference
+
+
+@needs_cuda
+def test_on_cuda_the_engine_defaults_to_the_streamed_read_and_a_batch_only_list(tiny_path):
+    from nanolab import load_model
+
+    model = load_model(tiny_path, device="cuda")  # fp32: the two reads' tokens must agree exactly
+    kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
+    engine = Engine(model, cuda_graphs=True, progress=False, **kw)
+    assert engine.cache.streamed_read
+    assert engine.buckets.widths is None and sorted(engine.graphs.graphs) == [(1, None), (2, None), (4, None),
+                                                                               (8, None)]
+    prompts = ragged_prompts(model.config.vocab_size)
+    assert run(engine, prompts, join_after=3) == run(Engine(model, streamed_read=False, **kw), prompts,
+                                                     join_after=3)

@@ -13,3 +13,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Whether kernels here run in Triton's interpreter (CPU tensors) rather than compiled (CUDA tensors).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

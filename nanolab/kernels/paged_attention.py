@@ -12,19 +12,29 @@ Three variants of one idea:
 - "gqa": one program per (row, KV head); the query heads sharing that KV head are the rows of the
   tile, so each K/V tile is loaded once per group instead of once per query head.
 - "split": "gqa" with the walk cut into `splits` contiguous shares (split-K, vLLM's v2 /
-  flash-decoding), each writing a partial (max, denominator, accumulator) that torch merges. For
-  batches whose (row, KV head) programs cannot fill the GPU.
+  flash-decoding), each writing a partial (max, denominator, accumulator) that `_merge_splits`
+  folds. For batches whose (row, KV head) programs cannot fill the GPU.
+`choose_variant`, `choose_splits`, `BLOCK` and `LAUNCH` pick one for a shape; they are read off
+the H200 sweep in `data/day59_launch_sweep_h200.csv` (`python -m nanolab streambench --tune`).
 
-A padding cell of `slot_mapping` is never dereferenced: the slot is masked on load and then
-neutralised (`tl.where(valid, slot, 0)`) before it forms an address, and the K/V loads are masked
-with `other=0`. So padding may be -1 and the slot it names may hold NaN, which the reference
-cannot survive. Tiles are cast to fp32 before `tl.dot` and the softmax runs in fp32 (the Triton
-interpreter computes bf16 dots wrongly and refuses tl.exp on bf16; see ENVIRONMENT.md).
+Padding is never dereferenced. A key's slot is masked on load, and neutralised
+(`tl.where(valid, slot, 0)`) before it forms an address, wherever the key is past the row's length
+or its slot or block is negative; the K/V loads are masked with `other=0`. So padding may be -1
+and the slot it names may hold NaN, which the reference cannot survive, and a padded batch row
+(table row all -1) reads nothing and returns zeros.
+
+Arithmetic: the softmax and both accumulations run in fp32. On a GPU a 16-bit pool's tiles go to
+`tl.dot` as they are, on the tensor cores, with the probabilities rounded to the pool's dtype for
+the second product, as flash attention does. An fp32 pool, and any pool in Triton's interpreter
+(which computes bf16 dots wrongly and refuses tl.exp on bf16; see ENVIRONMENT.md), has its tiles
+cast to fp32 first (`_dot_mode`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,29 +44,48 @@ import triton.language as tl
 from nanolab.paged_attention import check_read_inputs, paged_attention_batched_reference
 
 VARIANTS = ("head", "gqa", "split")
+# Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
+# 128-key tiles, 4 warps and 3 pipeline stages are within 10% of each shape's best setting at every
+# swept shape, from 1 row x 2,048 to 256 rows x 1,024.
+BLOCK = 128
+LAUNCH = {"head": (4, 3), "gqa": (4, 3), "split": (4, 3)}  # (num_warps, num_stages)
 
 
 @triton.jit
 def _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE: tl.constexpr):
-    """Pool slots of keys w of batch row r, neutralised to 0 where not `valid` before they form an
-    address (padding may be -1). PAGE == 0: map_ptr is the [rows, width] slot mapping. PAGE > 0:
-    map_ptr is the [table_rows, max_blocks] block table, row r's table row is rows_ptr[r], and the
-    slot is table[row, w // PAGE] * PAGE + w % PAGE, so the read has no width axis (Day 60)."""
+    """Pool slots of keys w of batch row r, and which of them are live. A slot is neutralised to 0
+    before it forms an address wherever it is not live: past the row's length, or where the
+    address is negative (padding may be -1; a padded batch row's table row is all -1).
+    PAGE == 0: map_ptr is the [rows, width] slot mapping. PAGE > 0: map_ptr is the
+    [table_rows, max_blocks] block table, row r's table row is rows_ptr[r], and the slot is
+    table[row, w // PAGE] * PAGE + w % PAGE, so the read has no width axis (Day 60)."""
     if PAGE == 0:
         slot = tl.load(map_ptr + r * stride_mr + w, mask=valid, other=0)
+        valid = valid & (slot >= 0)
     else:
         row = tl.load(rows_ptr + r)
         block = tl.load(map_ptr + row * stride_mr + w // PAGE, mask=valid, other=0)
+        valid = valid & (block >= 0)
         slot = block.to(tl.int64) * PAGE + w % PAGE
-    return tl.where(valid, slot, 0)
+    return tl.where(valid, slot, 0), valid
+
+
+@triton.jit
+def _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr):
+    """Keys row r reads: its context length, or fewer if its position says so (w <= position)."""
+    ctx = tl.load(lens_ptr + r)
+    if HAS_POS:
+        ctx = tl.minimum(ctx, tl.load(pos_ptr + r * stride_pr) + 1)
+    return ctx
 
 
 @triton.jit
 def _paged_decode_head(
-    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, out_ptr, tiles_ptr,
-    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_or, stride_oh,
+    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, tiles_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, COUNT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HAS_POS: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """One program: row r, query head h. Live state: a [BLOCK, D] K tile, the same of V, m, l, acc[D]."""
     r = tl.program_id(0)
@@ -65,7 +94,7 @@ def _paged_decode_head(
     d = tl.arange(0, D)
     dmask = d < head_dim
     q = tl.load(q_ptr + r * stride_qr + h * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
-    ctx = tl.load(lens_ptr + r)
+    ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     l = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
@@ -73,20 +102,21 @@ def _paged_decode_head(
     for b in range(tl.cdiv(ctx, BLOCK)):  # the run-time bound: a short row walks only its own tiles
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
+        slot, valid = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live key yet: exp(-inf - 0) = 0, not NaN
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         l = l * alpha + tl.sum(p, axis=0)
         m = m_new
         walked += 1
-    out = acc / l
+    out = acc / tl.where(l == 0.0, 1.0, l)  # a row with no live key (padding) reads zeros
     tl.store(out_ptr + r * stride_or + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
     if COUNT:
         tl.atomic_add(tiles_ptr + r, walked)
@@ -94,11 +124,11 @@ def _paged_decode_head(
 
 @triton.jit
 def _paged_decode_group(
-    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
-    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_or, stride_oh,
+    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    PAGE: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr,
+    PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
@@ -114,8 +144,9 @@ def _paged_decode_group(
     heads = kv * GROUP + g
     qmask = gmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-    q = q.to(tl.float32)
-    ctx = tl.load(lens_ptr + r)
+    if DOT != 2:  # fp32 tiles; DOT == 2 keeps q, K and V in the pool's 16-bit dtype
+        q = q.to(tl.float32)
+    ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
     n_tiles = tl.cdiv(ctx, BLOCK)
     per_split = tl.cdiv(n_tiles, SPLITS)
     first = sp * per_split
@@ -127,28 +158,33 @@ def _paged_decode_group(
     for b in range(first, last):
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
+        slot, valid = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
-        if IEEE:
+        if DOT == 0:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
+        elif DOT == 1:
             s = tl.dot(q, tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))  # fp32 accumulation
         s = tl.where(valid[None, :], s * scale, float("-inf"))  # [G, BLOCK]
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use[:, None])
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
-        if IEEE:
+        if DOT == 0:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
+        elif DOT == 1:
             pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)  # p rounded to 16 bits, as flash attention does
         acc = acc * alpha[:, None] + pv
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
         walked += 1
     if SPLITS == 1:
-        out = acc / l[:, None]
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
@@ -161,42 +197,72 @@ def _paged_decode_group(
         tl.atomic_add(tiles_ptr + r, walked)
 
 
-def _merge_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """Fold split partials: acc [rows, heads, S, D], m and l [rows, heads, S] -> [rows, heads, D].
-    An empty share has m = -inf and l = acc = 0, so its weight exp(m - max) is exactly 0."""
-    top = m.amax(dim=-1, keepdim=True)
-    weight = torch.exp(m - top)
-    return (acc * weight[..., None]).sum(dim=-2) / (l * weight).sum(dim=-1)[..., None]
+@triton.jit
+def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, heads, head_dim, stride_or, stride_oh,
+                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+    """Fold the split partials of one (row, query head): acc [rows, heads, SPLITS, D] fp32, m and
+    l [rows, heads, SPLITS]. An empty share has m = -inf and l = acc = 0, so its weight
+    exp(m - max) is exactly 0; a row with no live key at all reads zeros."""
+    i = tl.program_id(0)  # row * heads + head
+    sp = tl.arange(0, S)
+    d = tl.arange(0, D)
+    smask = sp < SPLITS
+    m = tl.load(m_ptr + i * SPLITS + sp, mask=smask, other=float("-inf"))
+    l = tl.load(l_ptr + i * SPLITS + sp, mask=smask, other=0.0)
+    acc = tl.load(acc_ptr + (i * SPLITS + sp[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+    top = tl.max(m, axis=0)
+    weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # [S]
+    total = tl.sum(l * weight, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    r = i // heads
+    h = i % heads
+    tl.store(out_ptr + r * stride_or + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: int = 132,
-                   block: int = 64) -> str:
-    """The variant for a shape.
+                   block: int = BLOCK) -> str:
+    """The variant for a shape, read off the H200 sweep (`data/day59_launch_sweep_h200.csv`).
 
-    - "split" when the (row, KV head) programs cannot fill the SMs and each row has enough tiles
-      to share out: a decode step is bandwidth-bound, and a program streams its history serially,
-      so with rows * kv_heads < num_sms most of the card would idle through one long walk.
-    - "head" when heads == kv_heads: with no group to share a tile, packing one query head into a
-      16-row tl.dot tile wastes 15/16 of the dot, and the (row, head) grid is already wide.
-    - "gqa" otherwise: each K/V tile is read once per group instead of once per query head, which
-      divides the bytes moved (the whole cost of decode) by heads / kv_heads.
+    - "split" whenever `choose_splits` shares the walk out: a decode read is bandwidth-bound and a
+      program streams its tiles one after another, so a grid of few programs leaves most of the
+      card idle through the longest walk. The sweep has it faster than "gqa" at every batch below
+      256 rows (1 row x 8,192: 16 us against 101), and on the long-tail batch, whose longest rows
+      set the time.
+    - "head" when heads == kv_heads: with no group to share a tile, one query head would fill a
+      16-row tl.dot tile alone. (Not measured: the sweep's shapes are grouped.)
+    - "gqa" otherwise. Each K/V tile is loaded once per group, where "head" loads it once per
+      query head; on the sweep "head" is 3.5x to 4.4x slower at every shape.
     """
-    if rows * kv_heads < num_sms and triton.cdiv(max_ctx, block) >= 8:
+    if choose_splits(rows, kv_heads, max_ctx, num_sms, block) > 1:
         return "split"
     if heads == kv_heads:
         return "head"
     return "gqa"
 
 
-def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = 64) -> int:
-    """Shares per row for "split": enough programs to cover the SMs, at least 4 tiles a share."""
-    return max(1, min(triton.cdiv(num_sms, rows * kv_heads), triton.cdiv(max_ctx, block) // 4))
+def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = BLOCK) -> int:
+    """Shares per row: the power of two that brings the grid nearest, from below, to eight programs
+    per SM, at most 16 and at most one per tile. On the sweep the time flattens there: 8 rows x
+    2,048 take 31.3 us whole, 23.4 in 2 shares, 21.2 in 4 and 20.6 in 8."""
+    target = 8 * num_sms // (rows * kv_heads)
+    if target < 2:
+        return 1
+    return max(1, min(1 << (target.bit_length() - 1), 16, triton.cdiv(max_ctx, block)))
 
 
 def tile_lanes(variant: str, heads: int, kv_heads: int) -> int:
     """Programs per row whose walks `tile_counts` adds up: every query head for "head", every KV
     head for "gqa" and "split" (the splits of a KV head share one walk between them)."""
     return heads if variant == "head" else kv_heads
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; on a CPU (Triton's interpreter), the H200's 132, so the choice is the
+    one the measured card would make."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -213,11 +279,13 @@ def paged_attention_batched_kernel(
     *,
     context_bounds: tuple[int, int] | None = None,
     validated: bool = False,
-    block: int = 64,
+    block: int = BLOCK,
     variant: str = "auto",
     splits: int | None = None,
-    num_sms: int = 132,
+    num_sms: int | None = None,
     tile_counts: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The decode read of `paged_attention_batched_reference`, streamed. Same arguments and refusals.
 
@@ -234,7 +302,7 @@ def paged_attention_batched_kernel(
     if slot_mapping.stride(1) != 1:
         raise ValueError("slot_mapping must be contiguous along its width")
     return _launch(q, k_pool, v_pool, slot_mapping, context_lens, context_lens, positions, 0,
-                   slot_mapping.shape[1], block, variant, splits, num_sms, tile_counts)
+                   slot_mapping.shape[1], block, variant, splits, num_sms, tile_counts, num_warps, num_stages)
 
 
 def paged_attention_table_kernel(
@@ -247,11 +315,13 @@ def paged_attention_table_kernel(
     context_lens: torch.Tensor,
     positions: torch.Tensor | None = None,
     *,
-    block: int = 64,
+    block: int = BLOCK,
     variant: str = "auto",
     splits: int | None = None,
-    num_sms: int = 132,
+    num_sms: int | None = None,
     tile_counts: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The streamed read addressed through the block table itself (Day 60): no slot mapping, so
     no width. Row r reads slot `block_table[table_rows[r], p // block_size] * block_size + p %
@@ -272,11 +342,13 @@ def paged_attention_table_kernel(
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     return _launch(q, k_pool, v_pool, block_table, table_rows, context_lens, positions, block_size,
-                   block_table.shape[1] * block_size, block, variant, splits, num_sms, tile_counts)
+                   block_table.shape[1] * block_size, block, variant, splits, num_sms, tile_counts, num_warps,
+                   num_stages)
 
 
 def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, page: int, width: int, block: int,
-            variant: str, splits: int | None, num_sms: int, tile_counts: torch.Tensor | None) -> torch.Tensor:
+            variant: str, splits: int | None, num_sms: int | None, tile_counts: torch.Tensor | None,
+            num_warps: int | None, num_stages: int | None) -> torch.Tensor:
     """Launch a variant. addresses is the slot mapping (page 0) or the block table (page > 0)."""
     rows, t, heads, d = q.shape
     if t != 1:
@@ -286,42 +358,61 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
         raise ValueError(f"{heads} query heads do not share {kv_heads} KV heads evenly")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
+    num_sms = num_sms or sm_count(q.device)
     if variant == "auto":
         variant = choose_variant(rows, heads, kv_heads, width, num_sms, block)
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS} or 'auto'")
-    lens = context_lens if positions is None else torch.minimum(context_lens, positions[:, 0] + 1)
     if tile_counts is not None and (tile_counts.shape != (rows,) or tile_counts.dtype != torch.int32):
         raise ValueError("tile_counts must be a [rows] int32 tensor")
+    if positions is not None and positions.shape != (rows, 1):
+        raise ValueError(f"positions must be [rows, 1], got {tuple(positions.shape)}")
+    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q.stride(3) == 1
     count = tile_counts is not None
-    tiles = tile_counts if count else lens  # a placeholder pointer when not counting
+    has_pos = positions is not None
+    tiles = tile_counts if count else context_lens  # placeholder pointers when unused
+    pos = positions if has_pos else context_lens
     group = heads // kv_heads
     q3 = q[:, 0]  # [rows, heads, d]
     out = torch.empty((rows, heads, d), dtype=q.dtype, device=q.device)
     scale = 1.0 / math.sqrt(d)
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-               addresses.stride(0), out.stride(0), out.stride(1))
-    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q3.stride(2) == 1
+               addresses.stride(0), pos.stride(0), out.stride(0), out.stride(1))
+    warps, stages = LAUNCH[variant]
+    tuning = dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
     if variant == "head":
         _paged_decode_head[(rows, heads)](
-            q3, k_pool, v_pool, addresses, table_rows, lens, out, tiles, *strides, scale, d,
-            GROUP=group, BLOCK=block, D=D, PAGE=page, COUNT=count)
+            q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, tiles, *strides, scale, d,
+            GROUP=group, BLOCK=block, D=D, PAGE=page, HAS_POS=has_pos, COUNT=count, **tuning)
         return out[:, None]
     n_splits = 1 if variant == "gqa" else (splits or choose_splits(rows, kv_heads, width, num_sms, block))
-    ieee = k_pool.dtype == torch.float32
+    meta = dict(GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, PAGE=page, HAS_POS=has_pos,
+                DOT=_dot_mode(k_pool.dtype), COUNT=count, **tuning)
     if n_splits == 1:
         _paged_decode_group[(rows, kv_heads, 1)](
-            q3, k_pool, v_pool, addresses, table_rows, lens, out, lens, lens, tiles, *strides, scale, d,
-            GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=1, PAGE=page, IEEE=ieee, COUNT=count)
+            q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, out, out, tiles, *strides, scale, d,
+            SPLITS=1, **meta)
         return out[:, None]
     acc = torch.empty((rows, heads, n_splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((rows, heads, n_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     _paged_decode_group[(rows, kv_heads, n_splits)](
-        q3, k_pool, v_pool, addresses, table_rows, lens, acc, m, l, tiles, *strides, scale, d,
-        GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, SPLITS=n_splits, PAGE=page, IEEE=ieee, COUNT=count)
-    return _merge_splits(acc[..., :d], m, l).to(q.dtype)[:, None]
+        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, acc, m, l, tiles, *strides, scale, d,
+        SPLITS=n_splits, **meta)
+    _merge_splits[(rows * heads,)](acc, m, l, out, heads, d, out.stride(0), out.stride(1),
+                                   SPLITS=n_splits, S=_pow2(n_splits), D=D)
+    return out[:, None]
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    """How the group kernel's tl.dot multiplies: 0 fp32 tiles at IEEE precision (an fp32 pool),
+    1 fp32 tiles at the default precision (16-bit pools in Triton's interpreter, which computes
+    bf16 dots wrongly; ENVIRONMENT.md), 2 the pool's own 16-bit tiles on the tensor cores with
+    fp32 accumulation (a GPU)."""
+    if dtype == torch.float32:
+        return 0
+    return 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
 
 
 @dataclass(frozen=True)
@@ -342,7 +433,7 @@ class Agreement:
 
 
 def kernel_agreement(label: str, q, k_pool, v_pool, slot_mapping, context_lens, positions, *,
-                     variant: str = "auto", block: int = 64, splits: int | None = None) -> Agreement:
+                     variant: str = "auto", block: int = BLOCK, splits: int | None = None) -> Agreement:
     """Run the kernel and the reference on one batch and measure them row by row (as the seed prints)."""
     oracle = paged_attention_batched_reference(q, k_pool, v_pool, slot_mapping, context_lens, positions)
     kernel = paged_attention_batched_kernel(q, k_pool, v_pool, slot_mapping, context_lens, positions,
