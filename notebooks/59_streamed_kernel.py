@@ -311,9 +311,10 @@ show(fig)
 # %% [markdown]
 # Three things are plain in the sweep.
 #
-# - **"head" loses everywhere**, by 3.5x to 4.4x against the best "gqa" or "split" setting, because
-#   its four programs per KV head each load the same K/V tile. The seed's grid is kept for the
-#   record and for models whose heads do not share.
+# - **"head" loses everywhere.** Comparing each variant's best setting, it is 3.5x to 4.4x slower
+#   than "gqa", and further behind "split" at small batches. Its four programs per KV head each
+#   load the same K/V tile. The seed's grid is kept for the record and for models whose heads do
+#   not share.
 # - **Small batches want their walks shared out.** One row has 8 (row, KV head) programs for a card
 #   of 132 SMs, so one program's serial walk is the whole time. Cut into 16 shares, the same read
 #   finishes several times sooner. The rule (`choose_splits`) aims for about eight programs per SM
