@@ -280,13 +280,14 @@ print(f"largest bucket's scores: {workspace_bytes(32, 32, 8192) / 1e6:.1f} MB as
 # A Triton kernel leaves its tile size, warps and software-pipeline depth to whoever launches it,
 # and the split variant also needs a share count. `python -m nanolab streambench --tune` times the
 # table-addressed read (the engine's) at every setting in a grid, at bf16 with 32 query heads over
-# 8 KV heads and head_dim 64: 1,053 launches over seven shapes from one row to 256. Each launch is a
+# 8 KV heads and head_dim 64, at shapes from one row to 256. Each launch is a
 # CUDA-graph replay after a write that evicts the L2, so the timing is GPU time alone.
 
 # %%
 sweep = load_table("day59_launch_sweep", "h200")
 assert sweep is not None, "data/day59_launch_sweep_h200.csv is missing (scripts/gpu_run.sh tune on a GPU)"
 print(f"measured on: {table_label(sweep).caption()}")
+print(f"{len(sweep)} launches over {sweep['shape'].nunique()} shapes")
 swept = sweep.groupby("shape", sort=False)[["rows", "width"]].first()
 rule = {shape: (choose_variant(int(r.rows), HEADS, KV_HEADS, int(r.width)),
                 choose_splits(int(r.rows), KV_HEADS, int(r.width))) for shape, r in swept.iterrows()}
