@@ -119,6 +119,13 @@ class _StepSlots:
     mask_bias: torch.Tensor | None = None  # [rows, T, max_ctx], built by the first read
 
 
+def _streamed_by_default(device: torch.device) -> bool:
+    """The streamed read's default: on for a CUDA cache that Triton compiles for (not its
+    interpreter, which a CUDA machine runs only if TRITON_INTERPRET=1 was set by hand) on a card
+    whose tensor cores take bf16 (sm_80 on); off elsewhere."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 class BatchedPagedKVCache:
     """Per-layer K/V pools `[num_blocks * block_size + 1, kv_heads, head_dim]` (the last slot is
     the sink) and a block table per row. Rows are the engine's batch slots; a request holds one row while it runs."""
@@ -164,7 +171,7 @@ class BatchedPagedKVCache:
         self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
         if streamed_read is None:
             streamed_read = type(self).streamed_read
-        self.streamed_read = self.device.type == "cuda" if streamed_read is None else streamed_read
+        self.streamed_read = _streamed_by_default(self.device) if streamed_read is None else streamed_read
         if self.streamed_read and self.device.type != "cuda" and not INTERPRETED:
             raise ValueError("the streamed read needs a CUDA cache, or Triton's interpreter for a CPU one: on a "
                              "machine with CUDA the interpreter is off unless TRITON_INTERPRET=1 is set before "

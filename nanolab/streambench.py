@@ -212,7 +212,8 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
          dtype=torch.bfloat16, repeats: int = 10, page: int = PAGE, progress: bool = True) -> pd.DataFrame:
     """Time the table-addressed read (the engine's) at every launch setting of `launch_grid`: one row
     per (shape, variant, block, num_warps, num_stages, splits). The rule in
-    `kernels.paged_attention.choose_launch` is read off this table."""
+    `kernels.paged_attention` (`choose_variant`, `choose_splits`, `BLOCK`, `LAUNCH`) is read off
+    this table."""
     from tqdm.auto import tqdm
 
     device = torch.device(device)

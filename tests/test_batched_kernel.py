@@ -192,6 +192,30 @@ def test_kernel_only_refusals():
         paged_attention_batched_kernel(q[:, :, :3], *args, validated=True)
     with pytest.raises(ValueError, match="power of two"):
         paged_attention_batched_kernel(q, *args, validated=True, block=24)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_batched_kernel(q.double(), *args, validated=True)
+    strided = torch.stack([plan.context_lens, plan.context_lens], dim=1)[:, 0]  # a view with stride 2
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention_batched_kernel(q, *args[:3], strided, validated=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 16-bit tensor-core dot runs on a GPU only")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bf16_tiles_on_the_tensor_cores_agree_with_exact_arithmetic(variant):
+    """On a GPU a bf16 pool's tiles go to tl.dot as they are (`_dot_mode` 2). Measured against the
+    reference done in float64 on the same bf16 inputs, the kernel must be within bf16 rounding, and
+    no further from it than the bf16 reference is."""
+    from nanolab.streambench import read_batch
+
+    b = read_batch([700, 40, 260, 129, 1], heads=32, kv_heads=8, head_dim=64, device="cuda")
+    exact = paged_attention_batched_reference(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping,
+                                              b.context_lens, b.positions, validated=True)
+    bf16 = paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                                             validated=True)
+    kernel = paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16, b.context_lens,
+                                          b.positions, variant=variant)
+    kernel_err = float((kernel.double() - exact).abs().max())
+    assert kernel_err < 2e-2 and kernel_err <= float((bf16.double() - exact).abs().max())
 
 
 def test_choose_variant():
@@ -209,7 +233,8 @@ def test_choose_variant():
 
 def test_the_launch_rule_is_read_off_the_h200_sweep():
     """The default launch at each swept shape is within 12% of the fastest setting the sweep found
-    for that shape (data/day59_launch_sweep_h200.csv, `python -m nanolab streambench --tune`)."""
+    for that shape (data/day59_launch_sweep_h200.csv, `python -m nanolab streambench --tune`). The
+    committed sweep has it within 10%; the other 2% is room for a re-measurement's noise."""
     sweep = load_table("day59_launch_sweep", "h200")
     assert sweep is not None, "the committed H200 sweep is missing"
     for shape, runs in sweep.groupby("shape"):

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from nanolab.kernels import INTERPRETED
 from nanolab.paged_attention import check_read_inputs, paged_attention_batched_reference
 
 VARIANTS = ("head", "gqa", "split")
@@ -291,7 +291,9 @@ def paged_attention_batched_kernel(
 
     q             [rows, 1, heads, head_dim]   decode only: T > 1 is refused
     k_pool/v_pool [slots, kv_heads, head_dim]  one layer's pool
-    slot_mapping  [rows, max_ctx] int64        padding may be any value, -1 included: it is never read
+    slot_mapping  [rows, max_ctx] int64        padding may be any value, -1 included: it is never read;
+                                               a row reads keys w < its length, so every length must
+                                               be <= max_ctx (checked unless `validated`)
     context_lens  [rows] int64                 tokens each row holds, this step's included
     positions     [rows, 1] int64 or None      a row reads keys w <= position (decode: ctx - 1)
     tile_counts   [rows] int32 or None         if given, every program adds the tiles it walked to
@@ -330,6 +332,7 @@ def paged_attention_table_kernel(
 
     block_table   [table rows, max_blocks] int32 or int64   the cache's persistent table
     table_rows    [rows] int64                              each batch row's table row
+    context_lens  [rows] int64                              at most the table's capacity (the plan's bound)
     The variant is chosen for the table's capacity, which is fixed, so a captured graph's choice
     holds for every context length; a split share is cut from each row's own tiles at run time.
     """
@@ -367,6 +370,10 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
         raise ValueError("tile_counts must be a [rows] int32 tensor")
     if positions is not None and positions.shape != (rows, 1):
         raise ValueError(f"positions must be [rows, 1], got {tuple(positions.shape)}")
+    if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"q, K and V must share a dtype, got {q.dtype}, {k_pool.dtype} and {v_pool.dtype}")
+    if any(t is not None and t.stride(0) != 1 for t in (context_lens, table_rows, tile_counts)):
+        raise ValueError("context_lens, table_rows and tile_counts must be contiguous: the kernel indexes them by row")
     assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q.stride(3) == 1
     count = tile_counts is not None
     has_pos = positions is not None
@@ -412,7 +419,7 @@ def _dot_mode(dtype: torch.dtype) -> int:
     fp32 accumulation (a GPU)."""
     if dtype == torch.float32:
         return 0
-    return 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
+    return 1 if INTERPRETED else 2
 
 
 @dataclass(frozen=True)
