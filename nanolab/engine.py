@@ -19,7 +19,7 @@ import torch
 
 from nanolab.buckets import DecodeBuckets
 from nanolab.cache import BatchedPagedKVCache, cdiv
-from nanolab.graphs import CaptureReport, DecodeGraphs
+from nanolab.graphs import CaptureReport, DecodeGraphs, planned_step
 from nanolab.model import LlamaModel
 from nanolab.plan import DecodePlan
 from nanolab.sampling import SamplingParams, sample
@@ -194,8 +194,8 @@ class Engine:
             shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:
                 return self.graphs.replay(shape, ids[: len(seqs)], plan)
-            view = self.cache.view(plan.rows, plan=plan)  # outside the capture list: eager
-            return self.decode_forward(ids.to(self.device), plan.positions, cache=view)[: len(seqs), -1]
+            # outside the capture list: the same step, eagerly
+            return planned_step(self.decode_forward, self.cache, ids.to(self.device), plan)[: len(seqs)]
         ids, positions, view, _ = self.build_inputs(seqs, prefill=False)
         return self.decode_forward(ids, positions, cache=view)[: len(seqs), -1]
 

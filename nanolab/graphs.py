@@ -50,6 +50,21 @@ def planned_step(forward: Callable, cache: BatchedPagedKVCache, ids: torch.Tenso
     return forward(ids, plan.positions, cache=cache.view(plan.rows, plan=plan))[:, -1]
 
 
+def capture_graph(fn: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm `fn` once on a side stream (lazy library initialisation and allocator growth must not
+    happen inside a capture), then capture it into a graph drawing on `pool`. Returns the graph and
+    what `fn` returned under capture, the tensor each replay overwrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class DecodeGraphs:
     """A CUDA graph per bucket of `buckets`, each replaying `planned_step` at that shape.
 
@@ -78,9 +93,7 @@ class DecodeGraphs:
         return shape in self.graphs
 
     def capture(self, *, shared_pool: bool = True, progress: bool = True) -> CaptureReport:
-        """Warm and capture every bucket, largest first. Each shape runs once eagerly on a side
-        stream (the warm-up: lazy library initialisation and allocator growth must not happen
-        inside a capture), then once under capture."""
+        """Warm and capture every bucket, largest first (`capture_graph`)."""
         self.release()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -91,14 +104,9 @@ class DecodeGraphs:
         for batch, width in tqdm(shapes, desc="capturing decode graphs", unit="graph", disable=not progress):
             plan = self.cache.plan_decode((), batch_size=batch, width=width)  # all padding: writes the sink only
             ids = self.ids[:batch]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode():
-                planned_step(self.forward, self.cache, ids, plan)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                self.logits[batch, width] = planned_step(self.forward, self.cache, ids, plan)
+            with torch.inference_mode():
+                graph, self.logits[batch, width] = capture_graph(
+                    lambda ids=ids, plan=plan: planned_step(self.forward, self.cache, ids, plan), pool)
             self.graphs[batch, width] = graph
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -34,7 +34,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanolab.cache import cdiv
 from nanolab.captured import spread_lengths
-from nanolab.kernels.paged_attention import paged_attention_batched_kernel, paged_attention_table_kernel
+from nanolab.graphs import capture_graph
+from nanolab.kernels.paged_attention import (
+    BLOCK,
+    LAUNCH,
+    choose_splits,
+    choose_variant,
+    paged_attention_batched_kernel,
+    paged_attention_table_kernel,
+)
 from nanolab.paged_attention import paged_attention_batched_reference
 from nanolab.plan import derive_slot_mapping
 
@@ -144,14 +152,7 @@ def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 512 << 20
             times.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(times)
     scratch = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # a warm-up off the capture stream, as capture requires
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_graph(fn)
     times = []
     for _ in range(repeats):
         scratch.zero_()
@@ -219,12 +220,11 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
     device = torch.device(device)
     jobs = [(label, v, cfg) for label, lengths in shapes.items() for v in variants
             for cfg in launch_grid(v, len(lengths))]
-    records, batches = [], {}
+    records, b, batch_label = [], None, None
     for label, variant, (block, warps, stages, splits) in tqdm(jobs, desc="launch sweep", disable=not progress):
-        if label not in batches:
-            batches.clear()
-            batches[label] = read_batch(shapes[label], dtype=dtype, device=device, page=page)
-        b = batches[label]
+        if label != batch_label:  # jobs come shape by shape: one batch in memory at a time
+            b, batch_label = None, label
+            b = read_batch(shapes[label], dtype=dtype, device=device, page=page)
 
         def fn(b=b, variant=variant, block=block, warps=warps, stages=stages, splits=splits):
             return paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page,
@@ -240,6 +240,27 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
         records.append({"shape": label, "rows": len(b.context_lens), "width": int(b.context_lens.max()),
                         "variant": variant, "block": block, "num_warps": warps, "num_stages": stages,
                         "splits": splits, "us": us, "tb_s": b.kv_bytes / us / 1e6})
+    return pd.DataFrame(records)
+
+
+def launch_rule(sweep: pd.DataFrame, heads: int = HEADS, kv_heads: int = KV_HEADS) -> pd.DataFrame:
+    """For each shape of a `tune` table: the launch the default rule picks (`choose_variant`,
+    `choose_splits`, `BLOCK`, `LAUNCH`), its time, and that time over the fastest the sweep found.
+    Raises ValueError where the sweep did not try the rule's setting."""
+    records = []
+    for shape, runs in sweep.groupby("shape", sort=False):
+        rows, width = int(runs.rows.iloc[0]), int(runs.width.iloc[0])
+        variant = choose_variant(rows, heads, kv_heads, width)
+        splits = choose_splits(rows, kv_heads, width) if variant == "split" else 1
+        warps, stages = LAUNCH[variant]
+        pick = runs[(runs.variant == variant) & (runs.splits == splits) & (runs.block == BLOCK)
+                    & (runs.num_warps == warps) & (runs.num_stages == stages)]
+        if len(pick) != 1:
+            raise ValueError(f"{shape}: the sweep has {len(pick)} runs of the rule's launch ({variant}, {splits} "
+                             f"shares, block {BLOCK}, {warps} warps, {stages} stages), not one")
+        us = float(pick.us.iloc[0])
+        records.append({"shape": shape, "variant": variant, "splits": splits, "us": us, "best_us": runs.us.min(),
+                        "of_best": us / runs.us.min()})
     return pd.DataFrame(records)
 
 

@@ -49,9 +49,6 @@ from nanolab.captured import (
     workspace_bytes,
 )
 from nanolab.kernels.paged_attention import (
-    BLOCK,
-    LAUNCH,
-    choose_splits,
     choose_variant,
     kernel_agreement,
     paged_attention_batched_kernel,
@@ -70,7 +67,7 @@ from nanolab.report import (
     show,
     table_label,
 )
-from nanolab.streambench import read_batch, run_streambench
+from nanolab.streambench import launch_rule, read_batch, run_streambench
 from nanolab.weights import weights_kind
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
@@ -288,18 +285,12 @@ sweep = load_table("day59_launch_sweep", "h200")
 assert sweep is not None, "data/day59_launch_sweep_h200.csv is missing (scripts/gpu_run.sh tune on a GPU)"
 print(f"measured on: {table_label(sweep).caption()}")
 print(f"{len(sweep)} launches over {sweep['shape'].nunique()} shapes")
-swept = sweep.groupby("shape", sort=False)[["rows", "width"]].first()
-rule = {shape: (choose_variant(int(r.rows), HEADS, KV_HEADS, int(r.width)),
-                choose_splits(int(r.rows), KV_HEADS, int(r.width))) for shape, r in swept.iterrows()}
-chosen_splits = {shape: splits if variant == "split" else 1 for shape, (variant, splits) in rule.items()}
+rule = launch_rule(sweep, HEADS, KV_HEADS).set_index("shape")  # the default launch, found in the sweep
+chosen_splits = rule.splits.to_dict()
 fastest = sweep.groupby(["shape", "variant"], sort=False).us.min().unstack()
-warps, stages = LAUNCH["gqa"]
-picked = [sweep[(sweep["shape"] == shape) & (sweep.variant == variant) & (sweep.splits == chosen_splits[shape])
-                & (sweep.block == BLOCK) & (sweep.num_warps == warps) & (sweep.num_stages == stages)].us.iloc[0]
-          for shape, (variant, _) in rule.items()]
-fastest["rule picks"] = [f"{v} x{chosen_splits[s]}" if v == "split" else v for s, (v, _) in rule.items()]
-fastest["rule's us"] = picked
-fastest["of best"] = fastest["rule's us"] / sweep.groupby("shape", sort=False).us.min()
+fastest["rule picks"] = [f"{r.variant} x{r.splits}" if r.variant == "split" else r.variant for r in rule.itertuples()]
+fastest["rule's us"] = rule.us
+fastest["of best"] = rule.of_best
 show(fastest.round(2))
 assert (fastest["of best"] <= 1.12).all()
 
