@@ -341,27 +341,46 @@ def _measured_text(measured: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def plot_launch_sweep(sweep: pd.DataFrame, chosen: dict[str, int]):
-    """The launch sweep: for each swept shape, the fastest time found at each number of split
-    shares (1 is "gqa", one program per row and KV head), with the share count the rule picks
-    ringed. `chosen` maps a shape to the rule's share count."""
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+def plot_launch_sweep(sweep: pd.DataFrame, rule: pd.DataFrame):
+    """The launch sweep, two panels. Left: for each swept shape, the fastest time found at each
+    number of split shares (1 is "gqa", one program per row and KV head). Right: at the rule's
+    variant and shares, with 128-key tiles and 4 warps, the time at each pipeline depth over the
+    fastest depth. Ringed: what the rule picks. `rule` is `streambench.launch_rule`'s table indexed
+    by shape (splits, num_stages)."""
+    fig, (share_ax, depth_ax) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1.25, 1]))
     group = sweep[sweep.variant != "head"]
     best = group.groupby(["shape", "splits"]).us.min().reset_index()
-    for i, (shape, part) in enumerate(best.groupby("shape", sort=False)):
-        ax.plot(part.splits, part.us, marker="o", color=f"C{i}", label=shape)
-        pick = part[part.splits == chosen[shape]]
-        ax.scatter(pick.splits, pick.us, s=160, facecolors="none", edgecolors=f"C{i}", linewidths=1.6)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    shapes = list(dict.fromkeys(sweep["shape"]))
+    for shape, part in best.groupby("shape", sort=False):
+        colour = f"C{shapes.index(shape)}"
+        share_ax.plot(part.splits, part.us, marker="o", color=colour, label=shape)
+        pick = part[part.splits == rule.splits[shape]]
+        share_ax.scatter(pick.splits, pick.us, s=160, facecolors="none", edgecolors=colour, linewidths=1.6)
+    share_ax.set_xscale("log", base=2)
+    share_ax.set_yscale("log")
     shares = sorted(best.splits.unique())
-    ax.set_xticks(shares, [str(s) for s in shares])
-    ax.minorticks_off()
-    ax.set_xlabel("split shares per row (1: one program per row and KV head)")
-    ax.set_ylabel("microseconds, fastest launch setting")
-    ax.set_title("one layer's read through the block table: sharing the walk out fills the card\n"
-                 "(ringed: the shares the rule picks)", fontsize=9)
-    ax.legend(fontsize=8, ncol=2)
+    share_ax.set_xticks(shares, [str(s) for s in shares])
+    share_ax.minorticks_off()
+    share_ax.set_xlabel("split shares per row (1: one program per row and KV head)")
+    share_ax.set_ylabel("microseconds, fastest launch setting")
+    share_ax.set_title("one layer's read through the block table: sharing the walk out fills the card\n"
+                       "(ringed: the shares the rule picks)", fontsize=9)
+    share_ax.legend(fontsize=8, ncol=2)
+    for shape in shapes:
+        r = rule.loc[shape]
+        runs = sweep[(sweep["shape"] == shape) & (sweep.variant == r.variant) & (sweep.splits == r.splits)
+                     & (sweep.block == 128) & (sweep.num_warps == 4)].sort_values("num_stages")
+        colour = f"C{shapes.index(shape)}"
+        rel = runs.us / runs.us.min()
+        depth_ax.plot(runs.num_stages, rel, marker="o", color=colour)
+        pick = runs.num_stages == r.num_stages
+        depth_ax.scatter(runs.num_stages[pick], rel[pick], s=160, facecolors="none", edgecolors=colour,
+                         linewidths=1.6)
+    depth_ax.set_xticks(sorted(sweep.num_stages.unique()))
+    depth_ax.set_xlabel("pipeline stages (num_stages)")
+    depth_ax.set_ylabel("time over the fastest depth")
+    depth_ax.set_title("the rule's variant and shares, 128-key tiles, 4 warps: crowded grids of short walks\n"
+                       "want 2 stages, long walks want 3 (ringed: the depth the rule picks)", fontsize=9)
     fig.tight_layout()
     return fig
 

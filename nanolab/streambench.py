@@ -37,9 +37,7 @@ from nanolab.captured import spread_lengths
 from nanolab.graphs import capture_graph
 from nanolab.kernels.paged_attention import (
     BLOCK,
-    LAUNCH,
-    choose_splits,
-    choose_variant,
+    choose_launch,
     paged_attention_batched_kernel,
     paged_attention_table_kernel,
 )
@@ -212,9 +210,8 @@ def launch_grid(variant: str, rows: int, kv_heads: int = KV_HEADS, num_sms: int 
 def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "split"), device="cuda",
          dtype=torch.bfloat16, repeats: int = 10, page: int = PAGE, progress: bool = True) -> pd.DataFrame:
     """Time the table-addressed read (the engine's) at every launch setting of `launch_grid`: one row
-    per (shape, variant, block, num_warps, num_stages, splits). The rule in
-    `kernels.paged_attention` (`choose_variant`, `choose_splits`, `BLOCK`, `LAUNCH`) is read off
-    this table."""
+    per (shape, variant, block, num_warps, num_stages, splits). The default launch,
+    `kernels.paged_attention.choose_launch`, is read off this table."""
     from tqdm.auto import tqdm
 
     device = torch.device(device)
@@ -244,23 +241,21 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
 
 
 def launch_rule(sweep: pd.DataFrame, heads: int = HEADS, kv_heads: int = KV_HEADS) -> pd.DataFrame:
-    """For each shape of a `tune` table: the launch the default rule picks (`choose_variant`,
-    `choose_splits`, `BLOCK`, `LAUNCH`), its time, and that time over the fastest the sweep found.
+    """For each shape of a `tune` table: the launch the default rule picks (`choose_launch`, at
+    `BLOCK`), its time, and that time over the fastest the sweep found.
     Raises ValueError where the sweep did not try the rule's setting."""
     records = []
     for shape, runs in sweep.groupby("shape", sort=False):
         rows, width = int(runs.rows.iloc[0]), int(runs.width.iloc[0])
-        variant = choose_variant(rows, heads, kv_heads, width)
-        splits = choose_splits(rows, kv_heads, width) if variant == "split" else 1
-        warps, stages = LAUNCH[variant]
+        variant, splits, warps, stages = choose_launch(rows, heads, kv_heads, width)
         pick = runs[(runs.variant == variant) & (runs.splits == splits) & (runs.block == BLOCK)
                     & (runs.num_warps == warps) & (runs.num_stages == stages)]
         if len(pick) != 1:
             raise ValueError(f"{shape}: the sweep has {len(pick)} runs of the rule's launch ({variant}, {splits} "
                              f"shares, block {BLOCK}, {warps} warps, {stages} stages), not one")
         us = float(pick.us.iloc[0])
-        records.append({"shape": shape, "variant": variant, "splits": splits, "us": us, "best_us": runs.us.min(),
-                        "of_best": us / runs.us.min()})
+        records.append({"shape": shape, "variant": variant, "splits": splits, "num_stages": stages, "us": us,
+                        "best_us": runs.us.min(), "of_best": us / runs.us.min()})
     return pd.DataFrame(records)
 
 

@@ -14,8 +14,9 @@ Three variants of one idea:
 - "split": "gqa" with the walk cut into `splits` contiguous shares (split-K, vLLM's v2 /
   flash-decoding), each writing a partial (max, denominator, accumulator) that `_merge_splits`
   folds. For batches whose (row, KV head) programs cannot fill the GPU.
-`choose_variant`, `choose_splits`, `BLOCK` and `LAUNCH` pick one for a shape; they are read off
-the H200 sweep in `data/day59_launch_sweep_h200.csv` (`python -m nanolab streambench --tune`).
+`choose_launch` picks the variant, shares, warps and pipeline depth for a shape (`choose_variant`,
+`choose_splits`, `choose_stages`, `BLOCK`, `NUM_WARPS`); the rule is read off the H200 sweep in
+`data/day59_launch_sweep_h200.csv` (`python -m nanolab streambench --tune`).
 
 Padding is never dereferenced. A key's slot is masked on load, and neutralised
 (`tl.where(valid, slot, 0)`) before it forms an address, wherever the key is past the row's length
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,10 +47,9 @@ from nanolab.paged_attention import check_read_inputs, paged_attention_batched_r
 
 VARIANTS = ("head", "gqa", "split")
 # Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
-# 128-key tiles, 4 warps and 3 pipeline stages are within 10% of each shape's best setting at every
-# swept shape, from 1 row x 2,048 to 256 rows x 1,024.
+# 128-key tiles and 4 warps at every shape; the pipeline depth is `choose_stages`'.
 BLOCK = 128
-LAUNCH = {"head": (4, 3), "gqa": (4, 3), "split": (4, 3)}  # (num_warps, num_stages)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -226,12 +227,12 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
     - "split" whenever `choose_splits` shares the walk out: a decode read is bandwidth-bound and a
       program streams its tiles one after another, so a grid of few programs leaves most of the
       card idle through the longest walk. The sweep has it faster than "gqa" at every batch below
-      256 rows (1 row x 8,192: 16 us against 101), and on the long-tail batch, whose longest rows
+      256 rows (1 row x 8,192: 16 us against 100), and on the long-tail batch, whose longest rows
       set the time.
     - "head" when heads == kv_heads: with no group to share a tile, one query head would fill a
       16-row tl.dot tile alone. (Not measured: the sweep's shapes are grouped.)
     - "gqa" otherwise. Each K/V tile is loaded once per group, where "head" loads it once per
-      query head; on the sweep "head" is 3.5x to 4.4x slower at every shape.
+      query head; on the sweep "head" is 3.2x to 4.3x slower at every shape.
     """
     if choose_splits(rows, kv_heads, max_ctx, num_sms, block) > 1:
         return "split"
@@ -243,11 +244,44 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
 def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = BLOCK) -> int:
     """Shares per row: the power of two that brings the grid nearest, from below, to eight programs
     per SM, at most 16 and at most one per tile. On the sweep the time flattens there: 8 rows x
-    2,048 take 31.3 us whole, 23.4 in 2 shares, 21.2 in 4 and 20.6 in 8."""
+    2,048 take 30.7 us whole, 22.9 in 2 shares, 21.3 in 4, 20.5 in 8 and 20.9 in 16 (each at its
+    best setting)."""
     target = 8 * num_sms // (rows * kv_heads)
     if target < 2:
         return 1
     return max(1, min(1 << (target.bit_length() - 1), 16, triton.cdiv(max_ctx, block)))
+
+
+def choose_stages(programs: int, tiles: int, num_sms: int = 132) -> int:
+    """Software-pipeline depth (num_stages) for a grid of `programs`, each walking at most `tiles`
+    tiles. Every stage holds one more K and V tile in shared memory: deeper keeps more loads in
+    flight behind the current tile's dots, shallower lets more programs share an SM. A short grid
+    of long walks wants depth (3); a grid of more than two programs per SM whose walks are at most
+    16 tiles wants residency (2). On the sweep, 2 stages take 16 rows x 2,048 in 8 shares from
+    34.6 us to 31.8 and 256 x 1,024 from 156.9 to 151.5, while the long tail's 32-tile shares need
+    3 (107.5 us against 123.1)."""
+    return 2 if programs > 2 * num_sms and tiles <= 16 else 3
+
+
+class Launch(NamedTuple):
+    variant: str
+    splits: int  # shares per row: 1 unless "split"
+    num_warps: int
+    num_stages: int
+
+
+def choose_launch(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = BLOCK,
+                  variant: str = "auto", splits: int | None = None) -> Launch:
+    """The whole default launch for a shape: the variant (unless named), its shares (unless given),
+    NUM_WARPS and `choose_stages`' depth for the grid and walk that follow."""
+    if variant == "auto":
+        variant = choose_variant(rows, heads, kv_heads, max_ctx, num_sms, block)
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS} or 'auto'")
+    n_splits = 1 if variant != "split" else (splits or choose_splits(rows, kv_heads, max_ctx, num_sms, block))
+    programs = rows * (heads if variant == "head" else kv_heads * n_splits)
+    tiles = triton.cdiv(triton.cdiv(max_ctx, block), n_splits)
+    return Launch(variant, n_splits, NUM_WARPS, choose_stages(programs, tiles, num_sms))
 
 
 def tile_lanes(variant: str, heads: int, kv_heads: int) -> int:
@@ -362,10 +396,7 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     num_sms = num_sms or sm_count(q.device)
-    if variant == "auto":
-        variant = choose_variant(rows, heads, kv_heads, width, num_sms, block)
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; one of {VARIANTS} or 'auto'")
+    launch = choose_launch(rows, heads, kv_heads, width, num_sms, block, variant, splits)
     if tile_counts is not None and (tile_counts.shape != (rows,) or tile_counts.dtype != torch.int32):
         raise ValueError("tile_counts must be a [rows] int32 tensor")
     if positions is not None and positions.shape != (rows, 1):
@@ -386,14 +417,13 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
                addresses.stride(0), pos.stride(0), out.stride(0), out.stride(1))
-    warps, stages = LAUNCH[variant]
-    tuning = dict(num_warps=num_warps or warps, num_stages=num_stages or stages)
-    if variant == "head":
+    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages)
+    if launch.variant == "head":
         _paged_decode_head[(rows, heads)](
             q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, tiles, *strides, scale, d,
             GROUP=group, BLOCK=block, D=D, PAGE=page, HAS_POS=has_pos, COUNT=count, **tuning)
         return out[:, None]
-    n_splits = 1 if variant == "gqa" else (splits or choose_splits(rows, kv_heads, width, num_sms, block))
+    n_splits = launch.splits
     meta = dict(GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, PAGE=page, HAS_POS=has_pos,
                 DOT=_dot_mode(k_pool.dtype), COUNT=count, **tuning)
     if n_splits == 1:
