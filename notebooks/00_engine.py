@@ -47,8 +47,9 @@ BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU 
     dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)
 PARITY_TOKENS = 32 if ON_GPU else 24
 
-# enforce_eager: this chapter is the engine before the compiler and before CUDA graphs (Days 54-56).
-llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, enforce_eager=True)
+# This chapter is the engine before the compiler, before CUDA graphs (Days 54-56) and before the
+# streamed read (Day 59, the CUDA default since): eager steps over the reference read.
+llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, enforce_eager=True, streamed_read=False)
 label = run_label(DEVICE, MODEL, DTYPE, weights=llm.weights_kind)
 print(label.caption())
 print(f"KV pool: {llm.engine.cache.num_blocks} blocks of {llm.engine.cache.block_size} tokens")
