@@ -30,7 +30,7 @@ from nanolab.config import ModelConfig
 from nanolab.engine import Engine
 from nanolab.graphs import DecodeGraphs
 from nanolab.model import LlamaModel, load_model
-from nanolab.reference import load_hf
+from nanolab.reference import engine_greedy, load_hf
 from nanolab.sampling import SamplingParams
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -74,29 +74,22 @@ class CaptureBench:
     profile: pd.DataFrame  # the graphed batch-1 step's kernels by GPU time
 
 
-def _agreement(engine: Engine, eager: Engine, batch: int, context: int, steps: int, vocab: int) -> dict:
-    """Greedy tokens of the graphed engine against the same engine with its graphs set aside (the
-    same padded shapes, eagerly) and against the unpadded eager engine."""
-    prompts = random_prompts(batch, context - steps, vocab, seed=1).tolist()
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+def rows_equal(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b, strict=True))
 
-    def greedy(e: Engine) -> list[list[int]]:
-        seqs = [e.add_request(p, params) for p in prompts]
-        while e.has_unfinished_requests():
-            e.step()
-        return [s.output_token_ids for s in seqs]
 
-    graphed = greedy(engine)
+def graph_agreement(engine: Engine, prompts: list[list[int]], plain: list[list[int]], steps: int) -> dict:
+    """Rows whose greedy tokens through `engine`'s graphs equal those of the same engine with its
+    graphs set aside (the same padded shapes, eagerly), and those of the unpadded eager engine
+    (`plain`, decoded once by the caller)."""
+    graphed = engine_greedy(engine, prompts, steps)
     graphs, engine.graphs = engine.graphs, None
     try:
-        padded = greedy(engine)
+        padded = engine_greedy(engine, prompts, steps)
     finally:
         engine.graphs = graphs
-    plain = greedy(eager)
-    return {"batch": batch, "context": context, "steps": steps,
-            "rows equal, graphs vs same shapes eager": sum(a == b for a, b in zip(graphed, padded, strict=True)),
-            "rows equal, graphs vs unpadded eager": sum(a == b for a, b in zip(graphed, plain, strict=True)),
-            "rows": batch}
+    return {"rows equal, graphs vs same shapes eager": rows_equal(graphed, padded),
+            "rows equal, graphs vs unpadded eager": rows_equal(graphed, plain)}
 
 
 def _profile(engine: Engine, prompts: torch.Tensor, steps: int, arm: str) -> pd.DataFrame:
@@ -194,11 +187,15 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
                                                                          strict=True)]
     df["x_floor"] = df.ms_per_step / df.floor_ms
     corners = ((1, contexts[0]), (8, contexts[0]), (4, contexts[-1]))
-    agreement = [_agreement(graphed, eager, b, c, steps, config.vocab_size) for b, c in corners]
-    if streamed:  # Day 60's acceptance: the streamed graphs decode the reference's greedy tokens
-        agreement = [{**row, "rows equal, streamed graphs vs reference eager": _agreement(
-            arms["nanolab graphs, streamed read"], eager, b, c, steps, config.vocab_size)[
-            "rows equal, graphs vs unpadded eager"]} for row, (b, c) in zip(agreement, corners, strict=True)]
+    agreement = []
+    for b, c in corners:
+        prompts = random_prompts(b, c - steps, config.vocab_size, seed=1).tolist()
+        plain = engine_greedy(eager, prompts, steps)  # the unpadded eager reference, decoded once a corner
+        row = {"batch": b, "context": c, "steps": steps, **graph_agreement(graphed, prompts, plain, steps), "rows": b}
+        if streamed:  # Day 60's acceptance: the streamed graphs decode the reference's greedy tokens
+            row["rows equal, streamed graphs vs reference eager"] = rows_equal(
+                engine_greedy(arms["nanolab graphs, streamed read"], prompts, steps), plain)
+        agreement.append(row)
     agreement = pd.DataFrame(agreement)
     # Profiled at both corners of the measured grid: the smallest step and the largest.
     profile = pd.concat([

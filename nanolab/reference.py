@@ -37,9 +37,13 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def nanolab_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, **engine_kwargs) -> list[list[int]]:
-    """nanolab's greedy continuations of all prompts, decoded together in one engine."""
+    """nanolab's greedy continuations of all prompts, decoded together in a new engine."""
     engine_kwargs.setdefault("num_blocks", sum(len(p) + new_tokens for p in prompts) // 16 + len(prompts) + 1)
-    engine = Engine(model, **engine_kwargs)
+    return engine_greedy(Engine(model, **engine_kwargs), prompts, new_tokens)
+
+
+def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`new_tokens` greedy tokens for each prompt, decoded together by `engine` (run to the end)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished_requests():

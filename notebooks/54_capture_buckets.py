@@ -46,6 +46,7 @@ from nanolab.capturebench import bench_buckets, run_capturebench, step_breakdown
 from nanolab.captured import workspace_bytes
 from nanolab.plan import appended_cells, check_plan_addressing, check_rebuild_bounded, rebuild_cells
 from nanolab.plots import plot_capture_buckets
+from nanolab.reference import engine_greedy
 from nanolab.report import (
     chapter_target,
     figure_path,
@@ -175,13 +176,6 @@ prompts = random_prompts(3, 40, model.config.vocab_size, seed=2).tolist()
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def greedy(engine: Engine) -> list[list[int]]:
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [s.output_token_ids for s in seqs]
-
-
 bucketed = Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, streamed_read=False)
 seqs = [bucketed.add_request(p, params) for p in prompts]
 bucketed.step()  # the prefill
@@ -194,8 +188,10 @@ bucketed.abort_request(seqs[0].request_id)  # the step was planned and not run; 
 for s in seqs[1:]:
     bucketed.abort_request(s.request_id)
 
-same = greedy(Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, streamed_read=False)) == greedy(
-    Engine(model, num_blocks=64, max_num_seqs=8, streamed_read=False))
+with_buckets = engine_greedy(Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, streamed_read=False),
+                             prompts, params.max_tokens)
+without = engine_greedy(Engine(model, num_blocks=64, max_num_seqs=8, streamed_read=False), prompts, params.max_tokens)
+same = with_buckets == without
 print(f"{MODEL}, {DTYPE}: greedy tokens with buckets equal those without: {same}")
 if DTYPE == torch.float32:  # in bf16 a padded matmul can round differently, and random weights have near-ties
     assert same

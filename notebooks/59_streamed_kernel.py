@@ -35,7 +35,7 @@
 import pandas as pd
 import torch
 
-from nanolab import Engine, SamplingParams, load_model, resolve_weights
+from nanolab import Engine, load_model, resolve_weights
 from nanolab.bench import random_prompts, time_nanolab
 from nanolab.buckets import DecodeBuckets
 from nanolab.capturebench import run_capturebench
@@ -57,6 +57,7 @@ from nanolab.kernels.paged_attention import (
 )
 from nanolab.paged_attention import paged_attention_batched_reference
 from nanolab.plots import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
+from nanolab.reference import engine_greedy
 from nanolab.report import (
     chapter_target,
     figure_path,
@@ -189,22 +190,13 @@ assert walked == work.walked == 30 and work.rect_tiles == 128
 # %%
 model = load_model(path, dtype=DTYPE, device=DEVICE)
 prompts = random_prompts(3, 24, model.config.vocab_size, seed=3).tolist()
-params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-def greedy(engine: Engine) -> list[list[int]]:
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [s.output_token_ids for s in seqs]
-
 
 # fp32 keeps rounding out of the question; on a GPU the chapter's bf16 model is loaded again in fp32
 exact_model = model if DTYPE == torch.float32 else load_model(path, dtype=torch.float32, device=DEVICE)
 for m in dict.fromkeys((exact_model, model)):
     dtype = next(m.parameters()).dtype
-    same = greedy(Engine(m, num_blocks=32, streamed_read=True)) == greedy(Engine(m, num_blocks=32,
-                                                                                 streamed_read=False))
+    same = engine_greedy(Engine(m, num_blocks=32, streamed_read=True), prompts, 6) == engine_greedy(
+        Engine(m, num_blocks=32, streamed_read=False), prompts, 6)
     print(f"{MODEL}, {dtype}: the streamed read decodes the reference's greedy tokens: {same}")
     if dtype == torch.float32:
         assert same
