@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+import pytest
 import torch
 
-from nanolab.streambench import ARMS, read_batch, run_streambench
+from nanolab.kernels.paged_attention import BLOCK, choose_launch
+from nanolab.streambench import ARMS, launch_rule, read_batch, run_streambench
 
 # On a CUDA machine the compiled kernels run, timed through CUDA graphs as the bench times them.
 TOY = dict(heads=4, kv_heads=2, head_dim=16, page=4, dtype=torch.float32,
@@ -38,3 +41,17 @@ def test_every_arm_agrees_with_the_reference():
             assert row.max_err < 1e-4, row.to_dict()
     assert (df.tb_s > 0).all() and (df.x_reference > 0).all()
     assert (df[df.arm == "reference"].x_reference == 1).all()
+
+
+def test_launch_rule_reads_the_rules_launch_out_of_a_sweep():
+    # 16 rows x 2,048: the rule takes 8 shares at 2 stages; give the sweep that launch and two others
+    variant, splits, warps, stages = choose_launch(16, 32, 8, 2048)
+    runs = [(variant, splits, BLOCK, warps, stages, 40.0), (variant, splits, BLOCK, warps, 5 - stages, 44.0),
+            ("gqa", 1, BLOCK, warps, stages, 32.0)]
+    sweep = pd.DataFrame([{"shape": "16 x 2048", "rows": 16, "width": 2048, "variant": v, "splits": n, "block": b,
+                           "num_warps": w, "num_stages": s, "us": us} for v, n, b, w, s, us in runs])
+    rule = launch_rule(sweep, heads=32, kv_heads=8)
+    assert rule.to_dict("records") == [{"shape": "16 x 2048", "variant": "split", "splits": 8, "num_stages": 2,
+                                        "us": 40.0, "best_us": 32.0, "of_best": 1.25}]
+    with pytest.raises(ValueError, match="16 x 2048: the sweep has 0 runs of the rule's launch"):
+        launch_rule(sweep.iloc[1:], heads=32, kv_heads=8)
