@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from nanolab.cache import BatchedPagedKVCache
+from nanolab.kernels.paged_attention import BLOCK, NUM_WARPS
 
 ARM_STYLE = {"nanolab": ("C0", "o"), "hf-static": ("C1", "s"), "hf-dynamic": ("C2", "^")}
 
@@ -344,9 +345,9 @@ def _measured_text(measured: pd.DataFrame) -> str:
 def plot_launch_sweep(sweep: pd.DataFrame, rule: pd.DataFrame):
     """The launch sweep, two panels. Left: for each swept shape, the fastest time found at each
     number of split shares (1 is "gqa", one program per row and KV head). Right: at the rule's
-    variant and shares, with 128-key tiles and 4 warps, the time at each pipeline depth over the
-    fastest depth. Ringed: what the rule picks. `rule` is `streambench.launch_rule`'s table indexed
-    by shape (splits, num_stages)."""
+    variant, shares, BLOCK and NUM_WARPS, the time at each pipeline depth over the fastest depth.
+    Ringed: what the rule picks. `rule` is `streambench.launch_rule`'s table indexed by shape
+    (variant, splits, num_stages)."""
     fig, (share_ax, depth_ax) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[1.25, 1]))
     group = sweep[sweep.variant != "head"]
     best = group.groupby(["shape", "splits"]).us.min().reset_index()
@@ -369,7 +370,7 @@ def plot_launch_sweep(sweep: pd.DataFrame, rule: pd.DataFrame):
     for shape in shapes:
         r = rule.loc[shape]
         runs = sweep[(sweep["shape"] == shape) & (sweep.variant == r.variant) & (sweep.splits == r.splits)
-                     & (sweep.block == 128) & (sweep.num_warps == 4)].sort_values("num_stages")
+                     & (sweep.block == BLOCK) & (sweep.num_warps == NUM_WARPS)].sort_values("num_stages")
         colour = f"C{shapes.index(shape)}"
         rel = runs.us / runs.us.min()
         depth_ax.plot(runs.num_stages, rel, marker="o", color=colour)
@@ -379,8 +380,8 @@ def plot_launch_sweep(sweep: pd.DataFrame, rule: pd.DataFrame):
     depth_ax.set_xticks(sorted(sweep.num_stages.unique()))
     depth_ax.set_xlabel("pipeline stages (num_stages)")
     depth_ax.set_ylabel("time over the fastest depth")
-    depth_ax.set_title("the rule's variant and shares, 128-key tiles, 4 warps: crowded grids of short walks\n"
-                       "want 2 stages, long walks want 3 (ringed: the depth the rule picks)", fontsize=9)
+    depth_ax.set_title(f"the rule's variant and shares, {BLOCK}-key tiles, {NUM_WARPS} warps: crowded grids of short\n"
+                       "walks take 2 stages, the rest keep 3 (ringed: the depth the rule picks)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -226,9 +226,11 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
 
     - "split" whenever `choose_splits` shares the walk out: a decode read is bandwidth-bound and a
       program streams its tiles one after another, so a grid of few programs leaves most of the
-      card idle through the longest walk. The sweep has it faster than "gqa" at every batch below
-      256 rows (1 row x 8,192: 16 us against 100), and on the long-tail batch, whose longest rows
-      set the time.
+      card idle through the longest walk. On the sweep (each variant at its best setting) it is
+      faster than "gqa" at every batch up to 16 rows (1 row x 8,192: 16 us against 100) and on
+      the long-tail batch, whose longest rows set the time (107 against 153). At 64 uniform rows
+      the grid is nearly full without it, and 2 shares come within 4% of "gqa" (277 against 271
+      at 8,192; 84 against 82 at 2,048).
     - "head" when heads == kv_heads: with no group to share a tile, one query head would fill a
       16-row tl.dot tile alone. (Not measured: the sweep's shapes are grouped.)
     - "gqa" otherwise. Each K/V tile is loaded once per group, where "head" loads it once per
@@ -256,10 +258,12 @@ def choose_stages(programs: int, tiles: int, num_sms: int = 132) -> int:
     """Software-pipeline depth (num_stages) for a grid of `programs`, each walking at most `tiles`
     tiles. Every stage holds one more K and V tile in shared memory: deeper keeps more loads in
     flight behind the current tile's dots, shallower lets more programs share an SM. A short grid
-    of long walks wants depth (3); a grid of more than two programs per SM whose walks are at most
-    16 tiles wants residency (2). On the sweep, 2 stages take 16 rows x 2,048 in 8 shares from
-    34.6 us to 31.8 and 256 x 1,024 from 156.9 to 151.5, while the long tail's 32-tile shares need
-    3 (107.5 us against 123.1)."""
+    wants depth (3); a grid of more than two programs per SM whose walks are at most 16 tiles
+    wants residency (2). On the sweep, 2 stages take 16 rows x 2,048 in 8 shares from 34.6 us to
+    31.8 and 256 x 1,024 from 156.9 to 151.5. Longer walks on a crowded grid keep 3 as the safer
+    side: the long tail's 32-tile shares lose 15% at 2 stages (123.1 us against 107.5), while 64
+    uniform rows x 8,192, which the same capacity cannot tell apart, lose 2.5% at 3 (285.3
+    against 278.3)."""
     return 2 if programs > 2 * num_sms and tiles <= 16 else 3
 
 
