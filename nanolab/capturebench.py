@@ -66,12 +66,22 @@ def kv_read_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
     return batch * context * per_token
 
 
+def table_stems(day: str) -> tuple[str, ...]:
+    """The names a capture bench's tables are saved under: day54_* for Day 54's run, day60_* for
+    the run with the streamed arm (`CaptureBench.tables`)."""
+    return tuple(f"{day}_{name}" for name in ("decode", "capture", "agreement", "profile"))
+
+
 @dataclass(frozen=True)
 class CaptureBench:
     steps: pd.DataFrame  # arm, batch, context, ms_per_step, tokens_per_s, floor_ms, ...
     capture: pd.DataFrame  # pool, shapes, seconds, pool_mib
     agreement: pd.DataFrame  # graphs against eager: tokens that agree
     profile: pd.DataFrame  # the graphed batch-1 step's kernels by GPU time
+
+    def tables(self, day: str) -> dict[str, pd.DataFrame]:
+        """The four tables by the names they are saved under (`table_stems`)."""
+        return dict(zip(table_stems(day), (self.steps, self.capture, self.agreement, self.profile), strict=True))
 
 
 def rows_equal(a: list[list[int]], b: list[list[int]]) -> int:
@@ -265,8 +275,7 @@ def main(args: argparse.Namespace) -> int:
                              compile=not args.no_compile, streamed=args.streamed)
     label = run_label(torch.device("cuda"), args.model, dtype, weights=weights_kind(path))
     day = "day60" if args.streamed else "day54"  # the streamed run is Day 60's; it leaves Day 54's tables be
-    for name, table in ((f"{day}_decode", bench.steps), (f"{day}_capture", bench.capture),
-                        (f"{day}_agreement", bench.agreement), (f"{day}_profile", bench.profile)):
+    for name, table in bench.tables(day).items():
         print(f"{name}: {save_table(table, name, label)}")
         print(table.head(25).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print("\n".join(targets(bench.steps)))

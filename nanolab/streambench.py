@@ -191,8 +191,8 @@ def run_streambench(shapes: dict[str, list[int]] = SHAPES, arms=ARMS, device="cu
 
 
 # Day 60's read runs at every batch the engine captures, so the sweep adds the small batches
-# whose (row, KV head) programs cannot fill the card, and 64 x 2,048, where the engine's profile
-# saw the read at half the bandwidth this bench measures at like work per program.
+# whose (row, KV head) programs cannot fill the card, and 64 x 2,048, the largest step the
+# capture bench profiles inside the engine.
 TUNE_SHAPES = {**SHAPES, "1 x 2048": [2048], "1 x 8192": [8192], "16 x 2048": [2048] * 16,
                "64 x 2048": [2048] * 64}
 
@@ -202,7 +202,7 @@ def launch_grid(variant: str, rows: int, kv_heads: int = KV_HEADS, num_sms: int 
     Splits are tried only while the split programs stay within eight waves of the card."""
     blocks, warps, stages = (32, 64, 128), (2, 4, 8), (1, 2, 3, 4)
     if variant == "head":
-        return [(b, w, s, 1) for b in (32, 64, 128) for w in (1, 2, 4) for s in (1, 2, 3)]
+        return [(b, w, s, 1) for b in blocks for w in (1, 2, 4) for s in (1, 2, 3)]
     splits = [1] if variant == "gqa" else [n for n in (2, 4, 8, 16) if rows * kv_heads * n <= 8 * num_sms]
     return [(b, w, s, n) for n in splits for b in blocks for w in warps for s in stages]
 

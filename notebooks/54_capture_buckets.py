@@ -42,7 +42,7 @@ from nanolab import LLM, Engine, SamplingParams, load_model, resolve_weights
 from nanolab.bench import random_prompts
 from nanolab.buckets import DecodeBuckets, bucket_table, padding_waste
 from nanolab.cache import BatchedPagedKVCache
-from nanolab.capturebench import bench_buckets, run_capturebench, step_breakdown, targets
+from nanolab.capturebench import bench_buckets, run_capturebench, step_breakdown, table_stems, targets
 from nanolab.captured import workspace_bytes
 from nanolab.plan import appended_cells, check_plan_addressing, check_rebuild_bounded, rebuild_cells
 from nanolab.plots import plot_capture_buckets
@@ -227,14 +227,12 @@ if ON_GPU:
     print(llm.engine.capture_report)
     del llm
     bench = run_capturebench(path, DTYPE)
-    tables = {"day54_decode": bench.steps, "day54_capture": bench.capture, "day54_agreement": bench.agreement,
-              "day54_profile": bench.profile}
+    tables = bench.tables("day54")
     for stem, table in tables.items():
         save_table(table, stem, label)
         tables[stem] = load_table(stem, label.device_slug)  # as saved: labelled on every row
 else:
-    tables = {stem: load_table(stem, "h200") for stem in ("day54_decode", "day54_capture", "day54_agreement",
-                                                          "day54_profile")}
+    tables = {stem: load_table(stem, "h200") for stem in table_stems("day54")}
     assert all(t is not None for t in tables.values()), "the committed H200 tables are missing from data/"
 steps, capture, agreement, profile = tables.values()
 measured = table_label(steps)

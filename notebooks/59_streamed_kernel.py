@@ -38,7 +38,7 @@ import torch
 from nanolab import Engine, load_model, resolve_weights
 from nanolab.bench import random_prompts, time_nanolab
 from nanolab.buckets import DecodeBuckets
-from nanolab.capturebench import run_capturebench
+from nanolab.capturebench import run_capturebench, table_stems
 from nanolab.captured import (
     SEED_STREAMBENCH,
     render_streambench,
@@ -374,18 +374,18 @@ show(fig)
 # the same batches and contexts as the capture chapter, all arms in one process.
 
 # %%
-stems = ("day60_decode", "day60_capture", "day60_agreement", "day60_profile")
 if ON_GPU:
     bench = run_capturebench(path, DTYPE, compile=False, streamed=True, progress=False)
-    for stem, frame in zip(stems, (bench.steps, bench.capture, bench.agreement, bench.profile), strict=True):
+    for stem, frame in bench.tables("day60").items():
         save_table(frame, stem, label)
-steps, capture, agreement, profile = (load_table(stem, "h200") for stem in stems)
+steps, capture, agreement, profile = (load_table(stem, "h200") for stem in table_stems("day60"))
 assert steps is not None, "data/day60_decode_h200.csv is missing (scripts/gpu_run.sh capture with --streamed)"
 print(f"measured on: {table_label(steps).caption()}")
 REFERENCE, STREAMED = "nanolab graphs", "nanolab graphs, streamed read"
-ratio = steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step")
-ratio = pd.concat({c: ratio[c][REFERENCE] / ratio[c][STREAMED] for c in sorted(steps.context.unique())}, axis=1)
-show(steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step").round(3))
+per_step = steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step")
+ratio = pd.concat({c: per_step[c][REFERENCE] / per_step[c][STREAMED] for c in sorted(steps.context.unique())},
+                  axis=1)
+show(per_step.round(3))
 print("reference step time / streamed step time, by batch (columns: context):")
 show(ratio.round(2))
 

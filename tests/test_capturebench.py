@@ -4,10 +4,12 @@ agreement counts (the timed arms and the graphs themselves need CUDA, and run on
 
 from __future__ import annotations
 
+import pandas as pd
+
 from nanolab import Engine
 from nanolab.bench import random_prompts
 from nanolab.buckets import DecodeBuckets
-from nanolab.capturebench import graph_agreement, rows_equal
+from nanolab.capturebench import CaptureBench, graph_agreement, rows_equal, table_stems
 from nanolab.reference import engine_greedy, hf_greedy, load_hf
 
 
@@ -40,3 +42,11 @@ def test_graph_agreement_counts_rows_and_puts_the_graphs_back(tiny_model):
     assert graph_agreement(engine, prompts, wrong, 4)["rows equal, graphs vs unpadded eager"] == 3
     assert engine.graphs is graphs
     assert rows_equal([[1, 2], [3]], [[1, 2], [4]]) == 1
+
+
+def test_tables_are_named_as_the_chapters_load_them():
+    frames = [pd.DataFrame({"n": [i]}) for i in range(4)]
+    tables = CaptureBench(*frames).tables("day60")
+    assert list(tables) == list(table_stems("day60")) == ["day60_decode", "day60_capture", "day60_agreement",
+                                                          "day60_profile"]
+    assert [t.n.item() for t in tables.values()] == [0, 1, 2, 3]  # steps, capture, agreement, profile
