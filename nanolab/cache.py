@@ -191,6 +191,11 @@ class BatchedPagedKVCache:
         return self.max_rows
 
     @property
+    def plan_epoch(self) -> int:
+        """How many plans have been built; the newest plan's epoch."""
+        return self._plans
+
+    @property
     def max_width(self) -> int:
         """The widest read rectangle a plan can ask for: a row's whole block-table row."""
         return self.max_blocks_per_row * self.block_size
@@ -250,7 +255,7 @@ class BatchedPagedKVCache:
 
     def require_current(self, plan: DecodePlan) -> None:
         """Refuse a plan that a newer one has replaced: its buffers now hold the newer plan."""
-        if plan.epoch != self._plans:
+        if plan.epoch != self.plan_epoch:
             raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self._plans} exists; "
                                "its slots have been handed out again")
 

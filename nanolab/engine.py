@@ -28,10 +28,12 @@ from nanolab.scheduler import Scheduler, Sequence
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """One request's progress in one step: the token it gained, and whether it is done."""
+    """One request's progress in one step: the token it gained, the logits it was sampled from,
+    and whether it is done."""
 
     seq: Sequence
     token_id: int
+    logits: torch.Tensor  # [vocab] fp32; a view the next step may overwrite (a graph's output)
 
     @property
     def finished(self) -> bool:
@@ -136,13 +138,13 @@ class Engine:
         logits = self._prefill(seqs) if prefill else self._decode(seqs)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token, row in zip(seqs, tokens, logits, strict=True):
             seq.output_token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, token))
+            outputs.append(StepOutput(seq, token, row))
         return outputs
 
     def build_inputs(self, seqs: list[Sequence], prefill: bool):

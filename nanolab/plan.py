@@ -167,12 +167,14 @@ def check_plan_rows(plan: DecodePlan, rows) -> Gate:
 
 
 def check_plan_current(cache, plan: DecodePlan) -> Gate:
-    """A plan is current while the tables still hold exactly the lengths it planned; planning
-    again grows them, and the older plan would write over the newer one's slots."""
+    """A plan is current while it is the newest the cache built (its epoch) and the tables still
+    hold exactly the lengths it planned. Planning again fills the same buffers with other write
+    slots, so an older plan would write over the newer one's."""
     planned = plan.planned_lens  # host copies: the device buffers now hold whichever plan is newest
     actual = [cache.table(row).num_tokens for row in plan.rows]
     stale = sum(p != a for p, a in zip(planned, actual, strict=True))
-    return Gate("check_plan_current", stale == 0, {"rows": len(actual), "stale_rows": stale})
+    return Gate("check_plan_current", stale == 0 and plan.epoch == cache.plan_epoch,
+                {"rows": len(actual), "stale_rows": stale, "epoch": plan.epoch, "newest": cache.plan_epoch})
 
 
 def check_rebuild_bounded(rows: int, prompt_len: int, steps: int, limit: float = 32.0,
