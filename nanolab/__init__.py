@@ -1,20 +1,16 @@
 """nanolab: a Llama-family inference engine built one day at a time.
 
-The public surface is vLLM's offline API (`LLM`, `SamplingParams`); the pieces below it are
-importable by name for the notebooks and tests.
+The public surface is vLLM's offline API (`LLM`, `SamplingParams`); `Engine` and the model loader
+are importable here for the notebooks and tests. The book's instruments live in `nanolab.lab`,
+which imports the engine and is never imported by it.
 """
 
-from nanolab.cache import BatchedCacheRows, BatchedPagedKVCache, BlockTable
-from nanolab.config import PRESETS, ModelConfig
-from nanolab.engine import Engine
+from nanolab.engine.llm_engine import Engine
 from nanolab.llm import LLM, RequestOutput
-from nanolab.model import LlamaModel, load_model
-from nanolab.paged_attention import paged_attention_batched_reference
+from nanolab.model.config import PRESETS, ModelConfig
+from nanolab.model.llama import LlamaModel, load_model
+from nanolab.model.weights import resolve_weights
 from nanolab.sampling import SamplingParams
-from nanolab.weights import resolve_weights
 
-__all__ = [
-    "LLM", "PRESETS", "BatchedCacheRows", "BatchedPagedKVCache", "BlockTable", "Engine", "LlamaModel",
-    "ModelConfig", "RequestOutput", "SamplingParams", "load_model", "paged_attention_batched_reference",
-    "resolve_weights",
-]
+__all__ = ["LLM", "PRESETS", "Engine", "LlamaModel", "ModelConfig", "RequestOutput", "SamplingParams", "load_model",
+           "resolve_weights"]

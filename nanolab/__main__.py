@@ -1,7 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab bench`, `python -m nanolab capturebench`, `python -m nanolab streambench`.
 
-Introduced with the engine core (before Day 49).
+Engine core (before Day 49). The bench commands run instruments from `nanolab.lab`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _weights(args: argparse.Namespace) -> int:
-    from nanolab.weights import resolve_weights
+    from nanolab.model.weights import resolve_weights
 
     try:
         print(resolve_weights(args.preset))
@@ -43,19 +43,19 @@ def _weights(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from nanolab.bench import main
+    from nanolab.lab.decodebench import main
 
     return main(args)
 
 
 def _capturebench(args: argparse.Namespace) -> int:
-    from nanolab.capturebench import main
+    from nanolab.lab.capturebench import main
 
     return main(args)
 
 
 def _streambench(args: argparse.Namespace) -> int:
-    from nanolab.streambench import main
+    from nanolab.lab.streambench import main
 
     return main(args)
 
@@ -86,19 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     weights.set_defaults(run=_weights)
 
     bench = sub.add_parser("bench", help="decode ms/step and tokens/s, nanolab against HF transformers")
-    from nanolab.bench import add_arguments
+    from nanolab.lab.decodebench import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(run=_bench)
 
     capture = sub.add_parser("capturebench", help="decode with CUDA graphs on and off against HF static (CUDA)")
-    from nanolab.capturebench import add_arguments as capture_arguments
+    from nanolab.lab.capturebench import add_arguments as capture_arguments
 
     capture_arguments(capture)
     capture.set_defaults(run=_capturebench)
 
     stream = sub.add_parser("streambench", help="the decode read alone: reference, streamed kernels, SDPA (CUDA)")
-    from nanolab.streambench import add_arguments as stream_arguments
+    from nanolab.lab.streambench import add_arguments as stream_arguments
 
     stream_arguments(stream)
     stream.set_defaults(run=_streambench)

@@ -1,6 +1,4 @@
-"""`LLM`: the user-facing engine, shaped like vLLM's offline API.
-
-Introduced with the engine core (before Day 49).
+"""`LLM`: the user-facing engine, shaped like vLLM's offline API. Engine core (before Day 49).
 
     from nanolab import LLM, SamplingParams
     llm = LLM(model="smollm2-135m")
@@ -16,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from nanolab.cache import kv_bytes_per_block
-from nanolab.engine import Engine
-from nanolab.model import load_model
+from nanolab.engine.kv_cache import kv_bytes_per_block
+from nanolab.engine.llm_engine import Engine
+from nanolab.engine.sequence import Sequence
+from nanolab.model.llama import load_model
+from nanolab.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.sampling import SamplingParams
-from nanolab.scheduler import Sequence
-from nanolab.tokenizer import IncrementalDetokenizer, Tokenizer
-from nanolab.weights import resolve_weights, weights_kind
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -83,11 +81,10 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, enforce_eager: bool = False,
-                 streamed_read: bool | None = None) -> None:
+                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto") -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
-        capture list is warmed here, with a progress bar (Day 56). `streamed_read` picks the decode
-        read (Day 60); None takes the cache's choice for the device: streamed on CUDA."""
+        capture list is warmed here, with a progress bar. `read` picks the decode read: "streamed",
+        "reference", or "auto" (streamed on CUDA)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
@@ -103,7 +100,7 @@ class LLM:
             num_blocks = max(1, budget // per_block)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode,
-                             cuda_graphs=device.type == "cuda" and not enforce_eager, streamed_read=streamed_read)
+                             cuda_graphs=device.type == "cuda" and not enforce_eager, read=read)
 
     @property
     def config(self):
@@ -134,6 +131,14 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         return [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
 
+    def _step(self):
+        """One engine step; a step that schedules nothing while requests wait can never finish them."""
+        outputs = self.engine.step()
+        if not outputs and self.engine.has_unfinished_requests():
+            raise RuntimeError("the engine scheduled nothing while requests were waiting: none of them can be "
+                               "admitted (no free row, or not enough free blocks)")
+        return outputs
+
     def _result(self, prompt, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids)
         if seq.stop_text_index is not None:
@@ -149,8 +154,7 @@ class LLM:
         seqs = self._add_all(prompts, sampling_params)
         with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while any(not s.finished for s in seqs):
-                finished = sum(out.finished for out in self.engine.step())
-                bar.update(finished)
+                bar.update(sum(out.finished for out in self._step()))
         return [self._result(p, s) for p, s in zip(prompts, seqs, strict=True)]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True):
@@ -173,7 +177,7 @@ class LLM:
         seen = emitted = 0
         try:
             while True:
-                self.engine.step()
+                self._step()
                 detok.push(seq.output_token_ids[seen:])
                 seen = len(seq.output_token_ids)
                 if seq.finished:

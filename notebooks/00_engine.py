@@ -15,11 +15,11 @@
 # this one takes stock of it as it stands on the eve of Day 49, with nothing compiled, captured or
 # hand-written in Triton yet:
 #
-# - a Llama-family decoder (`nanolab/model.py`, `nanolab/layers.py`) loaded from safetensors in
-#   the Hugging Face layout;
-# - a paged KV cache (`nanolab/cache.py`): one K/V pool per layer cut into fixed-size blocks, and a
-#   `BlockTable` per running request listing its blocks in order;
-# - continuous batching (`nanolab/scheduler.py`): requests join and leave between steps, are
+# - a Llama-family decoder (`nanolab/model/`) loaded from safetensors in the Hugging Face layout;
+# - a paged KV cache (`nanolab/engine/kv_cache.py`): one K/V pool per layer cut into fixed-size
+#   blocks, and a `BlockTable` per running request listing its blocks in order
+#   (`nanolab/engine/block_manager.py`);
+# - continuous batching (`nanolab/engine/scheduler.py`): requests join and leave between steps, are
 #   admitted while free blocks last, and are preempted and later recomputed when the pool runs dry;
 # - a vLLM-shaped front door, `LLM` and `SamplingParams`.
 #
@@ -35,10 +35,19 @@ import pandas as pd
 import torch
 
 from nanolab import LLM, Engine, SamplingParams, load_model
-from nanolab.bench import decode_table
-from nanolab.plots import plot_block_tables, plot_decode_speed
-from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
-from nanolab.report import chapter_target, committed_tables, run_label, save_figure, save_table, show
+from nanolab.lab import (
+    chapter_target,
+    committed_tables,
+    hf_greedy,
+    load_hf,
+    nanolab_greedy,
+    run_label,
+    save_figure,
+    save_table,
+    show,
+)
+from nanolab.lab.decodebench import decode_table
+from nanolab.lab.plots import plot_block_tables, plot_decode_speed
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
@@ -49,10 +58,10 @@ PARITY_TOKENS = 32 if ON_GPU else 24
 
 # This chapter is the engine before the compiler, before CUDA graphs (Days 54-56) and before the
 # streamed read (Day 59, the CUDA default since): eager steps over the reference read.
-llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, enforce_eager=True, streamed_read=False)
+llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, enforce_eager=True, read="reference")
 label = run_label(DEVICE, MODEL, DTYPE, weights=llm.weights_kind)
 print(label.caption())
-print(f"KV pool: {llm.engine.cache.num_blocks} blocks of {llm.engine.cache.block_size} tokens")
+print(f"KV pool: {llm.engine.kv_cache.num_blocks} blocks of {llm.engine.kv_cache.block_size} tokens")
 
 # %% [markdown]
 # ## Generating text
@@ -94,8 +103,9 @@ print()
 # After a few decode steps the middle request is aborted and a fourth joins: it takes the blocks
 # the aborted one gave back, so a row's blocks need not be contiguous in the pool. The read
 # rectangle on the right is what the reference attention gathers every step: each row is padded
-# to the longest row's length, and the padding cells name slot 0, are loaded, and are masked
-# afterwards. Day 50 prices rebuilding this rectangle; Day 59 stops building it.
+# to the longest row's length, and the padding cells name slot -1 (the sink, one slot past the
+# pool's last block), are loaded, and are masked afterwards. Day 50 prices rebuilding this
+# rectangle; Day 59 stops building it.
 
 # %%
 demo = Engine(llm.model, num_blocks=48, block_size=4)
@@ -110,16 +120,16 @@ late = demo.add_request(llm.tokenizer.encode("A late request joins mid-flight"),
 for _ in range(3):
     demo.step()
 live = [seqs[0], seqs[2], late]
-fig = plot_block_tables(demo.cache, [s.row for s in live], ["request 0", "request 2", "request 3 (late)"])
+fig = plot_block_tables(demo.kv_cache, [s.row for s in live], ["request 0", "request 2", "request 3 (late)"])
 save_figure(fig, "engine_block_tables", label)
 show(fig)
 
 # Every block is owned once, and everything returns to the pool when the requests end.
-owned = [b for s in live for b in demo.cache.table(s.row).blocks]
-assert len(owned) == len(set(owned)) == demo.cache.allocator.num_used
+owned = [b for s in live for b in demo.kv_cache.blocks.table(s.row).blocks]
+assert len(owned) == len(set(owned)) == demo.block_manager.allocator.num_used
 for s in live:
     demo.abort_request(s.request_id)
-assert demo.cache.allocator.num_free == demo.cache.num_blocks
+assert demo.block_manager.allocator.num_free == demo.kv_cache.num_blocks
 
 # %% [markdown]
 # ## The gate: nanolab's greedy tokens are HF transformers' greedy tokens
@@ -189,13 +199,13 @@ show(both.pivot_table(index=["device", "batch"], columns="engine", values="token
 # %% [markdown]
 # ## What this sets up
 #
-# Two things in the forward are about to matter. The cache's `write` decides where each step's
-# K/V goes while the forward runs: on layer 0 it grows the block tables with a Python loop over
-# the rows, and every later layer reuses the slots layer 0 chose. And the read rebuilds the
-# `[rows, max_ctx]` rectangle from the tables every step. Neither costs much in eager mode.
-# Day 49 hands this forward to `torch.compile` and finds that both are values a tracer must
-# guard on.
+# The engine above already decides where each step's K/V goes on the host, before the forward
+# runs (Day 50's `DecodePlan`). On the eve of Day 49 it did not: layer 0's `write` grew the block
+# tables with a Python loop over the rows, every later layer reused the slots layer 0 chose, and
+# the read rebuilt the `[rows, max_ctx]` rectangle from the tables every step. Neither cost much
+# eagerly. `nanolab.lab.history` keeps that design as a runner the engine accepts, and Day 49
+# hands it to `torch.compile` to find that both are values a tracer must guard on.
 
 # %%
-assert llm.engine.cache.allocator.num_free == llm.engine.cache.num_blocks
+assert llm.engine.block_manager.allocator.num_free == llm.engine.kv_cache.num_blocks
 assert not llm.engine.has_unfinished_requests()

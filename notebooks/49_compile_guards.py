@@ -18,8 +18,9 @@
 # `kwargs['cache'].cache.tables[0].num_tokens == 13`, a Python integer inside the cache that
 # grows by one every step.
 #
-# This chapter reproduces that on nanolab's pre-plan decode path (`planned=False`, where the
-# forward itself grows the block tables and works out the slots). It shows the guard in dynamo's
+# This chapter reproduces that on the pre-plan decode path, which `nanolab.lab.history` keeps as
+# a runner the engine accepts (`planned=False` here): the forward itself grows the block tables
+# and works out the slots. It shows the guard in dynamo's
 # own words, then checks the one fix Day 49 did land: the attention read takes its bounds from
 # the cache as host ints instead of calling `int(context_lens.min())` on a device tensor.
 #
@@ -37,17 +38,16 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import nanolab
-from nanolab.compilebench import (
+from nanolab.lab import chapter_target, committed_tables, run_label, save_figure, save_table, show
+from nanolab.lab.compilebench import (
     check_graph_reused,
     compilebench_table,
-    device_bounds,
     first_guard_failure,
     guards_table,
     results_table,
     run_compilebench,
 )
-from nanolab.report import chapter_target, committed_tables, run_label, save_figure, save_table, show
-from nanolab.weights import weights_kind
+from nanolab.model.weights import weights_kind
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
@@ -66,8 +66,8 @@ print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")
 # %% [markdown]
 # ## The benchmark
 #
-# `compilebench_table` prefills the 4 prompts eagerly, then swaps the engine's decode forward for
-# the mode under test and times each decode step on its own:
+# `compilebench_table` builds an engine whose decode forward is the mode under test, prefills the
+# 4 prompts eagerly, and times each decode step on its own:
 #
 # - `off` is the eager model; `dynamic` is `torch.compile(model, dynamic=True)`; `static` is
 #   `dynamic=False`. Both compiled modes use inductor.
@@ -154,13 +154,12 @@ assert not gate, gate  # the gate that documents the pathology: it has to fail h
 # from the `context_lens` tensor with `int(context_lens.min())` and `int(...max())`. Under
 # dynamo, turning a tensor into a Python int is a `.item()` call, which it cannot put in a graph
 # by default, so the graph breaks there, in every layer. Day 49 has the cache hand the two
-# numbers down as host ints it already has from its tables. `device_bounds()` switches the read
-# back to the old way for one run, so the two can be compared on the same batch.
+# numbers down as host ints it already has from its tables. `bounds="device"` runs the read the
+# old way, so the two can be compared on the same batch.
 
 # %%
 breaks_before = counters["graph_break"].copy()
-with device_bounds():
-    before = run_compilebench(model, mode="dynamic", planned=False, **BENCH)
+before = run_compilebench(model, mode="dynamic", planned=False, bounds="device", **BENCH)
 break_reasons = {reason: n - breaks_before.get(reason, 0) for reason, n in counters["graph_break"].items()
                  if n > breaks_before.get(reason, 0)}
 bounds = results_table([results["off"], dynamic, before]).iloc[1:]

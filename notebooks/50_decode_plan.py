@@ -18,7 +18,7 @@
 # grows by one every step.
 #
 # Today the decision moves to the host, before the forward is called. A `DecodePlan`
-# (`nanolab/plan.py`) holds four tensors:
+# (`nanolab/engine/plan.py`) holds four tensors:
 #
 # - `write_slots [rows]`: the pool slot each row's new K/V goes to;
 # - `slot_mapping [rows, max_ctx]`: the read rectangle;
@@ -26,9 +26,9 @@
 # - `positions [rows, 1]`: each new token's position.
 #
 # It also holds two host-only ints, `min_ctx` and `max_ctx`, which nothing inside the forward may
-# read. `BatchedPagedKVCache.plan_decode` builds it, and that is where the tables now grow. The
-# model code does not change: `BatchedCacheRows` carries the plan down to the cache's `write` and
-# `paged_attention`.
+# read. The KV cache's `plan_decode` builds it, and that is where the tables now grow. The model
+# code does not change: the cache view it carries (`KVCache.view(plan)`) writes and reads where the
+# plan says.
 #
 # This notebook runs today's engine, which has gone one day further: since Day 51 the plan's
 # tensors are views of fixed device buffers and `slot_mapping` is derived from a block table
@@ -42,20 +42,12 @@ import pandas as pd
 import torch
 
 from nanolab import Engine, SamplingParams, load_model, resolve_weights
-from nanolab.compilebench import check_graph_reused, compilebench_table, first_guard_failure, run_compilebench
-from nanolab.plan import (
-    appended_cells,
-    check_plan_addressing,
-    check_plan_current,
-    check_plan_rows,
-    check_rebuild_bounded,
-    mapping_bytes,
-    rebuild_cells,
-    rebuild_ratio,
-)
-from nanolab.plots import plot_decode_plan
-from nanolab.report import chapter_target, committed_tables, load_table, run_label, save_figure, save_table, show
-from nanolab.weights import weights_kind
+from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
+from nanolab.lab import chapter_target, committed_tables, load_table, run_label, save_figure, save_table, show
+from nanolab.lab.compilebench import check_graph_reused, compilebench_table, first_guard_failure, run_compilebench
+from nanolab.lab.costs import appended_cells, check_rebuild_bounded, mapping_bytes, rebuild_cells, rebuild_ratio
+from nanolab.lab.plots import plot_decode_plan
+from nanolab.model.weights import weights_kind
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
@@ -74,37 +66,38 @@ print(label.caption())
 # mapping is as wide as the longest row, and the shorter rows' padding is counted.
 
 # %%
-engine = Engine(model, num_blocks=64, block_size=16, streamed_read=False)  # the read of Days 49 to 58
+engine = Engine(model, num_blocks=64, block_size=16, read="reference")  # the read of Days 49 to 58
 prompts = [list(range(20, 20 + n)) for n in (5, 13, 2)]
 seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts]
-engine.step()  # the ragged prefill: still the unplanned path, which decides slots while it runs
+engine.step()  # the ragged prefill, planned on the host as well
 rows = [s.row for s in seqs]
-plan = engine.cache.plan_decode(rows)
+plan = engine.kv_cache.plan_decode(rows)
 print(plan.render())
 show(pd.DataFrame([{k: getattr(plan, k) for k in ("batch_size", "width", "cells", "real_cells", "padding_cells",
                                                    "padding_share", "mapping_bytes", "min_ctx", "max_ctx")}]))
 
-gates = [check_plan_addressing(engine.cache, plan), check_plan_rows(plan, rows), check_plan_current(engine.cache, plan)]
+kv = engine.kv_cache
+gates = [check_plan_addressing(kv, plan), check_plan_rows(plan, rows), check_plan_current(kv, plan)]
 for gate in gates:
     print(gate)
     assert gate, gate
-mapping, lens = engine.cache.slot_mapping(rows, plan=plan)
-assert torch.equal(mapping, plan.slot_mapping) and lens is plan.context_lens  # the plan's, not a host rebuild
+assert torch.equal(kv.view(plan).slot_mapping, plan.slot_mapping)  # the plan's, derived on the device
 
 # %% [markdown]
 # ## What a plan refuses
 #
 # Planning grows the tables, so planning twice and then using the first plan would write step
 # two's token over step one's slot. The tables and the pool would still look consistent; one
-# token would simply be gone. `check_plan_current` catches it on the host, and `cache.view` refuses
-# a stale plan before any forward sees it. A decode over an empty row is refused too: it would
-# attend over its own token and nothing else, and produce a fluent continuation of nothing.
+# token would simply be gone. `check_plan_current` catches it on the host (a plan carries the
+# epoch it was built in), and `KVCache.view` refuses a stale plan before any forward sees it. A
+# decode over an empty row is refused too: it would attend over its own token and nothing else,
+# and produce a fluent continuation of nothing.
 
 # %%
-newer = engine.cache.plan_decode(rows)
-stale = check_plan_current(engine.cache, plan)
+newer = engine.kv_cache.plan_decode(rows)
+stale = check_plan_current(engine.kv_cache, plan)
 print(stale)
-assert not stale and check_plan_current(engine.cache, newer)
+assert not stale and check_plan_current(engine.kv_cache, newer)
 
 
 def refusal(call) -> str:
@@ -115,10 +108,10 @@ def refusal(call) -> str:
     raise AssertionError("no refusal")
 
 
-print(refusal(lambda: engine.cache.view(rows, plan=plan)))
-empty = engine.cache.open_row()
-print(refusal(lambda: engine.cache.plan_decode(rows + [empty])))
-engine.cache.free_row(empty)
+print(refusal(lambda: engine.kv_cache.view(plan)))
+empty = engine.kv_cache.blocks.open_row()
+print(refusal(lambda: engine.kv_cache.plan_decode(rows + [empty])))
+engine.kv_cache.blocks.free_row(empty)
 
 # %% [markdown]
 # ## The forward is a function again
@@ -132,17 +125,17 @@ engine.cache.free_row(empty)
 # %%
 ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=DEVICE)
 with torch.inference_mode():
-    first = model(ids, newer.positions, cache=engine.cache.view(rows, plan=newer))
-    again = model(ids, newer.positions, cache=engine.cache.view(rows, plan=newer))
+    first = model(ids, newer.positions, cache=engine.kv_cache.view(newer))
+    again = model(ids, newer.positions, cache=engine.kv_cache.view(newer))
 print("planned forward replayed, max |difference|:", (first - again).abs().max().item())
 assert torch.equal(first, again)
 
 # %% [markdown]
 # ## Under the compiler
 #
-# The same compile bench as Day 49, now over the planned forward: the engine builds a plan in
-# `build_inputs` and hands the forward `plan.positions` and `cache.view(rows, plan=plan)`. The
-# unplanned rows come from Day 49's table for this device.
+# The same compile bench as Day 49, now over the planned forward: the engine's runner builds a
+# plan and hands the forward `plan.positions` and `kv_cache.view(plan)`. The unplanned rows come
+# from Day 49's table for this device.
 
 # %%
 planned, results = compilebench_table(model, rows=ROWS, prompt_len=PROMPT_LEN, steps=STEPS, planned=True)
@@ -172,7 +165,7 @@ for mode in ("dynamic", "static"):
 # The guard changed kind. In `static` mode every new width is a new shape, and dynamo says so
 # in its own words below: a size mismatch on the read's width, carried by the step's slot mapping
 # [rows, width] and its mask [rows, 1, width] (since Day 51 both are derived from the plan in
-# `cache.view`, once per step). In `dynamic` mode that width gets a symbol on the first trace,
+# `KVCache.view`, once per step). In `dynamic` mode that width gets a symbol on the first trace,
 # so no guard fails at all, and the one graph built on the first step is reused for every step
 # after it. `check_graph_reused`, the gate Day 49 failed, passes.
 

@@ -12,7 +12,7 @@
 # # Days 59 and 60: the streamed kernel
 #
 # Every decode step ends in the same read, and since the engine core that read has been
-# `paged_attention_batched_reference`. It gathers K and V for the whole `[rows, width]` slot
+# `reference_read`. It gathers K and V for the whole `[rows, width]` slot
 # mapping and scores a `[rows, heads, 1, width]` rectangle before it masks. Days 52 to 56 were
 # built around that rectangle. The width axis of the capture list exists because the rectangle
 # grows with it, the shared pool is sized by it, and the warm-up captures 36 shapes of it. Day 59
@@ -36,10 +36,23 @@ import pandas as pd
 import torch
 
 from nanolab import Engine, load_model, resolve_weights
-from nanolab.bench import random_prompts, time_nanolab
-from nanolab.buckets import DecodeBuckets
-from nanolab.capturebench import run_capturebench, table_stems
-from nanolab.captured import (
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.kernels.paged_attention import choose_variant, paged_attention, tile_lanes
+from nanolab.kernels.reference import reference_read
+from nanolab.lab import (
+    chapter_target,
+    engine_greedy,
+    load_table,
+    random_prompts,
+    run_label,
+    save_figure,
+    save_table,
+    show,
+    table_label,
+    time_engine,
+)
+from nanolab.lab.capturebench import run_capturebench, table_stems
+from nanolab.lab.costs import (
     SEED_STREAMBENCH,
     render_streambench,
     spread_lengths,
@@ -48,28 +61,10 @@ from nanolab.captured import (
     streamed_workspace_bytes,
     workspace_bytes,
 )
-from nanolab.kernels.paged_attention import (
-    choose_variant,
-    kernel_agreement,
-    paged_attention_batched_kernel,
-    paged_attention_table_kernel,
-    tile_lanes,
-)
-from nanolab.paged_attention import paged_attention_batched_reference
-from nanolab.plots import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
-from nanolab.reference import engine_greedy
-from nanolab.report import (
-    chapter_target,
-    figure_path,
-    load_table,
-    run_label,
-    save_figure,
-    save_table,
-    show,
-    table_label,
-)
-from nanolab.streambench import launch_rule, read_batch, run_streambench
-from nanolab.weights import weights_kind
+from nanolab.lab.plots import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
+from nanolab.lab.report import figure_path
+from nanolab.lab.streambench import kernel_agreement, launch_rule, mapping_read, read_batch, run_streambench
+from nanolab.model.weights import weights_kind
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
@@ -84,7 +79,7 @@ print(label.caption())
 # score tile instead, so the two differ by `width / BLOCK` and nothing else: rows and heads appear
 # in both and cancel. The streamed read also walks only each row's own tiles, while the rectangle
 # charges every row the widest row's history. The seed's host-only table is rebuilt below from
-# that arithmetic (`nanolab.captured`), and it must match the seed's print exactly.
+# that arithmetic (`nanolab.lab.costs`), and it must match the seed's print exactly.
 
 # %%
 table = streambench_table()
@@ -137,17 +132,15 @@ assert (agreement.worst < (1e-5 if kernel_dtype == torch.float32 else 2e-2)).all
 # %%
 b = read_batch(batches["ragged"], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
                device=DEVICE)
-clean = paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                          validated=True)
+clean = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, validated=True)
 live = set(b.slot_mapping[b.slot_mapping >= 0].tolist())
 dead = [s for s in range(b.k_pool.shape[0]) if s not in live]
 b.k_pool[dead], b.v_pool[dead] = float("nan"), float("nan")
-oracle = paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                           validated=True)
-kernel = paged_attention_batched_kernel(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                        validated=True, block=TILE, variant="gqa")
-table_read = paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
-                                          b.context_lens, b.positions, block=TILE, variant="gqa")
+oracle = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, validated=True)
+kernel = mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, block=TILE,
+                      variant="gqa")
+table_read = paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16, b.context_lens, b.positions,
+                             block=TILE, variant="gqa")
 short = b.context_lens < b.context_lens.max()
 print(f"reference: {int(oracle.isnan().any(dim=(1, 2, 3)).sum())} of {len(short)} rows NaN; "
       f"kernel: {int(kernel.isnan().any(dim=(1, 2, 3)).sum())}; table-addressed kernel: "
@@ -169,8 +162,8 @@ torch.testing.assert_close(table_read, clean, **tolerance)
 lengths = spread_lengths(8, 2048, "long tail")
 b = read_batch(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype, device=DEVICE)
 counts = torch.zeros(len(lengths), dtype=torch.int32, device=DEVICE)
-paged_attention_batched_kernel(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                               validated=True, block=TILE, variant="gqa", tile_counts=counts)
+mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, block=TILE, variant="gqa",
+             tile_counts=counts)
 work = streamed_work(lengths, TILE)
 walked = int(counts.sum()) // tile_lanes("gqa", HEADS, KV_HEADS)
 print(f"the loop walked {walked} tiles; streamed_work says {work.walked}; the rectangle scores {work.rect_tiles} "
@@ -180,9 +173,9 @@ assert walked == work.walked == 30 and work.rect_tiles == 128
 # %% [markdown]
 # ## Day 60: the wiring
 #
-# `paged_attention_table_kernel` addresses each key as `block_table[row, p // B] * B + p % B`
+# `paged_attention` addresses each key as `block_table[row, p // B] * B + p % B`
 # inside the kernel, so a planned step hands it the cache's persistent block table (Day 51) and
-# nothing of any width. `BatchedPagedKVCache.streamed_read` picks the read. A streamed view derives
+# nothing of any width. The KV cache picks the read once, when it is built (`read=`). A streamed view derives
 # no slot mapping and no mask, and prefill, which has several queries a row, stays on the
 # reference. The acceptance test is the engine's own output: the same greedy tokens through
 # either read.
@@ -195,8 +188,8 @@ prompts = random_prompts(3, 24, model.config.vocab_size, seed=3).tolist()
 exact_model = model if DTYPE == torch.float32 else load_model(path, dtype=torch.float32, device=DEVICE)
 for m in dict.fromkeys((exact_model, model)):
     dtype = next(m.parameters()).dtype
-    same = engine_greedy(Engine(m, num_blocks=32, streamed_read=True), prompts, 6) == engine_greedy(
-        Engine(m, num_blocks=32, streamed_read=False), prompts, 6)
+    same = engine_greedy(Engine(m, num_blocks=32, read="streamed"), prompts, 6) == engine_greedy(
+        Engine(m, num_blocks=32, read="reference"), prompts, 6)
     print(f"{MODEL}, {dtype}: the streamed read decodes the reference's greedy tokens: {same}")
     if dtype == torch.float32:
         assert same
@@ -213,12 +206,12 @@ del exact_model
 # %%
 b = read_batch(batches["ragged"], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
                device=DEVICE)
-exact = paged_attention_batched_reference(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping,
-                                          b.context_lens, b.positions, validated=True)
-reads = {"reference": paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
-                                                        b.positions, validated=True),
-         "streamed (table)": paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
-                                                          b.context_lens, b.positions, block=TILE)}
+exact = reference_read(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping, b.context_lens,
+                       b.positions, validated=True)
+reads = {"reference": reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                                     validated=True),
+         "streamed (table)": paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
+                                             b.context_lens, b.positions, block=TILE)}
 exactness = pd.DataFrame([{"read": name, "dtype": str(kernel_dtype).removeprefix("torch."),
                            "worst |read - exact|": float((out.double() - exact).abs().max())}
                           for name, out in reads.items()])
@@ -234,19 +227,19 @@ show(exactness)
 
 # %%
 steps = 3
-arms = {"reference": Engine(model, num_blocks=32, streamed_read=False),
-        "streamed": Engine(model, num_blocks=32, streamed_read=True)}
-timing = pd.DataFrame([{"read": name, "ms_per_step": time_nanolab(engine, random_prompts(2, 24,
+arms = {"reference": Engine(model, num_blocks=32, read="reference"),
+        "streamed": Engine(model, num_blocks=32, read="streamed")}
+timing = pd.DataFrame([{"read": name, "ms_per_step": time_engine(engine, random_prompts(2, 24,
                         model.config.vocab_size), steps, repeats=1).ms_per_step} for name, engine in arms.items()])
 save_table(timing, "day60_read_cost", label)
 show(timing)
 
 # %% [markdown]
 # So on a CPU the reference stays the default. On a CUDA device the cache reads through the
-# streamed kernel unless told otherwise (`streamed_read=None` picks by device). The H200
+# streamed kernel unless told otherwise (`read="auto"` picks by device). The H200
 # measurement at the end of this chapter is the reason: with graphs, as `LLM` runs on a GPU, the
 # streamed step is faster than the reference's at every batch and context the capture chapter
-# measured. The chapters before this one pass `streamed_read=False`, because they study the read
+# measured. The chapters before this one pass `read="reference"`, because they study the read
 # of their day.
 #
 # ### The capture list loses an axis
@@ -344,7 +337,7 @@ print(f"64 x 8192: the table read takes {big.us['table']:.0f} us at {big.tb_s['t
       f"{big.us['sdpa']:.0f} us ({big.us['sdpa'] / big.us['table']:.2f}x the table read's time); "
       f"the rectangle takes {big.us['reference']:.0f} us ({big.x_reference['table']:.1f}x, target 20x)")
 needed = big.kv_bytes["table"] / (big.us["reference"] / 20) / 1e6
-print(f"  20x the rectangle would need {needed:.1f} TB/s; the H200's HBM peaks at 4.8 TB/s (REFERENCES.md)")
+print(f"  20x the rectangle would need {needed:.1f} TB/s; the H200's HBM peaks at 4.8 TB/s (NVIDIA's specification)")
 print(f"8 x 2048: the table read takes {small.us['table']:.1f} us (target 25 us: "
       f"{25 / small.us['table']:.2f}x)")
 tail = by.loc["long tail 64 x 8192"]

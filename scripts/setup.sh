@@ -29,7 +29,7 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
     echo "$want" > "$stamp"
 fi
 
-# Converting the GGUF takes ~20 s; nanolab.weights keeps preset NAME in $NANOLAB_CACHE/NAME.
+# Converting the GGUF takes ~20 s; nanolab.model.weights keeps preset NAME in $NANOLAB_CACHE/NAME.
 cache="${NANOLAB_CACHE:-$HOME/.cache/nanolab}"
 if [[ ! -f "$cache/smollm2-135m/model.safetensors" ]]; then
     echo "setup: preparing smollm2-135m weights in $cache"

@@ -1,7 +1,7 @@
-"""Day 59's streamed decode read against `paged_attention_batched_reference`.
+"""Day 59's streamed decode read against `reference_read`.
 
-On a CPU-only machine the kernels run in Triton's interpreter, fp32 (ENVIRONMENT.md: the
-interpreter's bf16 dot is wrong). Shapes stay tiny and tiles large: each launch is a Python loop.
+On a CPU-only machine the kernels run in Triton's interpreter, fp32 (the interpreter's bf16 dot is
+wrong). Shapes stay tiny and tiles large: each launch is a Python loop.
 """
 
 from __future__ import annotations
@@ -10,23 +10,22 @@ import re
 
 import pytest
 import torch
+from conftest import make_cache
 
-from nanolab.cache import BatchedPagedKVCache, cdiv
-from nanolab.captured import spread_lengths, streamed_work
+from nanolab.engine.block_manager import cdiv
 from nanolab.kernels.paged_attention import (
     VARIANTS,
     choose_launch,
     choose_splits,
     choose_stages,
     choose_variant,
-    kernel_agreement,
-    paged_attention_batched_kernel,
-    paged_attention_table_kernel,
+    paged_attention,
     tile_lanes,
 )
-from nanolab.paged_attention import paged_attention_batched_reference
-from nanolab.plan import plan_decode
-from nanolab.report import load_table
+from nanolab.kernels.reference import reference_read
+from nanolab.lab.costs import spread_lengths, streamed_work
+from nanolab.lab.report import load_table
+from nanolab.lab.streambench import kernel_agreement, mapping_read
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM = 16
@@ -44,52 +43,55 @@ def _decode_batch(lengths, heads, kv_heads, *, seed=0, scatter=False, sink=False
     that owns block 0, so slot 0 (the padding's slot) holds no token of the batch.
     Returns (cache, plan, q, sink_slots)."""
     g = torch.Generator().manual_seed(seed)
-    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=kv_heads, head_dim=HEAD_DIM, num_blocks=64,
-                                block_size=4, max_rows=8, device=DEVICE)
+    cache = make_cache(num_layers=1, num_kv_heads=kv_heads, head_dim=HEAD_DIM, num_blocks=64, block_size=4,
+                       max_rows=8, device=DEVICE)
 
     def kv(n):
         shape = (1, n, kv_heads, HEAD_DIM)
         return torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE)
 
+    def write(row, n):  # n more tokens of one row, through a prefill plan of that row alone
+        cache.view(cache.plan_prefill((row,), (n,))).write(0, *kv(n))
+
     sink_slots = []
     if sink:
-        row = cache.open_row()
-        cache.write(0, (row,), *kv(4), (4,))
-        sink_slots = [cache.table(row).slot(p) for p in range(4)]
+        row = cache.blocks.open_row()
+        write(row, 4)
+        sink_slots = [cache.blocks.table(row).slot(p) for p in range(4)]
     if scatter:
-        doomed = cache.open_row()
-        cache.write(0, (doomed,), *kv(12), (12,))
-    rows = tuple(cache.open_row() for _ in lengths)
+        doomed = cache.blocks.open_row()
+        write(doomed, 12)
+    rows = tuple(cache.blocks.open_row() for _ in lengths)
     if scatter:
-        cache.free_row(doomed)
+        cache.blocks.free_row(doomed)
         left = dict(zip(rows, lengths))
         while any(left.values()):
             for row in rows:
-                n = min(left[row], 4 - cache.table(row).num_tokens % 4)
+                n = min(left[row], 4 - cache.blocks.table(row).num_tokens % 4)
                 if n:
-                    cache.write(0, (row,), *kv(n), (n,))
+                    write(row, n)
                     left[row] -= n
     else:
         for row, n in zip(rows, lengths):
-            cache.write(0, (row,), *kv(n), (n,))
-    plan = plan_decode(cache, rows)
+            write(row, n)
+    plan = cache.plan_decode(rows)
     k_new, v_new = kv(len(rows))
-    cache.write(0, rows, k_new.transpose(0, 1), v_new.transpose(0, 1), (1,) * len(rows), plan=plan)
+    cache.view(plan).write(0, k_new.transpose(0, 1), v_new.transpose(0, 1))
     q = torch.randn((len(rows), 1, heads, HEAD_DIM), generator=g).to(DEVICE)
     return cache, plan, q, sink_slots
 
 
 def _reference(cache, plan, q, mapping=None):
     mapping = plan.slot_mapping if mapping is None else mapping
-    return paged_attention_batched_reference(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens,
-                                             plan.positions, validated=True)
+    return reference_read(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens, plan.positions,
+                          validated=True)
 
 
 def _kernel(cache, plan, q, variant, mapping=None, **kw):
+    """The kernel addressed by a slot mapping: the block table of block size 1 (`mapping_read`)."""
     mapping = plan.slot_mapping if mapping is None else mapping
-    return paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens,
-                                          plan.positions, validated=True, block=BLOCK, variant=variant,
-                                          splits=2, **kw)
+    return mapping_read(q, cache.k_pools[0], cache.v_pools[0], mapping, plan.context_lens, plan.positions,
+                        block=BLOCK, variant=variant, splits=2, **kw)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -104,15 +106,14 @@ def test_kernel_equals_reference(variant, batch, shape):
     torch.testing.assert_close(_kernel(cache, plan, q, variant), _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_and_unvalidated_reads():
+def test_auto_variant_and_reads_without_positions():
     cache, plan, q, _ = _decode_batch(BATCHES["ragged"], 4, 2, scatter=True)
     oracle = _reference(cache, plan, q)
-    got = paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping,
-                                         plan.context_lens, plan.positions, block=BLOCK)
+    got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens, plan.positions,
+                       block=BLOCK)
     torch.testing.assert_close(got, oracle, rtol=1e-5, atol=1e-5)
-    got = paged_attention_batched_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping,
-                                         plan.context_lens, block=BLOCK, variant="gqa",
-                                         context_bounds=(plan.min_ctx, plan.max_ctx))
+    got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens, block=BLOCK,
+                       variant="gqa")
     torch.testing.assert_close(got, oracle, rtol=1e-5, atol=1e-5)
 
 
@@ -171,33 +172,54 @@ def _refusal_cases(cache, plan, q):
     }
 
 
+# The refusals the kernel shares with the reference: rows that q does not have. The rest
+# (bounds, empty rows, a narrow mapping, validated/context_bounds) are the reference's alone:
+# the kernel trusts the plan that filled its inputs and checks nothing that would read them back.
+SHAPE_REFUSALS = ("short mapping", "lens shape")
+
+
 @pytest.mark.parametrize("case", ["short mapping", "lens shape", "narrow mapping", "empty row", "both", "bounds"])
-def test_refusals_match_the_reference(case):
+def test_refusals_of_the_reference_and_the_kernel(case):
     cache, plan, q, _ = _decode_batch(BATCHES["ragged"], 4, 2)
     kw = _refusal_cases(cache, plan, q)[case]
     args = (q, cache.k_pools[0], cache.v_pools[0])
-    with pytest.raises(ValueError) as ref:
-        paged_attention_batched_reference(*args, positions=plan.positions, **kw)
-    with pytest.raises(ValueError, match=re.escape(str(ref.value))):
-        paged_attention_batched_kernel(*args, positions=plan.positions, **kw)
+    with pytest.raises(ValueError):
+        reference_read(*args, positions=plan.positions, **kw)
+    if case in SHAPE_REFUSALS:
+        with pytest.raises(ValueError, match=f"must describe the {q.shape[0]} rows of q"):
+            mapping_read(*args, kw["slot_mapping"], kw["context_lens"], plan.positions)
 
 
 def test_kernel_only_refusals():
     cache, plan, q, _ = _decode_batch(BATCHES["uniform"], 4, 2)
     args = (cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens)
     with pytest.raises(ValueError, match="decode only"):
-        paged_attention_batched_kernel(q.expand(-1, 2, -1, -1), *args, validated=True)
+        mapping_read(q.expand(-1, 2, -1, -1), *args)
     with pytest.raises(ValueError, match="unknown variant"):
-        paged_attention_batched_kernel(q, *args, validated=True, variant="rows")
+        mapping_read(q, *args, variant="rows")
     with pytest.raises(ValueError, match="evenly"):
-        paged_attention_batched_kernel(q[:, :, :3], *args, validated=True)
+        mapping_read(q[:, :, :3], *args)
     with pytest.raises(ValueError, match="power of two"):
-        paged_attention_batched_kernel(q, *args, validated=True, block=24)
+        mapping_read(q, *args, block=24)
     with pytest.raises(ValueError, match="share a dtype"):
-        paged_attention_batched_kernel(q.double(), *args, validated=True)
+        mapping_read(q.double(), *args)
     strided = torch.stack([plan.context_lens, plan.context_lens], dim=1)[:, 0]  # a view with stride 2
     with pytest.raises(ValueError, match="contiguous"):
-        paged_attention_batched_kernel(q, *args[:3], strided, validated=True)
+        mapping_read(q, *args[:3], strided)
+    rows = len(plan.rows)
+    with pytest.raises(ValueError, match="tile_counts"):
+        mapping_read(q, *args, tile_counts=torch.zeros(rows, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="tile_counts"):
+        mapping_read(q, *args, tile_counts=torch.zeros(rows + 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=re.escape("positions must be [rows, 1]")):
+        mapping_read(q, *args, plan.positions[:, 0])
+    table_args = (q, cache.k_pools[0], cache.v_pools[0], plan.block_table)
+    strided_rows = torch.stack([plan.table_rows, plan.table_rows], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention(*table_args, strided_rows, cache.block_size, plan.context_lens)
+    with pytest.raises(ValueError, match="block_table must be"):
+        paged_attention(q, cache.k_pools[0], cache.v_pools[0], plan.block_table[0], plan.table_rows,
+                        cache.block_size, plan.context_lens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the 16-bit tensor-core dot runs on a GPU only")
@@ -206,15 +228,14 @@ def test_bf16_tiles_on_the_tensor_cores_agree_with_exact_arithmetic(variant):
     """On a GPU a bf16 pool's tiles go to tl.dot as they are (`_dot_mode` 2). Measured against the
     reference done in float64 on the same bf16 inputs, the kernel must be within bf16 rounding, and
     no further from it than the bf16 reference is."""
-    from nanolab.streambench import read_batch
+    from nanolab.lab.streambench import read_batch
 
     b = read_batch([700, 40, 260, 129, 1], heads=32, kv_heads=8, head_dim=64, device="cuda")
-    exact = paged_attention_batched_reference(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping,
-                                              b.context_lens, b.positions, validated=True)
-    bf16 = paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                             validated=True)
-    kernel = paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16, b.context_lens,
-                                          b.positions, variant=variant)
+    exact = reference_read(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping, b.context_lens,
+                           b.positions, validated=True)
+    bf16 = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, validated=True)
+    kernel = paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16, b.context_lens, b.positions,
+                             variant=variant)
     kernel_err = float((kernel.double() - exact).abs().max())
     assert kernel_err < 2e-2 and kernel_err <= float((bf16.double() - exact).abs().max())
 
@@ -254,7 +275,7 @@ def test_the_launch_rule_is_read_off_the_h200_sweep():
     committed sweep has it within 6%. Across two sweeps a few hours apart, the launches the rule
     chooses from (128-key tiles, 4 warps) moved by 4.5% at most; the rest of the 12% is room for
     that noise."""
-    from nanolab.streambench import launch_rule
+    from nanolab.lab.streambench import launch_rule
 
     sweep = load_table("day59_launch_sweep", "h200")
     assert sweep is not None, "the committed H200 sweep is missing"
@@ -274,9 +295,9 @@ def test_kernel_agreement_reads_like_the_seed():
 # Day 60: the same read addressed through the block table, with no slot mapping and no width.
 
 def _table_kernel(cache, plan, q, variant, **kw):
-    return paged_attention_table_kernel(q, cache.k_pools[0], cache.v_pools[0], plan.block_table, plan.table_rows,
-                                        cache.block_size, plan.context_lens, plan.positions, block=BLOCK,
-                                        variant=variant, splits=2, **kw)
+    return paged_attention(q, cache.k_pools[0], cache.v_pools[0], plan.block_table, plan.table_rows,
+                           cache.block_size, plan.context_lens, plan.positions, block=BLOCK, variant=variant,
+                           splits=2, **kw)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -295,7 +316,8 @@ def test_table_kernel_reads_only_the_batch_slots(variant):
     every free block. Addressed through the table, the kernel loads none of them."""
     cache, plan, q, _ = _decode_batch(BATCHES["scattered"], 4, 2, scatter=True)
     clean = _reference(cache, plan, q)
-    live = {cache.table(row).slot(p) for row in plan.rows for p in range(cache.table(row).num_tokens)}
+    tables = [cache.blocks.table(row) for row in plan.rows]
+    live = {t.slot(p) for t in tables for p in range(t.num_tokens)}
     dead = [slot for slot in range(cache.k_pools[0].shape[0]) if slot not in live]
     for pool in (cache.k_pools[0], cache.v_pools[0]):
         pool[dead] = float("nan")
@@ -312,9 +334,9 @@ def test_table_kernel_walks_its_own_tiles_and_refuses_bad_inputs():
     assert int(counts.sum()) // tile_lanes("gqa", 4, 2) == streamed_work(plan.context_lens.tolist(), BLOCK).walked
     args = (q, cache.k_pools[0], cache.v_pools[0])
     with pytest.raises(ValueError, match="must describe"):
-        paged_attention_table_kernel(*args, plan.block_table, plan.table_rows[:-1], 4, plan.context_lens)
+        paged_attention(*args, plan.block_table, plan.table_rows[:-1], 4, plan.context_lens)
     with pytest.raises(ValueError, match="contiguous"):
-        paged_attention_table_kernel(*args, plan.block_table.t(), plan.table_rows, 4, plan.context_lens)
+        paged_attention(*args, plan.block_table.t(), plan.table_rows, 4, plan.context_lens)
     with pytest.raises(ValueError, match="block_size"):
-        paged_attention_table_kernel(*args, plan.block_table, plan.table_rows, 0, plan.context_lens)
+        paged_attention(*args, plan.block_table, plan.table_rows, 0, plan.context_lens)
 

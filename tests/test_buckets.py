@@ -6,27 +6,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_smollm2
+from conftest import make_cache, needs_smollm2
 from test_engine import assert_all_free, ragged_prompts, run
 
 from nanolab import Engine, SamplingParams
-from nanolab.buckets import DecodeBuckets, bucket_table, padding_waste
-from nanolab.cache import BatchedPagedKVCache
-from nanolab.plan import appended_cells, check_plan_addressing, check_plan_rows, check_rebuild_bounded, rebuild_cells
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.plan import check_plan_addressing, check_plan_rows
+from nanolab.lab.compilebench import decode_shape
+from nanolab.lab.costs import appended_cells, bucket_table, check_rebuild_bounded, padding_waste, rebuild_cells
+from nanolab.lab.history import unplanned_runner
 
 
-def small_cache(**kw) -> BatchedPagedKVCache:
+def small_cache(**kw) -> KVCache:
     args = dict(num_layers=2, num_kv_heads=2, head_dim=4, num_blocks=64, block_size=4, max_rows=8)
-    return BatchedPagedKVCache(**{**args, **kw})
+    return make_cache(**{**args, **kw})
 
 
-def prefilled(cache: BatchedPagedKVCache, lengths) -> list[int]:
+def prefilled(cache: KVCache, lengths) -> list[int]:
     rows = []
     for n in lengths:
-        row = cache.open_row()
+        row = cache.blocks.open_row()
+        view = cache.view(cache.plan_prefill((row,), (n,)))
         k = torch.randn(1, n, 2, 4)
         for layer in range(cache.num_layers):
-            cache.write(layer, (row,), k, k, (n,))
+            view.write(layer, k, k)
         rows.append(row)
     return rows
 
@@ -36,6 +40,7 @@ def prefilled(cache: BatchedPagedKVCache, lengths) -> list[int]:
 def test_the_block_table_is_one_buffer_written_an_entry_per_new_block():
     cache = small_cache()
     rows = prefilled(cache, [5, 9, 2])
+    assert cache.host_cells == 2 + 3 + 1  # each prefill plan writes its row's blocks
     address = cache.block_table.data_ptr()
     before = cache.host_cells
     for _ in range(12):
@@ -43,19 +48,17 @@ def test_the_block_table_is_one_buffer_written_an_entry_per_new_block():
         assert plan.block_table is cache.block_table
         assert plan.write_slots.data_ptr() == cache.step_inputs["write_slots"].data_ptr()
         assert check_plan_addressing(cache, plan)
-    # The prefill's 2 + 3 + 1 blocks go up with the first plan; then 12 steps from lengths 5, 9 and
-    # 2 at block 4 end at 17, 21 and 14 tokens, gaining 3 blocks each.
-    assert cache.host_cells - before == 6 + 9 and cache.block_table.data_ptr() == address
+    # 12 steps from lengths 5, 9 and 2 at block 4 end at 17, 21 and 14 tokens, gaining 3 blocks each.
+    assert cache.host_cells - before == 9 and cache.block_table.data_ptr() == address
     table = cache.block_table.cpu()
     for row in rows:
-        assert table[row, : len(cache.table(row).blocks)].tolist() == cache.table(row).blocks
+        assert table[row, : len(cache.blocks.table(row).blocks)].tolist() == cache.blocks.table(row).blocks
 
 
 @pytest.mark.parametrize("steps", [512, 4096])
 def test_rebuild_is_bounded_at_any_run_length_when_measured(steps):
     cache = small_cache(num_blocks=4 * 4096 // 4 + 16, max_rows=4)
     rows = prefilled(cache, [16] * 4)
-    cache.flush_block_table()  # the prefill's entries
     before = cache.host_cells
     for _ in range(steps):
         cache.plan_decode(rows)
@@ -75,17 +78,18 @@ def test_the_measured_gate_fails_for_a_cache_that_rebuilds_its_table():
 
 def test_staging_keeps_only_the_newest_entry_of_a_reused_row():
     cache = small_cache()
-    row = cache.open_row()
-    cache.write(0, (row,), torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), (3,))
-    first = cache.table(row).blocks[0]
-    cache.free_row(row)
-    row = cache.open_row()
-    k = torch.zeros(1, 3, 2, 4)
-    for layer in range(2):
-        cache.write(layer, (row,), k, k, (3,))
-    plan = cache.plan_decode([row])
-    assert int(cache.block_table[row, 0]) == cache.table(row).blocks[0] != -1
-    assert check_plan_addressing(cache, plan) and first in range(64)
+    blocks = cache.blocks
+    row = blocks.open_row()
+    blocks.grow([row], [3])  # staged, not yet on the device
+    first = blocks.table(row).blocks[0]
+    blocks.free_row(row)
+    blocks.open_row()  # the same row again, and a second row that takes the freed block
+    other = blocks.open_row()
+    blocks.grow([other, row], [3, 3])
+    assert blocks.table(other).blocks[0] == first
+    new = blocks.take_new_entries()
+    assert new == {(row, 0): blocks.table(row).blocks[0], (other, 0): first}
+    assert blocks.take_new_entries() == {}
 
 
 # Padding up to a bucket.
@@ -99,7 +103,7 @@ def test_padded_rows_write_only_the_sink_and_read_only_the_sink():
     assert plan.write_slots[3:].eq(-1).all() and plan.slot_mapping[3:].eq(-1).all()
     pools = [p.clone() for p in cache.k_pools]
     k = torch.randn(8, 1, 2, 4)
-    cache.write(0, tuple(rows), k, k, (1,) * 3, plan=plan)
+    cache.view(plan).write(0, k, k)
     changed = (cache.k_pools[0] != pools[0]).any(dim=(1, 2)).nonzero().flatten().tolist()
     live = sorted(plan.write_slots[:3].tolist())
     assert changed == live + [cache.k_pools[0].shape[0] - 1]  # the live rows' slots, and the sink
@@ -192,24 +196,21 @@ def test_graphs_need_cuda(tiny_model):
         pytest.skip("this checks the refusal on a CPU-only machine")
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         Engine(tiny_model, num_blocks=16, cuda_graphs=True)
-    with pytest.raises(ValueError, match="planned=True"):
-        Engine(tiny_model, num_blocks=16, planned=False, buckets=DecodeBuckets.default())
+    with pytest.raises(ValueError, match="pad a DecodePlan"):
+        Engine(tiny_model, num_blocks=16, runner=unplanned_runner(), buckets=DecodeBuckets.default())
 
 
 def test_decode_shape_reports_the_buckets_a_run_really_used(tiny_model):
     # Day 52: with buckets, the shape set of a run is the buckets it landed in, read off its plans.
-    from nanolab.compilebench import decode_shape
-
     buckets = DecodeBuckets((1, 2, 4, 8), (32, 64))
-    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=buckets)
     shapes = []
 
     def probe(ids, positions, cache):
-        shapes.append(decode_shape(cache.cache, cache.rows, cache.plan))
+        shapes.append(decode_shape(cache))
         assert tuple(ids.shape) == (shapes[-1][0], 1)
         return tiny_model(ids, positions, cache=cache)
 
-    engine.decode_forward = probe
+    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=buckets, read="reference", forward=probe)
     run(engine, ragged_prompts(512)[:5], join_after=2)
     assert set(shapes) <= set(buckets.shapes) and len(set(shapes)) < len(shapes)
     # Two rows alone, then all five padded to 8, then the three that joined late, padded to 4.

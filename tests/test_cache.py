@@ -1,20 +1,24 @@
-"""The paged KV cache and its reference read: block tables, the allocator, the layer-0 handshake,
-the `slot_mapping` rectangle and `paged_attention_batched_reference` against naive attention."""
+"""The paged KV cache and its reference read: block tables, the allocator, the block manager, the
+plans that grow the tables, the derived `slot_mapping` rectangle, and `reference_read` against
+naive attention."""
 
 import math
 
 import pytest
 import torch
+from conftest import make_cache
 
-from nanolab.cache import BatchedPagedKVCache, BlockAllocator, BlockTable, CacheFull
-from nanolab.paged_attention import paged_attention_batched_reference
+from nanolab.engine.block_manager import BlockAllocator, BlockTable, CacheFull
+from nanolab.engine.kv_cache import KVCache, kv_bytes_per_block
+from nanolab.engine.plan import derive_slot_mapping
+from nanolab.kernels.reference import reference_read
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
 
 
-def make_cache(num_blocks: int = 16, num_layers: int = 2, max_rows: int = 4) -> BatchedPagedKVCache:
-    return BatchedPagedKVCache(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                               num_blocks=num_blocks, block_size=BLOCK, max_rows=max_rows)
+def small_cache(num_blocks: int = 16, num_layers: int = 2, max_rows: int = 4) -> KVCache:
+    return make_cache(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=num_blocks,
+                      block_size=BLOCK, max_rows=max_rows)
 
 
 def kv(rows: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,20 +27,21 @@ def kv(rows: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def write_all_layers(cache: BatchedPagedKVCache, rows, lengths, gen: torch.Generator) -> list:
-    """One forward's writes, layer 0 first; returns the (k, v) written per layer."""
-    rows = tuple(rows)
+def write_all_layers(cache: KVCache, rows, lengths, gen: torch.Generator) -> list:
+    """One planned forward's writes of lengths[i] new tokens to row i; returns the (k, v) written
+    per layer."""
+    view = cache.view(cache.plan_prefill(rows, lengths))
     written = []
     for layer in range(cache.num_layers):
         k, v = kv(len(rows), max(lengths), gen)
-        cache.write(layer, rows, k, v, lengths)
+        view.write(layer, k, v)
         written.append((k, v))
     return written
 
 
-def snapshot(cache: BatchedPagedKVCache):
-    return ([None if t is None else (list(t.blocks), t.num_tokens) for t in cache.tables],
-            cache.allocator.num_free, cache.allocator.num_used)
+def snapshot(cache: KVCache):
+    return ([None if t is None else (list(t.blocks), t.num_tokens) for t in cache.blocks.tables],
+            cache.blocks.allocator.num_free, cache.blocks.allocator.num_used)
 
 
 # BlockTable and BlockAllocator.
@@ -99,143 +104,143 @@ def test_allocator_needs_a_block() -> None:
         BlockAllocator(0)
 
 
-# write: the layer-0 handshake.
+# Plans: the host tables grow before the forward, and the forward writes where the plan says.
 
-def test_layer0_write_grows_tables_and_stashes_slots() -> None:
-    cache, gen = make_cache(), torch.Generator().manual_seed(0)
-    rows = (cache.open_row(), cache.open_row())
-    written = write_all_layers(cache, rows, (3, 6), gen)
-    t0, t1 = cache.table(rows[0]), cache.table(rows[1])
+def test_prefill_plan_grows_tables_and_every_layer_writes_its_slots() -> None:
+    cache, gen = small_cache(), torch.Generator().manual_seed(0)
+    rows = (cache.blocks.open_row(), cache.blocks.open_row())
+    plan = cache.plan_prefill(rows, (3, 6))
+    t0, t1 = cache.blocks.table(rows[0]), cache.blocks.table(rows[1])
     assert (t0.num_tokens, len(t0.blocks), t1.num_tokens, len(t1.blocks)) == (3, 1, 6, 2)
-    assert cache.allocator.num_used == 3
-    expected = [t0.slot(p) for p in range(3)] + [t1.slot(p) for p in range(6)]
-    assert cache._step.slots.tolist() == expected
-    assert cache._step.next_layer == cache.num_layers
-    # Every layer scattered its own K/V to layer 0's slots; padding of the short row was dropped.
-    for layer, (k, v) in enumerate(written):
+    assert cache.blocks.allocator.num_used == 3
+    assert plan.write_slots.tolist() == [[t0.slot(p) for p in range(3)] + [-1] * 3, [t1.slot(p) for p in range(6)]]
+    assert plan.positions.tolist() == [[0, 1, 2, 0, 0, 0], list(range(6))]
+    assert plan.context_lens.tolist() == [3, 6] and plan.logits_index.tolist() == [2, 5]
+    # The device block table holds the new blocks; the padding row is untouched.
+    assert cache.block_table[rows[0], :1].tolist() == t0.blocks and cache.block_table[rows[1], :2].tolist() == t1.blocks
+    assert (cache.block_table[cache.pad_row] == -1).all()
+    view = cache.view(plan)
+    for layer in range(cache.num_layers):
+        k, v = kv(2, 6, gen)
+        view.write(layer, k, v)
         for i, (row, n) in enumerate(zip(rows, (3, 6))):
-            slots = [cache.table(row).slot(p) for p in range(n)]
+            slots = [cache.blocks.table(row).slot(p) for p in range(n)]
             torch.testing.assert_close(cache.k_pools[layer][slots], k[i, :n], rtol=0, atol=0)
             torch.testing.assert_close(cache.v_pools[layer][slots], v[i, :n], rtol=0, atol=0)
+        # The short row's padding went to the sink, the pool's last slot, and nowhere else.
+        torch.testing.assert_close(cache.k_pools[layer][-1], k[0, 5], rtol=0, atol=0)
 
 
-def test_decode_write_appends_one_token_per_row() -> None:
-    cache, gen = make_cache(), torch.Generator().manual_seed(1)
-    rows = (cache.open_row(), cache.open_row())
+def test_decode_plan_appends_one_token_per_row() -> None:
+    cache, gen = small_cache(), torch.Generator().manual_seed(1)
+    rows = (cache.blocks.open_row(), cache.blocks.open_row())
     write_all_layers(cache, rows, (4, 2), gen)
-    write_all_layers(cache, rows, (1, 1), gen)
-    assert [cache.table(r).num_tokens for r in rows] == [5, 3]
-    assert [len(cache.table(r).blocks) for r in rows] == [2, 1]
-    assert cache._step.slots.tolist() == [cache.table(rows[0]).slot(4), cache.table(rows[1]).slot(2)]
+    plan = cache.plan_decode(rows)
+    assert [cache.blocks.table(r).num_tokens for r in rows] == [5, 3]
+    assert [len(cache.blocks.table(r).blocks) for r in rows] == [2, 1]
+    assert plan.write_slots.tolist() == [cache.blocks.table(rows[0]).slot(4), cache.blocks.table(rows[1]).slot(2)]
+    assert plan.positions.tolist() == [[4], [2]] and plan.planned_lens == (5, 3)
 
 
-def test_later_layer_with_different_rows_raises() -> None:
-    cache, gen = make_cache(max_rows=3), torch.Generator().manual_seed(2)
-    rows = (cache.open_row(), cache.open_row(), cache.open_row())
-    k, v = kv(2, 2, gen)
-    cache.write(0, rows[:2], k, v, (2, 2))
-    with pytest.raises(RuntimeError, match="layer 0 wrote rows"):
-        cache.write(1, rows[1:], k, v, (2, 2))
+def test_plans_refuse_rows_that_are_not_open() -> None:
+    cache = small_cache()
+    row = cache.blocks.open_row()
+    with pytest.raises(ValueError, match="not open"):
+        cache.plan_prefill((row, row + 1), (2, 2))
+    with pytest.raises(ValueError, match="not open"):
+        cache.plan_decode((row + 1,))
+    with pytest.raises(ValueError, match="at least one token"):
+        cache.plan_prefill((row,), (0,))
+    assert cache.blocks.table(row).num_tokens == 0 and cache.blocks.allocator.num_used == 0
 
 
-def test_later_layer_before_layer0_raises() -> None:
-    cache, gen = make_cache(), torch.Generator().manual_seed(3)
-    row = cache.open_row()
-    k, v = kv(1, 1, gen)
-    with pytest.raises(RuntimeError, match="before layer 0"):
-        cache.write(1, (row,), k, v, (1,))
-    # And in a second forward: layer 1 may not reuse the previous forward's slots, nor skip a layer.
-    cache = make_cache(num_layers=3)
-    row = cache.open_row()
-    write_all_layers(cache, (row,), (2,), gen)
-    with pytest.raises(RuntimeError, match="before layer 0"):
-        cache.write(1, (row,), k, v, (1,))
-    cache.write(0, (row,), k, v, (1,))
-    with pytest.raises(RuntimeError, match="before layer 0"):
-        cache.write(2, (row,), k, v, (1,))
-
-
-def test_write_needing_more_blocks_than_free_changes_nothing() -> None:
-    cache, gen = make_cache(num_blocks=5), torch.Generator().manual_seed(4)
-    rows = (cache.open_row(), cache.open_row())
+def test_a_plan_needing_more_blocks_than_free_changes_nothing() -> None:
+    cache, gen = small_cache(num_blocks=5), torch.Generator().manual_seed(4)
+    rows = (cache.blocks.open_row(), cache.blocks.open_row())
     write_all_layers(cache, rows, (4, 3), gen)  # 2 blocks used, 3 free
-    before = snapshot(cache)
-    pools = [p.clone() for p in cache.k_pools + cache.v_pools]
-    k, v = kv(2, 8, gen)
+    before, table, cells = snapshot(cache), cache.block_table.clone(), cache.host_cells
     with pytest.raises(CacheFull):
-        cache.write(0, rows, k, v, (8, 6))  # 4 + 8 and 3 + 6 tokens need 2 + 2 blocks
-    assert snapshot(cache) == before
-    for pool, saved in zip(cache.k_pools + cache.v_pools, pools):
-        assert torch.equal(pool, saved)
-    # Exactly enough still succeeds.
-    k, v = kv(2, 8, gen)
-    cache.write(0, rows, k, v, (8, 2))  # 2 + 1 blocks
-    assert cache.allocator.num_free == 0
+        cache.plan_prefill(rows, (8, 6))  # 4 + 8 and 3 + 6 tokens need 2 + 2 blocks
+    assert snapshot(cache) == before and torch.equal(cache.block_table, table) and cache.host_cells == cells
+    cache.plan_prefill(rows, (8, 2))  # exactly enough still succeeds: 2 + 1 blocks
+    assert cache.blocks.allocator.num_free == 0
+
+
+def test_a_row_cannot_outgrow_its_block_table_row() -> None:
+    cache = make_cache(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=16, block_size=BLOCK,
+                       max_rows=2, max_model_len=8)
+    row = cache.blocks.open_row()
+    cache.plan_prefill((row,), (8,))
+    with pytest.raises(ValueError, match="block-table row"):
+        cache.plan_prefill((row,), (1,))
+    assert cache.blocks.table(row).num_tokens == 8
 
 
 def test_free_row_returns_blocks_and_refuses_a_closed_row() -> None:
-    cache, gen = make_cache(num_blocks=6), torch.Generator().manual_seed(5)
-    rows = (cache.open_row(), cache.open_row())
+    cache, gen = small_cache(num_blocks=6), torch.Generator().manual_seed(5)
+    rows = (cache.blocks.open_row(), cache.blocks.open_row())
     write_all_layers(cache, rows, (5, 9), gen)
-    assert cache.allocator.num_used == 5
-    cache.free_row(rows[1])
-    assert (cache.allocator.num_used, cache.free_row_count()) == (2, 3)
+    assert cache.blocks.allocator.num_used == 5
+    cache.blocks.free_row(rows[1])
+    assert (cache.blocks.allocator.num_used, cache.blocks.free_row_count()) == (2, 3)
     with pytest.raises(ValueError, match="not open"):
-        cache.free_row(rows[1])
+        cache.blocks.free_row(rows[1])
     with pytest.raises(ValueError, match="not open"):
-        cache.table(rows[1])
+        cache.blocks.table(rows[1])
 
 
 def test_open_row_refuses_when_every_row_is_taken() -> None:
-    cache = make_cache(max_rows=2)
-    cache.open_row(), cache.open_row()
+    cache = small_cache(max_rows=2)
+    cache.blocks.open_row(), cache.blocks.open_row()
     with pytest.raises(CacheFull):
-        cache.open_row()
+        cache.blocks.open_row()
 
 
-# slot_mapping.
+# slot_mapping: derived on the device from the persistent block table.
 
-def fragmented_cache(gen: torch.Generator) -> tuple[BatchedPagedKVCache, tuple[int, ...]]:
+def fragmented_cache(gen: torch.Generator) -> tuple[KVCache, tuple[int, ...]]:
     """Three rows of 3, 9 and 6 tokens whose blocks interleave in the pool and cross block
-    boundaries, written in one ragged prefill, two decode steps and a ragged multi-token write."""
-    cache = make_cache(num_blocks=16, max_rows=4)
-    spare = cache.open_row()
+    boundaries, written in one ragged prefill, a decode step and a ragged chunk on top."""
+    cache = small_cache(num_blocks=16, max_rows=4)
+    spare = cache.blocks.open_row()
     write_all_layers(cache, (spare,), (6,), gen)  # take blocks 0, 1 ...
-    rows = (cache.open_row(), cache.open_row(), cache.open_row())
-    cache.free_row(spare)  # ... and put them at the back of the free list
+    rows = (cache.blocks.open_row(), cache.blocks.open_row(), cache.blocks.open_row())
+    cache.blocks.free_row(spare)  # ... and put them at the back of the free list
     write_all_layers(cache, rows, (1, 3, 2), gen)
-    write_all_layers(cache, rows, (1, 1, 1), gen)
+    view = cache.view(cache.plan_decode(rows))
+    for layer in range(cache.num_layers):
+        view.write(layer, *kv(3, 1, gen))
     write_all_layers(cache, rows, (1, 5, 3), gen)
     return cache, rows
 
 
+def table_mapping(cache: KVCache, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([cache.blocks.table(r).num_tokens for r in rows])
+    return derive_slot_mapping(cache.block_table, torch.tensor(rows), lens, int(lens.max()), cache.block_size), lens
+
+
 def test_slot_mapping_is_the_rectangle_of_table_slots() -> None:
     cache, rows = fragmented_cache(torch.Generator().manual_seed(6))
-    lens = [cache.table(r).num_tokens for r in rows]
-    assert lens == [3, 9, 6]
-    mapping, context_lens = cache.slot_mapping(rows)
-    assert mapping.dtype == context_lens.dtype == torch.int64
-    assert context_lens.tolist() == lens
-    width = max(lens)
-    expected = [[cache.table(r).slot(p) for p in range(n)] + [0] * (width - n) for r, n in zip(rows, lens)]
+    mapping, lens = table_mapping(cache, rows)
+    assert lens.tolist() == [3, 9, 6] and mapping.dtype == torch.int64
+    expected = [[cache.blocks.table(r).slot(p) for p in range(n)] + [-1] * (9 - n) for r, n in zip(rows, lens.tolist())]
     assert mapping.tolist() == expected
-    # Any subset and order of rows gets its own rectangle.
-    mapping, context_lens = cache.slot_mapping((rows[2], rows[0]))
-    assert mapping.shape == (2, 6)
-    assert mapping.tolist() == [[cache.table(rows[2]).slot(p) for p in range(6)],
-                                [cache.table(rows[0]).slot(p) for p in range(3)] + [0, 0, 0]]
+    # Any subset and order of rows gets its own rectangle: batch row i reads table row rows[i].
+    mapping, _ = table_mapping(cache, (rows[2], rows[0]))
+    assert mapping.tolist() == [[cache.blocks.table(rows[2]).slot(p) for p in range(6)],
+                                [cache.blocks.table(rows[0]).slot(p) for p in range(3)] + [-1, -1, -1]]
 
 
 def test_slot_mapping_has_no_slot_twice() -> None:
     cache, rows = fragmented_cache(torch.Generator().manual_seed(7))
-    mapping, lens = cache.slot_mapping(rows)
+    mapping, lens = table_mapping(cache, rows)
     real = [s for row, n in zip(mapping.tolist(), lens.tolist()) for s in row[:n]]
     assert len(real) == len(set(real)) == sum(lens.tolist())
 
 
-# paged_attention_batched_reference against naive attention in float64.
+# reference_read against naive attention in float64.
 
-def naive_attention(cache: BatchedPagedKVCache, layer: int, rows, q: torch.Tensor, positions: torch.Tensor,
+def naive_attention(cache: KVCache, layer: int, rows, q: torch.Tensor, positions: torch.Tensor,
                     lengths) -> list[list[torch.Tensor]]:
     """Per row, per real query, per head: softmax(q.k / sqrt(d)) v over keys p <= position, in float64.
     Returns out[i][t] of shape [heads, head_dim]."""
@@ -243,7 +248,7 @@ def naive_attention(cache: BatchedPagedKVCache, layer: int, rows, q: torch.Tenso
     group = HEADS // KV_HEADS
     out = []
     for i, row in enumerate(rows):
-        table = cache.table(row)
+        table = cache.blocks.table(row)
         per_query = []
         for t in range(lengths[i]):
             pos = int(positions[i, t])
@@ -258,18 +263,19 @@ def naive_attention(cache: BatchedPagedKVCache, layer: int, rows, q: torch.Tenso
     return out
 
 
-def forward_and_check(cache, rows, lengths, q, positions, gen: torch.Generator) -> None:
-    """Write this forward's K/V and read it back layer by layer, as the model does (a layer's read
-    must come between its write and the next layer's), then compare every layer with naive."""
-    rows = tuple(rows)
+def forward_and_check(cache, plan, q, gen: torch.Generator) -> None:
+    """Write the planned forward's K/V and read it back layer by layer, as the model does, then
+    compare every layer with naive attention."""
+    rows, lengths = plan.rows, (plan.write_slots >= 0).reshape(len(plan.rows), -1).sum(1).tolist()
+    view = cache.view(plan)
     got = []
     for layer in range(cache.num_layers):
         k, v = kv(len(rows), q.shape[1], gen)
-        cache.write(layer, rows, k, v, lengths)
-        got.append(cache.paged_attention(layer, rows, q, positions))
+        view.write(layer, k, v)
+        got.append(view.read(layer, q, plan.positions))
     for layer, out in enumerate(got):
         assert out.shape == q.shape
-        want = naive_attention(cache, layer, rows, q, positions, lengths)
+        want = naive_attention(cache, layer, rows, q, plan.positions, lengths)
         for i in range(len(rows)):
             for t in range(lengths[i]):
                 torch.testing.assert_close(out[i, t].double(), want[i][t], rtol=1e-5, atol=1e-5)
@@ -278,20 +284,24 @@ def forward_and_check(cache, rows, lengths, q, positions, gen: torch.Generator) 
 def test_reference_matches_naive_in_decode() -> None:
     gen = torch.Generator().manual_seed(8)
     cache, rows = fragmented_cache(gen)
-    positions = torch.tensor([[cache.table(r).num_tokens] for r in rows])  # T = 1: contexts 4, 10, 7
-    q = torch.randn((len(rows), 1, HEADS, HEAD_DIM), generator=gen)
-    forward_and_check(cache, rows, (1, 1, 1), q, positions, gen)
+    plan = cache.plan_decode(rows)  # contexts 4, 10, 7
+    forward_and_check(cache, plan, torch.randn((len(rows), 1, HEADS, HEAD_DIM), generator=gen), gen)
+
+
+def test_reference_matches_naive_in_decode_with_rows_in_another_order() -> None:
+    """Batch row i is not table row i: the read must follow the plan's table rows."""
+    gen = torch.Generator().manual_seed(19)
+    cache, rows = fragmented_cache(gen)
+    plan = cache.plan_decode(rows[::-1])
+    forward_and_check(cache, plan, torch.randn((len(rows), 1, HEADS, HEAD_DIM), generator=gen), gen)
 
 
 def test_reference_matches_naive_in_causal_prefill() -> None:
     gen = torch.Generator().manual_seed(9)
-    cache = make_cache(num_blocks=16, max_rows=3)
-    rows = (cache.open_row(), cache.open_row(), cache.open_row())
-    lengths = (5, 9, 2)  # ragged, crossing block boundaries, padded to T = 9
-    t = max(lengths)
-    positions = torch.arange(t).expand(len(rows), t) * (torch.arange(t) < torch.tensor(lengths)[:, None])
-    q = torch.randn((len(rows), t, HEADS, HEAD_DIM), generator=gen)
-    forward_and_check(cache, rows, lengths, q, positions, gen)
+    cache = small_cache(num_blocks=16, max_rows=3)
+    rows = (cache.blocks.open_row(), cache.blocks.open_row(), cache.blocks.open_row())
+    plan = cache.plan_prefill(rows, (5, 9, 2))  # ragged, crossing block boundaries, padded to T = 9
+    forward_and_check(cache, plan, torch.randn((len(rows), 9, HEADS, HEAD_DIM), generator=gen), gen)
 
 
 def test_reference_matches_naive_for_a_chunk_on_top_of_history() -> None:
@@ -299,12 +309,10 @@ def test_reference_matches_naive_for_a_chunk_on_top_of_history() -> None:
     new tokens up to its own position."""
     gen = torch.Generator().manual_seed(10)
     cache, rows = fragmented_cache(gen)
-    before = [cache.table(r).num_tokens for r in rows]
-    lengths = (4, 2, 3)
-    t = max(lengths)
-    positions = torch.tensor([[b + j if j < n else 0 for j in range(t)] for b, n in zip(before, lengths)])
-    q = torch.randn((len(rows), t, HEADS, HEAD_DIM), generator=gen)
-    forward_and_check(cache, rows, lengths, q, positions, gen)
+    before = [cache.blocks.table(r).num_tokens for r in rows]
+    plan = cache.plan_prefill(rows, (4, 2, 3))
+    assert plan.positions[:, 0].tolist() == before
+    forward_and_check(cache, plan, torch.randn((len(rows), 4, HEADS, HEAD_DIM), generator=gen), gen)
 
 
 def reference_inputs(gen: torch.Generator):
@@ -321,9 +329,9 @@ def reference_inputs(gen: torch.Generator):
 def test_reference_refuses_a_row_with_no_context() -> None:
     q, k_pool, v_pool, mapping, _, positions = reference_inputs(torch.Generator().manual_seed(11))
     with pytest.raises(ValueError, match="no context"):
-        paged_attention_batched_reference(q, k_pool, v_pool, mapping, torch.tensor([0, 6]), positions)
+        reference_read(q, k_pool, v_pool, mapping, torch.tensor([0, 6]), positions)
     with pytest.raises(ValueError, match="no context"):
-        paged_attention_batched_reference(q, k_pool, v_pool, mapping, torch.tensor([3, 6]), positions,
+        reference_read(q, k_pool, v_pool, mapping, torch.tensor([3, 6]), positions,
                                           context_bounds=(0, 6))
 
 
@@ -332,15 +340,15 @@ def test_reference_refuses_a_mapping_not_max_ctx_wide(width: int) -> None:
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(12))
     mapping = torch.nn.functional.pad(mapping, (0, 1))[:, :width]
     with pytest.raises(ValueError, match=f"{width} wide but the longest row holds 6"):
-        paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions)
+        reference_read(q, k_pool, v_pool, mapping, lens, positions)
     with pytest.raises(ValueError, match="wide"):
-        paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions, context_bounds=(3, 6))
+        reference_read(q, k_pool, v_pool, mapping, lens, positions, context_bounds=(3, 6))
 
 
 def test_reference_refuses_context_bounds_with_validated() -> None:
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(13))
     with pytest.raises(ValueError, match="not both"):
-        paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions,
+        reference_read(q, k_pool, v_pool, mapping, lens, positions,
                                           context_bounds=(3, 6), validated=True)
 
 
@@ -357,7 +365,7 @@ def test_reference_refuses_mismatched_shapes(what: str) -> None:
         lens = lens[:, None]
     for validated in (False, True):
         with pytest.raises(ValueError, match="must describe the 2 rows of q"):
-            paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions,
+            reference_read(q, k_pool, v_pool, mapping, lens, positions,
                                               validated=validated)
 
 
@@ -365,20 +373,20 @@ def test_validated_skips_the_bounds_checks() -> None:
     """A validated read trusts its caller: a mapping wider than max_ctx is read and masked, and
     gives the same answer as the exact rectangle."""
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(15))
-    exact = paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions)
+    exact = reference_read(q, k_pool, v_pool, mapping, lens, positions)
     wide = torch.nn.functional.pad(mapping, (0, 3))
-    got = paged_attention_batched_reference(q, k_pool, v_pool, wide, lens, positions, validated=True)
+    got = reference_read(q, k_pool, v_pool, wide, lens, positions, validated=True)
     torch.testing.assert_close(got, exact)
     with pytest.raises(ValueError):
-        paged_attention_batched_reference(q, k_pool, v_pool, wide, lens, positions)
+        reference_read(q, k_pool, v_pool, wide, lens, positions)
 
 
 def test_context_bounds_are_trusted_over_context_lens() -> None:
     """Given context_bounds, the read takes them as the truth and never looks at context_lens'
     values (Day 49: no device sync)."""
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(16))
-    exact = paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions)
-    got = paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions,
+    exact = reference_read(q, k_pool, v_pool, mapping, lens, positions)
+    got = reference_read(q, k_pool, v_pool, mapping, lens, positions,
                                             context_bounds=(3, 6))
     torch.testing.assert_close(got, exact)
 
@@ -391,29 +399,15 @@ def test_reference_propagates_nan_from_the_padding_slot() -> None:
     and fixes it; when the reference is fixed too, this test should flip to assert finiteness."""
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(17))
     assert 0 not in mapping[1].tolist() and mapping[0, 3:].tolist() == [0, 0, 0]
-    clean = paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions)
+    clean = reference_read(q, k_pool, v_pool, mapping, lens, positions)
     k_pool[0], v_pool[0] = float("nan"), float("nan")
-    got = paged_attention_batched_reference(q, k_pool, v_pool, mapping, lens, positions)
+    got = reference_read(q, k_pool, v_pool, mapping, lens, positions)
     assert torch.isnan(got[0]).all(), "the padded row no longer sees the NaN: update this test"
     torch.testing.assert_close(got[1], clean[1])  # the unpadded row never reads slot 0
 
 
-def test_cache_read_before_write_raises() -> None:
-    cache, gen = make_cache(), torch.Generator().manual_seed(18)
-    row = cache.open_row()
-    q = torch.randn((1, 1, HEADS, HEAD_DIM), generator=gen)
-    with pytest.raises(RuntimeError, match="read before writing"):
-        cache.paged_attention(0, (row,), q, torch.zeros((1, 1), dtype=torch.int64))
-    k, v = kv(1, 1, gen)
-    cache.write(0, (row,), k, v, (1,))
-    with pytest.raises(RuntimeError, match="read before writing"):
-        cache.paged_attention(1, (row,), q, torch.zeros((1, 1), dtype=torch.int64))
-
-
 def test_kv_bytes_per_block_is_what_the_pools_hold():
-    from nanolab.cache import kv_bytes_per_block
-
-    cache = BatchedPagedKVCache(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=5, block_size=4,
+    cache = make_cache(num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=5, block_size=4,
                                 dtype=torch.bfloat16)
     held = sum(p.numel() * p.element_size() for p in cache.k_pools + cache.v_pools)
     sink = 2 * 3 * 2 * 8 * 2  # one slot per pool past the last block

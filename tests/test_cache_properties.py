@@ -10,13 +10,15 @@ import random
 
 import pytest
 import torch
-from conftest import load_tiny
+from conftest import load_tiny, make_cache
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from nanolab import Engine, SamplingParams
-from nanolab.cache import BatchedPagedKVCache, cdiv
-from nanolab.scheduler import Scheduler, Sequence, SequenceStatus
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.scheduler import Scheduler
+from nanolab.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
 VOCAB = 512
@@ -26,10 +28,10 @@ MAX_STEPS = 5000  # a drain that takes longer than this has livelocked
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def check_pool(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
+def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
     """The invariants that must hold between any two operations."""
-    allocator = cache.allocator
-    tables = [t for t in cache.tables if t is not None]
+    allocator = cache.blocks.allocator
+    tables = [t for t in cache.blocks.tables if t is not None]
     owned = [b for t in tables for b in t.blocks]
     assert len(owned) == len(set(owned)), "a block is owned by two tables, or twice by one"
     assert set(owned) == allocator._used, "the allocator's owned set differs from the open tables' blocks"
@@ -39,21 +41,21 @@ def check_pool(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
     for t in tables:
         assert len(t.blocks) == cdiv(t.num_tokens, cache.block_size)
     # Rows: open exactly for the running requests.
-    open_rows = [r for r, t in enumerate(cache.tables) if t is not None]
+    open_rows = [r for r, t in enumerate(cache.blocks.tables) if t is not None]
     assert sorted(s.row for s in scheduler.running) == open_rows
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
         # The table holds every token but the last sampled one: a prefill writes the whole sequence
         # and then samples one, a decode writes the previous sample and then samples one.
-        assert cache.table(seq.row).num_tokens == seq.num_tokens - 1
+        assert cache.blocks.table(seq.row).num_tokens == seq.num_tokens - 1
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.row is None
 
 
-def check_drained(cache: BatchedPagedKVCache, scheduler: Scheduler) -> None:
+def check_drained(cache: KVCache, scheduler: Scheduler) -> None:
     assert not scheduler.has_unfinished()
-    assert cache.allocator.num_free == cache.num_blocks and cache.allocator.num_used == 0
-    assert all(t is None for t in cache.tables)
+    assert cache.blocks.allocator.num_free == cache.num_blocks and cache.blocks.allocator.num_used == 0
+    assert all(t is None for t in cache.blocks.tables)
 
 
 def fits(prompt_len: int, max_tokens: int, num_blocks: int) -> bool:
@@ -80,10 +82,9 @@ class FakeForward:
     num_layers, kv_heads, head_dim = 2, 2, 4
 
     def __init__(self, num_blocks: int, max_rows: int, seed: int) -> None:
-        self.cache = BatchedPagedKVCache(num_layers=self.num_layers, num_kv_heads=self.kv_heads,
-                                         head_dim=self.head_dim, num_blocks=num_blocks, block_size=BLOCK,
-                                         max_rows=max_rows)
-        self.scheduler = Scheduler(self.cache)
+        self.cache = make_cache(num_layers=self.num_layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                num_blocks=num_blocks, block_size=BLOCK, max_rows=max_rows)
+        self.scheduler = Scheduler(self.cache.blocks)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.seqs: list[Sequence] = []
@@ -106,9 +107,10 @@ class FakeForward:
         rows = tuple(s.row for s in seqs)
         lengths = [s.num_tokens for s in seqs] if prefill else [1] * len(seqs)
         shape = (len(seqs), max(lengths), self.kv_heads, self.head_dim)
+        view = self.cache.view(self.cache.plan_prefill(rows, lengths) if prefill else self.cache.plan_decode(rows))
         for layer in range(self.num_layers):
             k, v = torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
-            self.cache.write(layer, rows, k, v, lengths)
+            view.write(layer, k, v)
             if layer == 0:
                 for i, (s, n) in enumerate(zip(seqs, lengths)):
                     old = self.written[s.request_id] if not prefill else k[i, :0]
@@ -121,7 +123,7 @@ class FakeForward:
     def check(self) -> None:
         check_pool(self.cache, self.scheduler)
         for s in self.scheduler.running:
-            table = self.cache.table(s.row)
+            table = self.cache.blocks.table(s.row)
             slots = [table.slot(p) for p in range(table.num_tokens)]
             assert torch.equal(self.cache.k_pools[0][slots], self.written[s.request_id]), \
                 f"request {s.request_id}'s K/V was overwritten"
@@ -181,14 +183,14 @@ def test_fake_forward_preempts_on_a_small_pool() -> None:
 def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
     rng = random.Random(seed)
     seqs: list[Sequence] = []
-    check_pool(engine.cache, engine.scheduler)
+    check_pool(engine.kv_cache, engine.scheduler)
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, ignore_eos = op
             prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
                                     ignore_eos=ignore_eos, seed=rng.randrange(1000))
-            if fits(prompt_len, max_tokens, engine.cache.num_blocks):
+            if fits(prompt_len, max_tokens, engine.kv_cache.num_blocks):
                 seqs.append(engine.add_request(prompt, params))
             else:
                 before = (len(engine.scheduler.waiting), len(engine.requests))
@@ -198,10 +200,10 @@ def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
         elif op[0] == "step":
             for _ in range(op[1]):
                 engine.step()
-                check_pool(engine.cache, engine.scheduler)
+                check_pool(engine.kv_cache, engine.scheduler)
         elif seqs:
             engine.abort_request(seqs[op[1] % len(seqs)].request_id)
-        check_pool(engine.cache, engine.scheduler)
+        check_pool(engine.kv_cache, engine.scheduler)
     return seqs
 
 
@@ -210,7 +212,7 @@ def drain(engine: Engine) -> None:
         if not engine.has_unfinished_requests():
             return
         engine.step()
-        check_pool(engine.cache, engine.scheduler)
+        check_pool(engine.kv_cache, engine.scheduler)
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
@@ -223,7 +225,7 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     if finish == "abort":
         for seq in seqs:
             engine.abort_request(seq.request_id)
-            check_pool(engine.cache, engine.scheduler)
+            check_pool(engine.kv_cache, engine.scheduler)
     else:
         drain(engine)
         for s in seqs:
@@ -233,7 +235,7 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
                 assert s.output_token_ids[-1] in engine.eos_token_ids and not s.params.ignore_eos
             else:
                 assert s.finish_reason == "abort"
-    check_drained(engine.cache, engine.scheduler)
+    check_drained(engine.kv_cache, engine.scheduler)
     assert not engine.requests
     assert all(s.finished and s.row is None for s in seqs)
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
@@ -244,7 +246,7 @@ def greedy_outputs(requests, num_blocks: int, max_num_seqs: int) -> tuple[list[l
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
-    check_drained(engine.cache, engine.scheduler)
+    check_drained(engine.kv_cache, engine.scheduler)
     return [s.output_token_ids for s in seqs], engine.scheduler.num_preemptions
 
 

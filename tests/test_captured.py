@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanolab.captured import (
+from nanolab.lab.costs import (
     SEED_STREAMBENCH,
     SPREADS,
     StreamedWork,

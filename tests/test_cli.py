@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanolab.config import PRESETS
+from nanolab.model.config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,26 +7,26 @@ Each compiled run traces and builds the tiny model with inductor, which takes 10
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
-import nanolab.paged_attention
+import nanolab.lab.history
 from nanolab import Engine, SamplingParams
-from nanolab.compilebench import (
+from nanolab.lab.compilebench import (
     CompileResult,
+    _DecodeProbe,
     breakeven_steps,
     compilebench_table,
     decode_shape,
-    device_bounds,
     first_guard_failure,
     mark_plan_width_dynamic,
     results_table,
     run_compilebench,
     unpacked,
 )
+from nanolab.lab.history import unplanned_runner
 
 ROWS, PROMPT_LEN = 2, 7
 LIMIT = 3  # a small recompile limit, so a run passes it in a few steps
@@ -72,8 +72,9 @@ def result(**fields) -> CompileResult:
 
 # Shapes: the key the distinct-shape count is taken over.
 
-def started_engine(model, planned: bool, steps: int):
-    engine = Engine(model, num_blocks=16, planned=planned)
+def started_engine(model, planned: bool, steps: int, bounds: str = "cache", forward=None):
+    runner = {} if planned else {"runner": unplanned_runner(bounds)}
+    engine = Engine(model, num_blocks=16, read="reference", forward=forward, **runner)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for n in (PROMPT_LEN, PROMPT_LEN + 3):
@@ -83,22 +84,19 @@ def started_engine(model, planned: bool, steps: int):
 
 
 def test_decode_shape_unplanned_predicts_the_width_the_forward_builds(tiny_model):
-    engine, rows = started_engine(tiny_model, planned=False, steps=5)  # rows stay open through 4 steps
-    widths = []
+    probe = _DecodeProbe(tiny_model, None)
+    engine, rows = started_engine(tiny_model, planned=False, steps=5, forward=probe)  # open through 4 steps
     for _ in range(4):
-        shape = decode_shape(engine.cache, rows)
         engine.step()
         # The forward grew the tables and built its rectangle over the longest row.
-        assert shape == (2, max(engine.cache.table(r).num_tokens for r in rows))
-        widths.append(shape[1])
-    assert widths == [PROMPT_LEN + 3 + i + 1 for i in range(4)]  # one new width per step
+        assert probe.shapes[-1] == (2, max(engine.kv_cache.blocks.table(r).num_tokens for r in rows))
+    assert [w for _, w in probe.shapes] == [PROMPT_LEN + 3 + i + 1 for i in range(4)]  # one new width per step
 
 
 def test_decode_shape_reads_a_plans_width(tiny_model):
     engine, rows = started_engine(tiny_model, planned=True, steps=2)
-    before = decode_shape(engine.cache, rows)
-    plan = engine.cache.plan_decode(rows)
-    assert decode_shape(engine.cache, rows, plan) == tuple(plan.slot_mapping.shape) == before
+    plan = engine.kv_cache.plan_decode(rows)
+    assert decode_shape(engine.kv_cache.view(plan)) == tuple(plan.slot_mapping.shape) == (2, PROMPT_LEN + 4)
 
 
 def test_off_never_builds(off_unplanned, off_planned):
@@ -212,29 +210,30 @@ def test_unpacked_restores_the_prepacked_weights(tiny_model):
     assert all(m.packed is p for m, p in zip(linears, packed))
 
 
-def test_device_bounds_is_the_pre_day_49_read(tiny_model, monkeypatch):
+@pytest.mark.parametrize("bounds", ["cache", "device"])
+def test_device_bounds_is_the_pre_day_49_read(tiny_model, monkeypatch, bounds):
     seen = []
-    check = nanolab.paged_attention.check_read_inputs
+    read = nanolab.lab.history.reference_read
 
-    def spy(slot_mapping, context_lens, q, context_bounds, validated):
+    def spy(*args, context_bounds=None, **kwargs):
         seen.append(context_bounds)
-        return check(slot_mapping, context_lens, q, context_bounds, validated)
+        return read(*args, context_bounds=context_bounds, **kwargs)
 
-    monkeypatch.setattr(nanolab.paged_attention, "check_read_inputs", spy)
-    engine, _ = started_engine(tiny_model, planned=False, steps=3)
-    for patched, step in ((False, 1), (True, 2), (False, 3)):
+    monkeypatch.setattr(nanolab.lab.history, "reference_read", spy)
+    engine, _ = started_engine(tiny_model, planned=False, steps=3, bounds=bounds)
+    for step in (1, 2):
         seen.clear()
-        with device_bounds() if patched else contextlib.nullcontext():
-            engine.step()
+        engine.step()
         # Day 49 hands the read host ints from the cache; before it, the read computed them.
         assert len(seen) == tiny_model.config.num_hidden_layers, step
-        assert all((b is None) == patched for b in seen), (step, seen)
+        assert all((b is None) == (bounds == "device") for b in seen), (step, seen)
 
 
 def test_dynamic_marks_need_a_plan(tiny_model):
     engine, rows = started_engine(tiny_model, planned=False, steps=2)
+    kv = engine.kv_cache
     with pytest.raises(ValueError, match="DecodePlan"):
-        mark_plan_width_dynamic(engine.cache.view(rows))
+        mark_plan_width_dynamic(nanolab.lab.history.UnplannedView(kv.blocks, kv, rows, "cache"))
     with pytest.raises(ValueError, match="planned=True"):
         run_compilebench(tiny_model, mode="dynamic", rows=ROWS, prompt_len=PROMPT_LEN, steps=2, planned=False,
                          dynamic_marks=True)
@@ -259,7 +258,7 @@ def test_symbolic_floats_are_the_second_dynamic_build(tiny_model):
 
 
 def test_check_graph_reused_fails_before_the_plan_and_passes_after(dynamic_unplanned, dynamic_planned):
-    from nanolab.compilebench import check_graph_reused
+    from nanolab.lab.compilebench import check_graph_reused
 
     before, after = check_graph_reused(dynamic_unplanned), check_graph_reused(dynamic_planned)
     assert not before and before.numbers["steps_with_build"] > 1

@@ -9,7 +9,7 @@ from test_engine import assert_all_free, ragged_prompts, run
 from test_parity import assert_logits_close, nanolab_logits
 
 from nanolab import LLM, Engine, SamplingParams, load_model
-from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
+from nanolab.lab.reference import hf_greedy, load_hf, nanolab_greedy
 
 pytestmark = needs_cuda
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_smollm2
+from conftest import bounded, needs_smollm2, run_until_done
 
 from nanolab import LLM, Engine, SamplingParams
 
@@ -24,18 +24,18 @@ def run(engine: Engine, prompts, params=GREEDY, join_after: int | None = None) -
     first = prompts if join_after is None else prompts[: len(prompts) // 2]
     seqs = [engine.add_request(p, params) for p in first]
     steps = 0
-    while engine.has_unfinished_requests() or len(seqs) < len(prompts):
+    for _ in bounded(lambda: engine.has_unfinished_requests() or len(seqs) < len(prompts)):
         engine.step()
         steps += 1
         if steps == join_after:
-            seqs += [engine.add_request(p, params) for p in prompts[len(first):]]
+            seqs.extend(engine.add_request(p, params) for p in prompts[len(first):])
     return [s.output_token_ids for s in seqs]
 
 
 def assert_all_free(engine: Engine) -> None:
-    cache = engine.cache
-    assert cache.allocator.num_free == cache.num_blocks
-    assert all(t is None for t in cache.tables)
+    cache = engine.kv_cache
+    assert cache.blocks.allocator.num_free == cache.num_blocks
+    assert all(t is None for t in cache.blocks.tables)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -86,8 +86,7 @@ def test_max_tokens_and_model_len(tiny_model):
     engine = Engine(tiny_model, num_blocks=64, block_size=4, max_model_len=20)
     a = engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     b = engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_until_done(engine)
     assert (len(a.output_token_ids), a.finish_reason) == (3, "length")
     assert (b.num_tokens, b.finish_reason) == (20, "length")
 
@@ -100,8 +99,7 @@ def test_eos_stops_unless_ignored(tiny_model):
     engine.eos_token_ids = frozenset({eos})
     stopped = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24))
     ignored = engine.add_request(prompt, GREEDY)
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_until_done(engine)
     cut = first.index(eos) + 1
     assert stopped.output_token_ids == first[:cut] and stopped.finish_reason == "stop"
     assert ignored.output_token_ids == first
@@ -123,12 +121,11 @@ def test_bad_requests_are_refused_and_others_keep_running(tiny_model, prompt, pa
     engine = Engine(tiny_model, num_blocks=64, block_size=16)
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
-    free = engine.cache.allocator.num_free
+    free = engine.block_manager.allocator.num_free
     with pytest.raises((ValueError, TypeError), match=match):
         engine.add_request(prompt, params)
-    assert engine.cache.allocator.num_free == free and len(engine.scheduler.waiting) == 0
-    while engine.has_unfinished_requests():
-        engine.step()
+    assert engine.block_manager.allocator.num_free == free and len(engine.scheduler.waiting) == 0
+    run_until_done(engine)
     assert [s.output_token_ids for s in seqs] == expected
 
 
@@ -172,7 +169,7 @@ class TestLLM:
         next(stream)
         stream.close()
         assert not llm.engine.has_unfinished_requests()
-        assert llm.engine.cache.allocator.num_free == llm.engine.cache.num_blocks
+        assert llm.engine.block_manager.allocator.num_free == llm.engine.kv_cache.num_blocks
 
     def test_one_bad_prompt_adds_nothing(self, llm):
         with pytest.raises(ValueError, match="prompt 1"):

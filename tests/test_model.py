@@ -12,9 +12,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from nanolab import PRESETS, load_model
-from nanolab.layers import rope_inv_freq
-from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
-from nanolab.weights import synthesize_weights
+from nanolab.lab.reference import hf_greedy, load_hf, nanolab_greedy
+from nanolab.model.layers import rope_inv_freq
+from nanolab.model.weights import synthesize_weights
 
 
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b", "smollm2-135m"])

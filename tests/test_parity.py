@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_smollm2
+from conftest import make_cache, needs_smollm2, prefill_logits
 
-from nanolab import BatchedPagedKVCache, load_model
-from nanolab.reference import hf_greedy, load_hf, nanolab_greedy
-from nanolab.tokenizer import Tokenizer
+from nanolab import load_model
+from nanolab.lab.reference import hf_greedy, load_hf, nanolab_greedy
+from nanolab.model.tokenizer import Tokenizer
 
 PARAGRAPH = (
     "The history of the printing press is a story of small improvements that added up. Movable type "
@@ -29,14 +29,10 @@ def long_prompt(tokenizer: Tokenizer, min_tokens: int = 1024) -> list[int]:
 def nanolab_logits(model, ids: list[int]) -> torch.Tensor:
     """[T, vocab] logits of one prefill over a fresh cache."""
     c, weight = model.config, model.embed_tokens.weight
-    dev = weight.device
-    cache = BatchedPagedKVCache(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
-                                head_dim=c.head_dim, num_blocks=len(ids) // 16 + 2, block_size=16, max_rows=1,
-                                dtype=weight.dtype, device=dev)
-    row = cache.open_row()
-    with torch.inference_mode():
-        return model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None],
-                     cache=cache.view([row], [len(ids)]))[0]
+    cache = make_cache(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                       num_blocks=len(ids) // 16 + 2, block_size=16, max_rows=1, dtype=weight.dtype,
+                       device=weight.device)
+    return prefill_logits(model, cache, [cache.blocks.open_row()], [ids])[0]
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:

@@ -4,37 +4,40 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_cache
 
-from nanolab import BatchedPagedKVCache, BlockTable, Engine, SamplingParams
-from nanolab.plan import (
+from nanolab import Engine, SamplingParams
+from nanolab.engine.block_manager import BlockTable
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
+from nanolab.lab.compilebench import decode_shape
+from nanolab.lab.costs import (
     appended_cells,
-    check_plan_addressing,
-    check_plan_current,
-    check_plan_rows,
     check_rebuild_bounded,
     mapping_bytes,
     mapping_cells,
-    plan_decode,
     rebuild_cells,
     rebuild_ratio,
 )
+from nanolab.lab.history import UnplannedView, host_slot_mapping, unplanned_runner
+from nanolab.lab.timing import drain
 
 KV_HEADS, HEAD_DIM = 2, 16
 
 
-def small_cache(model=None, num_blocks=32, block_size=4, max_rows=4) -> BatchedPagedKVCache:
+def small_cache(model=None, num_blocks=32, block_size=4, max_rows=4) -> KVCache:
     layers = model.config.num_hidden_layers if model is not None else 3
-    return BatchedPagedKVCache(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=num_blocks,
-                               block_size=block_size, max_rows=max_rows)
+    return make_cache(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=num_blocks,
+                      block_size=block_size, max_rows=max_rows)
 
 
-def prefilled(cache: BatchedPagedKVCache, lengths) -> list[int]:
-    """Open rows and write `lengths[i]` random tokens into each, through the unplanned path."""
-    rows = [cache.open_row() for _ in lengths]
-    t = max(lengths)
+def prefilled(cache: KVCache, lengths) -> list[int]:
+    """Open rows and write `lengths[i]` random tokens into each, through a planned prefill."""
+    rows = [cache.blocks.open_row() for _ in lengths]
+    view = cache.view(cache.plan_prefill(rows, lengths))
     for layer in range(cache.num_layers):
-        k = torch.randn(len(rows), t, KV_HEADS, HEAD_DIM)
-        cache.write(layer, tuple(rows), k, torch.randn_like(k), lengths)
+        k = torch.randn(len(rows), max(lengths), KV_HEADS, HEAD_DIM)
+        view.write(layer, k, torch.randn_like(k))
     return rows
 
 
@@ -52,12 +55,12 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 23)), [3, 4]]
 def test_plan_fields():
     cache = small_cache()
     rows = prefilled(cache, [5, 13, 2])
-    plan = plan_decode(cache, rows, "cpu")
+    plan = cache.plan_decode(rows)
     assert plan.positions.tolist() == [[5], [13], [2]]  # read before the tables grew
-    assert [cache.table(r).num_tokens for r in rows] == [6, 14, 3]
+    assert [cache.blocks.table(r).num_tokens for r in rows] == [6, 14, 3]
     assert plan.context_lens.tolist() == [6, 14, 3]
     assert (plan.min_ctx, plan.max_ctx) == (3, 14)
-    assert plan.write_slots.tolist() == [cache.table(r).slot(p) for r, p in zip(rows, [5, 13, 2], strict=True)]
+    assert plan.write_slots.tolist() == [cache.blocks.table(r).slot(p) for r, p in zip(rows, [5, 13, 2], strict=True)]
     assert (plan.batch_size, plan.width, plan.cells) == (3, 14, 42)
     assert (plan.real_cells, plan.padding_cells) == (23, 19)
     assert plan.padding_share == pytest.approx(19 / 42)
@@ -69,11 +72,11 @@ def test_plan_fields():
 def test_slot_mapping_with_a_plan_is_derived_from_the_device_table():
     cache = small_cache()
     rows = prefilled(cache, [5, 9])
-    plan = plan_decode(cache, rows)
-    mapping, lens = cache.slot_mapping(rows, plan=plan)
-    assert lens is plan.context_lens and torch.equal(mapping, plan.slot_mapping)
+    plan = cache.plan_decode(rows)
+    mapping, lens = cache.view(plan).slot_mapping, plan.context_lens
+    assert torch.equal(mapping, plan.slot_mapping)
     # The host rebuild (the unplanned path) pads with slot 0; the derived mapping pads with the sink.
-    rebuilt, _ = cache.slot_mapping(rows)
+    rebuilt, _ = host_slot_mapping(cache.blocks, rows)
     real = torch.arange(mapping.shape[1]) < lens[:, None]
     assert torch.equal(rebuilt[real], mapping[real]) and (mapping[~real] == -1).all() and (rebuilt[~real] == 0).all()
 
@@ -81,42 +84,42 @@ def test_slot_mapping_with_a_plan_is_derived_from_the_device_table():
 def test_planned_write_is_one_index_put_and_needs_no_layer_zero():
     cache = small_cache()
     rows = prefilled(cache, [5, 9])
-    plan = plan_decode(cache, rows)
+    plan = cache.plan_decode(rows)
     k = torch.randn(2, 1, KV_HEADS, HEAD_DIM)
-    cache.write(2, tuple(rows), k, -k, (1, 1), plan)  # layer 2 first: nothing to wait for
+    cache.view(plan).write(2, k, -k)  # layer 2 first: nothing to wait for
     assert torch.equal(cache.k_pools[2][plan.write_slots], k[:, 0])
     assert torch.equal(cache.v_pools[2][plan.write_slots], -k[:, 0])
-    with pytest.raises(RuntimeError, match="before layer 0"):
-        cache.write(2, tuple(rows), k, k, (1, 1))  # the unplanned write does need layer 0 first
+    with pytest.raises(RuntimeError, match="before layer 0"):  # the unplanned write does need layer 0 first
+        UnplannedView(cache.blocks, cache, tuple(rows), "cache").write(2, k, k)
 
 
 def test_refuses_an_empty_row():
     cache = small_cache()
     rows = prefilled(cache, [4])
-    empty = cache.open_row()
-    free = cache.allocator.num_free
+    empty = cache.blocks.open_row()
+    free = cache.blocks.allocator.num_free
     with pytest.raises(ValueError, match="empty"):
-        plan_decode(cache, rows + [empty])
-    assert cache.table(rows[0]).num_tokens == 4 and cache.allocator.num_free == free  # nothing grew
+        cache.plan_decode(rows + [empty])
+    assert cache.blocks.table(rows[0]).num_tokens == 4 and cache.blocks.allocator.num_free == free  # nothing grew
 
 
 def test_refuses_a_stale_plan_and_the_gate_sees_it():
     cache = small_cache()
     rows = prefilled(cache, [4, 7])
-    old = plan_decode(cache, rows)
-    new = plan_decode(cache, rows)
+    old = cache.plan_decode(rows)
+    new = cache.plan_decode(rows)
     gate = check_plan_current(cache, old)
     assert not gate and gate.numbers["stale_rows"] == 2
     assert check_plan_current(cache, new)
     with pytest.raises(RuntimeError, match="stale"):
-        cache.view(rows, plan=old)
-    cache.view(rows, plan=new)
+        cache.view(old)
+    cache.view(new)
 
 
 def test_gates_fail_on_wrong_plans():
     cache = small_cache()
     rows = prefilled(cache, [4, 7])
-    plan = plan_decode(cache, rows)
+    plan = cache.plan_decode(rows)
     assert not check_plan_rows(plan, rows[::-1])
     assert not check_plan_rows(plan, rows[:1])
     corrupted = type(plan)(**{**plan.__dict__, "write_slots": plan.write_slots + 1})
@@ -145,33 +148,34 @@ def test_replayed_plan_gives_identical_logits_and_an_unplanned_forward_does_not(
     engine, seqs = engine_at_decode(tiny_model, PROMPTS)
     rows = [s.row for s in seqs]
     ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
-    plan = engine.cache.plan_decode(rows)
+    plan = engine.kv_cache.plan_decode(rows)
     with torch.inference_mode():
-        first = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
-        again = tiny_model(ids, plan.positions, cache=engine.cache.view(rows, plan=plan))
+        first = tiny_model(ids, plan.positions, cache=engine.kv_cache.view(plan))
+        again = tiny_model(ids, plan.positions, cache=engine.kv_cache.view(plan))
     assert torch.equal(first, again)  # f(x) == f(x)
-    assert [engine.cache.table(r).num_tokens for r in rows] == list(plan.planned_lens)  # and no state moved
+    assert [engine.kv_cache.blocks.table(r).num_tokens for r in rows] == list(plan.planned_lens)  # and no state moved
 
     control, cseqs = engine_at_decode(tiny_model, PROMPTS)
     crows = [s.row for s in cseqs]
-    before = [control.cache.table(r).num_tokens for r in crows]
+    kv = control.kv_cache
+    before = [kv.blocks.table(r).num_tokens for r in crows]
     positions = torch.tensor([[n] for n in before])
     with torch.inference_mode():
-        once = tiny_model(ids, positions, cache=control.cache.view(crows))
-        tiny_model(ids, positions, cache=control.cache.view(crows))
+        once = tiny_model(ids, positions, cache=UnplannedView(kv.blocks, kv, tuple(crows), "cache"))
+        tiny_model(ids, positions, cache=UnplannedView(kv.blocks, kv, tuple(crows), "cache"))
     assert torch.allclose(once, first, atol=1e-5)  # the same step, addressed either way
     # The second unplanned call wrote the token again, one slot further on: the history is now
     # one token longer than the request's, and every later step attends over the duplicate.
-    assert [control.cache.table(r).num_tokens for r in crows] == [n + 2 for n in before]
+    assert [kv.blocks.table(r).num_tokens for r in crows] == [n + 2 for n in before]
 
 
 def test_planned_forward_never_reads_num_tokens(tiny_model, monkeypatch):
     engine, seqs = engine_at_decode(tiny_model, PROMPTS)
     rows = [s.row for s in seqs]
     ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs])
-    plan = engine.cache.plan_decode(rows)
-    view = engine.cache.view(rows, plan=plan)
-    positions = torch.tensor([[engine.cache.table(r).num_tokens - 1] for r in rows])
+    plan = engine.kv_cache.plan_decode(rows)
+    view = engine.kv_cache.view(plan)
+    positions = torch.tensor([[engine.kv_cache.blocks.table(r).num_tokens - 1] for r in rows])
 
     def forbidden(self):
         raise AssertionError("the forward read BlockTable.num_tokens")
@@ -181,26 +185,25 @@ def test_planned_forward_never_reads_num_tokens(tiny_model, monkeypatch):
     with torch.inference_mode():
         tiny_model(ids, plan.positions, cache=view)
         with pytest.raises(AssertionError, match="num_tokens"):
-            tiny_model(ids, positions, cache=engine.cache.view(rows))
+            kv = engine.kv_cache
+            tiny_model(ids, positions, cache=UnplannedView(kv.blocks, kv, tuple(rows), "cache"))
 
 
 def test_planned_and_unplanned_engines_decode_the_same_tokens(tiny_model):
     outs = []
-    for planned in (True, False):
-        engine = Engine(tiny_model, num_blocks=40, block_size=4, planned=planned)
+    for runner in ({}, {"runner": unplanned_runner()}):
+        engine = Engine(tiny_model, num_blocks=40, block_size=4, read="reference", **runner)
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         seqs = [engine.add_request(p, params) for p in PROMPTS * 3]
-        while engine.has_unfinished_requests():
-            engine.step()
+        drain(engine, max_steps=500)
         outs.append([s.output_token_ids for s in seqs])
     assert outs[0] == outs[1]
 
 
 def test_decode_shape_reads_the_plans_width_and_is_not_off_by_one():
-    from nanolab.compilebench import decode_shape
-
     cache = small_cache()
     rows = prefilled(cache, [5, 9])
-    predicted = decode_shape(cache, rows)  # unplanned: the forward will grow the tables first
-    plan = plan_decode(cache, rows)
-    assert decode_shape(cache, rows, plan) == predicted == (2, 10) == (plan.batch_size, plan.slot_mapping.shape[1])
+    # unplanned: the forward will grow the tables first
+    predicted = decode_shape(UnplannedView(cache.blocks, cache, tuple(rows), "cache"))
+    plan = cache.plan_decode(rows)
+    assert decode_shape(cache.view(plan)) == predicted == (2, 10) == (plan.batch_size, plan.slot_mapping.shape[1])

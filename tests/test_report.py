@@ -5,7 +5,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from nanolab import report
+from nanolab.lab import report
 
 
 @pytest.fixture
@@ -23,7 +23,8 @@ def _h200_label() -> report.RunLabel:
 def test_paths_resolve_from_package_not_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert report.DATA_DIR == report.REPO_ROOT / "data"
-    assert report.REPO_ROOT == Path(report.__file__).resolve().parent.parent
+    assert report.REPO_ROOT == Path(report.__file__).resolve().parents[2]
+    assert (report.REPO_ROOT / "nanolab" / "__init__.py").exists()
 
 
 def test_cpu_label():
@@ -106,7 +107,7 @@ def test_show_prints_without_ipython(monkeypatch, capsys):
 
 
 def test_chapter_target_on_the_cpu(monkeypatch):
-    from nanolab.report import chapter_target
+    from nanolab.lab.report import chapter_target
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("NANOLAB_MODEL", raising=False)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_tiny
+from conftest import load_tiny, run_until_done
 
 from nanolab import Engine, SamplingParams
 from nanolab.sampling import sample
@@ -143,8 +143,7 @@ def run(requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> list
     for _ in range(3):
         engine.step()
     seqs += [engine.add_request(prompt, params) for prompt, params in rest]
-    while engine.has_unfinished_requests():
-        engine.step()
+    run_until_done(engine)
     return [s.output_token_ids for s in seqs]
 
 

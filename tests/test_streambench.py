@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanolab.kernels.paged_attention import BLOCK, choose_launch
-from nanolab.streambench import ARMS, launch_rule, read_batch, run_streambench
+from nanolab.lab.streambench import ARMS, launch_rule, read_batch, run_streambench
 
 # On a CUDA machine the compiled kernels run, timed through CUDA graphs as the bench times them.
 TOY = dict(heads=4, kv_heads=2, head_dim=16, page=4, dtype=torch.float32,

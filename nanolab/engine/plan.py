@@ -1,19 +1,9 @@
-"""The decode step's addressing, decided on the host before the forward runs: `DecodePlan`.
+"""Where a forward's K/V goes and what it reads, decided on the host before it runs.
 
-Introduced on Day 50. Before it, the forward decided where a decode step's K/V went while it
-ran: layer 0's `write` grew the block tables and the read rebuilt its rectangle from them, so a
-traced forward observed `tables[row].num_tokens`, a Python int that grows every step, and
-rebuilt on every step. A plan is built by `plan_decode` (the cache's `plan_decode` is where the
-tables grow), and the forward only reads its tensors. Nothing inside the forward reads
-`min_ctx` or `max_ctx`: they are host ints that change every step.
-
-`slot_mapping` is what vLLM also calls the slot mapping; its write half, `write_slots`, is the
-per-token slot list vLLM's `reshape_and_cache` takes.
-
-Day 51 made the plan's tensors views of the cache's fixed buffers. On Day 50 the host rebuilt the
-`[rows, max_ctx]` mapping every step, a cost quadratic in the run (`rebuild_cells`). Now the host
-writes one block-table entry per row per new block, and the mapping is derived from the device
-block table (`derive_slot_mapping`, the usual `table[row, p // B] * B + p % B`).
+`DecodePlan` (Day 50; fixed buffers, Day 51) and `PrefillPlan`. The forward only reads their
+tensors: nothing inside it grows a table or reads a length that changes from step to step. The
+read rectangle `slot_mapping` [rows, width] (vLLM's name; `write_slots` is the per-token half
+vLLM's `reshape_and_cache` takes) is derived on the device from the persistent block table.
 """
 
 from __future__ import annotations
@@ -37,7 +27,31 @@ def derive_slot_mapping(block_table: torch.Tensor, table_rows: torch.Tensor, con
 
 
 @dataclass(frozen=True)
+class PrefillPlan:
+    """A ragged prefill: rows of T tokens, of which row i's first lengths[i] are real. Its tensors
+    are its own (a prefill is never captured); padded tokens write to the sink."""
+
+    table_rows: torch.Tensor  # [rows] int64: each batch row's block-table row
+    write_slots: torch.Tensor  # [rows, T] int64: pool slot of each new token; -1 (the sink) for padding
+    context_lens: torch.Tensor  # [rows] int64: tokens per row after this forward
+    positions: torch.Tensor  # [rows, T] int64: padding positions are 0 (a padded query reads key 0 only)
+    logits_index: torch.Tensor  # [rows] int64: each row's last real token
+    block_table: torch.Tensor  # [max_rows + 1, max_blocks] int32: the cache's persistent table, whole
+    block_size: int
+    width: int  # the longest row
+    rows: tuple[int, ...]
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[rows, width] int64, derived on the device from the block table."""
+        return derive_slot_mapping(self.block_table, self.table_rows, self.context_lens, self.width, self.block_size)
+
+
+@dataclass(frozen=True)
 class DecodePlan:
+    """One decode step: a new token for each row, and rows padded up to a capture bucket.
+    Day 50."""
+
     # Views of the cache's fixed buffers (Day 51): the same addresses every step.
     table_rows: torch.Tensor  # [batch] int64: each batch row's block-table row; padded rows the all-sink one
     write_slots: torch.Tensor  # [batch] int64: the pool slot this step's K/V goes to; -1 (the sink) when padded
@@ -53,7 +67,7 @@ class DecodePlan:
 
     @property
     def slot_mapping(self) -> torch.Tensor:
-        """[batch, width] int64, derived on the device each time it is read; `cache.view` derives
+        """[batch, width] int64, derived on the device each time it is read; `KVCache.view` derives
         it once per step for every layer."""
         return derive_slot_mapping(self.block_table, self.table_rows, self.context_lens, self.width, self.block_size)
 
@@ -93,7 +107,7 @@ class DecodePlan:
     @property
     def mapping_bytes(self) -> int:
         """Bytes of the int64 read rectangle the forward derives."""
-        return mapping_bytes(self.batch_size, self.width)
+        return self.cells * 8
 
     def render(self, max_width: int = 24) -> str:
         """The plan as text: one line per row, its write slot, and its mapping ('.' for padding)."""
@@ -108,37 +122,6 @@ class DecodePlan:
         return "\n".join(lines)
 
 
-def plan_decode(cache, rows, device=None, *, batch_size: int | None = None, width: int | None = None
-                ) -> DecodePlan:
-    """Plan one decode step over `rows` of `cache`: grows each row's table by one token."""
-    return cache.plan_decode(rows, device, batch_size=batch_size, width=width)
-
-
-# The price of a rectangle rebuilt every step (host arithmetic, no tensors).
-
-def mapping_cells(rows: int, width: int) -> int:
-    return rows * width
-
-
-def mapping_bytes(rows: int, width: int, itemsize: int = 8) -> int:
-    return mapping_cells(rows, width) * itemsize
-
-
-def rebuild_cells(rows: int, prompt_len: int, steps: int) -> int:
-    """Cells of the [rows, max_ctx] mapping rebuilt over `steps` decode steps from a prompt of
-    `prompt_len`: step i is rows * (prompt_len + i) wide, so the sum is quadratic in steps."""
-    return rows * (steps * prompt_len + steps * (steps + 1) // 2)
-
-
-def appended_cells(rows: int, steps: int) -> int:
-    """Cells that actually change: one new token per row per step."""
-    return rows * steps
-
-
-def rebuild_ratio(rows: int, prompt_len: int, steps: int) -> float:
-    return rebuild_cells(rows, prompt_len, steps) / appended_cells(rows, steps)
-
-
 # Gates.
 
 def check_plan_addressing(cache, plan: DecodePlan) -> Gate:
@@ -146,7 +129,7 @@ def check_plan_addressing(cache, plan: DecodePlan) -> Gate:
     mapping, slots, lens = plan.slot_mapping.cpu(), plan.write_slots.cpu(), plan.context_lens.cpu()
     wrong = 0
     for i, row in enumerate(plan.rows):
-        table = cache.table(row)
+        table = cache.blocks.table(row)
         wrong += int(slots[i]) != table.slot(int(lens[i]) - 1)
         wrong += sum(int(mapping[i, p]) != table.slot(p) for p in range(int(lens[i])))
         wrong += int((mapping[i, int(lens[i]):] != -1).sum())  # past its length, a row names only the sink
@@ -171,21 +154,7 @@ def check_plan_current(cache, plan: DecodePlan) -> Gate:
     hold exactly the lengths it planned. Planning again fills the same buffers with other write
     slots, so an older plan would write over the newer one's."""
     planned = plan.planned_lens  # host copies: the device buffers now hold whichever plan is newest
-    actual = [cache.table(row).num_tokens for row in plan.rows]
+    actual = [cache.blocks.table(row).num_tokens for row in plan.rows]
     stale = sum(p != a for p, a in zip(planned, actual, strict=True))
     return Gate("check_plan_current", stale == 0 and plan.epoch == cache.plan_epoch,
                 {"rows": len(actual), "stale_rows": stale, "epoch": plan.epoch, "newest": cache.plan_epoch})
-
-
-def check_rebuild_bounded(rows: int, prompt_len: int, steps: int, limit: float = 32.0,
-                          rebuilt: int | None = None) -> Gate:
-    """Cells rebuilt per cell appended stays under `limit` over a run of `steps`.
-
-    `rebuilt` is a measured count, the cells a cache really wrote from the host over the run
-    (`BatchedPagedKVCache.host_cells`, Day 51). Without it the gate prices Day 50's design, which
-    rebuilt the whole rectangle every step (`rebuild_cells`)."""
-    cells = rebuild_cells(rows, prompt_len, steps) if rebuilt is None else rebuilt
-    ratio = cells / appended_cells(rows, steps)
-    return Gate("check_rebuild_bounded", ratio <= limit, {
-        "rebuild_cells": cells, "appended_cells": appended_cells(rows, steps),
-        "ratio": round(ratio, 2), "limit": limit})

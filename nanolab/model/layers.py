@@ -1,10 +1,5 @@
-"""The pieces of one Llama decoder layer: RMSNorm, rotary embedding, attention over the paged
-cache, and the SwiGLU MLP.
-
-Introduced with the engine core (before Day 49). Attention never touches the cache's pools
-itself: it hands this step's K/V and queries to the `cache` it is given (a `BatchedCacheRows`
-view), so swapping the cache's read or write (Day 50's plan, Day 59's kernel) changes no line
-here.
+"""The layers of a Llama decoder besides attention: `Linear`, `RMSNorm`, rotary embedding and the
+SwiGLU `MLP`. Engine core (before Day 49).
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanolab.config import ModelConfig
+from nanolab.model.config import ModelConfig
 
 
 class Linear(nn.Linear):
@@ -89,29 +84,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        # q, k and v fused into one matmul: [(heads + 2 * kv_heads) * head_dim, hidden]
-        self.qkv_proj = Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim)
-        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
-        rows, t, _ = x.shape
-        qkv = self.qkv_proj(x).view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
-        # Rotate q and k in one call: they are the first heads + kv_heads of the fused output.
-        qk = apply_rope(qkv[:, :, : self.heads + self.kv_heads], cos, sin)
-        q, k = qk.split((self.heads, self.kv_heads), dim=2)
-        v = qkv[:, :, self.heads + self.kv_heads :]
-        cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
-        out = cache.paged_attention(self.layer, q, positions)  # [rows, T, heads, head_dim]
-        return self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
-
-
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -122,16 +94,3 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x, cos, sin, positions, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))

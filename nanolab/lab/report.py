@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 # Resolved from this file, never from the cwd: notebook cells run with notebooks/ (or a build folder) as cwd.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT / "data"
 FIGURES_DIR = REPO_ROOT / "figures"
 

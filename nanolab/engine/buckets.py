@@ -1,21 +1,14 @@
-"""The capture list: which decode shapes get a CUDA graph, and how a live batch finds its own.
+"""`DecodeBuckets`: which decode shapes get a CUDA graph, and how a live batch finds its own. Day 52.
 
-Introduced on Day 52. A CUDA graph replays fixed shapes at fixed addresses, and the planned decode
-step has two shape axes: the batch (rows) and the read rectangle's width. `DecodeBuckets` is the
-grid of both; a live batch of `rows` whose longest row holds `max_ctx` tokens runs in the smallest
-bucket that holds it, padded up (`lookup`). Padding is the price: padded rows run the whole model
-and padded width is gathered and scored by the reference read (`padding_waste`).
-
-vLLM calls the batch axis its cudagraph capture sizes and keeps a lookup from batch size to padded
-size; its read has no width axis to bucket. Day 60's streamed read removes ours: `without_width()`
-keeps the batch axis alone (`widths` None), and a bucket is then (batch, None).
+A graph replays fixed shapes. The planned step has two shape axes, the batch and the reference
+read's width; a live batch runs in the smallest bucket that holds it, padded up (`lookup`). vLLM
+calls the batch axis its cudagraph capture sizes. The streamed read has no width (Day 60):
+`without_width()` keeps the batch axis alone, and a bucket is then (batch, None).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import pandas as pd
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -83,55 +76,3 @@ class DecodeBuckets:
             return batch, None
         width = next((w for w in self.widths if w >= max_ctx), None)
         return None if width is None else (batch, width)
-
-
-@dataclass(frozen=True)
-class PaddingWaste:
-    """What running `rows` x `max_ctx` in bucket `batch` x `width` costs beyond the live batch."""
-
-    rows: int
-    max_ctx: int
-    batch: int
-    width: int | None  # None: no width axis, each row reads its own length
-
-    @property
-    def padded_rows(self) -> int:
-        return self.batch - self.rows
-
-    @property
-    def cells(self) -> int:
-        """Cells of the bucket's read rectangle [batch, width]; without a width, each of the batch's
-        rows charged the live batch's longest row."""
-        return self.batch * (self.max_ctx if self.width is None else self.width)
-
-    @property
-    def live_cells(self) -> int:
-        """Cells the live batch's own rectangle [rows, max_ctx] would have."""
-        return self.rows * self.max_ctx
-
-    @property
-    def waste_share(self) -> float:
-        return 1 - self.live_cells / self.cells
-
-
-def padding_waste(buckets: DecodeBuckets, rows: int, max_ctx: int) -> PaddingWaste:
-    shape = buckets.lookup(rows, max_ctx)
-    if shape is None:
-        raise ValueError(f"{rows} rows x {max_ctx} tokens is outside the capture list")
-    return PaddingWaste(rows, max_ctx, *shape)
-
-
-def bucket_table(buckets: DecodeBuckets) -> pd.DataFrame:
-    """One line per bucket: the live batches it serves, and the worst padding a batch in it pays
-    (one row more and one token wider than the bucket below it), in rows and in read cells."""
-    records = []
-    for i, b in enumerate(buckets.batch_sizes):
-        lo_b = buckets.batch_sizes[i - 1] + 1 if i else 1
-        widths = [None] if buckets.widths is None else buckets.widths
-        for j, w in enumerate(widths):
-            lo_w = buckets.widths[j - 1] + 1 if j and w is not None else 1
-            worst = PaddingWaste(lo_b, lo_w, b, w)
-            records.append({"batch": b, "width": w, "rows": f"{lo_b}-{b}",
-                            "tokens": "any" if w is None else f"{lo_w}-{w}",
-                            "worst padded rows": worst.padded_rows, "worst waste": worst.waste_share})
-    return pd.DataFrame.from_records(records)

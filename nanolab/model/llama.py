@@ -1,6 +1,5 @@
-"""A Llama-family decoder over the paged cache, loaded from the Hugging Face layout.
-
-Introduced with the engine core (before Day 49). Checkpoints keep q/k/v and gate/up as separate
+"""`LlamaModel`: a Llama-family decoder over the paged cache, loaded from the Hugging Face layout.
+Engine core (before Day 49). Checkpoints keep q/k/v and gate/up as separate
 matrices; `load_model` concatenates them into one matmul each, which is the only way this
 module's parameters differ from `LlamaForCausalLM`'s.
 """
@@ -12,9 +11,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanolab.config import ModelConfig
-from nanolab.layers import DecoderLayer, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
-from nanolab.weights import load_checkpoint
+from nanolab.model.attention import Attention
+from nanolab.model.config import ModelConfig
+from nanolab.model.layers import MLP, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
+from nanolab.model.weights import load_checkpoint
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, positions, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -31,7 +44,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [rows, T] int64; cache a `BatchedCacheRows`.
+        """input_ids, positions [rows, T] int64; cache a `CacheView` of this forward's plan.
 
         logits_index [rows] picks one position per row (the last real token of a ragged
         prefill) and returns logits [rows, vocab]; None returns every position, [rows, T, vocab].

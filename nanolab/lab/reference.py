@@ -1,9 +1,5 @@
-"""HF transformers as the reference arm: the same weights through `LlamaForCausalLM`, for parity
-checks and side-by-side timings. nanolab's own greedy decode sits beside it so tests and notebooks
-compare the two through one pair of functions.
-
-Introduced with the engine core (before Day 49).
-"""
+"""HF transformers as the reference arm, and nanolab's greedy decode beside it, so tests and
+chapters compare the two through one pair of functions."""
 
 from __future__ import annotations
 
@@ -11,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from nanolab.engine import Engine
-from nanolab.model import LlamaModel
-from nanolab.sampling import SamplingParams
+from nanolab import Engine, LlamaModel
+from nanolab.lab.timing import drain, prefill
 
 
 def load_hf(path: Path, dtype: torch.dtype = torch.float32, device="cpu", attn_implementation: str = "eager"):
@@ -36,16 +31,14 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`new_tokens` greedy tokens for each prompt, decoded together by `engine`."""
+    seqs = prefill(engine, prompts, new_tokens)
+    drain(engine)
+    return [s.output_token_ids for s in seqs]
+
+
 def nanolab_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, **engine_kwargs) -> list[list[int]]:
     """nanolab's greedy continuations of all prompts, decoded together in a new engine."""
     engine_kwargs.setdefault("num_blocks", sum(len(p) + new_tokens for p in prompts) // 16 + len(prompts) + 1)
     return engine_greedy(Engine(model, **engine_kwargs), prompts, new_tokens)
-
-
-def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """`new_tokens` greedy tokens for each prompt, decoded together by `engine` (run to the end)."""
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [s.output_token_ids for s in seqs]

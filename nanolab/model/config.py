@@ -121,7 +121,7 @@ class ModelConfig:
 
 
 # The named presets. `tiny` is for tests; the others are real shapes whose weights are
-# either found on disk or synthesized in the same layout (see `nanolab.weights`).
+# either found on disk or synthesized in the same layout (see `nanolab.model.weights`).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

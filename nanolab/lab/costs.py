@@ -1,17 +1,14 @@
-"""What a decode step holds: the score rectangle the reference read builds, and the tile that replaces it.
+"""The cost arithmetic the chapters print: host ints in, plain numbers out, no tensors (except
+`weight_bytes`, which counts a model's parameters).
 
-Day 54 priced the read's workspace: `paged_attention_batched_reference` scores every row against
-the batch's widest history, a [rows, heads, query_len, width] rectangle (`score_cells`,
-`workspace_bytes`), and that rectangle is what the shared capture pool is sized by.
-
-Day 59's streamed read (`nanolab.kernels.paged_attention`) holds one [block] score tile per
-(row, head) program instead (`streamed_score_cells`, `streamed_workspace_bytes`). rows, heads and
-query_len appear in both terms and cancel, so the saving is `width / block` and nothing else
-(`workspace_saving`). The kernel also walks only each row's own tiles: `streamed_work` counts
-them against the tiles a rectangle of the same width implies. `streambench_table` is the seed's
-host-only table, rebuilt from this arithmetic.
-
-Host arithmetic only: plain ints in, plain numbers out, no tensors.
+- Day 50: the `[rows, max_ctx]` slot mapping rebuilt every step, quadratic in the run
+  (`rebuild_cells`), against the cells that change (`appended_cells`); `check_rebuild_bounded`.
+- Day 52: what a live batch pays for running padded in its capture bucket (`padding_waste`).
+- Day 54: the reference read's score rectangle [rows, heads, query_len, width] (`workspace_bytes`).
+- Day 59: the streamed read's tile (`streamed_workspace_bytes`): rows, heads and query_len cancel,
+  so the saving is `width / block`; and the tiles it walks (`streamed_work`). `streambench_table`
+  is the seed's host-only table, rebuilt from this arithmetic.
+- The capture bench's floor: the bytes a decode step must read (`weight_bytes`, `kv_read_bytes`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,107 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from nanolab.cache import cdiv
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.kv_cache import kv_bytes_per_block
+from nanolab.gates import Gate
+from nanolab.model.config import ModelConfig
+
+# --- Day 50: the rectangle rebuilt every step ---------------------------------------------------
+
+
+def mapping_cells(rows: int, width: int) -> int:
+    return rows * width
+
+
+def mapping_bytes(rows: int, width: int, itemsize: int = 8) -> int:
+    return mapping_cells(rows, width) * itemsize
+
+
+def rebuild_cells(rows: int, prompt_len: int, steps: int) -> int:
+    """Cells of the [rows, max_ctx] mapping rebuilt over `steps` decode steps from a prompt of
+    `prompt_len`: step i is rows * (prompt_len + i) wide, so the sum is quadratic in steps."""
+    return rows * (steps * prompt_len + steps * (steps + 1) // 2)
+
+
+def appended_cells(rows: int, steps: int) -> int:
+    """Cells that actually change: one new token per row per step."""
+    return rows * steps
+
+
+def rebuild_ratio(rows: int, prompt_len: int, steps: int) -> float:
+    return rebuild_cells(rows, prompt_len, steps) / appended_cells(rows, steps)
+
+
+
+def check_rebuild_bounded(rows: int, prompt_len: int, steps: int, limit: float = 32.0,
+                          rebuilt: int | None = None) -> Gate:
+    """Cells rebuilt per cell appended stays under `limit` over a run of `steps`.
+
+    `rebuilt` is a measured count, the cells a cache really wrote from the host over the run
+    (`KVCache.host_cells`, Day 51). Without it the gate prices Day 50's design, which
+    rebuilt the whole rectangle every step (`rebuild_cells`)."""
+    cells = rebuild_cells(rows, prompt_len, steps) if rebuilt is None else rebuilt
+    ratio = cells / appended_cells(rows, steps)
+    return Gate("check_rebuild_bounded", ratio <= limit, {
+        "rebuild_cells": cells, "appended_cells": appended_cells(rows, steps),
+        "ratio": round(ratio, 2), "limit": limit})
+
+
+# --- Day 52: padding up to a bucket ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaddingWaste:
+    """What running `rows` x `max_ctx` in bucket `batch` x `width` costs beyond the live batch."""
+
+    rows: int
+    max_ctx: int
+    batch: int
+    width: int | None  # None: no width axis, each row reads its own length
+
+    @property
+    def padded_rows(self) -> int:
+        return self.batch - self.rows
+
+    @property
+    def cells(self) -> int:
+        """Cells of the bucket's read rectangle [batch, width]; without a width, each of the batch's
+        rows charged the live batch's longest row."""
+        return self.batch * (self.max_ctx if self.width is None else self.width)
+
+    @property
+    def live_cells(self) -> int:
+        """Cells the live batch's own rectangle [rows, max_ctx] would have."""
+        return self.rows * self.max_ctx
+
+    @property
+    def waste_share(self) -> float:
+        return 1 - self.live_cells / self.cells
+
+
+def padding_waste(buckets: DecodeBuckets, rows: int, max_ctx: int) -> PaddingWaste:
+    shape = buckets.lookup(rows, max_ctx)
+    if shape is None:
+        raise ValueError(f"{rows} rows x {max_ctx} tokens is outside the capture list")
+    return PaddingWaste(rows, max_ctx, *shape)
+
+
+def bucket_table(buckets: DecodeBuckets) -> pd.DataFrame:
+    """One line per bucket: the live batches it serves, and the worst padding a batch in it pays
+    (one row more and one token wider than the bucket below it), in rows and in read cells."""
+    records = []
+    for i, b in enumerate(buckets.batch_sizes):
+        lo_b = buckets.batch_sizes[i - 1] + 1 if i else 1
+        widths = [None] if buckets.widths is None else buckets.widths
+        for j, w in enumerate(widths):
+            lo_w = buckets.widths[j - 1] + 1 if j and w is not None else 1
+            worst = PaddingWaste(lo_b, lo_w, b, w)
+            records.append({"batch": b, "width": w, "rows": f"{lo_b}-{b}",
+                            "tokens": "any" if w is None else f"{lo_w}-{w}",
+                            "worst padded rows": worst.padded_rows, "worst waste": worst.waste_share})
+    return pd.DataFrame.from_records(records)
+
 
 # --- Day 54: the rectangle ------------------------------------------------------------------
 
@@ -172,3 +269,18 @@ def render_streambench(table: pd.DataFrame) -> str:
     for _, row in table.iterrows():
         lines.append("".join(cells.get(c, str)(row[c]).rjust(w) for c, w in widths.items()))
     return "\n".join(lines)
+
+
+# --- the floor of a decode step ----------------------------------------------------------------
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every distinct parameter: what a decode step must stream at least once."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def kv_read_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
+    """Bytes of K and V a decode step reads: each row's whole history, every layer."""
+    per_token = kv_bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 1, dtype)
+    return batch * context * per_token

@@ -9,53 +9,15 @@ of the queue to be recomputed from its tokens so far (vLLM's recompute preemptio
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
 
-import torch
-
-from nanolab.cache import BatchedPagedKVCache, cdiv
-from nanolab.sampling import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's tokens and state. `row` is its cache row while it runs."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    row: int | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_text_index: int | None = None  # where a matched stop string starts in the output text
-    num_preemptions: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+from nanolab.engine.block_manager import BlockManager, cdiv
+from nanolab.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, cache: BatchedPagedKVCache, max_num_batched_tokens: int = 8192) -> None:
-        self.cache = cache
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 8192) -> None:
+        self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,10 +42,10 @@ class Scheduler:
         whose table is full, so an admission never forces that step to preempt."""
         batch: list[Sequence] = []
         tokens = 0
-        block = self.cache.block_size
-        free = self.cache.allocator.num_free
-        spare = sum(self.cache.table(s.row).blocks_needed(1) for s in self.running)
-        while self.waiting and self.cache.free_row_count() > 0:
+        block = self.blocks.block_size
+        free = self.blocks.allocator.num_free
+        spare = sum(self.blocks.table(s.row).blocks_needed(1) for s in self.running)
+        while self.waiting and self.blocks.free_row_count() > 0:
             seq = self.waiting[0]
             need = cdiv(seq.num_tokens, block) + (seq.num_tokens % block == 0)
             if batch and tokens + seq.num_tokens > self.max_num_batched_tokens:
@@ -91,7 +53,7 @@ class Scheduler:
             if free - need < spare:
                 break
             self.waiting.popleft()
-            seq.row = self.cache.open_row()
+            seq.row = self.blocks.open_row()
             seq.status = SequenceStatus.RUNNING
             free -= need
             tokens += seq.num_tokens
@@ -102,8 +64,8 @@ class Scheduler:
     def _make_room_for_decode(self) -> list[Sequence]:
         """Preempt from the newest until every running request can take one more token."""
         while self.running:
-            need = sum(self.cache.table(s.row).blocks_needed(1) for s in self.running)
-            if need <= self.cache.allocator.num_free:
+            need = sum(self.blocks.table(s.row).blocks_needed(1) for s in self.running)
+            if need <= self.blocks.allocator.num_free:
                 break
             self.preempt(self.running[-1])
         return list(self.running)
@@ -131,7 +93,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.row is not None:
-            self.cache.free_row(seq.row)
+            self.blocks.free_row(seq.row)
             seq.row = None
         if seq in self.running:
             self.running.remove(seq)

@@ -1,8 +1,9 @@
 """torch.compile over the decode step: how often dynamo rebuilds the graph, why, and what that costs.
 
-Introduced on Day 49. `run_compilebench` prefills eagerly and then runs a number of decode steps
-with `Engine.decode_forward` set to the model compiled with inductor ("dynamic" or "static"), or
-to the eager model ("off"). Everything the table reports comes from dynamo or is timed directly:
+Day 49. `run_compilebench` prefills eagerly and then runs a number of decode steps through an
+engine built with the model compiled by inductor ("dynamic" or "static") as its decode forward,
+or with the eager model ("off"); planned (the engine's decode) or unplanned (`lab.history`, the
+decode Day 50 replaced). Everything the table reports comes from dynamo or is timed directly:
 
 - builds: calls into the inductor backend. Every call is one graph that dynamo traced and
   inductor compiled, so a step that misses every cached graph's guards costs at least one. A
@@ -38,12 +39,13 @@ import torch._dynamo
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 from torch._inductor.compile_fx import compile_fx
 
-from nanolab.bench import random_prompts, sync
-from nanolab.cache import BatchedCacheRows, BatchedPagedKVCache, cdiv
-from nanolab.engine import Engine
+from nanolab import Engine
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.kv_cache import CacheView
 from nanolab.gates import Gate
-from nanolab.layers import Linear
-from nanolab.sampling import SamplingParams
+from nanolab.lab.history import UnplannedView, unplanned_runner
+from nanolab.lab.timing import prefill, random_prompts, timed_steps
+from nanolab.model.layers import Linear
 
 MODES = ("off", "dynamic", "static")
 _FRAME_COMPILE = "_compile.compile_inner"
@@ -100,19 +102,19 @@ def first_guard_failure(result: CompileResult) -> str:
     return result.guard_failures[0] if result.guard_failures else ""
 
 
-def decode_shape(cache: BatchedPagedKVCache, rows, plan=None) -> tuple[int, int]:
+def decode_shape(view: CacheView | UnplannedView) -> tuple[int, int]:
     """(rows, width) of the read rectangle one decode call builds, `slot_mapping` [rows, width].
 
     Call it just before the forward. Unplanned, the forward grows the tables and builds the
     rectangle afterwards, so the width is the longest history plus this step's token. A
     `DecodePlan` has grown the tables already and carries its width, which is read, not predicted.
     """
-    if plan is not None:
-        return plan.batch_size, plan.width
-    return len(rows), max(cache.table(row).num_tokens for row in rows) + 1
+    if view.plan is not None:
+        return view.plan.batch_size, view.plan.width
+    return len(view.rows), max(view.cache.table(row).num_tokens for row in view.rows) + 1
 
 
-def mark_plan_width_dynamic(view: BatchedCacheRows) -> None:
+def mark_plan_width_dynamic(view: CacheView | UnplannedView) -> None:
     """Mark the plan's read width as dynamic before a call (the view's slot_mapping [rows, width]
     and mask [rows, 1, width]), so the first build already has a symbol for it instead of waiting
     for automatic dynamic to see a second width. The planned path only: unplanned, the rectangle
@@ -140,17 +142,17 @@ class CountingInductor:
 
 
 class _DecodeProbe:
-    """Stands in for `Engine.decode_forward`: records each call's decode_shape, applies
-    `prepare` to the view, then calls the forward under test and keeps its last logits."""
+    """The engine's decode forward in a bench: records each call's decode_shape, applies `prepare`
+    to the view, then calls the forward under test and keeps its last logits."""
 
-    def __init__(self, forward: Callable, prepare: Callable[[BatchedCacheRows], None] | None) -> None:
+    def __init__(self, forward: Callable, prepare: Callable[[CacheView], None] | None) -> None:
         self.forward = forward
         self.prepare = prepare
         self.shapes: list[tuple[int, int]] = []
         self.logits: torch.Tensor | None = None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: BatchedCacheRows):
-        self.shapes.append(decode_shape(cache.cache, cache.rows, cache.plan))
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView | UnplannedView):
+        self.shapes.append(decode_shape(cache))
         if self.prepare is not None:
             self.prepare(cache)
         out = self.forward(input_ids, positions, cache=cache)  # [rows, 1, vocab]
@@ -171,18 +173,6 @@ def unpacked(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             m.packed = p
 
 
-@contextlib.contextmanager
-def device_bounds() -> Iterator[None]:
-    """The read as it stood before Day 49: its bounds come from `int(context_lens.min())` and
-    `.max()` inside the read (`context_bounds=None`), not from the cache's host ints. Only the
-    unplanned read passes context_bounds; a planned read is `validated` and does not change."""
-    BatchedPagedKVCache.bounds_from_cache = False
-    try:
-        yield
-    finally:
-        BatchedPagedKVCache.bounds_from_cache = True
-
-
 def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
@@ -197,9 +187,10 @@ def _frame_compile_times() -> list[float]:
 
 def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int, planned: bool,
                      block_size: int = 16, seed: int = 0, dynamic_marks: bool = False,
-                     constant_floats: bool = True, cold: bool = True) -> CompileResult:
+                     constant_floats: bool = True, cold: bool = True, bounds: str = "cache") -> CompileResult:
     """Prefill `rows` random prompts of `prompt_len` tokens eagerly, then time `steps` greedy
-    decode steps with `mode`'s forward.
+    decode steps with `mode`'s forward. Unplanned, the read takes its bounds from the host tables
+    (`bounds="cache"`, Day 49's fix) or from the device (`"device"`, before it).
 
     The recompile limit is left as configured: falling back to eager at it is part of what is
     measured. `dynamic_marks` applies `mark_plan_width_dynamic` before every call.
@@ -217,6 +208,8 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if dynamic_marks and not planned:
         raise ValueError("dynamic marks need planned=True: an unplanned forward has no width tensor to mark")
+    if bounds != "cache" and planned:
+        raise ValueError("bounds apply to the unplanned read: a planned read is validated on the host")
     torch._dynamo.reset()
     backend = CountingInductor()
     with contextlib.ExitStack() as stack:
@@ -226,28 +219,22 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
             stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
         if constant_floats:
             stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
-        engine = Engine(model, num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1,
-                        block_size=block_size, max_num_seqs=max(rows, 1), planned=planned,
-                        streamed_read=False)  # Days 49 and 50 study the reference read's guards
         forward = model if mode == "off" else torch.compile(model, dynamic=mode == "dynamic", backend=backend)
         probe = _DecodeProbe(forward, mark_plan_width_dynamic if dynamic_marks else None)
-        engine.decode_forward = probe
-        prompts = random_prompts(rows, prompt_len, model.config.vocab_size, seed)
-        params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-        seqs = [engine.add_request(p.tolist(), params) for p in prompts]
-        while any(not s.output_token_ids for s in seqs):
-            engine.step()
+        engine = Engine(model, num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1,
+                        block_size=block_size, max_num_seqs=max(rows, 1), forward=probe,
+                        read="reference",  # Days 49 and 50 study the reference read's guards
+                        **({} if planned else {"runner": unplanned_runner(bounds)}))
+        seqs = prefill(engine, random_prompts(rows, prompt_len, model.config.vocab_size, seed), steps + 1)
         # dynamo's tallies are process-wide: count what the decode steps add to them.
         breaks, limit_hits, frames = _graph_breaks(), _limit_hits(), len(_frame_compile_times())
-        times, built = [], []
-        for _ in range(steps):
-            before = backend.builds
-            sync(engine.device)
-            start = time.perf_counter()
-            engine.step()
-            sync(engine.device)
-            times.append(time.perf_counter() - start)
-            built.append(backend.builds - before)
+        built, seen = [], [backend.builds]
+
+        def count_builds() -> None:
+            built.append(backend.builds - seen[-1])
+            seen.append(backend.builds)
+
+        times = timed_steps(engine, steps, after=count_builds)
         assert all(s.finished for s in seqs), "a benchmark request outlived its steps"
         result = CompileResult(
             mode=mode, planned=planned, rows=rows, steps=steps,

@@ -1,0 +1,239 @@
+"""The KV cache on the device: per-layer K/V pools, the persistent block table, and the plans that
+address them. Engine core (before Day 49); plans Day 50; persistent table Day 51; streamed read Day 60.
+
+Pools are `[num_blocks * block_size + 1, kv_heads, head_dim]`. The last slot is the sink (slot -1):
+padded writes land there and the reference read's padding loads it. The device block table is
+`[max_rows + 1, max_blocks_per_row]` int32 (vLLM v1's `BlockTable`); its last row (`pad_row`) is
+all -1, and rows padded up to a capture bucket point at it. `plan_decode` and `plan_prefill` grow
+the host tables (`BlockManager`), copy the new entries into the device table, and hand the forward
+a plan; the forward reads the pools through a `CacheView` of that plan. The decode read is chosen
+once, when the cache is built: the streamed Triton kernel or the reference rectangle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanolab.engine.block_manager import BlockManager, cdiv
+from nanolab.engine.plan import DecodePlan, PrefillPlan
+from nanolab.kernels import INTERPRETED
+from nanolab.kernels.paged_attention import paged_attention
+from nanolab.kernels.reference import attention_mask_bias, reference_read
+
+SINK = -1  # the pool slot past the last block
+READS = ("streamed", "reference")
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
+    """Bytes one block costs across every layer's K and V pools: what a pool budget is divided by."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def default_read(device: torch.device) -> str:
+    """"streamed" on a CUDA device Triton compiles for whose tensor cores take bf16 (sm_80 on),
+    where the H200 measured the graphed decode step faster at every batch and context;
+    "reference" elsewhere (a CPU has only Triton's interpreter)."""
+    if device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "streamed"
+    return "reference"
+
+
+class KVCache:
+    """K/V pools and the persistent addressing for `blocks`' rows. Every tensor a decode plan hands
+    the forward is a view of a buffer allocated here once, which is what a CUDA graph replay needs."""
+
+    def __init__(self, blocks: BlockManager, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                 max_model_len: int | None = None, dtype=torch.float32, device="cpu", read: str = "auto") -> None:
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        self.dtype = dtype
+        if read == "auto":
+            read = default_read(self.device)
+        if read not in READS:
+            raise ValueError(f"read must be 'auto' or one of {READS}, got {read!r}")
+        if read == "streamed" and self.device.type != "cuda" and not INTERPRETED:
+            raise ValueError("read='streamed' needs a CUDA cache, or Triton's interpreter for a CPU one: on a "
+                             "machine with CUDA the interpreter is off unless TRITON_INTERPRET=1 is set before "
+                             "nanolab is imported")
+        self.read = read
+        # Zeroed, not empty: the reference read loads padding slots and masks them afterwards, and
+        # 0 * NaN from uninitialised memory would still poison the row.
+        shape = (blocks.num_blocks * self.block_size + 1, num_kv_heads, head_dim)
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        capacity = blocks.num_blocks * self.block_size
+        max_len = capacity if max_model_len is None else min(max_model_len, capacity)
+        self.max_blocks_per_row = cdiv(max_len, self.block_size)
+        self.block_table = torch.full((blocks.max_rows + 1, self.max_blocks_per_row), SINK, dtype=torch.int32,
+                                      device=self.device)  # [max_rows + 1, max_blocks_per_row]
+        # One buffer per field, each its own allocation: a view of a shared [4, max_rows] buffer let
+        # dynamo's duck sizing tie the read's width to that 4.
+        self.step_inputs = {name: torch.zeros(shape, dtype=torch.int64, device=self.device) for name, shape in (
+            ("table_rows", (blocks.max_rows,)), ("write_slots", (blocks.max_rows,)),
+            ("context_lens", (blocks.max_rows,)), ("positions", (blocks.max_rows, 1)))}
+        self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
+        self._plans = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def max_rows(self) -> int:
+        return self.blocks.max_rows
+
+    @property
+    def pad_row(self) -> int:
+        """The block table's all-sink row, which rows padded up to a bucket point at."""
+        return self.max_rows
+
+    @property
+    def max_width(self) -> int:
+        """The widest read rectangle a plan can ask for: a row's whole block-table row."""
+        return self.max_blocks_per_row * self.block_size
+
+    @property
+    def plan_epoch(self) -> int:
+        """How many decode plans have been built; the newest one's epoch."""
+        return self._plans
+
+    def _grow(self, tables, rows, new_tokens) -> None:
+        """Grow the host tables and copy their new entries into the device table, one index_put.
+        Refuses (CacheFull) before anything changes when the pool cannot hold the new tokens, and
+        (ValueError) a row that would outgrow its block-table row."""
+        longest = max((t.num_tokens + n for t, n in zip(tables, new_tokens, strict=True)), default=0)
+        if longest > self.max_width:
+            raise ValueError(f"a row would hold {longest} tokens, more than its block-table row's {self.max_width}")
+        self.blocks.grow(rows, new_tokens)
+        new = self.blocks.take_new_entries()
+        if not new:
+            return
+        (rows_, cols), blocks = zip(*new.keys(), strict=True), list(new.values())
+        index = torch.tensor([rows_, cols], dtype=torch.int64).to(self.device)
+        self.block_table[index[0], index[1]] = torch.tensor(blocks, dtype=torch.int32).to(self.device)
+        self.host_cells += len(blocks)
+
+    def plan_prefill(self, rows, token_counts) -> PrefillPlan:
+        """Grow row i by token_counts[i] tokens (its prompt, or everything it holds after a
+        preemption) and plan the ragged forward that writes them, [rows, max(token_counts)]."""
+        rows, counts = tuple(rows), [int(n) for n in token_counts]
+        if not rows or len(counts) != len(rows) or min(counts) < 1:
+            raise ValueError(f"a prefill needs at least one row and at least one token a row, got {counts}")
+        tables = [self.blocks.table(row) for row in rows]
+        starts = [t.num_tokens for t in tables]
+        self._grow(tables, rows, counts)
+        t = max(counts)
+        write_slots = torch.full((len(rows), t), SINK, dtype=torch.int64)
+        for i, (table, start, n) in enumerate(zip(tables, starts, counts, strict=True)):
+            write_slots[i, :n] = torch.tensor([table.slot(p) for p in range(start, start + n)])
+        steps = torch.arange(t)
+        lens = torch.tensor(counts)
+        # Padding positions are 0: a padded query reads key 0 only, and its output is never used.
+        positions = torch.where(steps < lens[:, None], torch.tensor(starts)[:, None] + steps, 0)
+        dev = self.device
+        return PrefillPlan(
+            table_rows=torch.tensor(rows, dtype=torch.int64).to(dev), write_slots=write_slots.to(dev),
+            context_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int64).to(dev),
+            positions=positions.to(dev), logits_index=(lens - 1).to(dev), block_table=self.block_table,
+            block_size=self.block_size, width=max(t.num_tokens for t in tables), rows=rows)
+
+    def plan_decode(self, rows, *, batch_size: int | None = None, width: int | None = None) -> DecodePlan:
+        """Grow every row's table by this step's token and return where everything goes.
+
+        Positions are read before the tables grow: a new token's position is the number of tokens
+        before it. `batch_size` pads the batch up to a capture bucket: the extra rows point at the
+        all-sink table row, write to the sink and read one sink slot. `width` is the read
+        rectangle's width, at least the longest row (default: exactly the longest row).
+
+        The host writes four scalars per row into `step_inputs` and one block-table entry for each
+        row that crossed into a new block. The plan's tensors are views of those fixed buffers, so
+        a plan is stale the moment the next one is built; `view` and `check_plan_current` refuse it.
+        """
+        rows = tuple(rows)
+        tables = [self.blocks.table(row) for row in rows]
+        empty = [row for row, t in zip(rows, tables, strict=True) if t.num_tokens == 0]
+        if empty:
+            raise ValueError(f"decode over empty rows {empty}: a row needs its prompt before it can decode")
+        batch = len(rows) if batch_size is None else batch_size
+        if not len(rows) <= batch <= self.max_rows:
+            raise ValueError(f"batch_size {batch} must hold the {len(rows)} rows and fit the {self.max_rows} "
+                             "rows of the cache")
+        longest = max((t.num_tokens for t in tables), default=0) + 1
+        width = longest if width is None else width
+        if not longest <= width <= self.max_width:
+            raise ValueError(f"width {width} must hold the longest row ({longest} tokens with this step's) "
+                             f"and fit the block table ({self.max_width} tokens a row)")
+        positions = [t.num_tokens for t in tables]
+        self._grow(tables, rows, [1] * len(rows))
+        pad = batch - len(rows)
+        step = torch.tensor([
+            list(rows) + [self.pad_row] * pad,  # table row of each batch row
+            [t.slot(p) for t, p in zip(tables, positions, strict=True)] + [SINK] * pad,  # write slot
+            [p + 1 for p in positions] + [1] * pad,  # context length, this step's token included
+            positions + [0] * pad,  # position of the new token
+        ], dtype=torch.int64)
+        views = {name: buffer[:batch] for name, buffer in self.step_inputs.items()}
+        for view, values in zip(views.values(), step, strict=True):
+            view.view(-1).copy_(values)
+        self._plans += 1
+        return DecodePlan(**views, block_table=self.block_table, block_size=self.block_size, width=width,
+                          planned_lens=tuple(p + 1 for p in positions), rows=rows, epoch=self._plans)
+
+    def require_current(self, plan: DecodePlan) -> None:
+        """Refuse a decode plan that a newer one has replaced: its buffers now hold the newer plan."""
+        if plan.epoch != self.plan_epoch:
+            raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self.plan_epoch} exists; "
+                               "its slots have been handed out again")
+
+    def view(self, plan: DecodePlan | PrefillPlan) -> CacheView:
+        """The cache as the forward of `plan` sees it. A decode plan must be the newest.
+
+        For the reference read the view derives the step's slot mapping [rows, width] and mask
+        [rows, T, width] here, once for every layer, on the device: a CUDA graph that captures the
+        view with the forward replays the derivation too. The streamed read (decode only) walks the
+        block table itself and needs neither."""
+        if isinstance(plan, DecodePlan):
+            self.require_current(plan)
+            if self.read == "streamed":
+                return CacheView(self, plan, _streamed)
+        mask = attention_mask_bias(plan.context_lens, plan.positions, plan.width, self.dtype)
+        return CacheView(self, plan, _reference, plan.slot_mapping, mask)
+
+
+def _streamed(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    plan, kv = view.plan, view.cache
+    return paged_attention(q, kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
+                           plan.block_size, plan.context_lens, positions)
+
+
+def _reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    kv = view.cache
+    return reference_read(q, kv.k_pools[layer], kv.v_pools[layer], view.slot_mapping, view.plan.context_lens,
+                          positions, validated=True, mask_bias=view.mask_bias)
+
+
+@dataclass(slots=True)
+class CacheView:
+    """What one forward's attention layers see of the cache: where to write this forward's K/V and
+    how to read. The model carries it and never names the cache's internals."""
+
+    cache: KVCache
+    plan: DecodePlan | PrefillPlan
+    reader: Callable[..., torch.Tensor]
+    slot_mapping: torch.Tensor | None = None  # [rows, width] int64, the reference read's, once per step
+    mask_bias: torch.Tensor | None = None  # [rows, T, width], the reference read's mask, once per step
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [rows, T, kv_heads, head_dim] into the plan's write slots, one index_put each."""
+        slots = self.plan.write_slots.reshape(-1)  # [rows * T]; padding names the sink
+        self.cache.k_pools[layer][slots] = k.reshape(-1, *k.shape[2:])
+        self.cache.v_pools[layer][slots] = v.reshape(-1, *v.shape[2:])
+
+    def read(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention of q [rows, T, heads, head_dim] over layer `layer` -> [rows, T, heads, head_dim]."""
+        return self.reader(self, layer, q, positions)

@@ -1,0 +1,72 @@
+"""`ModelRunner`: plans a scheduled batch, runs the forward it was built with, returns the logits.
+
+Engine core (before Day 49); planned decode Day 50, buckets Day 52, graphs Days 54 and 56, planned
+prefill with the re-layout. Which forward a decode step runs is fixed at construction: the model
+eagerly, a stand-in given as `forward` (a compiled model), and on top of either, CUDA graphs over
+the capture buckets. A decode batch outside the capture list runs the same planned step eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.graphs import DecodeGraphs, planned_step
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.plan import DecodePlan
+from nanolab.engine.sequence import Sequence
+from nanolab.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, *, forward: Callable | None = None,
+                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False, progress: bool = True) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.forward = model if forward is None else forward  # what a decode step calls
+        if cuda_graphs and buckets is None:
+            # Up to 64 rows and 8,192 tokens; the streamed read has no width, so its list is the
+            # batch axis alone (Day 60).
+            buckets = DecodeBuckets.default(min(kv_cache.max_rows, 64), min(kv_cache.max_width, 8192), min_width=128)
+            if kv_cache.read == "streamed":
+                buckets = buckets.without_width()
+        self.buckets = buckets
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
+            self.graphs.capture(progress=progress)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Every token each sequence holds, in one ragged forward -> logits [rows, vocab] fp32 at
+        each row's last token."""
+        counts = [s.num_tokens for s in seqs]
+        plan = self.kv_cache.plan_prefill([s.row for s in seqs], counts)
+        ids = torch.zeros((len(seqs), max(counts)), dtype=torch.int64)  # [rows, T], padding token 0
+        for i, s in enumerate(seqs):
+            ids[i, : counts[i]] = torch.tensor(s.token_ids)
+        view = self.kv_cache.view(plan)
+        return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
+
+    def plan_step(self, seqs: list[Sequence]) -> tuple[DecodePlan, torch.Tensor]:
+        """Plan a decode step, padded to its bucket when it has one, and its input ids [batch, 1]
+        on the host (padded rows decode token 0)."""
+        shape = None if self.buckets is None else self.buckets.lookup(len(seqs), max(s.num_tokens for s in seqs))
+        plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
+                                         width=shape and shape[1])
+        ids = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
+        ids[: len(seqs), 0] = torch.tensor([s.output_token_ids[-1] for s in seqs])
+        return plan, ids
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One new token's logits for every sequence -> [rows, vocab] fp32."""
+        plan, ids = self.plan_step(seqs)
+        if self.graphs is not None:
+            shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
+            if shape in self.graphs:
+                return self.graphs.replay(shape, ids[: len(seqs)], plan)
+        return planned_step(self.forward, self.kv_cache, ids.to(self.device), plan)[: len(seqs)]

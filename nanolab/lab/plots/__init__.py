@@ -1,0 +1,10 @@
+"""The chapters' figures (matplotlib only), one module per chapter, drawn from live engine state
+and measured tables."""
+
+from nanolab.lab.plots.capture import plot_capture_buckets
+from nanolab.lab.plots.engine import plot_block_tables, plot_decode_speed
+from nanolab.lab.plots.plan import plot_decode_plan
+from nanolab.lab.plots.streamed import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
+
+__all__ = ["plot_block_tables", "plot_capture_buckets", "plot_decode_plan", "plot_decode_speed", "plot_launch_sweep",
+           "plot_streamed_engine", "plot_streamed_read"]

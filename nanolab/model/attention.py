@@ -1,0 +1,37 @@
+"""`Attention`: grouped-query attention over the paged cache. Engine core (before Day 49).
+
+It never touches the pools itself: it hands this forward's K/V and queries to the `cache` view it
+is given (`engine.kv_cache.CacheView`), which writes them and reads through the read the engine
+was built with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanolab.model.config import ModelConfig
+from nanolab.model.layers import Linear, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        # q, k and v fused into one matmul: [(heads + 2 * kv_heads) * head_dim, hidden]
+        self.qkv_proj = Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim)
+        self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
+        rows, t, _ = x.shape
+        qkv = self.qkv_proj(x).view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
+        # Rotate q and k in one call: they are the first heads + kv_heads of the fused output.
+        qk = apply_rope(qkv[:, :, : self.heads + self.kv_heads], cos, sin)
+        q, k = qk.split((self.heads, self.kv_heads), dim=2)
+        v = qkv[:, :, self.heads + self.kv_heads :]
+        cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
+        out = cache.read(self.layer, q, positions)  # [rows, T, heads, head_dim]
+        return self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
