@@ -19,6 +19,8 @@ from nanolab.kernels.paged_attention import paged_attention
 from nanolab.kernels.reference import reference_read
 from nanolab.lab.streambench import mapping_read
 
+# Triton compiles for a GPU and runs its interpreter on CPU tensors elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIMS = [24, 40, 80]
 SHAPES = {"gqa4:2": (4, 2), "mha2:2": (2, 2)}
 PAGE = 4  # cache block size
@@ -76,7 +78,7 @@ def test_reference_read_against_float64_attention(head_dim, shape):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_streamed_kernels_against_the_reference_read(head_dim, shape, variant):
-    q, k_pool, v_pool, table, table_rows, lens = batch(head_dim, *shape, seed=head_dim)
+    q, k_pool, v_pool, table, table_rows, lens = (t.to(DEVICE) for t in batch(head_dim, *shape, seed=head_dim))
     positions = (lens - 1)[:, None]
     width = max(LENS)
     mapping = derive_slot_mapping(table, table_rows, lens, width, PAGE)
@@ -86,5 +88,6 @@ def test_streamed_kernels_against_the_reference_read(head_dim, shape, variant):
     by_mapping = mapping_read(q, k_pool, v_pool, mapping, lens, positions, block=16, variant=variant, splits=splits)
     by_table = paged_attention(q, k_pool, v_pool, table, table_rows, PAGE, lens, positions, block=16,
                                variant=variant, splits=splits)
+    assert by_table.device.type == DEVICE
     torch.testing.assert_close(by_mapping, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(by_table, want, atol=2e-5, rtol=2e-5)
