@@ -38,16 +38,17 @@ from nanolab import LLM, Engine, SamplingParams, load_model
 from nanolab.lab import (
     chapter_target,
     committed_tables,
+    decode_table,
     hf_greedy,
     load_hf,
     nanolab_greedy,
+    plot_block_tables,
+    plot_decode_speed,
     run_label,
     save_figure,
     save_table,
     show,
 )
-from nanolab.lab.decodebench import decode_table
-from nanolab.lab.plots import plot_block_tables, plot_decode_speed
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"

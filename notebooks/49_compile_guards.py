@@ -37,28 +37,29 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-import nanolab
-from nanolab.lab import chapter_target, committed_tables, run_label, save_figure, save_table, show
-from nanolab.lab.compilebench import (
+from nanolab import load_model
+from nanolab.lab import (
+    chapter_run,
     check_graph_reused,
+    committed_tables,
     compilebench_table,
     first_guard_failure,
     guards_table,
     results_table,
     run_compilebench,
+    save_figure,
+    save_table,
+    show,
 )
-from nanolab.model.weights import weights_kind
 
-DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
 BENCH = dict(rows=4, prompt_len=16, steps=9)
 ROUND = {"reuse": 3, "compile s": 2, "step ms": 2, "speedup": 5, "breakeven steps": 1}
 pd.set_option("display.width", 160)
 pd.set_option("display.max_columns", 20)
 
-path = nanolab.resolve_weights(MODEL)
-model = nanolab.load_model(path, dtype=DTYPE, device=DEVICE)
-label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
+model = load_model(path, dtype=DTYPE, device=DEVICE)
 print(label.caption())
 print(f"{model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}; {BENCH}")
 print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")

@@ -43,19 +43,30 @@ import torch
 
 from nanolab import Engine, SamplingParams, load_model, resolve_weights
 from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
-from nanolab.lab import chapter_target, committed_tables, load_table, run_label, save_figure, save_table, show
-from nanolab.lab.compilebench import check_graph_reused, compilebench_table, first_guard_failure, run_compilebench
-from nanolab.lab.costs import appended_cells, check_rebuild_bounded, mapping_bytes, rebuild_cells, rebuild_ratio
-from nanolab.lab.plots import plot_decode_plan
-from nanolab.model.weights import weights_kind
+from nanolab.lab import (
+    appended_cells,
+    chapter_run,
+    check_graph_reused,
+    check_rebuild_bounded,
+    committed_tables,
+    compilebench_table,
+    first_guard_failure,
+    load_table,
+    mapping_bytes,
+    plot_decode_plan,
+    rebuild_cells,
+    rebuild_ratio,
+    run_compilebench,
+    save_figure,
+    save_table,
+    show,
+)
 
-DEVICE, MODEL, DTYPE = chapter_target(cpu_model="tiny")
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
 ROWS, PROMPT_LEN, STEPS = 4, 16, 11
 
-path = resolve_weights(MODEL)
 model = load_model(path, dtype=DTYPE, device=DEVICE)
-label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
 print(label.caption())
 
 # %% [markdown]

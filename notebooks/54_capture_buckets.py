@@ -38,39 +38,37 @@
 import pandas as pd
 import torch
 
-from nanolab import LLM, Engine, SamplingParams, load_model, resolve_weights
+from nanolab import LLM, Engine, SamplingParams, load_model
 from nanolab.engine.block_manager import BlockManager
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import KVCache
 from nanolab.engine.plan import check_plan_addressing
 from nanolab.lab import (
-    chapter_target,
+    appended_cells,
+    bench_buckets,
+    bucket_table,
+    chapter_run,
+    check_rebuild_bounded,
     engine_greedy,
+    figure_path,
     load_table,
+    padding_waste,
+    plot_capture_buckets,
     random_prompts,
-    run_label,
+    rebuild_cells,
+    run_capturebench,
     save_figure,
     save_table,
     show,
+    step_breakdown,
     table_label,
-)
-from nanolab.lab.capturebench import bench_buckets, run_capturebench, step_breakdown, table_stems, targets
-from nanolab.lab.costs import (
-    appended_cells,
-    bucket_table,
-    check_rebuild_bounded,
-    padding_waste,
-    rebuild_cells,
+    table_stems,
+    targets,
     workspace_bytes,
 )
-from nanolab.lab.plots import plot_capture_buckets
-from nanolab.lab.report import figure_path
-from nanolab.model.weights import weights_kind
 
-DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-path = resolve_weights(MODEL)
-label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
 print(label.caption())
 
 # %% [markdown]
@@ -280,8 +278,9 @@ assert (agreement["rows equal, graphs vs same shapes eager"] == agreement["rows"
 # %%
 cols = ["arm", "batch", "context", "ms_per_step", "tokens_per_s", "floor_ms", "x_floor", "speedup_vs_hf_static"]
 show(steps[cols].pivot_table(index=["context", "batch"], columns="arm", values="ms_per_step").round(3))
-# gpt-fast's batch-1 step at the same shapes, measured beside nanolab on the same H200 on
-# 2026-11-29 (torch.compile with CUDA graphs, whole-generate timing); quoted here, not re-measured.
+# gpt-fast's batch-1 step on an H200 at these shapes (torch.compile with CUDA graphs; whole generate
+# calls, 257 new tokens minus 1, over 256), from a side-by-side run of 2026-11-29 made outside this
+# repo's benches: quoted, not measured here.
 GPT_FAST_BATCH1_MS = 1.272
 print("\n".join(targets(steps, GPT_FAST_BATCH1_MS)))
 

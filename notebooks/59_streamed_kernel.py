@@ -35,41 +35,43 @@
 import pandas as pd
 import torch
 
-from nanolab import Engine, load_model, resolve_weights
+from nanolab import Engine, load_model
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.kernels.paged_attention import choose_variant, paged_attention, tile_lanes
 from nanolab.kernels.reference import reference_read
 from nanolab.lab import (
-    chapter_target,
+    SEED_STREAMBENCH,
+    chapter_run,
     engine_greedy,
+    figure_path,
+    kernel_agreement,
+    launch_rule,
     load_table,
+    mapping_read,
+    plot_launch_sweep,
+    plot_streamed_engine,
+    plot_streamed_read,
     random_prompts,
+    read_batch,
+    render_streambench,
+    run_capturebench,
     run_label,
+    run_streambench,
     save_figure,
     save_table,
     show,
-    table_label,
-    time_engine,
-)
-from nanolab.lab.capturebench import run_capturebench, table_stems
-from nanolab.lab.costs import (
-    SEED_STREAMBENCH,
-    render_streambench,
     spread_lengths,
     streambench_table,
     streamed_work,
     streamed_workspace_bytes,
+    table_label,
+    table_stems,
+    time_engine,
     workspace_bytes,
 )
-from nanolab.lab.plots import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
-from nanolab.lab.report import figure_path
-from nanolab.lab.streambench import kernel_agreement, launch_rule, mapping_read, read_batch, run_streambench
-from nanolab.model.weights import weights_kind
 
-DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-path = resolve_weights(MODEL)
-label = run_label(DEVICE, MODEL, DTYPE, weights=weights_kind(path))
 print(label.caption())
 
 # %% [markdown]

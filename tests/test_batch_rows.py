@@ -34,15 +34,19 @@ def greedy(n: int) -> SamplingParams:
 
 class Recorder:
     """on_step for the engine loop: keeps every step's logits and counts the decode steps in which
-    some batch row's table row differs from its batch index."""
+    some batch row's table row differs from its batch index. A decode step is one that built a
+    DecodePlan (the cache's plan epoch moved); a prefill builds none."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.logits, self._keep = logit_recorder()
         self.moved_steps = 0
+        self._cache = engine.kv_cache
+        self._epoch = self._cache.plan_epoch
 
     def __call__(self, outputs) -> None:
         self._keep(outputs)
-        if any(o.seq.row is not None and o.seq.row != i for i, o in enumerate(outputs)):
+        decode, self._epoch = self._cache.plan_epoch != self._epoch, self._cache.plan_epoch
+        if decode and any(o.seq.row is not None and o.seq.row != i for i, o in enumerate(outputs)):
             self.moved_steps += 1
 
 
@@ -53,7 +57,7 @@ def step(engine: Engine, rec: Recorder) -> None:
 @pytest.mark.parametrize("read", READS)
 def test_aborts_leave_holes_that_joins_fill(sharp_model, read):
     engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
-    rec = Recorder()
+    rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(14)) for p in prompts(6, seed=1)]
     for _ in range(3):
         step(engine, rec)
@@ -76,7 +80,7 @@ def test_aborts_leave_holes_that_joins_fill(sharp_model, read):
 def test_joins_mid_run(sharp_model, read):
     """Requests join while others decode, some after a finished request freed its row."""
     engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
-    rec = Recorder()
+    rec = Recorder(engine)
     first = [engine.add_request(p, greedy(n)) for p, n in zip(prompts(4, seed=3), (3, 12, 5, 12))]
     joined = []
     batches = iter(prompts(6, seed=4)[i:i + 2] for i in (0, 2, 4))
@@ -93,7 +97,7 @@ def test_joins_mid_run(sharp_model, read):
 @pytest.mark.parametrize("read", READS)
 def test_preemption_readmits_into_other_rows(sharp_model, read):
     engine = Engine(sharp_model.model, num_blocks=14, block_size=4, read=read)
-    rec = Recorder()
+    rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(16)) for p in prompts(5, seed=5, lo=6, hi=14)]
     run_until_done(engine, on_step=rec)
     assert engine.scheduler.num_preemptions > 0
@@ -106,7 +110,7 @@ def test_preemption_readmits_into_other_rows(sharp_model, read):
 def test_reversed_batch_order(sharp_model, read):
     """The scheduler's running list reversed after the prefill: batch row i owns table row n-1-i."""
     engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
-    rec = Recorder()
+    rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(10)) for p in prompts(5, seed=6)]
     step(engine, rec)
     engine.scheduler.running.reverse()

@@ -127,8 +127,9 @@ def test_prefill_plan_grows_tables_and_every_layer_writes_its_slots() -> None:
             slots = [cache.blocks.table(row).slot(p) for p in range(n)]
             torch.testing.assert_close(cache.k_pools[layer][slots], k[i, :n], rtol=0, atol=0)
             torch.testing.assert_close(cache.v_pools[layer][slots], v[i, :n], rtol=0, atol=0)
-        # The short row's padding went to the sink, the pool's last slot, and nowhere else.
-        torch.testing.assert_close(cache.k_pools[layer][-1], k[0, 5], rtol=0, atol=0)
+        # The short row's padding went to the sink, the pool's last slot, and nowhere else (which of
+        # its three padded tokens lands last is up to index_put).
+        assert any(torch.equal(cache.k_pools[layer][-1], k[0, t]) for t in range(3, 6))
 
 
 def test_decode_plan_appends_one_token_per_row() -> None:
@@ -392,11 +393,11 @@ def test_context_bounds_are_trusted_over_context_lens() -> None:
 
 
 def test_reference_propagates_nan_from_the_padding_slot() -> None:
-    """KNOWN LIMITATION of the reference, documented rather than fixed: padding cells of
-    `slot_mapping` name slot 0, which is really loaded and only masked afterwards, so a NaN in
-    slot 0 poisons every row whose mapping is padded (0 * NaN and -inf + NaN are NaN). The
-    cache zeroes its pools for this reason. The later Triton kernel never loads padding cells
-    and fixes it; when the reference is fixed too, this test should flip to assert finiteness."""
+    """KNOWN LIMITATION of the reference, documented rather than fixed: every padding cell of a
+    mapping is really loaded and only masked afterwards, so a NaN in the slot the padding names
+    poisons every padded row (0 * NaN and -inf + NaN are NaN). Here the hand-built mapping pads
+    with slot 0; the engine's plans pad with the sink (-1), and the cache zeroes its pools so the
+    sink starts finite. The Triton read never loads padding cells (tests/test_paged_attention.py)."""
     q, k_pool, v_pool, mapping, lens, positions = reference_inputs(torch.Generator().manual_seed(17))
     assert 0 not in mapping[1].tolist() and mapping[0, 3:].tolist() == [0, 0, 0]
     clean = reference_read(q, k_pool, v_pool, mapping, lens, positions)

@@ -61,6 +61,7 @@ class KVCache:
                              "machine with CUDA the interpreter is off unless TRITON_INTERPRET=1 is set before "
                              "nanolab is imported")
         self.read = read
+        self._decode_reader = _streamed if read == "streamed" else _reference  # prefill always reads the rectangle
         # Zeroed, not empty: the reference read loads padding slots and masks them afterwards, and
         # 0 * NaN from uninitialised memory would still poison the row.
         shape = (blocks.num_blocks * self.block_size + 1, num_kv_heads, head_dim)
@@ -197,10 +198,12 @@ class KVCache:
         [rows, T, width] here, once for every layer, on the device: a CUDA graph that captures the
         view with the forward replays the derivation too. The streamed read (decode only) walks the
         block table itself and needs neither."""
+        reader = _reference
         if isinstance(plan, DecodePlan):
             self.require_current(plan)
-            if self.read == "streamed":
-                return CacheView(self, plan, _streamed)
+            reader = self._decode_reader
+        if reader is _streamed:
+            return CacheView(self, plan, _streamed)
         mask = attention_mask_bias(plan.context_lens, plan.positions, plan.width, self.dtype)
         return CacheView(self, plan, _reference, plan.slot_mapping, mask)
 

@@ -26,10 +26,15 @@ def derive_slot_mapping(block_table: torch.Tensor, table_rows: torch.Tensor, con
     return torch.where((p < context_lens[:, None]) & (blocks >= 0), slots, -1)
 
 
+def mapping_bytes(rows: int, width: int, itemsize: int = 8) -> int:
+    """Bytes of a [rows, width] slot mapping (int64 by default)."""
+    return rows * width * itemsize
+
+
 @dataclass(frozen=True)
 class PrefillPlan:
-    """A ragged prefill: rows of T tokens, of which row i's first lengths[i] are real. Its tensors
-    are its own (a prefill is never captured); padded tokens write to the sink."""
+    """A ragged prefill of T = the longest row's new tokens; row i's first logits_index[i] + 1 are
+    real. Its tensors are its own (a prefill is never captured); padded tokens write to the sink."""
 
     table_rows: torch.Tensor  # [rows] int64: each batch row's block-table row
     write_slots: torch.Tensor  # [rows, T] int64: pool slot of each new token; -1 (the sink) for padding
@@ -107,7 +112,7 @@ class DecodePlan:
     @property
     def mapping_bytes(self) -> int:
         """Bytes of the int64 read rectangle the forward derives."""
-        return self.cells * 8
+        return mapping_bytes(self.batch_size, self.width)
 
     def render(self, max_width: int = 24) -> str:
         """The plan as text: one line per row, its write slot, and its mapping ('.' for padding)."""

@@ -1,6 +1,7 @@
 """The book's instruments: benches, the HF reference, cost arithmetic, run labels and table and
 figure I/O, plots, and the designs the engine replaced. It imports the engine; the engine never
-imports it. A chapter's first cell imports from here and from the one bench it runs.
+imports it. A chapter imports what it runs from here, as d2l's chapters import `d2l`; each name
+is loaded from its module on first use, so importing one instrument does not load every bench.
 
 - `timing`: the one decode timing loop (`prefill`, `timed_steps`) and the clocks around it
 - `reference`: HF transformers, and nanolab's greedy decode beside it
@@ -11,20 +12,38 @@ imports it. A chapter's first cell imports from here and from the one bench it r
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
 """
 
-from nanolab.gates import Gate
-from nanolab.lab.reference import engine_greedy, hf_greedy, load_hf, nanolab_greedy
-from nanolab.lab.report import (
-    chapter_target,
-    committed_tables,
-    load_table,
-    run_label,
-    save_figure,
-    save_table,
-    show,
-    table_label,
-)
-from nanolab.lab.timing import drain, prefill, random_prompts, time_engine
+import importlib
 
-__all__ = ["Gate", "chapter_target", "committed_tables", "drain", "engine_greedy", "hf_greedy", "load_hf",
-           "load_table", "nanolab_greedy", "prefill", "random_prompts", "run_label", "save_figure", "save_table",
-           "show", "table_label", "time_engine"]
+_EXPORTS = {
+    "nanolab.gates": ["Gate"],
+    "nanolab.lab.capturebench": ["bench_buckets", "run_capturebench", "step_breakdown", "table_stems", "targets"],
+    "nanolab.lab.compilebench": ["check_graph_reused", "compilebench_table", "first_guard_failure", "guards_table",
+                                 "results_table", "run_compilebench"],
+    "nanolab.lab.costs": ["SEED_STREAMBENCH", "appended_cells", "bucket_table", "check_rebuild_bounded",
+                          "mapping_bytes", "padding_waste", "rebuild_cells", "rebuild_ratio", "render_streambench",
+                          "spread_lengths", "streambench_table", "streamed_work", "streamed_workspace_bytes",
+                          "workspace_bytes"],
+    "nanolab.lab.decodebench": ["decode_table"],
+    "nanolab.lab.history": ["unplanned_runner"],
+    "nanolab.lab.plots": ["plot_block_tables", "plot_capture_buckets", "plot_decode_plan", "plot_decode_speed",
+                          "plot_launch_sweep", "plot_streamed_engine", "plot_streamed_read"],
+    "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
+    "nanolab.lab.report": ["chapter_run", "chapter_target", "committed_tables", "figure_path", "load_table",
+                           "run_label", "save_figure", "save_table", "show", "table_label"],
+    "nanolab.lab.streambench": ["kernel_agreement", "launch_rule", "mapping_read", "read_batch", "run_streambench"],
+    "nanolab.lab.timing": ["drain", "prefill", "random_prompts", "time_engine", "timed_steps"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'nanolab.lab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

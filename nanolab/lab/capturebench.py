@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from nanolab import Engine, load_model
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.graphs import DecodeGraphs
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.reference import engine_greedy, load_hf
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_hf
@@ -111,11 +112,15 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
     buckets = bench_buckets(batches, contexts)
     kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, progress=progress)
 
-    # Day 54: the capture list with a pool per graph, then with one shared pool (kept).
+    # Day 54: the capture list with a pool per graph (over the padded engine's cache, then let go),
+    # then with one shared pool: the graphed engine's own, captured when it is built.
+    padded = Engine(model, buckets=buckets, read="reference", **kw)  # the graphs' shapes, eagerly
+    per_graph = DecodeGraphs(model, padded.kv_cache, buckets)
+    reports = [("eager", per_graph.capture(shared_pool=False, progress=progress))]
+    per_graph.release()
+    del per_graph
     graphed = Engine(model, buckets=buckets, read="reference", cuda_graphs=True, **kw)  # Day 54's read
-    graphs = graphed.runner.graphs
-    reports = [("eager", graphs.capture(shared_pool=False, progress=progress)),
-               ("eager", graphs.capture(shared_pool=True, progress=progress))]
+    reports.append(("eager", graphed.capture_report))
     arms = {"nanolab graphs": graphed}
     if compile:
         arms["nanolab graphs + compile"] = compiled_graphs(model, buckets, **kw)
@@ -129,7 +134,6 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
                             for forward, r in reports])
     eager = Engine(model, read="reference", **kw)
     arms["nanolab eager"] = eager
-    padded = Engine(model, buckets=buckets, read="reference", **kw)  # the graphs' shapes, eagerly
 
     bandwidth = copy_bandwidth(device)
     weights = weight_bytes(model)

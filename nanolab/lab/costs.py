@@ -20,6 +20,7 @@ import pandas as pd
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import kv_bytes_per_block
+from nanolab.engine.plan import mapping_bytes  # noqa: F401  (Day 50's arithmetic, re-exported)
 from nanolab.gates import Gate
 from nanolab.model.config import ModelConfig
 
@@ -28,10 +29,6 @@ from nanolab.model.config import ModelConfig
 
 def mapping_cells(rows: int, width: int) -> int:
     return rows * width
-
-
-def mapping_bytes(rows: int, width: int, itemsize: int = 8) -> int:
-    return mapping_cells(rows, width) * itemsize
 
 
 def rebuild_cells(rows: int, prompt_len: int, steps: int) -> int:
@@ -47,7 +44,6 @@ def appended_cells(rows: int, steps: int) -> int:
 
 def rebuild_ratio(rows: int, prompt_len: int, steps: int) -> float:
     return rebuild_cells(rows, prompt_len, steps) / appended_cells(rows, steps)
-
 
 
 def check_rebuild_bounded(rows: int, prompt_len: int, steps: int, limit: float = 32.0,

@@ -71,7 +71,9 @@ class UnplannedView:
             tables = [self.cache.table(row) for row in self.rows]
             starts = [t.num_tokens for t in tables]
             self.cache.grow(self.rows, [1] * len(self.rows))
-            self.cache.take_new_entries()  # this decode keeps no device block table: nothing to copy
+            # This decode never reads the device block table (it predates it), so the entries are
+            # dropped rather than copied: the table is stale for rows this runner grew.
+            self.cache.take_new_entries()
             slots = [t.slot(p) for t, start in zip(tables, starts, strict=True) for p in range(start, t.num_tokens)]
             mapping, lens = host_slot_mapping(self.cache, self.rows)
             dev = self.kv.device

@@ -16,9 +16,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
+
+from nanolab.model.weights import resolve_weights, weights_kind
 
 # Resolved from this file, never from the cwd: notebook cells run with notebooks/ (or a build folder) as cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +137,22 @@ def chapter_target(cpu_model: str) -> tuple[torch.device, str, torch.dtype]:
     if torch.cuda.is_available():
         return torch.device("cuda"), os.environ.get("NANOLAB_MODEL", "llama-3.2-1b"), torch.bfloat16
     return torch.device("cpu"), os.environ.get("NANOLAB_MODEL", cpu_model), torch.float32
+
+
+class ChapterRun(NamedTuple):
+    device: torch.device
+    model: str  # the preset or folder the chapter runs
+    dtype: torch.dtype
+    path: Path  # its weights folder
+    label: RunLabel
+
+
+def chapter_run(cpu_model: str) -> ChapterRun:
+    """A chapter's setup: `chapter_target`'s device, model and dtype, the model's weights folder
+    (prepared once), and the run label every table and figure of the chapter carries."""
+    device, model, dtype = chapter_target(cpu_model)
+    path = resolve_weights(model)
+    return ChapterRun(device, model, dtype, path, run_label(device, model, dtype, weights=weights_kind(path)))
 
 
 def table_path(stem: str, slug: str) -> Path:

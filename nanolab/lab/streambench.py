@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.plan import derive_slot_mapping
 from nanolab.kernels.paged_attention import BLOCK, choose_launch, paged_attention
-from nanolab.kernels.reference import reference_read
+from nanolab.kernels.reference import check_read_inputs, reference_read
 from nanolab.lab.costs import spread_lengths
 from nanolab.lab.timing import time_us
 
@@ -102,7 +102,10 @@ def read_batch(lengths: list[int], *, heads: int = HEADS, kv_heads: int = KV_HEA
 
 def mapping_read(q, k_pool, v_pool, slot_mapping, context_lens, positions=None, **launch) -> torch.Tensor:
     """`paged_attention` addressed by a slot mapping [rows, width]: the block table of block size 1,
-    row r reading table row r. `launch` goes to `paged_attention` (variant, block, splits, ...)."""
+    row r reading table row r. It refuses what `reference_read` refuses (`check_read_inputs`: every
+    row non-empty, the mapping as wide as the longest row), since no plan has checked the lengths.
+    `launch` goes to `paged_attention` (variant, block, splits, ...)."""
+    check_read_inputs(slot_mapping, context_lens, q, None, validated=False)
     rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
     return paged_attention(q, k_pool, v_pool, slot_mapping, rows, 1, context_lens, positions, **launch)
 
@@ -140,9 +143,9 @@ def read_fn(arm: str, batch: ReadBatch, page: int = PAGE):
     if arm == "reference":
         return lambda: reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
                                       validated=True)
-    if arm in ("head", "gqa", "split"):
-        return lambda: mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                    variant=arm)
+    if arm in ("head", "gqa", "split"):  # the mapping as a block table of block size 1; row r reads row r
+        return lambda: paged_attention(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.table_rows, 1, b.context_lens,
+                                       b.positions, variant=arm)
     if arm == "table":
         return lambda: paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, page, b.context_lens,
                                        b.positions)

