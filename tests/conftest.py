@@ -215,3 +215,17 @@ def logit_recorder():
             logits.setdefault(out.seq.request_id, []).append(out.logits.detach().clone())
 
     return logits, on_step
+
+
+def pytest_collection_modifyitems(config, items):
+    """In Triton's interpreter (a CPU machine) the streamed read is a Python loop per program, so its
+    engine-level logits tests run on the GQA sharp model only: the kernels' MHA grid is checked in
+    test_kernel_head_dims, and where Triton compiles (CUDA) both models run."""
+    from nanolab.kernels import INTERPRETED
+
+    if not INTERPRETED:
+        return
+    skip = pytest.mark.skip(reason="streamed read in Triton's interpreter: the GQA sharp model covers it on a CPU")
+    for item in items:
+        if "mha64" in item.name and "streamed" in item.name and "cuda" not in item.name:
+            item.add_marker(skip)

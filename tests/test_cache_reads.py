@@ -87,9 +87,11 @@ def test_reference_read_logits_match_a_one_shot_forward(sharp_model, buckets):
 
 
 @interpreted
+@pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("buckets", [None, DecodeBuckets((1, 2, 4, 8), None)], ids=["eager", "buckets"])
-def test_streamed_read_logits_match_a_one_shot_forward(sharp_model, buckets):
-    engine = Engine(sharp_model.model, num_blocks=64, block_size=4, buckets=buckets, read="streamed")
+def test_streamed_read_logits_match_a_one_shot_forward(sharp_model, buckets, block_size):
+    engine = Engine(sharp_model.model, num_blocks=256 // block_size, block_size=block_size, buckets=buckets,
+                    read="streamed")
     seqs, logits = run_recorded(engine, prompts(320), greedy(12))
     assert_logits_match_reference(sharp_model, seqs, logits)
 
