@@ -1,14 +1,19 @@
 """`Engine`: schedule, run, sample, retire. Engine core (before Day 49).
 
 `Engine.step` runs one forward over the batch the scheduler chose: a prefill of newly admitted
-requests or one decode token for every running one. Requests join (`add_request`) and leave
-(`abort_request`, or finishing) between steps; every way a request ends returns its row and blocks.
+requests or one decode token for every running one. Requests join (`add_requests`, all or
+nothing) and leave (`abort_request`, finishing, or failing) between steps; every way a request
+ends returns its row and blocks. A failure is contained to the requests it touches: a row whose
+sampling raises ends alone with an error, a forward that raises ends the requests of that step,
+and the engine goes on with the rest.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -27,28 +32,60 @@ from nanolab.sampling import SamplingParams, sample
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """One request's progress in one step: the token it gained, the logits it was sampled from,
-    and whether it is done."""
+    and whether it is done. A request that failed this step has no token (`error` says why)."""
 
     seq: Sequence
-    token_id: int
-    logits: torch.Tensor  # [vocab] fp32; a view the next step may overwrite (a graph's output)
+    token_id: int | None
+    logits: torch.Tensor | None  # [vocab] fp32; a view the next step may overwrite (a graph's output)
 
     @property
     def finished(self) -> bool:
         return self.seq.finished
+
+    @property
+    def error(self) -> str | None:
+        return self.seq.error
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step ran: its phase, the live rows, the rows the forward ran at (a decode bucket
+    pads up to its batch size), whether a CUDA graph replayed, the tokens it fed, and its wall time
+    from scheduling to sampled tokens on the host."""
+
+    phase: str  # "prefill" or "decode"
+    rows: int
+    batch: int
+    graph: bool
+    tokens: int
+    seconds: float
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
 
 
 class Engine:
     """The engine over `model`: a KV pool of `num_blocks` blocks, at most `max_num_seqs` running
     requests. `read` picks the decode read ("auto": streamed on CUDA); `forward` replaces the model
     in decode steps (a compiled model); `cuda_graphs` captures the decode buckets at start; `runner`
-    builds the `ModelRunner` (the lab passes the designs the engine replaced)."""
+    builds the `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
+    step's logits into tokens (`nanolab.sampling.sample`'s signature; tests inject failures here)."""
 
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
                  detokenize: Callable[[list[int]], str] | None = None, read: str = "auto",
                  forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
-                 progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner) -> None:
+                 progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
+                 sampler: Callable = sample) -> None:
+        _positive_int("num_blocks", num_blocks)
+        _positive_int("block_size", block_size)
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if max_model_len is not None:
+            # One prompt token and one new token at least.
+            _positive_int("max_model_len", max_model_len, minimum=2)
         self.model = model
         self.config = model.config
         param = next(model.parameters())
@@ -63,9 +100,11 @@ class Engine:
         self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets, cuda_graphs=cuda_graphs,
                              progress=progress)
         self.detokenize = detokenize
+        self.sampler = sampler
         self.eos_token_ids = frozenset(self.config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
+        self.last_step: StepRecord | None = None
 
     @property
     def capture_report(self) -> CaptureReport | None:
@@ -76,16 +115,35 @@ class Engine:
     # Requests in and out.
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. Bad input raises ValueError and changes nothing."""
+        """Queue a request. Bad input raises ValueError (TypeError for a wrong type) and changes nothing."""
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(next(self._ids), prompt, params, generator)
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        return self._queue([prompt], [params])[0]
+
+    def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams]) -> list[Sequence]:
+        """Queue several requests, all or nothing: each is validated before any is queued, and an
+        error names the request ("request 2: ...")."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts = [list(p) for p in prompts]
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self.validate_request(prompt, p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"request {i}: {e}") from None
+        return self._queue(prompts, list(params))
+
+    def _queue(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        # Validated input: nothing here raises (SamplingParams checked the seed's range), so a batch
+        # is queued whole.
+        seqs = []
+        for prompt, p in zip(prompts, params):
+            generator = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
+            seqs.append(Sequence(next(self._ids), prompt, p, generator))
+        for seq in seqs:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return seqs
 
     def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
@@ -94,7 +152,8 @@ class Engine:
         if not prompt:
             raise ValueError("the prompt is empty: there is nothing to continue")
         vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        # bool is an int subclass; True is not a token id.
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
@@ -120,13 +179,25 @@ class Engine:
     # One step.
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         seqs, prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        logits = self.runner.prefill(seqs) if prefill else self.runner.decode(seqs)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        try:
+            logits = self.runner.prefill(seqs) if prefill else self.runner.decode(seqs)
+        except Exception as e:  # contained: the step's requests end, the engine goes on
+            # A forward's failure cannot be pinned on one row: every request of the step ends with it.
+            return [self._fail(seq, f"the forward failed: {type(e).__name__}: {e}") for seq in seqs]
+        tokens = self._sample(logits, seqs)
+        batch, graph = (len(seqs), False) if prefill else self.runner.last_decode
+        self.last_step = StepRecord("prefill" if prefill else "decode", len(seqs), batch, graph,
+                                    sum(s.num_tokens for s in seqs) if prefill else len(seqs),
+                                    time.perf_counter() - start)
         outputs = []
         for seq, token, row in zip(seqs, tokens, logits, strict=True):
+            if isinstance(token, Exception):
+                outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
+                continue
             seq.output_token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
@@ -134,6 +205,28 @@ class Engine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(StepOutput(seq, token, row))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """One token per row, or the exception that row's sampling raised. The whole batch is
+        sampled at once; only when that raises is each row sampled alone, to find the culprits."""
+        try:
+            return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # retried row by row below
+            pass
+        tokens: list[int | Exception] = []
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.append(self.sampler(logits[i: i + 1], [seq.params], [seq.generator])[0])
+            except Exception as e:  # this row alone ends with it
+                tokens.append(e)
+        return tokens
+
+    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        """End `seq` with an error; its row and blocks go back to the pool."""
+        self.scheduler.finish(seq, "error")
+        seq.error = message
+        self.requests.pop(seq.request_id, None)
+        return StepOutput(seq, None, None)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -35,6 +35,8 @@ class ModelRunner:
                 buckets = buckets.without_width()
         self.buckets = buckets
         self.graphs: DecodeGraphs | None = None
+        # The last decode step's shape as it ran: (rows the forward ran at, whether a graph replayed).
+        self.last_decode: tuple[int, bool] = (0, False)
         if cuda_graphs:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
@@ -68,5 +70,7 @@ class ModelRunner:
         if self.graphs is not None:
             shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:
+                self.last_decode = (plan.batch_size, True)
                 return self.graphs.replay(shape, ids[: len(seqs)], plan)
+        self.last_decode = (plan.batch_size, False)
         return planned_step(self.forward, self.kv_cache, ids.to(self.device), plan)[: len(seqs)]

@@ -27,7 +27,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     row: int | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: str | None = None  # why the request failed, when finish_reason is "error"
     stop_text_index: int | None = None  # where a matched stop string starts in the output text
     num_preemptions: int = 0
 

@@ -115,6 +115,7 @@ class UnplannedRunner(ModelRunner):
         ids = torch.tensor([[s.output_token_ids[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[blocks.table(row).num_tokens] for row in rows], device=self.device)
         view = UnplannedView(blocks, self.kv_cache, rows, self.bounds)
+        self.last_decode = (len(seqs), False)
         return self.forward(ids, positions, cache=view)[:, -1]
 
 

@@ -1,0 +1,62 @@
+"""`TextDeltas`: one request's output as text deltas while it streams, the stop strings respected.
+
+Added with the server. A streamed token is turned into the text it completes. Two things delay that text.
+- A token that ends inside a multi-byte character decodes to U+FFFD. Its text waits for the
+  token that completes the character.
+- Text that could still become the start of a stop string is held back until it cannot. A matched
+  stop string is never sent.
+
+Decoding works on a window of the last few tokens, as vLLM does (a prefix offset and a read
+offset). A step therefore costs the same at any output length; decoding the whole output every
+step would cost O(n^2) over a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nanolab.model.tokenizer import Tokenizer
+
+
+class TextDeltas:
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # A suffix of this many characters may be the start of a stop string.
+        self.holdback = max((len(s) - 1 for s in stop_strings), default=0)
+        self.ids: list[int] = []
+        self.text = ""  # every character decoded so far, held back or not
+        self.emitted = 0  # characters of `text` already returned
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of `text` that the window re-decodes
+        self._read = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that may be sent now (possibly "")."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix: self._read])
+        after = self._decode(self.ids[self._prefix:])
+        # A trailing U+FFFD is an incomplete character: wait for the token that completes it.
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        end = len(self.text) - self.holdback
+        return self._emit(end)
+
+    def finish(self, stop_text_index: int | None = None) -> str:
+        """The request ended: return the rest of its text, cut where a stop string matched.
+        `stop_text_index` indexes the decode of the whole output, as the engine computed it."""
+        full = self._decode(self.ids)
+        if full.startswith(self.text):
+            self.text = full
+        return self._emit(len(self.text) if stop_text_index is None else stop_text_index)
+
+    def _emit(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted: end]
+        self.emitted = end
+        return delta

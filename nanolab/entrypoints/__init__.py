@@ -1,0 +1,1 @@
+"""Ways into the engine from outside Python: the OpenAI-compatible HTTP server."""

@@ -1,0 +1,322 @@
+"""`python -m nanolab serve`: an OpenAI-compatible HTTP server on aiohttp. Added with the server.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as Server-Sent Events or
+whole), `GET /v1/models`, `GET /health`. The engine runs online under `AsyncLLM`. A handler checks
+its request, posts it, and turns the request's token stream into text chunks. When the client
+goes away, aiohttp cancels the handler (`handler_cancellation`), and the handler's cleanup aborts
+the request.
+
+Who gets in: the server binds 127.0.0.1 unless told otherwise. With an API key, every route but
+`/health` needs `Authorization: Bearer <key>`. When more than `max_waiting` requests are queued,
+new ones get a 503 with `Retry-After`. SIGINT or SIGTERM stops new requests, gives the ones in
+flight `shutdown_timeout` seconds to finish, aborts the rest, and exits once every block is free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from nanolab.engine.async_llm import AsyncLLM, RequestStream
+from nanolab.engine.detokenizer import TextDeltas
+from nanolab.entrypoints.openai import protocol
+from nanolab.entrypoints.openai.protocol import APIError, CompletionRequest, error_body
+
+log = logging.getLogger("nanolab.server")
+
+API_KEY_ENV = "NANOLAB_API_KEY"
+ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
+STATE = web.AppKey("state", dict)
+
+
+def _json_error(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                headers: dict | None = None) -> web.Response:
+    return web.json_response(error_body(message, type, param, code), status=status, headers=headers)
+
+
+_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 503: "service_unavailable"}
+
+
+@web.middleware
+async def _errors_and_log(request: web.Request, handler):
+    """Every error leaves as OpenAI's error object. One log line per request."""
+    start = time.perf_counter()
+    try:
+        response = await handler(request)
+    except APIError as e:
+        response = web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = e.text if e.status != 404 else f"no route {request.method} {request.path}"
+        response = _json_error(e.status, message, _HTTP_TYPES.get(e.status, "invalid_request_error"))
+    except (asyncio.CancelledError, ConnectionResetError):
+        log.info("%s %s client disconnected %s", request.method, request.path, request.get("summary", ""))
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        response = _json_error(500, "internal server error", "internal_error")
+    if request.path != "/health":
+        log.info("%s %s %d %s%.0f ms", request.method, request.path, response.status,
+                 request.get("summary", "") + " " if request.get("summary") else "",
+                 (time.perf_counter() - start) * 1e3)
+    return response
+
+
+def _auth(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                               type="authentication_error", code="invalid_api_key")
+        return await handler(request)
+    return check
+
+
+class OpenAIServing:
+    """The routes, over one `LLM` whose engine runs under `AsyncLLM`."""
+
+    def __init__(self, llm, async_llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.async_llm = async_llm
+        self.model_name = model_name
+        self.draining = False
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.async_llm.dead is not None:
+            return _json_error(503, f"the engine is not running: {self.async_llm.dead}", "service_unavailable")
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "nanolab",
+             "max_model_len": self.llm.engine.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _body(self, request: web.Request):
+        raw = await request.read()  # raises 413 past client_max_size
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
+        if req.chat:
+            try:
+                return [self.tokenizer.encode_chat(req.messages)]
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param="messages") from None
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+
+    def _admit(self, req: CompletionRequest) -> list[RequestStream]:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable")
+        if self.async_llm.dead is not None:
+            raise APIError(503, f"the engine is not running: {self.async_llm.dead}", type="service_unavailable")
+        if self.async_llm.num_waiting >= self.async_llm.max_waiting:
+            raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
+                           type="service_unavailable", code="overloaded")
+        prompts = self._token_ids(req)
+        try:
+            return self.async_llm.add_requests(prompts, [req.params] * len(prompts))
+        except (ValueError, TypeError) as e:
+            message = str(e) if len(prompts) > 1 else str(e).removeprefix("request 0: ")
+            param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
+            raise APIError(400, message, param=param) from None
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        req = protocol.parse_request(await self._body(request), chat=chat, model=self.model_name)
+        streams = self._admit(req)
+        rid = protocol.request_id(chat)
+        try:
+            if req.stream:
+                return await self._stream(request, req, rid, streams)
+            return await self._whole(request, req, rid, streams)
+        finally:
+            for s in streams:
+                self.async_llm.abort(s)  # a no-op for a finished request
+            done = sum(len(s.output_token_ids) for s in streams)
+            reasons = ",".join(str(s.finish_reason) for s in streams)
+            request["summary"] = f"{rid} prompt={sum(len(s.prompt_token_ids) for s in streams)} " \
+                                 f"completion={done} finish={reasons}"
+
+    async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
+        choices = []
+        for stream in streams:
+            async for _ in stream:
+                pass
+            if stream.finish_reason == "error":
+                raise APIError(500, f"the request failed: {stream.error}", type="internal_error")
+            text = self.tokenizer.decode(stream.output_token_ids)
+            last = stream.stop_text_index
+            choices.append((text if last is None else text[:last], stream.finish_reason))
+        use = protocol.usage(sum(len(s.prompt_token_ids) for s in streams),
+                             sum(len(s.output_token_ids) for s in streams))
+        return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices, use))
+
+    async def _stream(self, request, req: CompletionRequest, rid: str, streams) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        texts = [TextDeltas(self.tokenizer, req.params.stop_strings) for _ in streams]
+        first = [True] * len(streams)
+        async for index, delta in _merge(streams):
+            text = "" if delta.token_id is None else texts[index].push(delta.token_id)
+            if delta.finish_reason == "error":
+                err = error_body(f"the request failed: {delta.error}", "internal_error")
+                await response.write(_sse(err))
+                break
+            if delta.finish_reason is not None:
+                text += texts[index].finish(delta.stop_text_index)
+            if delta.token_id is None and delta.finish_reason is None:
+                continue
+            body = protocol.chunk(rid, self.model_name, req.chat, created, index, text, delta.finish_reason,
+                                  role=req.chat and first[index])
+            first[index] = False
+            await response.write(_sse(body))
+        if req.include_usage:
+            use = protocol.usage(sum(len(s.prompt_token_ids) for s in streams),
+                                 sum(len(s.output_token_ids) for s in streams))
+            await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created, use)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, object]]:
+    """(index, delta) from every stream as they come; one stream needs no tasks."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for delta in stream:
+            await merged.put((i, delta))
+        await merged.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, delta = await merged.get()
+            if delta is None:
+                open_ -= 1
+            else:
+                yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> web.Application:
+    app = web.Application(middlewares=[_errors_and_log, _auth(api_key)], client_max_size=max_body_bytes)
+    app[ASYNC_LLM] = serving.async_llm
+    app.router.add_get("/health", serving.health)
+    app.router.add_get("/v1/models", serving.models)
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat_completions)
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="a preset name or a Hugging Face model folder")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="queued requests past this get 503 with Retry-After")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health (or ${API_KEY_ENV})")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    parser.add_argument("--step-log", default=None, help="write one JSON line per engine step to this file")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port {args.port}: must be in [0, 65535]")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 1")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
+
+
+async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+    from nanolab.llm import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, read=args.read)
+    async_llm = AsyncLLM(llm.engine, max_waiting=args.max_waiting, step_log=args.step_log)
+    serving = OpenAIServing(llm, async_llm, args.served_model_name or args.model)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = build_app(serving, api_key=api_key)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    async_llm.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    port = site._server.sockets[0].getsockname()[1]
+    engine = llm.engine
+    log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %d KV blocks%s)",
+             serving.model_name, args.host, port, llm.device, str(llm.dtype).removeprefix("torch."),
+             engine.kv_cache.read, "CUDA graphs" if engine.runner.graphs is not None else "eager",
+             engine.block_manager.num_blocks, ", API key required" if api_key else "")
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    serving.draining = True
+    log.info("nanolab: shutting down: %d requests in flight get %.0f s to finish", async_llm.num_unfinished,
+             args.shutdown_timeout)
+    aborted = await async_llm.drain(args.shutdown_timeout)
+    await runner.cleanup()
+    await async_llm.shutdown()
+    free, total = engine.block_manager.allocator.num_free, engine.block_manager.num_blocks
+    log.info("nanolab: stopped (%d requests aborted; %d of %d KV blocks free)", aborted, free, total)
+    if free != total:
+        raise RuntimeError(f"KV blocks leaked at shutdown: {total - free} of {total} still held")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    try:
+        _check_args(args)
+        asyncio.run(serve(args))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        log.error("error: %s", e)
+        return 2
+    return 0

@@ -1,0 +1,195 @@
+"""The OpenAI wire format: request bodies checked field by field, and the response objects.
+
+Added with the server. A request body becomes a `CompletionRequest` or an `APIError` that names
+the offending field in `param`. Nothing a client sends reaches the engine unchecked, so bad input
+is a 400 and never a 500. Field names, defaults and shapes follow OpenAI's API and vLLM's server.
+`top_k` and `ignore_eos` are vLLM's extensions.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from nanolab.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class CompletionRequest:
+    """One checked request. `prompts` holds the completion prompts (each a str or token ids);
+    a chat request holds `messages` instead."""
+
+    chat: bool
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    prompts: list[str | list[int]] | None = None
+    messages: list[dict] | None = None
+
+
+# Fields the server does not implement, with the values that mean "not used": anything else is a 400.
+_UNSUPPORTED = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None,),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _field(body: dict, name: str, ok, what: str, default=None):
+    """body[name] when present and not null, checked by `ok`; a 400 naming the field otherwise."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not ok(value):
+        raise APIError(400, f"'{name}' must be {what}, got {value!r}", param=name)
+    return value
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """OpenAI's prompt shapes: a string, a list of strings, a list of token ids, or a list of those."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(_is_int(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+            return [list(p) for p in value]
+    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+                        "token-id lists, and not empty", param="prompt")
+
+
+def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
+    """Check a decoded JSON body for `/v1/completions` (chat=False) or `/v1/chat/completions`."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    name = body.get("model")
+    if name is not None and name != model:
+        if not isinstance(name, str):
+            raise APIError(400, f"'model' must be a string, got {name!r}", param="model")
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{model}'", param="model",
+                       code="model_not_found")
+    for field, allowed in _UNSUPPORTED.items():
+        if field in body and not any(body[field] == a and type(body[field]) is type(a) or body[field] is a
+                                     for a in allowed):
+            raise APIError(400, f"'{field}'={body[field]!r} is not supported by this server", param=field)
+
+    stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise APIError(400, f"'stream_options' has unknown keys {sorted(unknown)}", param="stream_options")
+        include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
+
+    max_tokens = _field(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    if chat:
+        max_tokens = _field(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1",
+                            max_tokens)
+    elif max_tokens is None and "max_tokens" not in body:
+        max_tokens = 16  # OpenAI's completions default; chat runs to EOS or the context
+    stop = _field(body, "stop", lambda v: isinstance(v, str) and v or isinstance(v, list) and all(
+        isinstance(s, str) and s for s in v), "a non-empty string or a list of them")
+    try:
+        params = SamplingParams(
+            temperature=_field(body, "temperature", _is_number, "a number", 1.0),
+            top_p=_field(body, "top_p", _is_number, "a number", 1.0),
+            top_k=_field(body, "top_k", _is_int, "an integer", 0),
+            seed=_field(body, "seed", _is_int, "an integer"),
+            max_tokens=max_tokens, stop=stop or None,
+            ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False))
+    except ValueError as e:
+        # "SamplingParams.top_p=2: must be in (0, 1]" -> param "top_p"
+        match = re.match(r"SamplingParams\.(\w+)=", str(e))
+        raise APIError(400, str(e).replace("SamplingParams.", ""), param=match and match.group(1)) from None
+
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
+                           param="messages")
+        return CompletionRequest(True, params, stream, include_usage, messages=messages)
+    if "prompt" not in body:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]))
+
+
+# Response objects.
+
+
+def request_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None]], use: dict) -> dict:
+    """A whole (non-streamed) response; `choices` are (text, finish_reason) in prompt order."""
+    if chat:
+        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                 "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+    else:
+        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                for i, (text, reason) in enumerate(choices)]
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": body, "usage": use}
+
+
+def chunk(rid: str, model: str, chat: bool, created: int, index: int, text: str, finish_reason: str | None,
+          role: bool = False) -> dict:
+    """One streamed chunk: one choice's new text. The first chat chunk also carries the role."""
+    if chat:
+        delta = {"role": "assistant", "content": text} if role else {"content": text}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, created: int, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": use}

@@ -1,0 +1,291 @@
+"""No request breaks the engine: random request streams with injected failures (a sampler that
+raises for some requests, forwards that raise, aborts at any time, clients that disconnect).
+After every run, once the engine is idle, every block is free, and every request that survived
+produced the greedy tokens it produces alone."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+from conftest import bounded
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_cache_properties import check_drained
+
+from nanolab import Engine, SamplingParams
+from nanolab.engine.async_llm import AsyncLLM
+from nanolab.sampling import sample
+
+BLOCK = 4
+VOCAB = 320  # the sharp models' vocabulary
+
+
+class Poisoned(Exception):
+    pass
+
+
+def poisoned_sampler(poisoned: set[int]):
+    """`sample`, except that a batch holding a poisoned request (by its params' identity) raises."""
+    def sampler(logits, params, generators):
+        if any(id(p) in poisoned for p in params):
+            raise Poisoned("injected sampler failure")
+        return sample(logits, params, generators)
+    return sampler
+
+
+class FlakyRunner:
+    """Wraps the engine's runner: while `fail_next` is set, the next forward raises."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.fail_next = False
+        self.failed: set[int] = set()  # request ids whose forward raised
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _maybe_fail(self, seqs):
+        if self.fail_next:
+            self.fail_next = False
+            self.failed.update(s.request_id for s in seqs)
+            raise RuntimeError("injected forward failure")
+
+    def prefill(self, seqs):
+        self._maybe_fail(seqs)
+        return self.runner.prefill(seqs)
+
+    def decode(self, seqs):
+        self._maybe_fail(seqs)
+        return self.runner.decode(seqs)
+
+
+@functools.cache
+def alone(model_key: int, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    model = _MODELS[model_key]
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, max_num_seqs=1)
+    seq = engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    return seq.output_token_ids
+
+
+_MODELS: dict[int, object] = {}
+
+PROMPT = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=24)
+OP = st.one_of(
+    st.tuples(st.just("add"), PROMPT, st.integers(1, 10), st.booleans()),  # prompt, max_tokens, poisoned
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("fail_forward")),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4))
+def test_failures_stay_with_their_request(sharp_gqa24, ops, num_blocks, max_num_seqs):
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    poisoned: set[int] = set()
+    engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                    sampler=poisoned_sampler(poisoned))
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    seqs, fated = [], {}
+
+    def step():
+        outputs = engine.step()
+        for out in outputs:
+            if out.error is not None:
+                assert out.token_id is None and out.seq.finish_reason == "error"
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_tokens, poison = op
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            if poison:
+                poisoned.add(id(params))
+            seq = engine.add_request(prompt, params)
+            fated[seq.request_id] = poison
+            seqs.append(seq)
+        elif op[0] == "step":
+            step()
+        elif op[0] == "abort" and seqs:
+            engine.abort_request(seqs[op[1] % len(seqs)].request_id)
+        elif op[0] == "fail_forward":
+            flaky.fail_next = True
+    flaky.fail_next = False
+    for _ in bounded(engine.has_unfinished_requests):
+        step()
+
+    check_drained(engine.kv_cache, engine.scheduler)
+    assert not engine.requests
+    for seq in seqs:
+        assert seq.finished and seq.row is None
+        if fated[seq.request_id] and seq.finish_reason != "abort":
+            # A poisoned request ends with an error (the sampler's, or an injected forward failure
+            # that came first) before its first token.
+            assert seq.finish_reason == "error" and not seq.output_token_ids
+        if seq.finish_reason == "error":
+            # Only its own poison, or a forward it was part of, ends a request with an error.
+            assert fated[seq.request_id] or seq.request_id in flaky.failed, seq.error
+            event("a request failed")
+        elif seq.finish_reason == "length":
+            assert seq.output_token_ids == alone(id(model), tuple(seq.prompt_token_ids), seq.params.max_tokens), \
+                f"request {seq.request_id} changed by the failures around it"
+            event("a request survived")
+
+
+def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24):
+    """One request's sampling raises in the middle of a batch: it alone ends, with the error, and
+    the others finish with the tokens they produce alone."""
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    poisoned: set[int] = set()
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=poisoned_sampler(poisoned))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
+    seqs = engine.add_requests(prompts, params)
+    engine.step()  # the prefill
+    poisoned.add(id(params[1]))
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert seqs[1].finish_reason == "error" and len(seqs[1].output_token_ids) == 1
+    for i in (0, 2):
+        assert seqs[i].output_token_ids == alone(id(model), tuple(prompts[i]), 6)
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_adding_a_batch_is_all_or_nothing(tiny_model):
+    engine = Engine(tiny_model, num_blocks=16, block_size=BLOCK)
+    good = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="request 2"):
+        engine.add_requests([[5, 6], [7], [True, 8]], [good] * 3)
+    with pytest.raises(ValueError, match="request 1"):
+        engine.add_requests([[5, 6], [7] * 200], [good, SamplingParams(max_tokens=None)])
+    assert not engine.requests and not engine.has_unfinished_requests()
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
+@pytest.mark.parametrize("field, value", [("max_num_seqs", 0), ("num_blocks", 0), ("block_size", 0),
+                                          ("max_model_len", 1), ("max_num_seqs", True), ("num_blocks", 2.0)])
+def test_engine_arguments_are_checked(tiny_model, field, value):
+    kwargs = {"num_blocks": 16, field: value}
+    with pytest.raises(ValueError, match=field):
+        Engine(tiny_model, **kwargs)
+
+
+# The same promises online: requests arrive from asyncio while the loop thread steps, and clients
+# disconnect at any time.
+
+ARRIVAL = st.tuples(PROMPT, st.integers(1, 10), st.integers(0, 3),  # prompt, max_tokens, delay in steps
+                    st.one_of(st.none(), st.integers(0, 6)), st.booleans())  # disconnect after n tokens, poisoned
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=st.lists(ARRIVAL, min_size=1, max_size=8), num_blocks=st.integers(9, 24),
+       max_num_seqs=st.integers(1, 4))
+def test_online_engine_survives_disconnects(sharp_gqa24, arrivals, num_blocks, max_num_seqs):
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    poisoned: set[int] = set()
+    engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                    sampler=poisoned_sampler(poisoned))
+
+    async def client(llm: AsyncLLM, prompt, max_tokens, delay, leave_after, poison):
+        await asyncio.sleep(delay * 0.002)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        if poison:
+            poisoned.add(id(params))
+        stream = llm.add_request(prompt, params)
+        try:
+            async for _ in stream:
+                if leave_after is not None and len(stream.output_token_ids) >= leave_after:
+                    raise ConnectionResetError  # the client went away
+        except ConnectionResetError:
+            pass
+        finally:
+            llm.abort(stream)
+        return stream
+
+    async def main():
+        llm = AsyncLLM(engine)
+        llm.start()
+        streams = await asyncio.wait_for(asyncio.gather(*(client(llm, *a) for a in arrivals)), 60)
+        await llm.shutdown()
+        return llm, streams
+
+    llm, streams = asyncio.run(main())
+    assert llm.dead is None
+    check_drained(engine.kv_cache, engine.scheduler)
+    assert not engine.requests
+    for stream, (prompt, max_tokens, _, _, poison) in zip(streams, arrivals):
+        assert stream.finished
+        if stream.finish_reason == "length":
+            assert not poison
+            assert stream.output_token_ids == alone(id(model), tuple(prompt), max_tokens)
+            event("a stream survived")
+        elif stream.finish_reason == "error":
+            assert poison
+        else:
+            assert stream.finish_reason == "abort"
+            event("a client left")
+
+
+def test_an_abort_frees_blocks_before_the_next_step(tiny_model):
+    engine = Engine(tiny_model, num_blocks=64, block_size=BLOCK)
+    steps_after_abort = []
+
+    async def main():
+        llm = AsyncLLM(engine)
+        llm.start()
+        stream = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        async for _ in stream:
+            if len(stream.output_token_ids) == 3:
+                (seq,) = engine.requests.values()
+                seen = len(seq.output_token_ids)
+                llm.abort(stream)
+                break
+        for _ in range(400):  # the loop thread frees the request before its next step
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.005)
+        steps_after_abort.append(len(seq.output_token_ids) - seen)
+        await llm.shutdown()
+        return stream
+
+    stream = asyncio.run(main())
+    assert stream.finish_reason == "abort" and seq_free(engine)
+    # At most the step that was running when the abort was posted.
+    assert steps_after_abort[0] <= 1, f"the aborted request ran {steps_after_abort[0]} more steps"
+
+
+def seq_free(engine) -> bool:
+    check_drained(engine.kv_cache, engine.scheduler)
+    return not engine.requests
+
+
+def test_online_engine_reports_a_dead_loop(tiny_model):
+    """A failure the engine cannot pin on a request (here, in the scheduler) ends every open
+    stream with the error and marks the engine dead; nothing is left holding blocks."""
+    engine = Engine(tiny_model, num_blocks=16, block_size=BLOCK)
+
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    engine.scheduler.schedule = broken
+
+    async def main():
+        llm = AsyncLLM(engine)
+        llm.start()
+        stream = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+        deltas = [d async for d in stream]
+        await llm.shutdown()
+        return llm, stream, deltas
+
+    llm, stream, deltas = asyncio.run(main())
+    assert stream.finish_reason == "error" and "scheduler bug" in stream.error
+    assert llm.dead is not None and "scheduler bug" in llm.dead
+    assert engine.block_manager.allocator.num_free == 16
+    with pytest.raises(RuntimeError, match="not running"):
+        llm.add_request([5], SamplingParams())
