@@ -34,21 +34,21 @@ class TextDeltas:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special_tokens)
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text that may be sent now (possibly "")."""
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix: self._read])
-        after = self._decode(self.ids[self._prefix:])
-        # A trailing U+FFFD is an incomplete character: wait for the token that completes it.
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-        end = len(self.text) - self.holdback
-        return self._emit(end)
-
-    def finish(self, stop_text_index: int | None = None) -> str:
-        """The request ended: return the rest of its text, cut where a stop string matched.
-        `stop_text_index` indexes the decode of the whole output, as the engine computed it."""
+    def push(self, token_id: int | None, finished: bool = False, stop_text_index: int | None = None) -> str:
+        """Add one token (None: none, as when a request is aborted); return the text that may be
+        sent now (possibly ""). When the request has `finished`, that is the rest of its text, cut
+        at `stop_text_index` (an index into the decode of the whole output, as the engine computed
+        it) when a stop string matched."""
+        if token_id is not None:
+            self.ids.append(token_id)
+            before = self._decode(self.ids[self._prefix: self._read])
+            after = self._decode(self.ids[self._prefix:])
+            # A trailing U+FFFD is an incomplete character: wait for the token that completes it.
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self._prefix, self._read = self._read, len(self.ids)
+        if not finished:
+            return self._emit(len(self.text) - self.holdback)
         full = self._decode(self.ids)
         if full.startswith(self.text):
             self.text = full

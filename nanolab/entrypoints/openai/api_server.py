@@ -35,7 +35,7 @@ log = logging.getLogger("nanolab.server")
 
 API_KEY_ENV = "NANOLAB_API_KEY"
 ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
-STATE = web.AppKey("state", dict)
+SUMMARY = web.RequestKey("summary", str)  # what the request's log line says about it
 
 
 def _json_error(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
@@ -54,21 +54,22 @@ async def _errors_and_log(request: web.Request, handler):
     try:
         response = await handler(request)
     except APIError as e:
-        response = web.json_response(e.body(), status=e.status)
+        response = web.json_response(e.body(), status=e.status, headers=e.headers)
+        request[SUMMARY] = f"({e.param or 'request'}: {e.message[:120]})"
     except web.HTTPException as e:
         if e.status < 400:
             raise
         message = e.text if e.status != 404 else f"no route {request.method} {request.path}"
         response = _json_error(e.status, message, _HTTP_TYPES.get(e.status, "invalid_request_error"))
     except (asyncio.CancelledError, ConnectionResetError):
-        log.info("%s %s client disconnected %s", request.method, request.path, request.get("summary", ""))
+        log.info("%s %s client disconnected %s", request.method, request.path, request.get(SUMMARY, ""))
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         response = _json_error(500, "internal server error", "internal_error")
     if request.path != "/health":
         log.info("%s %s %d %s%.0f ms", request.method, request.path, response.status,
-                 request.get("summary", "") + " " if request.get("summary") else "",
+                 request.get(SUMMARY, "") + " " if request.get(SUMMARY) else "",
                  (time.perf_counter() - start) * 1e3)
     return response
 
@@ -128,13 +129,22 @@ class OpenAIServing:
 
     def _admit(self, req: CompletionRequest) -> list[RequestStream]:
         if self.draining:
-            raise APIError(503, "the server is shutting down", type="service_unavailable")
+            raise APIError(503, "the server is shutting down", type="service_unavailable",
+                           headers={"Retry-After": "5"})
         if self.async_llm.dead is not None:
             raise APIError(503, f"the engine is not running: {self.async_llm.dead}", type="service_unavailable")
         if self.async_llm.num_waiting >= self.async_llm.max_waiting:
             raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
-                           type="service_unavailable", code="overloaded")
+                           type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
         prompts = self._token_ids(req)
+        limit = self.llm.engine.max_model_len
+        for i, ids in enumerate(prompts):
+            # As vLLM does: a max_tokens the context cannot hold is an error, not a silent cut.
+            if req.params.max_tokens is not None and len(ids) < limit < len(ids) + req.params.max_tokens:
+                where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+                raise APIError(400, f"the model's context is {limit} tokens, but {where} ({len(ids)} tokens) plus "
+                                    f"max_tokens ({req.params.max_tokens}) needs {len(ids) + req.params.max_tokens}",
+                               param="max_tokens")
         try:
             return self.async_llm.add_requests(prompts, [req.params] * len(prompts))
         except (ValueError, TypeError) as e:
@@ -155,7 +165,7 @@ class OpenAIServing:
                 self.async_llm.abort(s)  # a no-op for a finished request
             done = sum(len(s.output_token_ids) for s in streams)
             reasons = ",".join(str(s.finish_reason) for s in streams)
-            request["summary"] = f"{rid} prompt={sum(len(s.prompt_token_ids) for s in streams)} " \
+            request[SUMMARY] = f"{rid} prompt={sum(len(s.prompt_token_ids) for s in streams)} " \
                                  f"completion={done} finish={reasons}"
 
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
@@ -179,15 +189,11 @@ class OpenAIServing:
         texts = [TextDeltas(self.tokenizer, req.params.stop_strings) for _ in streams]
         first = [True] * len(streams)
         async for index, delta in _merge(streams):
-            text = "" if delta.token_id is None else texts[index].push(delta.token_id)
             if delta.finish_reason == "error":
                 err = error_body(f"the request failed: {delta.error}", "internal_error")
                 await response.write(_sse(err))
                 break
-            if delta.finish_reason is not None:
-                text += texts[index].finish(delta.stop_text_index)
-            if delta.token_id is None and delta.finish_reason is None:
-                continue
+            text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
             body = protocol.chunk(rid, self.model_name, req.chat, created, index, text, delta.finish_reason,
                                   role=req.chat and first[index])
             first[index] = False

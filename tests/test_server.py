@@ -1,0 +1,276 @@
+"""The OpenAI-compatible server in-process, on the tiny model: every kind of bad input gets its
+status and OpenAI's error object (never a 500), keys and queue limits are enforced, a client that
+leaves frees its blocks, 64 streams run at once, and a request that fails ends alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from nanolab import LLM, SamplingParams
+from nanolab.engine.async_llm import AsyncLLM
+from nanolab.entrypoints.openai.api_server import OpenAIServing, build_app
+from nanolab.sampling import sample
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, device="cpu", num_blocks=512, block_size=16, max_num_seqs=64)
+
+
+def run_with_client(llm, body, *, api_key=None, max_waiting=256, start=True, max_body_bytes=1 << 20):
+    """Start the app over `llm` on a loopback port, run `body(client, async_llm)`, stop it, and
+    check that the engine is left with no request and every block free."""
+
+    async def main():
+        async_llm = AsyncLLM(llm.engine, max_waiting=max_waiting)
+        app = build_app(OpenAIServing(llm, async_llm, MODEL), api_key=api_key, max_body_bytes=max_body_bytes)
+        async with TestClient(TestServer(app)) as client:
+            if start:
+                async_llm.start()
+            try:
+                return await body(client, async_llm)
+            finally:
+                await async_llm.drain(0)
+                if start:
+                    await async_llm.shutdown()
+
+    result = asyncio.run(main())
+    engine = llm.engine
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.block_manager.allocator.num_free == engine.block_manager.num_blocks
+    return result
+
+
+async def sse(response) -> list:
+    """The parsed `data:` events of a stream; "[DONE]" stays a string."""
+    events = []
+    async for line in response.content:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+BAD = [
+    # (body, status, param)
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": True}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": 1e-5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": 1.5}, 400, "top_k"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hi", "seed": False}, 400, "seed"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "stream": "true"}, 400, "stream"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, True]}, 400, "prompt"),
+    ({"prompt": [1, 10**6]}, 400, "prompt"),
+    ({"prompt": "x" * 5000}, 400, "prompt"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+
+
+def test_bad_requests_get_their_status_and_an_error_object(llm):
+    async def body(client, _):
+        results = []
+        for request, status, param in BAD:
+            r = await client.post("/v1/completions", json=request)
+            results.append((request, status, param, r.status, await r.json()))
+        for raw in (b"{bad", b"[1, 2]", b"\xff\xfe"):
+            r = await client.post("/v1/completions", data=raw)
+            results.append((raw, 400, None, r.status, await r.json()))
+        for messages, where in (([{"role": "user"}], "messages[0].content"),
+                                ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+                                ([{"role": "user", "content": "hi"}, "hello"], "messages[1]"),
+                                ("hello", "messages")):
+            r = await client.post("/v1/chat/completions", json={"messages": messages})
+            results.append((messages, 400, "messages", r.status, await r.json()))
+            assert where in (await r.json())["error"]["message"]
+        r = await client.post("/v1/completions", data=b" " * (2 << 20))
+        results.append(("2 MiB", 413, None, r.status, await r.json()))
+        for method, path, status in (("GET", "/v2/nothing", 404), ("GET", "/v1/completions", 405)):
+            r = await client.request(method, path)
+            results.append((path, status, None, r.status, await r.json()))
+        return results
+
+    for request, status, param, got, payload in run_with_client(llm, body):
+        assert got == status, (request, payload)
+        error = payload["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], request
+        assert error["param"] == param, (request, error)
+
+
+def test_the_api_key_guards_every_route_but_health(llm):
+    async def body(client, _):
+        no_key = await client.get("/v1/models")
+        wrong = await client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"})
+        right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        health = await client.get("/health")
+        return no_key.status, (await no_key.json())["error"]["type"], wrong.status, right.status, health.status
+
+    assert run_with_client(llm, body, api_key="s3cret") == (401, "authentication_error", 401, 200, 200)
+
+
+def test_a_full_queue_answers_503_with_retry_after(llm):
+    """With the loop not started, posted requests wait; past `max_waiting` the server turns new
+    ones away instead of queueing without bound."""
+
+    async def body(client, async_llm):
+        waiting = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+                   for _ in range(2)]
+        while async_llm.num_waiting < 2:
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        status, retry, error = r.status, r.headers.get("Retry-After"), (await r.json())["error"]
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        while async_llm.num_unfinished:  # the server cancels the handlers of the clients that left
+            await asyncio.sleep(0.01)
+        async_llm._take_inbox(block=False)  # what the loop would do: take the adds and the aborts
+        return status, retry, error
+
+    status, retry, error = run_with_client(llm, body, max_waiting=2, start=False)
+    assert status == 503 and retry is not None and int(retry) >= 1
+    assert error["type"] == "service_unavailable" and error["code"] == "overloaded"
+
+
+def test_a_client_that_disconnects_frees_its_blocks(llm):
+    engine = llm.engine
+
+    async def body(client, _):
+        r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1500, "ignore_eos": True,
+                                                       "temperature": 0, "stream": True})
+        await r.content.readline()
+        held = engine.block_manager.num_blocks - engine.block_manager.allocator.num_free
+        r.close()  # the client goes away mid-stream
+        for _ in range(500):
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        return held, len(engine.requests)
+
+    held, left = run_with_client(llm, body)
+    assert held > 0 and left == 0
+
+
+def test_64_streaming_clients_at_once(llm):
+    prompts = [f"request {i}: " + "ab" * (i % 7) for i in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    async def one(client, prompt):
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        return await sse(r)
+
+    async def body(client, async_llm):
+        return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    for events, want in zip(run_with_client(llm, body), expected):
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert len(chunks) == 8  # one chunk per token
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+
+
+def test_several_prompts_in_one_request(llm):
+    prompts = ["one", "two two", "three three three"]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    async def body(client, _):
+        request = {"prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
+        return whole, streamed
+
+    whole, streamed = run_with_client(llm, body)
+    assert [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])] == expected
+    assert whole["usage"]["completion_tokens"] == 15
+    texts = [""] * 3
+    for event in streamed[:-1]:
+        texts[event["choices"][0]["index"]] += event["choices"][0]["text"]
+    assert texts == expected
+
+
+def test_stop_strings_cut_the_text_as_generate_does(llm):
+    base = llm.generate("stop here", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    stop = base.text[3:5]  # a stop string the output will meet
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop)
+    want = llm.generate("stop here", params, use_tqdm=False)[0].text
+
+    async def body(client, _):
+        request = {"prompt": "stop here", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": stop}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
+        return whole, streamed
+
+    whole, streamed = run_with_client(llm, body)
+    assert whole["choices"][0]["text"] == want and whole["choices"][0]["finish_reason"] == "stop"
+    assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == want
+    assert stop not in want
+
+
+def test_a_failing_request_ends_alone(llm, monkeypatch):
+    """A request whose sampling raises gets an error (a chunk in its stream, a 500 when whole);
+    the request beside it finishes with its own text, and the server goes on."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate("fine", params, use_tqdm=False)[0].text
+
+    def sampler(logits, params, generators):
+        if any(p.seed == 7 for p in params):
+            raise RuntimeError("injected")
+        return sample(logits, params, generators)
+
+    monkeypatch.setattr(llm.engine, "sampler", sampler)
+    request = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def body(client, _):
+        good = client.post("/v1/completions", json={**request, "prompt": "fine", "stream": True})
+        bad = client.post("/v1/completions", json={**request, "prompt": "boom", "seed": 7, "stream": True})
+        good, bad = await asyncio.gather(good, bad)
+        good, bad = await asyncio.gather(sse(good), sse(bad))
+        whole = await client.post("/v1/completions", json={**request, "prompt": "boom", "seed": 7})
+        after = await (await client.post("/v1/completions", json={**request, "prompt": "fine"})).json()
+        return good, bad, whole.status, await whole.json(), after
+
+    good, bad, status, whole, after = run_with_client(llm, body)
+    assert "".join(e["choices"][0]["text"] for e in good[:-1]) == want
+    assert bad[-1] == "[DONE]" and "injected" in bad[-2]["error"]["message"]
+    assert status == 500 and whole["error"]["type"] == "internal_error"
+    assert after["choices"][0]["text"] == want
+
+
+def test_health_reports_a_dead_engine(llm, monkeypatch):
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    async def body(client, async_llm):
+        before = (await client.get("/health")).status
+        monkeypatch.setattr(llm.engine.scheduler, "schedule", broken)
+        failed = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        after = await client.get("/health")
+        refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        return before, failed.status, after.status, refused.status, (await refused.json())["error"]["type"]
+
+    assert run_with_client(llm, body) == (200, 500, 503, 503, "service_unavailable")
