@@ -1,32 +1,67 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
-`python -m nanolab bench`, `python -m nanolab capturebench`, `python -m nanolab streambench`.
+`python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
+`capturebench`, `streambench`, `graphbench`.
 
-Engine core (before Day 49). The bench commands run instruments from `nanolab.lab`.
+Engine core (before Day 49). Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
+device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
+Ctrl-C ends quietly with 130. `serve` and the benches are imported only when run, so a missing
+optional extra (`serve`, `lab`) fails only the command that needs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import sys
+
+# Commands whose module is imported only when they run: name -> (module, extra, help). The module
+# provides `add_arguments(parser)` and `main(args) -> int`.
+LAZY_COMMANDS = {
+    "serve": ("nanolab.entrypoints.openai.api_server", "serve",
+              "serve the OpenAI-compatible HTTP API (completions and chat completions)"),
+    "bench": ("nanolab.lab.decodebench", "lab", "decode ms/step and tokens/s, nanolab against HF transformers"),
+    "capturebench": ("nanolab.lab.capturebench", "lab",
+                     "decode with CUDA graphs on and off against HF static (CUDA)"),
+    "streambench": ("nanolab.lab.streambench", "lab",
+                    "the decode read alone: reference, streamed kernels, SDPA (CUDA)"),
+    "graphbench": ("nanolab.lab.graphbench", "lab",
+                   "the server over loopback with CUDA graphs on and off: TTFT, TPOT, ITL, goodput (Day 58)"),
+}
+
+# Errors that mean the input was bad, not that nanolab is broken: reported in one line, exit 2.
+INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+
+def _error(message: object, code: int = 2) -> int:
+    """Print `message` as one `error:` line on stderr and return `code`."""
+    print("error: " + " ".join(str(message).splitlines()), file=sys.stderr)
+    return code
 
 
 def _generate(args: argparse.Namespace) -> int:
     from nanolab.llm import LLM
     from nanolab.sampling import SamplingParams
 
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    streamed = False
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
-        prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         for delta in llm.stream(prompt, params):
             sys.stdout.write(delta)
             sys.stdout.flush()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"\nerror: {e}", file=sys.stderr)
-        return 2
+            streamed = True
+    except BaseException as e:
+        if streamed:  # end the half-written line, so the error or the shell prompt starts its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if isinstance(e, RuntimeError):  # the stream's request failed while running: not bad input
+            return _error(e, code=1)
+        raise
     sys.stdout.write("\n")
     return 0
 
@@ -34,35 +69,35 @@ def _generate(args: argparse.Namespace) -> int:
 def _weights(args: argparse.Namespace) -> int:
     from nanolab.model.weights import resolve_weights
 
-    try:
-        print(resolve_weights(args.preset))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    print(resolve_weights(args.preset))
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from nanolab.lab.decodebench import main
-
-    return main(args)
-
-
-def _capturebench(args: argparse.Namespace) -> int:
-    from nanolab.lab.capturebench import main
-
-    return main(args)
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except INPUT_ERRORS as e:
+        return _error(e)
 
 
-def _streambench(args: argparse.Namespace) -> int:
-    from nanolab.lab.streambench import main
+def _missing_dependency(e: ImportError) -> bool:
+    """True when `e` is a third-party module that is absent (an optional extra), not nanolab's own."""
+    return isinstance(e, ModuleNotFoundError) and bool(e.name) and e.name.split(".")[0] != "nanolab"
 
-    return main(args)
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m nanolab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -85,26 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     weights.add_argument("preset")
     weights.set_defaults(run=_weights)
 
-    bench = sub.add_parser("bench", help="decode ms/step and tokens/s, nanolab against HF transformers")
-    from nanolab.lab.decodebench import add_arguments
+    # A command whose module this install lacks is left out; only the command being run imports its
+    # module and registers its options.
+    lazy = {name: spec for name, spec in LAZY_COMMANDS.items() if _module_exists(spec[0])}
+    for name, (_, _, text) in lazy.items():
+        sub.add_parser(name, help=text)
+    command = argv[0] if argv else None
+    if command in lazy:
+        module_name, extra, _ = lazy[command]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            if not _missing_dependency(e):
+                raise
+            return _error(f"python -m nanolab {command} needs the {extra} extra: pip install 'nanolab[{extra}]' "
+                          f"({e})")
+        module.add_arguments(sub.choices[command])
+        sub.choices[command].set_defaults(run=module.main)
 
-    add_arguments(bench)
-    bench.set_defaults(run=_bench)
-
-    capture = sub.add_parser("capturebench", help="decode with CUDA graphs on and off against HF static (CUDA)")
-    from nanolab.lab.capturebench import add_arguments as capture_arguments
-
-    capture_arguments(capture)
-    capture.set_defaults(run=_capturebench)
-
-    stream = sub.add_parser("streambench", help="the decode read alone: reference, streamed kernels, SDPA (CUDA)")
-    from nanolab.lab.streambench import add_arguments as stream_arguments
-
-    stream_arguments(stream)
-    stream.set_defaults(run=_streambench)
-
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return _run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -8,17 +8,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from nanolab.engine.kv_cache import kv_bytes_per_block
+from nanolab.engine.detokenizer import TextDeltas
+from nanolab.engine.kv_cache import READS, kv_bytes_per_block
 from nanolab.engine.llm_engine import Engine
 from nanolab.engine.sequence import Sequence
+from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
-from nanolab.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.sampling import SamplingParams
 
@@ -29,7 +32,8 @@ DEFAULT_MODEL = "smollm2-135m"
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length" or "error"
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class RequestOutput:
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
 
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     """A torch dtype, its name ("bfloat16", "bf16", "float32", ...) or "auto" (bf16 on CUDA,
@@ -63,9 +71,41 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
              "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(names)} or a torch.dtype")
+    if not isinstance(dtype, str) or dtype not in names:
+        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(names)} or a torch.dtype")
     return names[dtype]
+
+
+def resolve_device(device) -> torch.device:
+    """`device` ("cpu", "cuda", "cuda:1", a torch.device, or None for CUDA when available) as a
+    torch.device nanolab can run on. Raises ValueError naming `device` for anything else, and for
+    a CUDA device this machine does not have."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device={device!r}: must be a str such as 'cpu' or 'cuda', or a torch.device")
+    shown = str(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={shown!r}: torch does not accept it ({e})") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={shown!r}: nanolab runs on 'cpu' or 'cuda'")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={shown!r}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__} sees no CUDA device); use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={shown!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
+def _check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
+    # bool is an int subclass; True is not a size.
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}{' or None' if optional else ''}")
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -84,20 +124,39 @@ class LLM:
                  kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto") -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
         capture list is warmed here, with a progress bar. `read` picks the decode read: "streamed",
-        "reference", or "auto" (streamed on CUDA)."""
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        "reference", or "auto" (streamed on CUDA). The pool is `num_blocks` blocks, else as many as
+        `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
+
+        Every argument is checked before any weights are read: a bad one raises ValueError naming it
+        (a device this machine lacks is one)."""
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model={model!r}: must be a preset name or a model folder's path")
+        _check_int("block_size", block_size)
+        _check_int("max_num_seqs", max_num_seqs)
+        _check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
+        _check_int("num_blocks", num_blocks, optional=True)
+        _check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
+        if not isinstance(read, str) or read not in ("auto", *READS):
+            raise ValueError(f"read={read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
+        device = resolve_device(device)
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
         self.model_name = model
         self.path = resolve_weights(model)
+        c = ModelConfig.from_dir(self.path)
+        per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
+        if num_blocks is None and kv_cache_bytes is not None:
+            if kv_cache_bytes < per_block:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: holds no block; one block of {block_size} tokens "
+                                 f"is {per_block} bytes for this model")
+            num_blocks = kv_cache_bytes // per_block
         self.tokenizer = Tokenizer.from_dir(self.path)
         self.model = load_model(self.path, dtype=self.dtype, device=device)
         if num_blocks is None:
-            budget = kv_cache_bytes or default_kv_cache_bytes(device)
-            c = self.model.config
-            per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size,
-                                           self.dtype)
-            num_blocks = max(1, budget // per_block)
+            # On CUDA the default budget is a share of what the weights left free.
+            num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode,
                              cuda_graphs=device.type == "cuda" and not enforce_eager, read=read)
@@ -112,24 +171,42 @@ class LLM:
         return weights_kind(self.path)
 
     def _encode(self, prompt) -> list[int]:
+        """A prompt's token ids: a str is tokenized, `{"prompt_token_ids": [...]}` is taken as it is
+        (ints, not bools; the engine checks their range)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not isinstance(prompt, dict):
+            raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        for key in prompt:
+            if key != "prompt_token_ids":
+                raise ValueError(f"{key!r}: not supported (a dict prompt has only 'prompt_token_ids')")
+        ids = prompt.get("prompt_token_ids")
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        for j, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise TypeError(f"prompt_token_ids[{j}]={t!r}: a token id is an int")
+        return list(ids)
 
     def _add_all(self, prompts: list, params) -> list[Sequence]:
-        """Validate every prompt before queueing any, so one bad prompt adds nothing."""
-        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        """Queue every prompt, or none: each is encoded and validated first, and an error names the
+        prompt ("prompt 2: ...")."""
+        params = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        encoded = [self._encode(p) for p in prompts]
-        for i, (ids, p) in enumerate(zip(encoded, params, strict=True)):
+        encoded = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                self.engine.validate_request(ids, p)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        return [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
+                encoded.append(self._encode(prompt))
+                self.engine.validate_request(encoded[-1], p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        return self.engine.add_requests(encoded, params)
+
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if not seq.finished:
+                self.engine.abort_request(seq.request_id)
 
     def _step(self):
         """One engine step; a step that schedules nothing while requests wait can never finish them."""
@@ -143,53 +220,72 @@ class LLM:
         text = self.tokenizer.decode(seq.output_token_ids)
         if seq.stop_text_index is not None:
             text = text[: seq.stop_text_index]
-        completion = CompletionOutput(text, list(seq.output_token_ids), seq.finish_reason)
+        completion = CompletionOutput(text, list(seq.output_token_ids), seq.finish_reason, seq.error)
         return RequestOutput(prompt if isinstance(prompt, str) else None, list(seq.prompt_token_ids), [completion])
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuously batched loop; results in prompt order."""
-        single = isinstance(prompts, (str, dict))
-        prompts = [prompts] if single else list(prompts)
+        """Run every prompt to completion in one continuously batched loop; results in prompt order.
+
+        `prompts` is a str, a `{"prompt_token_ids": [...]}` dict, or a list of them. A bad prompt
+        raises before any is queued. A request that fails while running comes back with
+        finish_reason "error" and its `error`. If the loop itself is interrupted (KeyboardInterrupt
+        or any exception), every request this call added is aborted, returning its blocks, and the
+        exception propagates."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            prompts = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a str, a {{'prompt_token_ids': [...]}} dict, or a list of them, "
+                            f"got {type(prompts).__name__}")
         seqs = self._add_all(prompts, sampling_params)
-        with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while any(not s.finished for s in seqs):
-                bar.update(sum(out.finished for out in self._step()))
+        try:
+            with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while any(not s.finished for s in seqs):
+                    bar.update(sum(out.finished for out in self._step()))
+        finally:
+            self._abort_unfinished(seqs)
         return [self._result(p, s) for p, s in zip(prompts, seqs, strict=True)]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True):
-        """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them."""
-        single = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if single else list(messages)
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in conversations]
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-        return outs
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """`messages` is one conversation (a list of {"role", "content"} dicts) or a list of them.
+        Every conversation is validated (`validate_messages`) before any is queued; with a list of
+        them, an error names the conversation ("conversation 1: messages[0].role: ...")."""
+        several = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], list)
+        conversations = list(messages) if several else [messages]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:  # encode_chat validates the messages first
+                prompts.append({"prompt_token_ids": self.tokenizer.encode_chat(conversation)})
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}" if several else str(e)) from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield one prompt's completion as text deltas, as each token is produced. A list of
-        messages is rendered with the chat template. Closing the iterator aborts the request."""
+        messages is rendered with the chat template (and validated). Closing the iterator, or an
+        exception in the loop, aborts the request; a request that fails while running raises
+        RuntimeError with its error."""
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": self.tokenizer.encode_chat(prompt)}
         (seq,) = self._add_all([prompt], sampling_params)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        # Text that could still become the start of a stop string is held back until it cannot.
-        holdback = max((len(s) - 1 for s in seq.params.stop_strings), default=0)
-        seen = emitted = 0
+        text = TextDeltas(self.tokenizer, seq.params.stop_strings)
+        seen = 0
         try:
             while True:
                 self._step()
-                detok.push(seq.output_token_ids[seen:])
-                seen = len(seq.output_token_ids)
+                new, seen = seq.output_token_ids[seen:], len(seq.output_token_ids)
+                if seq.finish_reason == "error":
+                    raise RuntimeError(seq.error)
+                for i, token in enumerate(new):
+                    last = seq.finished and i == len(new) - 1
+                    delta = text.push(token, last, seq.stop_text_index)
+                    if delta:
+                        yield delta
                 if seq.finished:
-                    detok.finish()
-                    end = len(detok.text) if seq.stop_text_index is None else seq.stop_text_index
-                    if end > emitted:
-                        yield detok.text[emitted:end]
                     return
-                end = len(detok.text) - holdback
-                if end > emitted:
-                    yield detok.text[emitted:end]
-                    emitted = end
         finally:
             if not seq.finished:
                 self.engine.abort_request(seq.request_id)

@@ -10,10 +10,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+# vLLM's floor for a positive temperature. Far below it, dividing fp32 logits of a few tens by the
+# temperature overflows them to inf (from about 1e-37) and the sampler draws from NaN; near it, the
+# draw is already the argmax in all but name.
+MIN_TEMPERATURE = 1e-2
+# torch.Generator.manual_seed takes any int in [-2**63, 2**64) and raises outside it.
+SEED_RANGE = (-(2**63), 2**64)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request is sampled and when it stops. `temperature=0` is greedy."""
+    """How one request is sampled and when it stops. `temperature=0` is greedy.
+
+    Every field is checked here, so a request that constructs cannot fail in the sampler: a bad
+    value raises ValueError("SamplingParams.<field>=<value>: <why>"). A bool is not a number."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -28,21 +46,25 @@ class SamplingParams:
         def bad(name: str, why: str):
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if 0 < t < MIN_TEMPERATURE:
+            raise bad("temperature", f"a positive temperature must be >= {MIN_TEMPERATURE} (below it sampling "
+                                     "degenerates and tiny values overflow the logits); use 0 for greedy")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be an int >= 1, or 0 / -1 to disable")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an int or None")
-        if self.max_tokens is not None and (
-                not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise bad("seed", "must be an int in [-2**63, 2**64) (torch.Generator's range), or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an int >= 1, or None")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be a non-empty string or a list of them")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
         object.__setattr__(self, "stop_strings", tuple(stop))
 
     @property

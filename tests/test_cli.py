@@ -1,5 +1,5 @@
 """`python -m nanolab`: generate and weights on the tiny preset, and how bad input is refused
-(non-zero exit, one clear line on stderr, no traceback)."""
+(exit code 2, one `error:` line on stderr, no traceback)."""
 
 import os
 import subprocess
@@ -7,24 +7,34 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import nanolab.__main__ as cli
 from nanolab.model.config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def nanolab(*args: str) -> subprocess.CompletedProcess:
+def nanolab(*args: str, without: str | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter; `without` names a module made unimportable there."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "nanolab", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    command = [sys.executable, "-m", "nanolab", *args]
+    if without is not None:
+        command = [sys.executable, "-c", f"import sys; sys.modules[{without!r}] = None; "
+                   "from nanolab.__main__ import main; sys.exit(main(sys.argv[1:]))", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 def assert_refused(result: subprocess.CompletedProcess, *needles: str) -> None:
-    assert result.returncode != 0, result.stdout
+    assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
-    assert "error:" in result.stderr
+    (line,) = error_lines(result.stderr)
     for needle in needles:
-        assert needle in result.stderr, result.stderr
+        assert needle in line, result.stderr
 
 
 def test_generate_streams_a_completion() -> None:
@@ -67,3 +77,62 @@ def test_generate_refuses_an_empty_prompt() -> None:
     result = nanolab("generate", "", "--model", "tiny")
     assert_refused(result, "prompt is empty")
     assert not result.stdout.strip()
+
+
+# In-process: main returns the exit code, so these need no interpreter start-up each.
+
+def assert_refused_in_process(capsys, argv: list[str], *needles: str) -> None:
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and not out.strip()
+    (line,) = error_lines(err)
+    for needle in needles:
+        assert needle in line, err
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--temperature", "0.001", "use 0 for greedy"),
+                                               ("--temperature", "nan", "temperature"),
+                                               ("--seed", str(2**64), "SamplingParams.seed"),
+                                               ("--top-k", "-5", "top_k"),
+                                               ("--dtype", "float8", "dtype")])
+def test_generate_refuses_bad_input_in_one_line(capsys, flag: str, value: str, needle: str) -> None:
+    assert_refused_in_process(capsys, ["generate", "hello", "--model", "tiny", flag, value], needle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_generate_refuses_cuda_on_a_machine_without_it(capsys) -> None:
+    assert_refused_in_process(capsys, ["generate", "hello", "--model", "tiny", "--device", "cuda"],
+                              "device='cuda'", "CUDA is not available")
+
+
+def test_generate_and_weights_need_no_lab_extra() -> None:
+    # pandas comes with the lab extra only; the lab's benches say so instead of failing to start.
+    result = nanolab("generate", "hello", "--model", "tiny", "--max-tokens", "3", without="pandas")
+    assert result.returncode == 0, result.stderr
+    assert_refused(nanolab("bench", "--model", "tiny", without="pandas"), "needs the lab extra",
+                   "pip install 'nanolab[lab]'")
+
+
+class FakeLLM:
+    """Stands in for LLM in-process: streams one delta, then raises `error`."""
+
+    error: BaseException
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def stream(self, prompt, params):
+        yield "partial"
+        raise self.error
+
+
+@pytest.mark.parametrize("error,code,line", [(KeyboardInterrupt(), 130, None),
+                                             (RuntimeError("the forward failed:\nboom"), 1,
+                                              "error: the forward failed: boom")])
+def test_generate_ends_cleanly_when_the_run_stops(monkeypatch, capsys, error, code, line) -> None:
+    monkeypatch.setattr(FakeLLM, "error", error, raising=False)
+    monkeypatch.setattr("nanolab.llm.LLM", FakeLLM)
+    assert cli.main(["generate", "hello"]) == code
+    out, err = capsys.readouterr()
+    assert out == "partial\n"  # the half-written line is ended
+    assert error_lines(err) == ([line] if line else []) and "Traceback" not in err

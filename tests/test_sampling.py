@@ -45,7 +45,7 @@ def test_stop_strings_normalise_to_a_tuple() -> None:
     assert SamplingParams(stop="x").stop_strings == ("x",)
     assert SamplingParams(stop=["x", "yz"]).stop_strings == ("x", "yz")
     assert SamplingParams().stop_strings == ()
-    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-3).greedy
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-2).greedy
 
 
 # The sampler.

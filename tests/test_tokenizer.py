@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanolab.engine.detokenizer import TextDeltas
 from nanolab.model.tokenizer import (
     SPECIAL_TOKENS,
-    IncrementalDetokenizer,
     Tokenizer,
     build_byte_tokenizer,
     write_byte_tokenizer,
@@ -88,9 +88,9 @@ def test_synthesized_tokenizer_matches_transformers(tmp_path: Path) -> None:
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer(tok)
-    deltas = [detok.push([i]) for i in ids]
-    return [*deltas, detok.finish()]
+    detok = TextDeltas(tok)
+    deltas = [detok.push(i) for i in ids]
+    return [*deltas, detok.push(None, finished=True)]
 
 
 def test_incremental_detokenizer_holds_back_partial_characters() -> None:
@@ -106,9 +106,9 @@ def test_incremental_detokenizer_holds_back_partial_characters() -> None:
 def test_incremental_detokenizer_flushes_incomplete_bytes() -> None:
     tok = byte_tokenizer()
     ids = tok.encode("ok 中")[:-1]  # cut the last byte of 中
-    detok = IncrementalDetokenizer(tok)
-    assert detok.push(ids) == "ok "
-    assert detok.finish() == "\ufffd"
+    detok = TextDeltas(tok)
+    assert "".join(detok.push(i) for i in ids) == "ok "
+    assert detok.push(None, finished=True) == "\ufffd"
 
 
 @needs_smollm2

@@ -80,6 +80,33 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) 
     (out_dir / "chat_template.jinja").write_text(CHATML_TEMPLATE)
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def validate_messages(messages) -> None:
+    """Raise ValueError naming the message and field unless `messages` is a conversation: a non-empty
+    list of dicts, each with exactly a `role` (one of `CHAT_ROLES`) and a str `content`.
+
+    Errors read `messages[i].role: ...`, `messages[i].content: ...`, `messages[i].<key>: not supported`,
+    or `messages[i]: must be a dict ...`, so an API can hand them to the caller as they are."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages: must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in message:
+            if key not in ("role", "content"):
+                raise ValueError(f"messages[{i}].{key}: not supported (a message has only 'role' and 'content')")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ValueError(f"messages[{i}].{key}: missing")
+        role, content = message["role"], message["content"]
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role: must be one of {', '.join(map(repr, CHAT_ROLES))}, got {role!r:.80}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content: must be a str, got {type(content).__name__}")
+
+
 def _token_string(value: str | dict | None) -> str | None:
     # tokenizer_config.json stores a special token as a string, or as a serialized AddedToken dict.
     return value.get("content") if isinstance(value, dict) else value
@@ -145,46 +172,21 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered by the model's chat template. Raises ValueError for messages
+        `validate_messages` refuses, and for a template that refuses them (`raise_exception`)."""
+        validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("no chat template: no chat_template.jinja, none in tokenizer_config.json")
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template refused the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """`apply_chat_template`'s text as token ids (that validates the messages)."""
         # The template already spells out BOS where the model wants it, so add no specials again.
         text = self.apply_chat_template(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of output ids into text deltas for streaming.
-
-    Each `push` decodes the whole output so far and returns what is new. A trailing U+FFFD is held
-    back: it is usually the first bytes of a multi-byte character whose last byte has not been
-    generated yet, and it will turn into the real character. Decoding everything is O(n^2) in the
-    output length, which is fine at the lengths a notebook streams; vLLM keeps offsets to avoid it.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""  # what has been emitted so far
-
-    def push(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids` and return the text they complete (possibly "")."""
-        self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        return self._emit(full.rstrip("\ufffd"))
-
-    def finish(self) -> str:
-        """Return whatever was held back: replacement characters for bytes that never completed."""
-        return self._emit(self.tokenizer.decode(self.ids, self.skip_special_tokens))
-
-    def _emit(self, stable: str) -> str:
-        assert stable.startswith(self.text), f"decoded text is not append-only: {self.text!r} -> {stable!r}"
-        delta = stable[len(self.text):]
-        self.text += delta
-        return delta

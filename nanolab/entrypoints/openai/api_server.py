@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -279,6 +280,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
 async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
     from nanolab.llm import LLM
+
+    # Two threads share the GIL: the engine loop and this event loop. When one wants it, the
+    # holder keeps it for up to the switch interval (5 ms by default, longer than a decode step),
+    # so a step could wait on a burst of socket writes. 0.2 ms bounds that wait.
+    sys.setswitchinterval(2e-4)
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, read=args.read)

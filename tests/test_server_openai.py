@@ -1,0 +1,153 @@
+"""Same bytes through the socket: the real server (`python -m nanolab serve`, a subprocess on a
+free port) driven by the official `openai` client gives the greedy text `LLM.generate` gives, for
+completions and chat, streamed and whole, with requests joining mid-flight, on the reference read
+and on the streamed one. SIGTERM with a request in flight aborts it, and the server exits cleanly
+with every block free."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import needs_smollm2
+
+from nanolab import LLM, SamplingParams
+
+openai = pytest.importorskip("openai", reason="the openai client is installed by scripts/setup.sh")
+
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "The three primary colors are"]
+CHATS = [[{"role": "user", "content": "What is the capital of Italy?"}],
+         [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."}]]
+
+
+class Server:
+    """`python -m nanolab serve` on a port the OS picks; its log is collected as it runs."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanolab", "serve", "--model", MODEL, "--device", "cpu",
+                                      "--port", "0", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     text=True, env=env)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        started = threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip())
+                match = re.search(r"serving \S+ at (http://\S+)", line)
+                if match:
+                    self.url = match.group(1)
+                    started.set()
+            started.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not started.wait(180) or self.url is None:
+            self.proc.kill()
+            raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-20:]))
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(60)
+        time.sleep(0.1)  # let the reader thread take the last lines
+        return code
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+def complete(client, prompt, stream: bool, max_tokens: int) -> str:
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    chunks = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def chat(client, messages, stream: bool, max_tokens: int) -> str:
+    kw = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(**kw, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def expected(read: str, max_tokens: int, prompts, chats) -> tuple[list[str], list[str]]:
+    llm = LLM(MODEL, device="cpu", read=read, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return ([o.text for o in llm.generate(prompts, params, use_tqdm=False)],
+            [o.text for o in llm.chat(chats, params, use_tqdm=False)])
+
+
+def assert_clean_exit(server: Server, aborted: int = 0) -> None:
+    assert server.stop() == 0, server.log
+    match = re.search(r"stopped \((\d+) requests aborted; (\d+) of (\d+) KV blocks free\)", server.log)
+    assert match, server.log
+    assert int(match.group(1)) == aborted and match.group(2) == match.group(3), server.log
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_same_text_through_the_socket_reference_read():
+    want_prompts, want_chats = expected("reference", 12, PROMPTS, CHATS)
+    server = Server("--read", "reference")
+    try:
+        client = server.client
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        # The first stream runs while the others join it mid-flight.
+        with ThreadPoolExecutor(12) as pool:
+            first = pool.submit(complete, client, PROMPTS[0], True, 12)
+            time.sleep(0.3)
+            jobs = [(want_prompts[i], pool.submit(complete, client, p, stream, 12))
+                    for stream in (False, True) for i, p in enumerate(PROMPTS)]
+            jobs += [(want_chats[i], pool.submit(chat, client, m, stream, 12))
+                     for stream in (False, True) for i, m in enumerate(CHATS)]
+            assert first.result() == want_prompts[0]
+            for want, job in jobs:
+                assert job.result() == want
+    finally:
+        assert_clean_exit(server)
+    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 13  # one log line per request
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_same_text_through_the_socket_streamed_read():
+    """The streamed Triton read (in the interpreter on a CPU: slow, so two short requests)."""
+    want_prompts, want_chats = expected("streamed", 3, PROMPTS[:1], CHATS[:1])
+    server = Server("--read", "streamed")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            text = pool.submit(complete, server.client, PROMPTS[0], True, 3)
+            reply = pool.submit(chat, server.client, CHATS[0], False, 3)
+            assert text.result() == want_prompts[0] and reply.result() == want_chats[0]
+    finally:
+        assert_clean_exit(server)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_sigterm_aborts_what_is_in_flight_and_frees_every_block():
+    server = Server("--read", "reference", "--shutdown-timeout", "0", "--api-key", "k")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    chunks = client.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=2000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(chunks))
+    assert first.choices[0].finish_reason is None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    server.proc.send_signal(signal.SIGTERM)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "abort"
+    assert_clean_exit(server, aborted=1)

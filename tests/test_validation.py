@@ -1,0 +1,241 @@
+"""Bad input is refused up front with an error that names the field, and loses nothing: SamplingParams
+edge cases, chat messages, `LLM`'s constructor arguments and prompts, all-or-nothing batches, an
+interrupted `generate`, and a request that fails while running."""
+
+from functools import cache
+
+import pytest
+import torch
+
+from nanolab import LLM, SamplingParams
+from nanolab.model.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, Tokenizer, build_byte_tokenizer, validate_messages
+from nanolab.sampling import MIN_TEMPERATURE, sample
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [72, 101, 108, 108, 111]}, {"prompt_token_ids": [7, 300, 12, 5, 99, 41, 3]},
+           {"prompt_token_ids": [250, 251]}]
+
+
+# SamplingParams: what would fail later in the sampler or the generator fails here.
+
+REFUSED = [
+    ("temperature", True), ("temperature", 1e-3), ("temperature", MIN_TEMPERATURE / 2), ("temperature", 1e-40),
+    ("temperature", 5e-324),
+    ("top_p", True), ("top_k", False), ("max_tokens", True),
+    ("seed", 2**64), ("seed", -(2**63) - 1), ("seed", 10**30),
+    ("stop", 0), ("stop", {"a"}), ("stop", ("a", "")), ("stop", b"ab"),
+    ("ignore_eos", 1), ("ignore_eos", 0), ("ignore_eos", "yes"), ("ignore_eos", None),
+]
+
+
+@pytest.mark.parametrize("field,value", REFUSED, ids=[f"{f}={v!r}" for f, v in REFUSED])
+def test_sampling_params_refuse_naming_the_field(field: str, value) -> None:
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_a_tiny_temperature_points_to_greedy() -> None:
+    with pytest.raises(ValueError, match="use 0 for greedy"):
+        SamplingParams(temperature=1e-3)
+
+
+def test_the_seed_range_is_torch_generators() -> None:
+    # The edges SamplingParams accepts are exactly the ones manual_seed accepts.
+    for seed in (2**64 - 1, -(2**63)):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises((ValueError, RuntimeError, OverflowError)):
+            torch.Generator().manual_seed(seed)
+        with pytest.raises(ValueError, match=r"^SamplingParams\.seed="):
+            SamplingParams(seed=seed)
+
+
+def test_the_smallest_temperature_samples_finite_tokens() -> None:
+    # fp32 logits as large as a model produces, at the smallest temperature accepted.
+    logits = torch.randn((8, 1000), generator=torch.Generator().manual_seed(0)) * 50
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    tokens = sample(logits, [SamplingParams(temperature=MIN_TEMPERATURE)] * 8, gens)
+    assert all(0 <= t < 1000 for t in tokens)
+    # Far below the floor the division overflows and the draw fails: what the floor guards against.
+    with pytest.raises(RuntimeError):
+        torch.multinomial((logits[0] / 1e-40).softmax(-1), 1)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": MIN_TEMPERATURE}, {"stop": ("a", "bc")}, {"ignore_eos": True},
+                                    {"seed": 2**64 - 1}, {"top_p": 1e-9}])
+def test_edge_values_that_work_are_accepted(kwargs) -> None:
+    SamplingParams(**kwargs)
+
+
+# Chat messages.
+
+GOOD_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                 {"role": "assistant", "content": ""}]
+BAD_MESSAGES = [
+    ("not a list", "hello", r"^messages: must be a non-empty list"),
+    ("empty", [], r"^messages: must be a non-empty list"),
+    ("a string message", [GOOD_MESSAGES[0], "hi"], r"^messages\[1\]: must be a dict with 'role' and 'content'"),
+    ("no role", [{"content": "x"}], r"^messages\[0\]\.role: missing"),
+    ("no content", [GOOD_MESSAGES[0], {"role": "user"}], r"^messages\[1\]\.content: missing"),
+    ("unknown role", [{"role": "bot", "content": "x"}], r"^messages\[0\]\.role: must be one of"),
+    ("role not a str", [{"role": 1, "content": "x"}], r"^messages\[0\]\.role: must be one of"),
+    ("content None", [{"role": "user", "content": None}], r"^messages\[0\]\.content: must be a str"),
+    ("content a list", [{"role": "user", "content": ["x"]}], r"^messages\[0\]\.content: must be a str"),
+    ("extra key", [*GOOD_MESSAGES, {"role": "user", "content": "x", "name": "bob"}],
+     r"^messages\[3\]\.name: not supported"),
+]
+
+
+@cache
+def chatml_tokenizer() -> Tokenizer:
+    return Tokenizer(build_byte_tokenizer(512), CHATML_TEMPLATE, SPECIAL_TOKENS[1], SPECIAL_TOKENS[2])
+
+
+def test_good_messages_pass() -> None:
+    validate_messages(GOOD_MESSAGES)
+
+
+@pytest.mark.parametrize("messages,match", [b[1:] for b in BAD_MESSAGES], ids=[b[0] for b in BAD_MESSAGES])
+def test_bad_messages_name_the_message_and_field(messages, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate_messages(messages)
+    with pytest.raises(ValueError, match=match):
+        chatml_tokenizer().encode_chat(messages)
+
+
+def test_a_template_that_refuses_is_a_value_error() -> None:
+    tok = Tokenizer(build_byte_tokenizer(512), "{{ raise_exception('no system role here') }}", None, None)
+    with pytest.raises(ValueError, match="no system role here"):
+        tok.apply_chat_template(GOOD_MESSAGES)
+
+
+# LLM's constructor: every argument is checked before any weights are read.
+
+BAD_ARGS = [
+    ("block_size", 0), ("block_size", True), ("block_size", 16.0), ("max_num_seqs", 0), ("max_num_seqs", False),
+    ("max_model_len", 1), ("max_model_len", True), ("num_blocks", 0), ("num_blocks", -3), ("num_blocks", True),
+    ("kv_cache_bytes", 0), ("kv_cache_bytes", 1.5), ("enforce_eager", 1), ("enforce_eager", "no"),
+    ("read", "fast"), ("read", None), ("device", "gpu"), ("device", "meta"), ("device", 0), ("device", "cuda:x"),
+]
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if LLM gets as far as finding the weights."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were looked up before the arguments were checked")
+
+    monkeypatch.setattr("nanolab.llm.resolve_weights", refuse)
+
+
+@pytest.mark.parametrize("field,value", BAD_ARGS, ids=[f"{f}={v!r}" for f, v in BAD_ARGS])
+def test_llm_refuses_bad_arguments_before_loading(no_weights, field: str, value) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        LLM("smollm2-135m", **{field: value})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
+def test_cuda_without_cuda_names_the_device(no_weights, device) -> None:
+    with pytest.raises(ValueError, match=r"^device='cuda(:0)?': CUDA is not available on this machine"):
+        LLM("smollm2-135m", device=device)
+
+
+def test_a_kv_budget_smaller_than_a_block_is_refused(tiny_path) -> None:
+    with pytest.raises(ValueError, match=r"^kv_cache_bytes=100: holds no block"):
+        LLM("tiny", device="cpu", kv_cache_bytes=100)
+
+
+# LLM at run time, on the sharp GQA model (whose greedy tokens change if the cache is read wrong).
+
+@pytest.fixture(scope="module")
+def llm(sharp_gqa24):
+    return LLM(str(sharp_gqa24.path), device="cpu", dtype="float32", num_blocks=64, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request left, every block and row back in the pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.allocator.num_free == engine.block_manager.num_blocks
+    assert engine.block_manager.free_row_count() == engine.block_manager.max_rows
+
+
+@pytest.mark.parametrize("batch,params,error,match", [
+    (["fine", ""], GREEDY, ValueError, r"^prompt 1: the prompt is empty"),
+    (["fine", {"prompt_token_ids": [1, True]}], GREEDY, TypeError, r"^prompt 1: prompt_token_ids\[1\]=True"),
+    (["fine", {"prompt_token_ids": [1, 99999]}], GREEDY, ValueError, r"^prompt 1: prompt token ids must be ints"),
+    (["fine", {"prompt_token_ids": "abc"}], GREEDY, TypeError, r"^prompt 1: prompt_token_ids must be a list"),
+    (["fine", {"prompt": "x"}], GREEDY, ValueError, r"^prompt 1: 'prompt': not supported"),
+    (["fine", 7], GREEDY, TypeError, r"^prompt 1: a prompt is a str"),
+    (["fine", "also fine"], [GREEDY, {"temperature": 0}], TypeError, r"^prompt 1: params must be SamplingParams"),
+    (["fine", "also fine"], [GREEDY], ValueError, "2 prompts but 1 SamplingParams"),
+], ids=["empty", "bool id", "id range", "ids a str", "unknown key", "not a prompt", "bad params", "count"])
+def test_a_batch_with_one_bad_request_adds_nothing(llm, batch, params, error, match) -> None:
+    with pytest.raises(error, match=match):
+        llm.generate(batch, params, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_prompts_of_the_wrong_type_are_refused(llm) -> None:
+    with pytest.raises(TypeError, match="prompts must be"):
+        llm.generate(5, GREEDY, use_tqdm=False)
+
+
+def test_interrupted_generate_aborts_its_requests(llm, expected, monkeypatch) -> None:
+    real_step, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:  # after the prefill and a decode step, with blocks held
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(calls) == 3
+    monkeypatch.undo()
+    assert_idle(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_a_failed_request_comes_back_with_its_error(llm, expected, monkeypatch) -> None:
+    real_sampler = llm.engine.sampler
+
+    def sampler(logits, params, generators):
+        if any(p.seed == 13 for p in params):
+            raise RuntimeError("injected sampler failure")
+        return real_sampler(logits, params, generators)
+
+    monkeypatch.setattr(llm.engine, "sampler", sampler)
+    doomed = SamplingParams(temperature=1.0, seed=13, max_tokens=12)
+    outs = llm.generate(PROMPTS, [GREEDY, doomed, GREEDY], use_tqdm=False)
+    assert outs[1].finish_reason == "error" and "injected sampler failure" in outs[1].error
+    assert outs[1].outputs[0].error == outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == [expected[0], expected[2]]
+    assert outs[0].error is None and outs[0].finish_reason == "length"
+    assert_idle(llm)
+    with pytest.raises(RuntimeError, match="injected sampler failure"):
+        list(llm.stream(PROMPTS[0], doomed))
+    assert_idle(llm)
+
+
+def test_chat_names_the_conversation(llm) -> None:
+    good = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"^conversation 1: messages\[0\]\.role: must be one of"):
+        llm.chat([good, [{"role": "robot", "content": "x"}]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.content: must be a str"):
+        llm.chat([*good, {"role": "user", "content": 5}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.role: missing"):
+        list(llm.stream([{"content": "x"}], GREEDY))
+    assert_idle(llm)
+    outs = llm.chat([good, good], GREEDY, use_tqdm=False)
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == GREEDY.max_tokens
