@@ -136,3 +136,12 @@ def test_generate_ends_cleanly_when_the_run_stops(monkeypatch, capsys, error, co
     out, err = capsys.readouterr()
     assert out == "partial\n"  # the half-written line is ended
     assert error_lines(err) == ([line] if line else []) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,needle", [(["--device", "cuda"], "device"), (["--port", "99999"], "--port"),
+                                         (["--max-num-seqs", "0"], "max_num_seqs"),
+                                         (["--model", "no-such-preset"], "no-such-preset")])
+def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> None:
+    if args[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
