@@ -157,6 +157,10 @@ class LLM:
         if num_blocks is None:
             # On CUDA the default budget is a share of what the weights left free.
             num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
+        if max_model_len is None:
+            # As vLLM does, the context is what the pool can hold: a request that could grow past
+            # the pool is refused, so a larger context would refuse every request without max_tokens.
+            max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode,
                              cuda_graphs=device.type == "cuda" and not enforce_eager, read=read)

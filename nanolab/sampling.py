@@ -98,6 +98,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token once the mass before it already reaches top_p; the first always stays.
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
+        drop[0] = False  # the most likely token always stays (a top_p below fp32's smallest number is 0)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[0]

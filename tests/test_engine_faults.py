@@ -289,3 +289,31 @@ def test_online_engine_reports_a_dead_loop(tiny_model):
     assert engine.block_manager.allocator.num_free == 16
     with pytest.raises(RuntimeError, match="not running"):
         llm.add_request([5], SamplingParams())
+
+
+def test_a_failed_batch_leaves_seeded_draws_alone(sharp_gqa24):
+    """The batch sampler draws for every row before one row fails; the row-by-row retry must give
+    the seeded request the draw it makes alone, not the next one."""
+    model = sharp_gqa24.model
+    poisoned: set[int] = set()
+
+    def sampler(logits, params, generators):
+        tokens = sample(logits, params, generators)  # every generator moves on
+        if any(id(p) in poisoned for p in params):
+            raise Poisoned("after drawing")
+        return tokens
+
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    solo = Engine(model, num_blocks=64, block_size=BLOCK)
+    alone_seq = solo.add_request([5, 6, 7], seeded)
+    for _ in bounded(solo.has_unfinished_requests):
+        solo.step()
+
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=sampler)
+    bad = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    poisoned.add(id(bad))
+    seq, failed = engine.add_requests([[5, 6, 7], [9, 10]], [seeded, bad])
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert failed.finish_reason == "error"
+    assert seq.output_token_ids == alone_seq.output_token_ids

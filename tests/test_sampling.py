@@ -171,3 +171,10 @@ def test_seeded_request_does_not_depend_on_its_batch() -> None:
     # Joining later, after the others have drawn from their own generators, changes nothing either.
     late = run(neighbours + [SEEDED], late=1)
     assert late[3] == alone
+
+
+def test_a_top_p_below_fp32s_smallest_number_keeps_the_top_token() -> None:
+    """1e-46 rounds to 0 in fp32: the first sorted token must stay, or every logit is -inf."""
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    params = SamplingParams(temperature=1.0, top_p=1e-46, seed=0)
+    assert sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]

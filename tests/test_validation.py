@@ -239,3 +239,12 @@ def test_chat_names_the_conversation(llm) -> None:
     assert_idle(llm)
     outs = llm.chat([good, good], GREEDY, use_tqdm=False)
     assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_the_context_is_what_the_pool_holds() -> None:
+    """A pool smaller than the model's context caps it, so a request without max_tokens is not
+    refused for a context the pool could never hold."""
+    llm = LLM("tiny", device="cpu", num_blocks=8, block_size=16)
+    assert llm.engine.max_model_len == 128
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert out[0].finish_reason == "length" and len(out[0].prompt_token_ids) + len(out[0].token_ids) == 128

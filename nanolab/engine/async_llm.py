@@ -154,11 +154,11 @@ class AsyncLLM:
         self._streams.discard(stream)
         self._inbox.put(("abort", stream))
 
-    async def drain(self, timeout: float) -> int:
-        """Wait up to `timeout` seconds for the unfinished requests to end, then abort the rest;
-        return how many were aborted."""
+    async def drain(self, timeout: float, force: asyncio.Event | None = None) -> int:
+        """Wait up to `timeout` seconds (or until `force` is set) for the unfinished requests to
+        end, then abort the rest; return how many were aborted."""
         deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and not (force is not None and force.is_set()):
             await asyncio.sleep(0.02)
         left = list(self._streams)
         for stream in left:

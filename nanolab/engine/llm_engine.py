@@ -180,6 +180,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
+        self.last_step = None
         seqs, prefill = self.scheduler.schedule()
         if not seqs:
             return []
@@ -208,11 +209,15 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """One token per row, or the exception that row's sampling raised. The whole batch is
-        sampled at once; only when that raises is each row sampled alone, to find the culprits."""
+        sampled at once; only when that raises is each row sampled alone, to find the culprits. A
+        seeded row's generator is put back first, so its draw is the one it would have made."""
+        states = [None if s.generator is None else s.generator.get_state() for s in seqs]
         try:
             return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         except Exception:  # retried row by row below
-            pass
+            for seq, state in zip(seqs, states):
+                if state is not None:
+                    seq.generator.set_state(state)
         tokens: list[int | Exception] = []
         for i, seq in enumerate(seqs):
             try:

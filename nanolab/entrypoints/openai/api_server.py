@@ -26,6 +26,8 @@ import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from nanolab.engine.async_llm import AsyncLLM, RequestStream
 from nanolab.engine.detokenizer import TextDeltas
@@ -35,7 +37,7 @@ from nanolab.entrypoints.openai.protocol import APIError, CompletionRequest, err
 log = logging.getLogger("nanolab.server")
 
 API_KEY_ENV = "NANOLAB_API_KEY"
-ASYNC_LLM = web.AppKey("async_llm", AsyncLLM)
+SERVING = web.AppKey("serving", object)  # the OpenAIServing behind the routes
 SUMMARY = web.RequestKey("summary", str)  # what the request's log line says about it
 
 
@@ -79,8 +81,9 @@ def _auth(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
         if api_key is not None and request.path != "/health":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            # A header that is not valid UTF-8 arrives surrogate-escaped; it compares as bytes.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
                 raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
                                type="authentication_error", code="invalid_api_key")
         return await handler(request)
@@ -100,6 +103,8 @@ class OpenAIServing:
     async def health(self, request: web.Request) -> web.Response:
         if self.async_llm.dead is not None:
             return _json_error(503, f"the engine is not running: {self.async_llm.dead}", "service_unavailable")
+        if self.draining:
+            return _json_error(503, "the server is shutting down", "service_unavailable")
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -114,18 +119,31 @@ class OpenAIServing:
         return await self._serve(request, chat=True)
 
     async def _body(self, request: web.Request):
-        raw = await request.read()  # raises 413 past client_max_size
+        try:
+            raw = await request.read()  # raises 413 past client_max_size
+        except (HttpProcessingError, RequestPayloadError) as e:  # a body that does not decode or ends early
+            raise APIError(400, f"the request body could not be read: {e}") from None
         try:
             return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, a 5,000-digit number, deep nesting
+            raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
     def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
+        # Encoding holds the GIL, which the engine thread needs too: text far longer than any
+        # prompt the context can take (more than 16 characters a token) is refused unencoded.
+        limit = 16 * self.llm.engine.max_model_len
         if req.chat:
+            if sum(len(m.get("content") or "") for m in req.messages if isinstance(m, dict)
+                   and isinstance(m.get("content"), str)) > limit:
+                raise APIError(400, f"the messages are longer than the model's context ({limit} characters is "
+                                    "the most the server encodes)", param="messages")
             try:
                 return [self.tokenizer.encode_chat(req.messages)]
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
+        if any(isinstance(p, str) and len(p) > limit for p in req.prompts):
+            raise APIError(400, f"the prompt is longer than the model's context ({limit} characters is the most "
+                                "the server encodes)", param="prompt")
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
     def _admit(self, req: CompletionRequest) -> list[RequestStream]:
@@ -134,7 +152,8 @@ class OpenAIServing:
                            headers={"Retry-After": "5"})
         if self.async_llm.dead is not None:
             raise APIError(503, f"the engine is not running: {self.async_llm.dead}", type="service_unavailable")
-        if self.async_llm.num_waiting >= self.async_llm.max_waiting:
+        count = len(req.prompts) if req.prompts is not None else 1
+        if self.async_llm.num_waiting + count > self.async_llm.max_waiting:
             raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
                            type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
         prompts = self._token_ids(req)
@@ -161,6 +180,9 @@ class OpenAIServing:
             if req.stream:
                 return await self._stream(request, req, rid, streams)
             return await self._whole(request, req, rid, streams)
+        except ConnectionResetError:  # the client left mid-stream: its requests are aborted below
+            request[SUMMARY] = "client disconnected"
+            raise asyncio.CancelledError from None
         finally:
             for s in streams:
                 self.async_llm.abort(s)  # a no-op for a finished request
@@ -195,6 +217,8 @@ class OpenAIServing:
                 await response.write(_sse(err))
                 break
             text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
+            if not text and delta.finish_reason is None:
+                continue  # held back (an incomplete character, a possible stop string): nothing to send yet
             body = protocol.chunk(rid, self.model_name, req.chat, created, index, text, delta.finish_reason,
                                   role=req.chat and first[index])
             first[index] = False
@@ -241,7 +265,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
 
 def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> web.Application:
     app = web.Application(middlewares=[_errors_and_log, _auth(api_key)], client_max_size=max_body_bytes)
-    app[ASYNC_LLM] = serving.async_llm
+    app[SERVING] = serving
     app.router.add_get("/health", serving.health)
     app.router.add_get("/v1/models", serving.models)
     app.router.add_post("/v1/completions", serving.completions)
@@ -292,15 +316,21 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     serving = OpenAIServing(llm, async_llm, args.served_model_name or args.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(serving, api_key=api_key)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # The drain below ends every request before the runner stops, so the runner's own wait for
+    # handlers (60 s by default, spent twice for a client that stops reading) only has sockets to close.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     async_llm.start()
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains; a second aborts what is left at once
+        (force if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     port = site._server.sockets[0].getsockname()[1]
     engine = llm.engine
     log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %d KV blocks%s)",
@@ -314,7 +344,7 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     serving.draining = True
     log.info("nanolab: shutting down: %d requests in flight get %.0f s to finish", async_llm.num_unfinished,
              args.shutdown_timeout)
-    aborted = await async_llm.drain(args.shutdown_timeout)
+    aborted = await async_llm.drain(args.shutdown_timeout, force)
     await runner.cleanup()
     await async_llm.shutdown()
     free, total = engine.block_manager.allocator.num_free, engine.block_manager.num_blocks

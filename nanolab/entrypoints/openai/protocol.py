@@ -64,6 +64,21 @@ _UNSUPPORTED = {
 }
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+def _text(v) -> bool:
+    """A str that encodes (JSON can carry lone surrogates such as "\\ud800"; no tokenizer takes them)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -84,17 +99,17 @@ def _field(body: dict, name: str, ok, what: str, default=None):
 
 def _prompts(value) -> list[str | list[int]]:
     """OpenAI's prompt shapes: a string, a list of strings, a list of token ids, or a list of those."""
-    if isinstance(value, str):
+    if _text(value):
         return [value]
     if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value):
+        if all(_text(p) for p in value):
             return list(value)
         if all(_is_int(t) for t in value):
             return [list(value)]
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
             return [list(p) for p in value]
-    raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
-                        "token-id lists, and not empty", param="prompt")
+    raise APIError(400, "'prompt' must be a string (valid Unicode), a list of strings, a list of token ids, or a "
+                        "list of token-id lists, and not empty", param="prompt")
 
 
 def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
@@ -118,7 +133,7 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
     if options is not None:
         if not stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
-        unknown = set(options) - {"include_usage", "continuous_usage_stats"}
+        unknown = set(options) - {"include_usage"}
         if unknown:
             raise APIError(400, f"'stream_options' has unknown keys {sorted(unknown)}", param="stream_options")
         include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
@@ -131,6 +146,12 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         max_tokens = 16  # OpenAI's completions default; chat runs to EOS or the context
     stop = _field(body, "stop", lambda v: isinstance(v, str) and v or isinstance(v, list) and all(
         isinstance(s, str) and s for s in v), "a non-empty string or a list of them")
+    # The engine searches the output for every stop string at every step: a bounded list keeps that
+    # cheap (OpenAI allows 4).
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS or any(
+            len(s) > MAX_STOP_LENGTH for s in ([stop] if isinstance(stop, str) else stop or [])):
+        raise APIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
+                            "characters", param="stop")
     try:
         params = SamplingParams(
             temperature=_field(body, "temperature", _is_number, "a number", 1.0),
@@ -149,6 +170,9 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
                            param="messages")
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and isinstance(m.get("content"), str) and not _text(m["content"]):
+                raise APIError(400, f"messages[{i}].content: not valid Unicode (a lone surrogate)", param="messages")
         return CompletionRequest(True, params, stream, include_usage, messages=messages)
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
