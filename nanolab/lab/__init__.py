@@ -10,6 +10,7 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `plots`: one module of figures per chapter
 - `history`: the unplanned decode (Days 49 and 50's "before"), as a runner the engine accepts
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
+- `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
 """
 
 import importlib
@@ -24,9 +25,13 @@ _EXPORTS = {
                           "spread_lengths", "streambench_table", "streamed_work", "streamed_workspace_bytes",
                           "workspace_bytes"],
     "nanolab.lab.decodebench": ["decode_table"],
+    "nanolab.lab.graphbench": ["SLO", "SLOS", "WORKLOADS", "Workload", "capture_batch_sizes", "check_compaction",
+                               "check_requests", "graphbench_ratios", "graphbench_stems", "request_plan",
+                               "run_graphbench", "serving_metrics"],
     "nanolab.lab.history": ["unplanned_runner"],
     "nanolab.lab.plots": ["plot_block_tables", "plot_capture_buckets", "plot_decode_plan", "plot_decode_speed",
                           "plot_launch_sweep", "plot_streamed_engine", "plot_streamed_read"],
+    "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.report": ["chapter_run", "chapter_target", "committed_tables", "figure_path", "load_table",
                            "run_label", "save_figure", "save_table", "show", "table_label"],

@@ -210,6 +210,7 @@ class OpenAIServing:
         await response.prepare(request)
         created = int(time.time())
         texts = [TextDeltas(self.tokenizer, req.params.stop_strings) for _ in streams]
+        chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created)
         first = [True] * len(streams)
         async for index, delta in _merge(streams):
             if delta.finish_reason == "error":
@@ -217,12 +218,10 @@ class OpenAIServing:
                 await response.write(_sse(err))
                 break
             text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
-            if not text and delta.finish_reason is None:
-                continue  # held back (an incomplete character, a possible stop string): nothing to send yet
-            body = protocol.chunk(rid, self.model_name, req.chat, created, index, text, delta.finish_reason,
-                                  role=req.chat and first[index])
+            # One chunk per token, its text possibly "" (an incomplete character, or text that may
+            # start a stop string, is held back): a client timing chunks times tokens.
+            await response.write(chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index]))
             first[index] = False
-            await response.write(_sse(body))
         if req.include_usage:
             use = protocol.usage(sum(len(s.prompt_token_ids) for s in streams),
                                  sum(len(s.output_token_ids) for s in streams))

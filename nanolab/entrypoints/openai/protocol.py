@@ -8,6 +8,7 @@ is a 400 and never a 500. Field names, defaults and shapes follow OpenAI's API a
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -203,16 +204,25 @@ def completion(rid: str, model: str, chat: bool, choices: list[tuple[str, str | 
             "model": model, "choices": body, "usage": use}
 
 
-def chunk(rid: str, model: str, chat: bool, created: int, index: int, text: str, finish_reason: str | None,
-          role: bool = False) -> dict:
-    """One streamed chunk: one choice's new text. The first chat chunk also carries the role."""
-    if chat:
-        delta = {"role": "assistant", "content": text} if role else {"content": text}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [choice]}
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+class ChunkEncoder:
+    """A stream's chunks as SSE events, one choice's new text each; the first chat chunk also
+    carries the role. The fields fixed for the request are serialized once: a chunk goes out per
+    token per request, on the same interpreter as the engine loop."""
+
+    def __init__(self, rid: str, model: str, chat: bool, created: int) -> None:
+        self.chat = chat
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": model}
+        self._head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":[{"index":'
+
+    def encode(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> bytes:
+        if self.chat:
+            body = (',"delta":{"role":"assistant","content":' if role else ',"delta":{"content":') \
+                + json.dumps(text) + "}"
+        else:
+            body = ',"text":' + json.dumps(text)
+        return (self._head + str(index) + body + ',"logprobs":null,"finish_reason":' + json.dumps(finish_reason)
+                + "}]}\n\n").encode()
 
 
 def usage_chunk(rid: str, model: str, chat: bool, created: int, use: dict) -> dict:

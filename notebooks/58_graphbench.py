@@ -1,0 +1,307 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Day 58: graphbench, the server under load
+#
+# Days 54 and 56 made a decode step one CUDA graph replay, and timed it offline: one process, a
+# fixed batch, every request the same length. A server is different in three ways. Requests arrive
+# when they like. They finish at different lengths, so the batch shrinks and grows from one step
+# to the next. Every token also crosses the engine loop, a detokenizer, an HTTP response and
+# loopback before a client sees it. This chapter asks whether the graphs' gain survives all that,
+# and what the server adds to a step.
+#
+# `python -m nanolab graphbench` (`nanolab.lab.graphbench`) measures it. It starts the real server,
+# `python -m nanolab serve`, once per arm:
+#
+# - **graphs**: the default on CUDA, where decode steps replay the captured buckets;
+# - **eager**: `--enforce-eager`, where every step launches its kernels one by one.
+#
+# An async client on aiohttp then sends seeded Poisson arrivals over loopback. It starts at the
+# seed's rates of 1, 2, 4 and 8 requests/s, then doubles the rate until the server saturates. The
+# numbers use the definitions of vLLM's `bench serve`, timed with `time.perf_counter` in the client:
+#
+# - **TTFT**: the first streamed chunk's arrival minus the request's send time.
+# - **TPOT**: (latency - TTFT) / (output tokens - 1), per request. Latency runs to the last chunk.
+# - **ITL**: the gaps between consecutive streamed chunks, pooled over every request. The server
+#   streams one chunk per token. A token whose text is not yet a whole character still gets its
+#   chunk, with empty text; random token ids produce plenty of those. So ITL here is the time
+#   between tokens, and the `chunk_shortfall` column, tokens that arrived without a chunk of
+#   their own, stays 0.
+# - **Throughput**: completed requests and their output tokens over the rate's duration, from the
+#   first send to the last response.
+# - **Goodput**: requests per second that meet every SLO.
+#
+# A rate is **saturated** when the server takes requests in more slowly than they arrive. Under
+# continuous batching a request's first token comes when the server admits it. So the test
+# (`sustained_rates`) compares the central 80% of first-token times with the central 80% of send
+# times, and fails a rate whose intake is under 0.9x the offered rate. Finish times look like the
+# obvious choice, but they carry the spread of output lengths. At 2 requests/s, with 32 to 256 new
+# tokens at 10 ms a token, 16 requests' finish times read as saturated about one run in three.
+# The first tokens of a server that keeps up follow the sends within a prefill, whatever the
+# lengths. A rate with fewer than 4 requests gets no verdict.
+#
+# The server writes a step log with one JSON line per engine step: the live rows, the batch the
+# forward ran at, and whether a graph replayed. Sliced by each rate's time window, it shows **row
+# compaction**. As requests finish, the live rows fall, and each decode step runs at the smallest
+# capture bucket that holds them, never at the bucket of the batch it used to be.
+
+# %%
+import pandas as pd
+
+from nanolab import ModelConfig
+from nanolab.lab import (
+    SLOS,
+    WORKLOADS,
+    Workload,
+    capture_batch_sizes,
+    chapter_run,
+    check_compaction,
+    check_requests,
+    figure_path,
+    graphbench_ratios,
+    graphbench_stems,
+    load_table,
+    plot_graphbench,
+    plot_row_compaction,
+    request_plan,
+    run_graphbench,
+    save_figure,
+    save_table,
+    show,
+    table_label,
+)
+from nanolab.lab.graphbench import SEED_RATES
+
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+ON_GPU = DEVICE.type == "cuda"
+ARMS = ("graphs", "eager") if ON_GPU else ("eager",)  # a CPU has no CUDA graphs: the eager arm alone
+BATCH_SIZES = capture_batch_sizes(64)
+print(label.caption())
+
+# %% [markdown]
+# ## The workload and the SLO
+#
+# Prompts are random token ids, so their lengths are exact, and every request streams with
+# `temperature=0` and `ignore_eos`, so it produces exactly the tokens it asked for. Lengths are
+# uniform, and the same seed gives every arm the same plan at a rate.
+#
+# - **H200** (Llama-3.2-1B shapes, random weights, bf16): prompts of 64 to 512 tokens and 32 to 256
+#   new tokens. Each rate gets 8 s of arrivals, with at least 16 requests and at most 512. The SLO
+#   is a first token within 250 ms, then at most 15 ms a token, about 67 tokens/s for each user.
+# - **CPU** (SmolLM2-135M, fp32, two cores): prompts of 16 to 64 tokens and 8 to 24 new tokens, 2.5
+#   s of arrivals a rate, 4 to 16 requests. The SLO is 2 s to the first token and at most 150 ms a
+#   token.
+#
+# The spread of output lengths is deliberate. With outputs from 32 to 256 tokens, requests that
+# arrive together leave at very different times, and that is what row compaction has to handle.
+
+# %%
+for kind in ("cuda", "cpu"):
+    w, s = WORKLOADS[kind], SLOS[kind]
+    print(f"{kind}: prompts U{list(w.prompt_len)}, outputs U{list(w.output_len)} tokens; "
+          f"{w.duration_s:g} s a rate, {w.min_requests} to {w.max_requests} requests; "
+          f"SLO TTFT <= {s.ttft_ms:g} ms, TPOT <= {s.tpot_ms:g} ms")
+
+# On the GPU the chapter's own run is short (the full one is the CLI's, below); on a CPU it is the CPU workload.
+WORKLOAD = Workload((64, 512), (32, 256), duration_s=3.0, min_requests=8, max_requests=64) if ON_GPU \
+    else WORKLOADS["cpu"]
+SLO_HERE = SLOS[DEVICE.type]
+vocab = ModelConfig.from_dir(path).vocab_size
+plans = {rate: request_plan(rate, WORKLOAD.requests_at(rate), vocab, WORKLOAD, seed=0) for rate in SEED_RATES}
+plan_table = pd.DataFrame([{
+    "rate": rate, "requests": len(p), "arrivals over (s)": p[-1].arrival_s,
+    "mean prompt": sum(len(r.prompt_token_ids) for r in p) / len(p),
+    "mean output": sum(r.max_tokens for r in p) / len(p)} for rate, p in plans.items()])
+show(plan_table.round(2))
+
+# %% [markdown]
+# A handful of Poisson arrivals is lumpy. At 2 requests/s the few requests may land over 2 s or
+# over 4. That is why each rate's offered rate is measured from its own send times, and not taken
+# from its name.
+#
+# ## A run through the real server, on this machine
+#
+# The run below starts the server as a subprocess with a step log, sends a few warm-up requests,
+# then runs the seed's four rates. On a CPU that is SmolLM2 in the eager arm, and 8 requests/s
+# saturates two cores. On a GPU it is a short two-arm run at Llama-3.2-1B shapes. After the
+# server exits, the same model is loaded in this process and decode steps are timed offline at
+# the batch each rate ran at.
+
+# %%
+live = run_graphbench(MODEL, DEVICE.type, arms=ARMS, rates=SEED_RATES, max_rate=max(SEED_RATES), workload=WORKLOAD,
+                      slo=SLO_HERE, warmup=2 if not ON_GPU else 8, offline_steps=32 if ON_GPU else 8,
+                      offline_repeats=3 if ON_GPU else 1)
+for stem, table in live.tables("day58_live").items():
+    save_table(table, stem, label)
+COLUMNS = ["arm", "rate", "completed", "chunk_shortfall", "offered_req_s", "sustained_req_s", "saturated",
+           "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "output_throughput", "goodput", "median_rows",
+           "step_batch", "server_step_p50_ms"]
+show(live.rates[COLUMNS].round(2))
+
+# %% [markdown]
+# These gates hold on any machine, and the notebook asserts them. Every request completes, its
+# usage chunk counts exactly the prompt sent and the tokens asked for, and no chunk arrives
+# without a token. Each server exits with status 0 on SIGTERM. Every decode step in the step log
+# runs at the smallest bucket that holds its live rows. Without graphs, that bucket is the rows
+# themselves, and there is no padding.
+
+# %%
+gates = [check_requests(live.rates)]
+for arm in ARMS:
+    steps = live.steps[live.steps.arm == arm]
+    gates.append(check_compaction(steps, BATCH_SIZES, expect_graphs=ON_GPU and arm == "graphs"))
+for gate in gates:
+    print(gate)
+    assert gate, gate
+
+# %% [markdown]
+# ### Row compaction, step by step
+#
+# The trace below is the last stretch of steps from the busiest rate that the server sustained.
+# Ticks on the zero line are prefill steps, where newly arrived prompts are run. While a prefill
+# runs, no decode step runs. Between prefills the batch drains as requests reach their lengths.
+# With graphs, the batch run (red) steps down bucket by bucket: 64, 32, 16, ... The padding share
+# is the fraction of the bucket's rows that carry no request, and it is the price of replaying a
+# fixed shape. Eagerly, the red and blue lines are the same line.
+
+# %%
+decode = live.steps[live.steps.phase == "decode"]
+show(decode.groupby(["arm", "rows", "batch", "graph"], as_index=False).agg(steps=("steps", "sum"),
+                                                                           ms_p50=("ms_p50", "median")).round(2))
+fig = plot_row_compaction(live.trace, BATCH_SIZES)
+save_figure(fig, "day58_live_row_compaction", label)
+show(fig)
+
+# %%
+fig = plot_graphbench(live.rates)
+save_figure(fig, "day58_live_graphbench", label)
+show(fig)
+live_ratios = graphbench_ratios(live.rates, live.offline)
+show(live.offline.round(3))
+for row in live_ratios.itertuples():
+    print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}); {row.detail}")
+
+# %% [markdown]
+# On a two-core CPU these ratios mostly describe the CPU, and are reported, not asserted. The
+# server process, the client and, on a shared machine, whatever else is running all compete for
+# the same two cores. The in-process timing runs later, on a different load, so "what the server
+# adds" can even come out negative. The tail ratio at the highest sustained rate is driven by
+# prefill. A prefill of a newly arrived prompt stops every running decode for its whole length,
+# and that gap lands in ITL. Chunked prefill exists to break that gap up.
+#
+# ## The H200 run
+#
+# The full run is the command line's, on one H200, at Llama-3.2-1B shapes with synthesized random
+# weights:
+#
+#     python -m nanolab graphbench --device cuda --model llama-3.2-1b
+#
+# Both arms go through the seed's rates, then doubling until saturation (at most 256 requests/s).
+# Its tables are committed under `_h200`. What follows reads them, so on a CPU it shows the H200's
+# numbers, labelled with the machine and date of the run.
+
+# %%
+h200 = {stem: load_table(stem, "h200") for stem in graphbench_stems("day58")}
+HAVE_H200 = all(t is not None for t in h200.values())
+if HAVE_H200:
+    rates, steps, trace, offline = h200.values()
+    measured = table_label(rates)
+    print(f"measured on: {measured.caption()}")
+    show(rates.pivot_table(index="rate", columns="arm", values=["itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
+                                                                "ttft_p50_ms"]).round(2))
+    show(rates.pivot_table(index="rate", columns="arm", values=["request_throughput", "output_throughput",
+                                                                "goodput", "saturated"]).round(2))
+else:
+    print("no committed H200 run in data/ yet: it comes from "
+          "`python -m nanolab graphbench --device cuda --model llama-3.2-1b` on an H200")
+
+# %% [markdown]
+# The device measured these gates, and they are asserted on its tables: every request completed
+# with its tokens, both servers stopped cleanly, and every decode step of the graphs arm replayed
+# the smallest bucket that holds its rows. No step of the eager arm was padded.
+
+# %%
+if HAVE_H200:
+    h200_gates = [check_requests(rates)]
+    h200_buckets = capture_batch_sizes(int(rates.max_num_seqs.iloc[0]))
+    for arm in rates.arm.unique():
+        h200_gates.append(check_compaction(steps[steps.arm == arm], h200_buckets, expect_graphs=arm == "graphs"))
+    for gate in h200_gates:
+        print(gate)
+        assert gate, gate
+    graphed = steps[(steps.arm == "graphs") & (steps.phase == "decode")]
+    by_rows = graphed.groupby(["rows", "batch"], as_index=False).agg(steps=("steps", "sum"))
+    by_rows["padding_share"] = (by_rows.batch - by_rows.rows) / by_rows.batch
+    show(by_rows.round(3))
+    fig = plot_graphbench(rates)
+    if ON_GPU or not figure_path("day58_graphbench", "h200").exists():
+        save_figure(fig, "day58_graphbench", measured)  # drawn from, and labelled with, the measured tables
+    show(fig)
+    fig = plot_row_compaction(trace, h200_buckets)
+    if ON_GPU or not figure_path("day58_row_compaction", "h200").exists():
+        save_figure(fig, "day58_row_compaction", measured)
+    show(fig)
+
+# %% [markdown]
+# ## The three ratios, against their aims
+#
+# The chapter set three aims. They are stated as ratios because a time in milliseconds belongs to
+# one machine on one day:
+#
+# 1. **Graphs against eager, at the seed's rates.** Eager ITL p50 over graphs ITL p50 should be 3x
+#    or more. At these rates the batch is small, a step is launch-bound, and graphs remove the
+#    launches. This is where the offline gain was largest.
+# 2. **What the server adds.** ITL p50 over the median offline step at the same batch, minus 1,
+#    should be at most 10%. The same batch means the capture bucket of the token-weighted median
+#    live rows. A step of r rows streams r chunks, so it is counted r times, as pooled ITL counts
+#    it. Eagerly, the batch is the median rows themselves. The offline step is timed in-process
+#    after the servers have exited, with the history at the workload's mean context.
+# 3. **The tail at the highest sustainable rate.** ITL p99 over p50 should be at most 3x. The gaps
+#    in the tail are the decode steps that waited behind a prefill. Prefill runs outside the
+#    capture list, eagerly, so each stall costs a whole eager forward. Once more than about 1 in
+#    100 decode steps waits behind a prefill, p99 lands on one of those stalls. The detail line gives their
+#    count and their median time from the step log.
+
+# The detail of each overhead line splits it at the server's own median step, which comes from
+# the step log. The first part is how much slower the engine step runs inside the server than
+# alone. The second is what the path from a finished step to the client adds on top of that. The
+# server's engine loop is a thread of the same process whose event loop writes every chunk, so
+# the two share one interpreter lock. Where the first part grows with the live rows, that sharing
+# is the likely cause, and it is why vLLM runs its engine core in a process of its own.
+#
+# The eager arm's steps are launch-bound. Its offline and in-server step times move with the
+# host's speed from minute to minute, as Day 54 saw, and its overhead can even come out negative.
+# Read the overhead off the graphs arm.
+
+# %%
+if HAVE_H200:
+    ratios = graphbench_ratios(rates, offline)
+    for row in ratios.itertuples():
+        print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}: "
+              f"{'met' if row.met else 'missed'}); {row.detail}")
+else:
+    print("(the ratios need the committed H200 tables; the CPU's own are in the live table above)")
+
+# %% [markdown]
+# ## Summary
+#
+# - The load generator, the metrics and the saturation test are in `nanolab.lab.graphbench`, and
+#   the unit tests check them against a stand-in server. The run above drove the real server and
+#   asserted the gates that hold anywhere: every request completes, token counts match, servers
+#   exit cleanly, and each decode step runs at the smallest bucket that holds its live rows.
+# - Graphs against eager, and the server's overhead, are read off the H200 tables as ratios. Each
+#   line above names its aim and the rates where it was met. The tail ratio depends on how long a
+#   prefill stalls the running decodes, and chunked prefill is the usual answer to it.
+
+# %%
+if HAVE_H200:
+    for row in graphbench_ratios(rates, offline).itertuples():
+        print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}); {row.detail}")
