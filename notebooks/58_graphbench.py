@@ -272,10 +272,15 @@ if HAVE_H200:
 
 # The detail of each overhead line splits it at the server's own median step, which comes from
 # the step log. The first part is how much slower the engine step runs inside the server than
-# alone. The second is what the path from a finished step to the client adds on top of that. The
-# server's engine loop is a thread of the same process whose event loop writes every chunk, so
-# the two share one interpreter lock. Where the first part grows with the live rows, that sharing
-# is the likely cause, and it is why vLLM runs its engine core in a process of its own.
+# alone. The second is what the path from a finished step to the client adds on top of that.
+#
+# The first H200 run had the engine core on a thread of the server's process (commit e7a6a95
+# holds its tables). The thread shared one interpreter lock with the event loop that writes
+# every chunk. A step ran 9% slower than offline at 1 row and 37% slower at 64, and the server
+# added 13% to 23% to ITL p50 at the seed's rates. The core now runs in a process of its own, as
+# vLLM's does. The step inside the server is then within a few percent of the offline step at
+# every batch. What is left is the path from a finished step to the socket. It grows once one
+# event loop writes 64 streams' chunks per step.
 #
 # The eager arm's steps are launch-bound. Its offline and in-server step times move with the
 # host's speed from minute to minute, as Day 54 saw, and its overhead can even come out negative.

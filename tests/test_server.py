@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -23,22 +24,22 @@ def llm():
     return LLM(MODEL, device="cpu", num_blocks=512, block_size=16, max_num_seqs=64)
 
 
-def run_with_client(llm, body, *, api_key=None, max_waiting=256, start=True, max_body_bytes=1 << 20):
-    """Start the app over `llm` on a loopback port, run `body(client, async_llm)`, stop it, and
-    check that the engine is left with no request and every block free."""
+def run_with_client(llm, body, *, api_key=None, max_waiting=256, max_body_bytes=1 << 20):
+    """Start the app over `llm`'s engine (its core on a thread, so tests can reach into the engine)
+    on a loopback port, run `body(client, async_llm)`, stop it, and check that the engine is left
+    with no request and every block free."""
 
     async def main():
         async_llm = AsyncLLM(llm.engine, max_waiting=max_waiting)
-        app = build_app(OpenAIServing(llm, async_llm, MODEL), api_key=api_key, max_body_bytes=max_body_bytes)
+        app = build_app(OpenAIServing(llm.tokenizer, async_llm, MODEL), api_key=api_key,
+                        max_body_bytes=max_body_bytes)
         async with TestClient(TestServer(app)) as client:
-            if start:
-                async_llm.start()
+            async_llm.start()
             try:
                 return await body(client, async_llm)
             finally:
                 await async_llm.drain(0)
-                if start:
-                    await async_llm.shutdown()
+                await async_llm.shutdown()
 
     result = asyncio.run(main())
     engine = llm.engine
@@ -135,9 +136,23 @@ def test_the_api_key_guards_every_route_but_health(llm):
     assert run_with_client(llm, body, api_key="s3cret") == (401, "authentication_error", 401, 200, 200)
 
 
-def test_a_full_queue_answers_503_with_retry_after(llm):
-    """With the loop not started, posted requests wait; past `max_waiting` the server turns new
+def paused(llm, monkeypatch) -> threading.Event:
+    """Hold the engine's steps until the returned event is set: posted requests wait."""
+    go = threading.Event()
+    step = llm.engine.step
+
+    def held():
+        go.wait(30)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", held)
+    return go
+
+
+def test_a_full_queue_answers_503_with_retry_after(llm, monkeypatch):
+    """While the engine is held, posted requests wait; past `max_waiting` the server turns new
     ones away instead of queueing without bound."""
+    go = paused(llm, monkeypatch)
 
     async def body(client, async_llm):
         waiting = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
@@ -146,15 +161,12 @@ def test_a_full_queue_answers_503_with_retry_after(llm):
             await asyncio.sleep(0.01)
         r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         status, retry, error = r.status, r.headers.get("Retry-After"), (await r.json())["error"]
-        for task in waiting:
-            task.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
-        while async_llm.num_unfinished:  # the server cancels the handlers of the clients that left
-            await asyncio.sleep(0.01)
-        async_llm._take_inbox(block=False)  # what the loop would do: take the adds and the aborts
+        go.set()
+        done = [await (await task).json() for task in waiting]
+        assert all(d["choices"][0]["finish_reason"] == "length" for d in done)
         return status, retry, error
 
-    status, retry, error = run_with_client(llm, body, max_waiting=2, start=False)
+    status, retry, error = run_with_client(llm, body, max_waiting=2)
     assert status == 503 and retry is not None and int(retry) >= 1
     assert error["type"] == "service_unavailable" and error["code"] == "overloaded"
 
@@ -164,7 +176,7 @@ def test_one_request_cannot_queue_more_prompts_than_the_limit(llm):
         r = await client.post("/v1/completions", json={"prompt": ["a"] * 5, "max_tokens": 2})
         return r.status, (await r.json())["error"]["code"]
 
-    assert run_with_client(llm, body, max_waiting=4, start=False) == (503, "overloaded")
+    assert run_with_client(llm, body, max_waiting=4) == (503, "overloaded")
 
 
 def test_a_client_that_disconnects_frees_its_blocks(llm):

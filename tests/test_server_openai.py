@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -31,9 +33,9 @@ CHATS = [[{"role": "user", "content": "What is the capital of Italy?"}],
 class Server:
     """`python -m nanolab serve` on a port the OS picks; its log is collected as it runs."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, model: str = MODEL) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanolab", "serve", "--model", MODEL, "--device", "cpu",
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanolab", "serve", "--model", model, "--device", "cpu",
                                       "--port", "0", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True, env=env)
         self.lines: list[str] = []
@@ -151,3 +153,31 @@ def test_sigterm_aborts_what_is_in_flight_and_frees_every_block():
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert reasons[-1] == "abort"
     assert_clean_exit(server, aborted=1)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_process_is_reported():
+    """The engine core runs in a child process. When it dies, /health says so (503), new requests
+    get a 503, and the server exits with code 1 and one error line on SIGTERM."""
+    server = Server(model="tiny")
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(server.proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+    engines = [int(p) for p in children
+               if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert len(engines) == 1, children
+    assert urllib.request.urlopen(server.url + "/health").status == 200
+    os.kill(engines[0], signal.SIGKILL)
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(server.url + "/health")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("/health stayed 200 after the engine process died")
+    with pytest.raises(openai.APIStatusError) as refused:
+        server.client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert refused.value.status_code == 503
+    assert server.stop() == 1
+    assert "error: nanolab stopped after the engine died" in server.log

@@ -1,31 +1,38 @@
 """`AsyncLLM`: the engine online. Requests arrive at any time from an asyncio program and join the
 running batch; each has its own stream of new tokens. Added with the server.
 
-One thread owns the `Engine` and is the only code that touches it. Between steps it takes the
-requests and aborts that asyncio posted to its inbox, then steps while there is work, and hands
-each step's tokens back to the event loop in one call (`call_soon_threadsafe`). The event loop
-never waits on a step, and the step never waits on a client. A step releases the GIL while the
-device runs, which is when the event loop writes the previous step's chunks to the sockets.
+An `EngineCore` owns the `Engine` and is the only code that touches it. Between steps it applies
+the adds and aborts that asyncio posted, then steps while there is work, and hands back each
+step's tokens in one message. It runs in one of two places:
+- **a thread** of this process (`AsyncLLM(engine)`): tests and notebooks can reach into the engine;
+- **a process of its own** (`await AsyncLLM.spawn(factory)`), as vLLM's engine core does: the
+  server's choice. A thread would share the interpreter lock with the event loop that writes every
+  chunk. The H200 graphbench measured that sharing making a step 9% slower at 1 row and 37% slower
+  at 64.
 
-Failures stay with their request. A request that fails in the forward or the sampler ends
-with an error (see `Engine.step`). An abort, or a client that disconnects, ends its request
-before the next step, and its blocks return to the pool then. Only an exception the engine
-cannot pin on a request kills the loop. Every open stream then ends with that error, and
-`dead` says why.
+Failures stay with their request. A request that fails in the forward or the sampler ends with
+an error (see `Engine.step`). An abort, or a client that disconnects, ends its request before the
+next step, and its blocks return to the pool then. Only an exception the engine cannot pin on a
+request kills the core, or the core's process dying. Every open stream then ends with that error,
+and `dead` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import multiprocessing
 import queue
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanolab.engine.llm_engine import Engine
+from nanolab.engine.llm_engine import Engine, RequestLimits
 from nanolab.engine.sequence import Sequence
 from nanolab.sampling import SamplingParams
 
@@ -46,7 +53,8 @@ class TokenDelta:
 class RequestStream:
     """One request's tokens, consumed with `async for delta in stream`. Lives on the event loop."""
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, rid: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.rid = rid
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.output_token_ids: list[int] = []
@@ -78,81 +86,298 @@ class RequestStream:
         return await self._queue.get()
 
 
+# (request id, token or None, finish reason or None, error or None, stop text index or None):
+# one request's step, as the core sends it (a tuple pickles faster than a dataclass).
+Output = tuple[int, int | None, str | None, str | None, int | None]
+
+
+def engine_info(engine: Engine) -> dict:
+    """What a client of the core needs to know about its engine: the request limits, and what the
+    server's startup line says."""
+    return {"limits": engine.limits, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "read": engine.kv_cache.read, "graphs": engine.runner.graphs is not None,
+            "num_blocks": engine.block_manager.num_blocks}
+
+
+class EngineCore:
+    """The engine and the bookkeeping around it, wherever it runs: requests by the client's id,
+    one step at a time, and the step log."""
+
+    def __init__(self, engine: Engine, step_log: str | Path | None = None) -> None:
+        self.engine = engine
+        self._seqs: dict[int, Sequence] = {}  # client id -> sequence
+        self._rids: dict[int, int] = {}  # engine request id -> client id
+        self._log = None if step_log is None else Path(step_log).open("w", buffering=1 << 16)
+
+    def add(self, rid: int, prompt: list[int], params: SamplingParams) -> list[Output]:
+        try:
+            (seq,) = self.engine.add_requests([prompt], [params])
+        except (ValueError, TypeError) as e:  # checked by the client already; kept from killing the core
+            return [(rid, None, "error", str(e), None)]
+        self._seqs[rid] = seq
+        self._rids[seq.request_id] = rid
+        return []
+
+    def abort(self, rid: int) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            del self._rids[seq.request_id]
+            self.engine.abort_request(seq.request_id)
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[Output]:
+        outputs = self.engine.step()
+        if not outputs and self.engine.has_unfinished_requests() and not self.engine.scheduler.running:
+            # Nothing could be admitted and nothing runs: every waiting request was validated to fit
+            # the pool alone, so this is a scheduler fault.
+            raise RuntimeError("the engine scheduled nothing while requests were waiting")
+        record = self.engine.last_step
+        if self._log is not None and record is not None:
+            self._log.write(json.dumps({"t": time.monotonic(), "phase": record.phase, "rows": record.rows,
+                                        "batch": record.batch, "graph": record.graph, "tokens": record.tokens,
+                                        "ms": record.seconds * 1e3}) + "\n")
+        sent = []
+        for out in outputs:
+            seq = out.seq
+            rid = self._rids[seq.request_id]
+            if out.finished:
+                del self._rids[seq.request_id]
+                del self._seqs[rid]
+            sent.append((rid, out.token_id, seq.finish_reason if out.finished else None, out.error,
+                         seq.stop_text_index))
+        return sent
+
+    def fail_all(self) -> None:
+        """The core failed: end every request (its blocks go back) so nothing is left holding any."""
+        for rid in list(self._seqs):
+            self.abort(rid)
+
+    def close(self) -> tuple[int, int]:
+        """Flush the step log; return (free blocks, all blocks)."""
+        if self._log is not None:
+            self._log.close()
+        blocks = self.engine.block_manager
+        return blocks.allocator.num_free, blocks.num_blocks
+
+    def run(self, receive: Callable[[bool], tuple | None], send: Callable[[tuple], None]) -> None:
+        """The loop: take what the client posted (waiting for it when idle), step while there is
+        work, send each step's outputs. Ends on "stop" once idle, or on a failure, which it sends."""
+        stopping = False
+        try:
+            while True:
+                failed: list[Output] = []
+                message = receive(not self.busy and not stopping)
+                while message is not None:
+                    kind = message[0]
+                    if kind == "add":
+                        failed += self.add(*message[1:])
+                    elif kind == "abort":
+                        self.abort(message[1])
+                    elif kind == "stop":
+                        stopping = True
+                    message = receive(False)
+                if failed:
+                    send(("out", failed))
+                if not self.busy:
+                    if stopping:
+                        send(("stopped", self.close()))
+                        return
+                    continue
+                outputs = self.step()
+                if outputs:
+                    send(("out", outputs))
+        except EOFError:  # the client went away
+            self.fail_all()
+            self.close()
+        except Exception as e:  # the engine itself failed: no request can go on
+            log.exception("the engine core died")
+            self.fail_all()
+            send(("dead", f"the engine failed: {type(e).__name__}: {e}", self.close()))
+
+
+def _core_process(factory: Callable[[], Engine], conn, step_log) -> None:
+    """The engine core's process: build the engine, say it is ready, run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        core = EngineCore(factory(), step_log)
+    except Exception as e:
+        conn.send(("error", str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", engine_info(core.engine)))
+
+    def receive(block: bool):
+        return conn.recv() if block or conn.poll() else None
+
+    core.run(receive, conn.send)
+
+
 class AsyncLLM:
-    """`engine` served to asyncio code. `max_waiting` bounds the requests queued but not yet
-    running; `step_log` (a path) gets one JSON line per step (`StepRecord` plus `t`, the
+    """An engine served to asyncio code. `max_waiting` bounds the requests accepted but not yet
+    producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord` plus `t`, the
     `time.monotonic()` at its end)."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, step_log: str | Path | None = None) -> None:
+    def __init__(self, engine: Engine | None = None, *, max_waiting: int = 256,
+                 step_log: str | Path | None = None) -> None:
         if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 1:
             raise ValueError(f"max_waiting={max_waiting!r}: must be an int >= 1")
-        self.engine = engine
+        self.engine = engine  # None when the core runs in its own process
         self.max_waiting = max_waiting
-        self.step_log = None if step_log is None else Path(step_log)
-        self.dead: str | None = None  # why the loop died, once it has
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # Adds posted (counted by the event loop) and taken (counted by the loop thread); each
-        # counter has one writer, so their difference needs no lock.
-        self._posted = 0
-        self._taken = 0
-        self._seqs: dict[RequestStream, Sequence] = {}  # the loop thread's own, both ways
-        self._by_id: dict[int, RequestStream] = {}
-        self._streams: set[RequestStream] = set()  # the event loop's own: every stream not yet finished
+        self.step_log = step_log
+        self.info: dict = {} if engine is None else engine_info(engine)
+        self.dead: str | None = None  # why the core died, once it has
+        self.stopped: tuple[int, int] | None = None  # (free blocks, all blocks) once the core has stopped
+        self._ids = itertools.count()
+        self._streams: dict[int, RequestStream] = {}  # every stream not yet finished, by id
+        self._waiting = 0  # streams with no token yet
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._post: Callable[[tuple], None] | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._process = None
+        self._conn = None
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.info["limits"]
+
+    # Starting the core.
+
+    def start(self) -> None:
+        """Run the core on a thread of this process (the engine given at construction)."""
+        self._loop = asyncio.get_running_loop()
+        self._finished = asyncio.Event()
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._post = inbox.put
+        core = EngineCore(self.engine, self.step_log)
+
+        def receive(block: bool):
+            try:
+                return inbox.get(timeout=0.5) if block else inbox.get_nowait()
+            except queue.Empty:
+                return None
+
+        def send(message: tuple) -> None:
+            self._loop.call_soon_threadsafe(self._receive, message)
+
+        self._thread = threading.Thread(target=core.run, args=(receive, send), name="nanolab-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def spawn(cls, factory: Callable[[], Engine], *, max_waiting: int = 256,
+                    step_log: str | Path | None = None) -> AsyncLLM:
+        """Run the core in a process of its own, which builds its engine with `factory` (picklable:
+        a module-level function or a partial of one). Returns once the engine is ready; a factory
+        that fails raises here (ValueError for bad arguments, RuntimeError otherwise)."""
+        self = cls(None, max_waiting=max_waiting, step_log=step_log)
+        context = multiprocessing.get_context("spawn")  # no CUDA state or threads copied by a fork
+        parent, child = context.Pipe()
+        self._process = context.Process(target=_core_process, args=(factory, child, step_log),
+                                        name="nanolab-engine-core", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            kind, payload = await asyncio.to_thread(parent.recv)
+        except EOFError:
+            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} "
+                               "before it was ready") from None
+        if kind == "error":
+            self._process.join()
+            raise (ValueError if not payload.startswith(("RuntimeError", "Error")) else RuntimeError)(payload)
+        self.info = payload
+        self._conn = parent
+        self._loop = asyncio.get_running_loop()
+        self._finished = asyncio.Event()
+        self._post = parent.send
+        self._loop.add_reader(parent.fileno(), self._readable)
+        return self
+
+    def _readable(self) -> None:
+        try:
+            while self._conn.poll():
+                self._receive(self._conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            if self.stopped is None and self.dead is None:
+                self._died(f"the engine process exited with code {self._process.exitcode}")
+            self._finished.set()
 
     # The event loop's side.
 
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanolab-engine", daemon=True)
-        self._thread.start()
-
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not running yet."""
-        return self._posted - self._taken + len(self.engine.scheduler.waiting)
+        """Requests accepted that have no token yet (queued, or in their prefill)."""
+        return self._waiting
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        self.limits.check(prompt, params)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Validate and post a request; its tokens arrive on the returned stream. Bad input raises
         ValueError or TypeError here, before anything is queued."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine is not running: {self.dead}")
-        prompt = list(prompt_token_ids)
-        self.engine.validate_request(prompt, params)  # reads only the config: safe from this thread
-        return self._post(prompt, params)
+        return self.add_requests([prompt_token_ids], [params], numbered=False)[0]
 
-    def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestStream]:
+    def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
+                     numbered: bool = True) -> list[RequestStream]:
         """All or nothing: every request is validated before any is posted."""
-        if self.dead is not None:
-            raise RuntimeError(f"the engine is not running: {self.dead}")
+        if self.dead is not None or self._post is None:
+            raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
         prompts = [list(p) for p in prompts]
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                self.engine.validate_request(prompt, p)
+                self.validate(prompt, p)
             except (ValueError, TypeError) as e:
-                raise type(e)(f"request {i}: {e}") from None
-        return [self._post(prompt, p) for prompt, p in zip(prompts, params)]
-
-    def _post(self, prompt: list[int], params: SamplingParams) -> RequestStream:
-        stream = RequestStream(prompt, params)
-        self._streams.add(stream)
-        self._posted += 1
-        self._inbox.put(("add", stream))
-        return stream
+                raise type(e)(f"request {i}: {e}" if numbered else str(e)) from None
+        streams = []
+        for prompt, p in zip(prompts, params):
+            stream = RequestStream(next(self._ids), prompt, p)
+            self._streams[stream.rid] = stream
+            self._waiting += 1
+            self._post(("add", stream.rid, prompt, p))
+            streams.append(stream)
+        return streams
 
     def abort(self, stream: RequestStream) -> None:
-        """End a request now; the loop frees its blocks before its next step."""
+        """End a request now; the core frees its blocks before its next step."""
         if stream.finished:
             return
-        stream._put(TokenDelta(None, "abort"))
-        self._streams.discard(stream)
-        self._inbox.put(("abort", stream))
+        self._deliver(stream, TokenDelta(None, "abort"))
+        if self.dead is None and self.stopped is None:
+            self._post(("abort", stream.rid))
+
+    def _deliver(self, stream: RequestStream, delta: TokenDelta) -> None:
+        if not stream.output_token_ids and (delta.token_id is not None or delta.finish_reason is not None):
+            self._waiting -= 1
+        stream._put(delta)
+        if stream.finished:
+            self._streams.pop(stream.rid, None)
+
+    def _receive(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "out":
+            for rid, token, reason, error, stop_at in message[1]:
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    self._deliver(stream, TokenDelta(token, reason, error, stop_at))
+        elif kind == "stopped":
+            self.stopped = message[1]
+            self._finished.set()
+        elif kind == "dead":
+            self.stopped = message[2]
+            self._died(message[1])
+            self._finished.set()
+
+    def _died(self, why: str) -> None:
+        self.dead = why
+        log.error("engine: %s", why)
+        for stream in list(self._streams.values()):
+            self._deliver(stream, TokenDelta(None, "error", error=why))
 
     async def drain(self, timeout: float, force: asyncio.Event | None = None) -> int:
         """Wait up to `timeout` seconds (or until `force` is set) for the unfinished requests to
@@ -160,99 +385,21 @@ class AsyncLLM:
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and not (force is not None and force.is_set()):
             await asyncio.sleep(0.02)
-        left = list(self._streams)
+        left = list(self._streams.values())
         for stream in left:
             self.abort(stream)
         return len(left)
 
-    async def shutdown(self) -> None:
-        """Stop the loop thread once it has processed everything posted (aborts included)."""
-        self._stop.set()
-        self._inbox.put(("wake", None))
+    async def shutdown(self) -> tuple[int, int] | None:
+        """Stop the core once it has applied everything posted (aborts included); return its
+        (free blocks, all blocks), or None when it died without saying."""
+        if self._post is not None and self.dead is None and self.stopped is None:
+            self._post(("stop",))
+            await self._finished.wait()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-
-    def _deliver(self, deltas: list[tuple[RequestStream, TokenDelta]]) -> None:
-        for stream, delta in deltas:
-            stream._put(delta)
-            if stream.finished:
-                self._streams.discard(stream)
-
-    def _died(self, why: str) -> None:
-        self.dead = why
-        for stream in list(self._streams):
-            stream._put(TokenDelta(None, "error", error=why))
-        self._streams.clear()
-
-    # The loop thread's side: the only code that touches the engine.
-
-    def _run(self) -> None:
-        log_file = None if self.step_log is None else self.step_log.open("w", buffering=1 << 16)
-        try:
-            while True:
-                deltas = self._take_inbox(block=not self.engine.has_unfinished_requests()
-                                          and not self._stop.is_set())
-                if deltas:
-                    self._loop.call_soon_threadsafe(self._deliver, deltas)
-                if self._stop.is_set() and not self.engine.has_unfinished_requests():
-                    return
-                if not self.engine.has_unfinished_requests():
-                    continue
-                outputs = self.engine.step()
-                record = self.engine.last_step
-                if log_file is not None and outputs and record is not None:
-                    log_file.write(json.dumps({"t": time.monotonic(), "phase": record.phase, "rows": record.rows,
-                                               "batch": record.batch, "graph": record.graph,
-                                               "tokens": record.tokens, "ms": record.seconds * 1e3}) + "\n")
-                deltas = []
-                for out in outputs:
-                    stream = self._by_id[out.seq.request_id]
-                    if out.finished:
-                        del self._by_id[out.seq.request_id]
-                        self._seqs.pop(stream, None)
-                    deltas.append((stream, TokenDelta(out.token_id, out.seq.finish_reason if out.finished else None,
-                                                      out.error, out.seq.stop_text_index)))
-                if deltas:
-                    self._loop.call_soon_threadsafe(self._deliver, deltas)
-                elif self.engine.has_unfinished_requests() and not self._seqs_running():
-                    # Nothing could be admitted and nothing runs: every waiting request was
-                    # validated to fit the pool alone, so this is a scheduler fault.
-                    raise RuntimeError("the engine scheduled nothing while requests were waiting")
-        except Exception as e:  # the engine itself failed: no request can go on
-            log.exception("engine loop died")
-            why = f"the engine failed: {type(e).__name__}: {e}"
-            for seq in list(self.engine.requests.values()):
-                self.engine.abort_request(seq.request_id)
-            self._loop.call_soon_threadsafe(self._died, why)
-        finally:
-            if log_file is not None:
-                log_file.close()
-
-    def _seqs_running(self) -> bool:
-        return bool(self.engine.scheduler.running)
-
-    def _take_inbox(self, block: bool) -> list[tuple[RequestStream, TokenDelta]]:
-        """Apply what the event loop posted, in order; return the deltas of adds that failed."""
-        failed = []
-        while True:
-            try:
-                kind, stream = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                return failed
-            block = False
-            if kind == "add":
-                self._taken += 1
-                if stream.finished:  # aborted before the loop saw it
-                    continue
-                try:
-                    (seq,) = self.engine.add_requests([stream.prompt_token_ids], [stream.params])
-                except (ValueError, TypeError) as e:  # validated on post; kept from killing the loop anyway
-                    failed.append((stream, TokenDelta(None, "error", error=str(e))))
-                    continue
-                self._seqs[stream] = seq
-                self._by_id[seq.request_id] = stream
-            elif kind == "abort":
-                seq = self._seqs.pop(stream, None)
-                if seq is not None:
-                    self._by_id.pop(seq.request_id, None)
-                    self.engine.abort_request(seq.request_id)
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 30)
+            if self._process.is_alive():
+                self._process.kill()
+        return self.stopped

@@ -61,6 +61,39 @@ class StepRecord:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a request must fit: the vocabulary, the context, and the KV pool. Plain numbers, so a
+    server can check requests in another thread or process than the engine's."""
+
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty: there is nothing to continue")
+        vocab = self.vocab_size
+        # bool is an int subclass; True is not a token id.
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(prompt)} tokens but the model's context is {self.max_model_len}: "
+                "it must leave room for at least one new token"
+            )
+        longest = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if cdiv(longest, self.block_size) > self.num_blocks:
+            raise ValueError(
+                f"this request can grow to {longest} tokens, more than the whole KV pool holds "
+                f"({self.num_blocks} blocks of {self.block_size}); lower max_tokens or enlarge the pool"
+            )
+
+
 def _positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
@@ -145,28 +178,14 @@ class Engine:
             self.scheduler.add(seq)
         return seqs
 
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.config.vocab_size, self.max_model_len, self.block_manager.num_blocks,
+                             self.block_manager.block_size)
+
     def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not prompt:
-            raise ValueError("the prompt is empty: there is nothing to continue")
-        vocab = self.config.vocab_size
-        # bool is an int subclass; True is not a token id.
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(prompt)} tokens but the model's context is {self.max_model_len}: "
-                "it must leave room for at least one new token"
-            )
-        longest = min(len(prompt) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        blocks = self.block_manager
-        if cdiv(longest, blocks.block_size) > blocks.num_blocks:
-            raise ValueError(
-                f"this request can grow to {longest} tokens, more than the whole KV pool holds "
-                f"({blocks.num_blocks} blocks of {blocks.block_size}); lower max_tokens or enlarge the pool"
-            )
+        self.limits.check(prompt, params)
 
     def abort_request(self, request_id: int) -> None:
         seq = self.requests.pop(request_id, None)

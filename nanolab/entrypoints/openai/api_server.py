@@ -1,8 +1,9 @@
 """`python -m nanolab serve`: an OpenAI-compatible HTTP server on aiohttp. Added with the server.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as Server-Sent Events or
-whole), `GET /v1/models`, `GET /health`. The engine runs online under `AsyncLLM`. A handler checks
-its request, posts it, and turns the request's token stream into text chunks. When the client
+whole), `GET /v1/models`, `GET /health`. The engine runs online under `AsyncLLM`, in a process of
+its own, so this process's event loop never competes with a step for the interpreter. A handler
+checks its request, posts it, and turns the request's token stream into text chunks. When the client
 goes away, aiohttp cancels the handler (`handler_cancellation`), and the handler's cleanup aborts
 the request.
 
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -31,8 +32,11 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from nanolab.engine.async_llm import AsyncLLM, RequestStream
 from nanolab.engine.detokenizer import TextDeltas
+from nanolab.engine.llm_engine import Engine
 from nanolab.entrypoints.openai import protocol
 from nanolab.entrypoints.openai.protocol import APIError, CompletionRequest, error_body
+from nanolab.model.tokenizer import Tokenizer
+from nanolab.model.weights import resolve_weights
 
 log = logging.getLogger("nanolab.server")
 
@@ -91,11 +95,10 @@ def _auth(api_key: str | None):
 
 
 class OpenAIServing:
-    """The routes, over one `LLM` whose engine runs under `AsyncLLM`."""
+    """The routes, over an engine run by `AsyncLLM` and the model's tokenizer."""
 
-    def __init__(self, llm, async_llm: AsyncLLM, model_name: str) -> None:
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
+    def __init__(self, tokenizer: Tokenizer, async_llm: AsyncLLM, model_name: str) -> None:
+        self.tokenizer = tokenizer
         self.async_llm = async_llm
         self.model_name = model_name
         self.draining = False
@@ -110,7 +113,7 @@ class OpenAIServing:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "nanolab",
-             "max_model_len": self.llm.engine.max_model_len}]})
+             "max_model_len": self.async_llm.limits.max_model_len}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -131,7 +134,7 @@ class OpenAIServing:
     def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
         # Encoding holds the GIL, which the engine thread needs too: text far longer than any
         # prompt the context can take (more than 16 characters a token) is refused unencoded.
-        limit = 16 * self.llm.engine.max_model_len
+        limit = 16 * self.async_llm.limits.max_model_len
         if req.chat:
             if sum(len(m.get("content") or "") for m in req.messages if isinstance(m, dict)
                    and isinstance(m.get("content"), str)) > limit:
@@ -157,7 +160,7 @@ class OpenAIServing:
             raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
                            type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
         prompts = self._token_ids(req)
-        limit = self.llm.engine.max_model_len
+        limit = self.async_llm.limits.max_model_len
         for i, ids in enumerate(prompts):
             # As vLLM does: a max_tokens the context cannot hold is an error, not a silent cut.
             if req.params.max_tokens is not None and len(ids) < limit < len(ids) + req.params.max_tokens:
@@ -301,18 +304,22 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
 
 
-async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+def build_engine(**llm_args) -> Engine:
+    """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs)."""
     from nanolab.llm import LLM
 
-    # Two threads share the GIL: the engine loop and this event loop. When one wants it, the
-    # holder keeps it for up to the switch interval (5 ms by default, longer than a decode step),
-    # so a step could wait on a burst of socket writes. 0.2 ms bounds that wait.
-    sys.setswitchinterval(2e-4)
+    return LLM(**llm_args).engine
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, read=args.read)
-    async_llm = AsyncLLM(llm.engine, max_waiting=args.max_waiting, step_log=args.step_log)
-    serving = OpenAIServing(llm, async_llm, args.served_model_name or args.model)
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGINT or SIGTERM; the exit code: 0, or 1 when the engine core died."""
+    tokenizer = Tokenizer.from_dir(resolve_weights(args.model))  # an unknown model fails here, at once
+    factory = functools.partial(build_engine, model=args.model, device=args.device, dtype=args.dtype,
+                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                enforce_eager=args.enforce_eager, read=args.read)
+    # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
+    async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
+    serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(serving, api_key=api_key)
     # The drain below ends every request before the runner stops, so the runner's own wait for
@@ -321,7 +328,6 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    async_llm.start()
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains; a second aborts what is left at once
@@ -331,13 +337,10 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     port = site._server.sockets[0].getsockname()[1]
-    engine = llm.engine
+    info = async_llm.info
     log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %d KV blocks%s)",
-             serving.model_name, args.host, port, llm.device, str(llm.dtype).removeprefix("torch."),
-             engine.kv_cache.read, "CUDA graphs" if engine.runner.graphs is not None else "eager",
-             engine.block_manager.num_blocks, ", API key required" if api_key else "")
-    if ready is not None:
-        ready.set()
+             serving.model_name, args.host, port, info["device"], info["dtype"], info["read"],
+             "CUDA graphs" if info["graphs"] else "eager", info["num_blocks"], ", API key required" if api_key else "")
     await stop.wait()
 
     serving.draining = True
@@ -345,19 +348,22 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
              args.shutdown_timeout)
     aborted = await async_llm.drain(args.shutdown_timeout, force)
     await runner.cleanup()
-    await async_llm.shutdown()
-    free, total = engine.block_manager.allocator.num_free, engine.block_manager.num_blocks
+    stopped = await async_llm.shutdown()
+    if stopped is None:  # the core's process died: its blocks died with it
+        log.error("error: nanolab stopped after the engine died: %s", async_llm.dead)
+        return 1
+    free, total = stopped
     log.info("nanolab: stopped (%d requests aborted; %d of %d KV blocks free)", aborted, free, total)
     if free != total:
         raise RuntimeError(f"KV blocks leaked at shutdown: {total - free} of {total} still held")
+    return 1 if async_llm.dead is not None else 0
 
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
     try:
         _check_args(args)
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except (ValueError, FileNotFoundError, OSError) as e:
         log.error("error: %s", e)
         return 2
-    return 0
