@@ -275,7 +275,7 @@ class LLM:
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": self.tokenizer.encode_chat(prompt)}
         (seq,) = self._add_all([prompt], sampling_params)
-        text = TextDeltas(self.tokenizer, seq.params.stop_strings)
+        text = TextDeltas(self.tokenizer.decode, seq.params.stop_strings)
         seen = 0
         try:
             while True:

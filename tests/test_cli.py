@@ -145,3 +145,7 @@ def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> No
     if args[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
+
+
+def test_graphbench_refuses_a_device_in_one_line() -> None:
+    assert_refused(nanolab("graphbench", "--device", "tpu"), "device")

@@ -34,7 +34,7 @@ def test_deltas_add_up_to_the_text(name, data):
     stops = data.draw(st.lists(st.one_of(piece, st.text(min_size=1, max_size=3)) if full else
                                st.text(min_size=1, max_size=3), max_size=2))
     # As the engine does: after each token, the whole output so far is searched for the stop strings.
-    deltas = TextDeltas(tok, stops)
+    deltas = TextDeltas(tok.decode, stops)
     streamed = ""
     for n in range(1, len(ids) + 1):
         text = tok.decode(ids[:n])

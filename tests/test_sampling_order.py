@@ -79,19 +79,28 @@ def test_sampled_tokens_stay_inside_the_nucleus(seed, vocab, temperature, top_k,
 
 # Stop strings: the earliest match in the text wins, whichever order the list names them in.
 
-def position_text(ids: list[int]) -> str:
-    """A detokenizer that ignores the model: output token i is the letter 'a' + i."""
-    return "".join(chr(ord("a") + i % 26) for i in range(len(ids)))
+def letters(ids) -> str:
+    """A detokenizer that ignores the vocabulary: token id i reads as one letter, 'a' + i mod 26."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-@pytest.mark.parametrize("stop", [["cde", "de"], ["de", "cde"], ["e", "bcde", "cde"]])
-def test_the_earliest_stop_string_in_the_text_wins(tiny_model, stop):
-    engine = Engine(tiny_model, num_blocks=32, block_size=4, detokenize=position_text)
+@pytest.mark.parametrize("spans", [[(2, 5), (3, 5)], [(3, 5), (2, 5)], [(4, 5), (1, 5), (2, 5)]])
+def test_the_earliest_stop_string_in_the_text_wins(tiny_model, spans):
+    """Stop strings cut from the output's own text, all completed by its 5th token: the match that
+    starts earliest in the text wins, whatever order the list names them in."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = Engine(tiny_model, num_blocks=32, block_size=4, detokenize=letters)
+    full = free.add_request([5, 6, 7], params)
+    run_until_done(free)
+    text = letters(full.output_token_ids)
+    stop = [text[a:b] for a, b in spans]
+    # Where the engine must stop: the first prefix whose text holds a stop string.
+    n = next(n for n in range(1, 21) if any(s in text[:n] for s in stop))
+    engine = Engine(tiny_model, num_blocks=32, block_size=4, detokenize=letters)
     seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop))
     run_until_done(engine)
-    # every string first matches when the text reaches "abcde" (5 tokens); the earliest starts at b or c
-    assert seq.finish_reason == "stop" and len(seq.output_token_ids) == 5
-    assert seq.stop_text_index == min("abcde".find(s) for s in stop)
+    assert seq.finish_reason == "stop" and seq.output_token_ids == full.output_token_ids[:n]
+    assert seq.stop_text_index == min(i for i in (text[:n].find(s) for s in stop) if i >= 0)
 
 
 def test_request_output_text_ends_where_the_earliest_stop_string_starts(sharp_gqa24):
@@ -133,3 +142,19 @@ def test_seeded_requests_repeat_under_preemption(sharp_model):
     tight, preempted = seeded_run(sharp_model.model, 14)
     assert none == 0 and preempted > 0
     assert tight == roomy
+
+
+def test_stop_strings_are_found_without_decoding_the_whole_output(tiny_model):
+    """A request with stop strings costs a few tokens' decode a step, not its whole output's."""
+    longest = []
+
+    def decode(ids):
+        longest.append(len(ids))
+        return letters(ids)
+
+    engine = Engine(tiny_model, num_blocks=64, block_size=4, detokenize=decode)
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True,
+                                                       stop=["never-matches"]))
+    run_until_done(engine)
+    assert len(seq.output_token_ids) == 150 and seq.finish_reason == "length"
+    assert max(longest) <= 4, f"decoded {max(longest)} tokens at once"

@@ -88,7 +88,7 @@ def test_synthesized_tokenizer_matches_transformers(tmp_path: Path) -> None:
 
 
 def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
-    detok = TextDeltas(tok)
+    detok = TextDeltas(tok.decode)
     deltas = [detok.push(i) for i in ids]
     return [*deltas, detok.push(None, finished=True)]
 
@@ -106,7 +106,7 @@ def test_incremental_detokenizer_holds_back_partial_characters() -> None:
 def test_incremental_detokenizer_flushes_incomplete_bytes() -> None:
     tok = byte_tokenizer()
     ids = tok.encode("ok 中")[:-1]  # cut the last byte of 中
-    detok = TextDeltas(tok)
+    detok = TextDeltas(tok.decode)
     assert "".join(detok.push(i) for i in ids) == "ok "
     assert detok.push(None, finished=True) == "\ufffd"
 

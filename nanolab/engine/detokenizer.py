@@ -13,16 +13,12 @@ step would cost O(n^2) over a request.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from nanolab.model.tokenizer import Tokenizer
+from collections.abc import Callable, Sequence
 
 
 class TextDeltas:
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str] = (),
-                 skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str] = ()) -> None:
+        self.decode = decode  # token ids -> text, e.g. Tokenizer.decode (special tokens skipped)
         # A suffix of this many characters may be the start of a stop string.
         self.holdback = max((len(s) - 1 for s in stop_strings), default=0)
         self.ids: list[int] = []
@@ -32,7 +28,7 @@ class TextDeltas:
         self._read = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, self.skip_special_tokens)
+        return self.decode(ids)
 
     def push(self, token_id: int | None, finished: bool = False, stop_text_index: int | None = None) -> str:
         """Add one token (None: none, as when a request is aborted); return the text that may be

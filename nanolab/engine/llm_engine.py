@@ -20,6 +20,7 @@ import torch
 
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.buckets import DecodeBuckets
+from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.graphs import CaptureReport
 from nanolab.engine.kv_cache import KVCache
 from nanolab.engine.runner import ModelRunner
@@ -257,8 +258,15 @@ class Engine:
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_strings and self.detokenize is not None:
-            text = self.detokenize(seq.output_token_ids)
-            hits = [i for i in (text.find(s) for s in p.stop_strings) if i >= 0]
+            # The text grows by a window decode (a few tokens) a step, and only the part a new match
+            # could touch is searched: the new characters and the longest stop string's reach before them.
+            if seq.text is None:
+                seq.text = TextDeltas(self.detokenize)
+            seq.text.push(token)
+            text = seq.text.text
+            start = max(0, seq.stop_scanned - max(len(s) for s in p.stop_strings) + 1)
+            seq.stop_scanned = len(text)
+            hits = [i for i in (text.find(s, start) for s in p.stop_strings) if i >= 0]
             if hits:
                 seq.stop_text_index = min(hits)
                 return "stop"

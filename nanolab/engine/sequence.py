@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanolab.engine.detokenizer import TextDeltas
 from nanolab.sampling import SamplingParams
 
 
@@ -30,6 +31,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None  # why the request failed, when finish_reason is "error"
     stop_text_index: int | None = None  # where a matched stop string starts in the output text
+    text: TextDeltas | None = None  # the output's text, kept only for a request with stop strings
+    stop_scanned: int = 0  # characters of `text` already searched for stop strings
     num_preemptions: int = 0
 
     @property

@@ -807,10 +807,14 @@ def main(args: argparse.Namespace) -> int:
 
     from nanolab.lab.plots.serving import plot_graphbench, plot_row_compaction
     from nanolab.lab.report import run_label, save_figure, save_table
-    from nanolab.llm import resolve_dtype
+    from nanolab.llm import resolve_device, resolve_dtype
     from nanolab.model.weights import resolve_weights, weights_kind
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kind = "cuda" if device.startswith("cuda") else "cpu"
     arms = tuple(args.arms.split(",")) if args.arms else (ARMS if kind == "cuda" else ("eager",))
     base = WORKLOADS[kind]

@@ -212,7 +212,7 @@ class OpenAIServing:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         created = int(time.time())
-        texts = [TextDeltas(self.tokenizer, req.params.stop_strings) for _ in streams]
+        texts = [TextDeltas(self.tokenizer.decode, req.params.stop_strings) for _ in streams]
         chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created)
         first = [True] * len(streams)
         async for index, delta in _merge(streams):
