@@ -305,8 +305,3 @@ else:
 # - Graphs against eager, and the server's overhead, are read off the H200 tables as ratios. Each
 #   line above names its aim and the rates where it was met. The tail ratio depends on how long a
 #   prefill stalls the running decodes, and chunked prefill is the usual answer to it.
-
-# %%
-if HAVE_H200:
-    for row in graphbench_ratios(rates, offline).itertuples():
-        print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}); {row.detail}")
