@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.kv_cache import READS, kv_bytes_per_block
-from nanolab.engine.llm_engine import Engine
+from nanolab.engine.llm_engine import Engine, check_int
 from nanolab.engine.sequence import Sequence
 from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
@@ -100,14 +100,6 @@ def resolve_device(device) -> torch.device:
     return resolved
 
 
-def _check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
-    # bool is an int subclass; True is not a size.
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}{' or None' if optional else ''}")
-
-
 def default_kv_cache_bytes(device: torch.device) -> int:
     """The KV pool's budget: 1 GiB on the CPU; on CUDA, 40% of what is free once the weights
     are loaded."""
@@ -131,11 +123,11 @@ class LLM:
         (a device this machine lacks is one)."""
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model={model!r}: must be a preset name or a model folder's path")
-        _check_int("block_size", block_size)
-        _check_int("max_num_seqs", max_num_seqs)
-        _check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
-        _check_int("num_blocks", num_blocks, optional=True)
-        _check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
+        check_int("block_size", block_size)
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
+        check_int("num_blocks", num_blocks, optional=True)
+        check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
         if not isinstance(read, str) or read not in ("auto", *READS):
@@ -199,13 +191,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         encoded = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, prompt in enumerate(prompts):
             try:
                 encoded.append(self._encode(prompt))
-                self.engine.validate_request(encoded[-1], p)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        return self.engine.add_requests(encoded, params)
+        return self.engine.add_requests(encoded, params, name="prompt")
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

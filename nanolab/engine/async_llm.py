@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanolab.engine.llm_engine import Engine, RequestLimits
+from nanolab.engine.llm_engine import Engine, RequestLimits, check_int
 from nanolab.engine.sequence import Sequence
 from nanolab.sampling import SamplingParams
 
@@ -222,8 +222,7 @@ class AsyncLLM:
 
     def __init__(self, engine: Engine | None = None, *, max_waiting: int = 256,
                  step_log: str | Path | None = None) -> None:
-        if not isinstance(max_waiting, int) or isinstance(max_waiting, bool) or max_waiting < 1:
-            raise ValueError(f"max_waiting={max_waiting!r}: must be an int >= 1")
+        check_int("max_waiting", max_waiting)
         self.engine = engine  # None when the core runs in its own process
         self.max_waiting = max_waiting
         self.step_log = step_log
@@ -315,9 +314,6 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        self.limits.check(prompt, params)
-
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Validate and post a request; its tokens arrive on the returned stream. Bad input raises
         ValueError or TypeError here, before anything is queued."""
@@ -329,11 +325,11 @@ class AsyncLLM:
         if self.dead is not None or self._post is None:
             raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
         prompts = [list(p) for p in prompts]
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            try:
-                self.validate(prompt, p)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"request {i}: {e}" if numbered else str(e)) from None
+        if numbered:
+            self.limits.check_all(prompts, params)
+        else:
+            (prompt,), (p,) = prompts, params
+            self.limits.check(prompt, p)
         streams = []
         for prompt, p in zip(prompts, params):
             stream = RequestStream(next(self._ids), prompt, p)

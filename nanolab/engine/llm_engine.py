@@ -94,10 +94,24 @@ class RequestLimits:
                 f"({self.num_blocks} blocks of {self.block_size}); lower max_tokens or enlarge the pool"
             )
 
+    def check_all(self, prompts: Seq[list[int]], params: Seq[SamplingParams], name: str = "request") -> None:
+        """`check` every request; an error names the one at fault ("request 2: ...")."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self.check(prompt, p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{name} {i}: {e}") from None
 
-def _positive_int(name: str, value, minimum: int = 1) -> None:
+
+def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
+    """Raise ValueError naming `name` unless `value` is an int >= `minimum` (or None, if `optional`).
+    bool is an int subclass; True is not a size."""
+    if optional and value is None:
+        return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}{' or None' if optional else ''}")
 
 
 class Engine:
@@ -113,13 +127,11 @@ class Engine:
                  forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
                  progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
                  sampler: Callable = sample) -> None:
-        _positive_int("num_blocks", num_blocks)
-        _positive_int("block_size", block_size)
-        _positive_int("max_num_seqs", max_num_seqs)
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if max_model_len is not None:
-            # One prompt token and one new token at least.
-            _positive_int("max_model_len", max_model_len, minimum=2)
+        check_int("num_blocks", num_blocks)
+        check_int("block_size", block_size)
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
         self.model = model
         self.config = model.config
         param = next(model.parameters())
@@ -127,6 +139,7 @@ class Engine:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs)
+        self.limits = RequestLimits(self.config.vocab_size, self.max_model_len, num_blocks, block_size)
         self.kv_cache = KVCache(self.block_manager, num_layers=self.config.num_hidden_layers,
                                 num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
                                 max_model_len=self.max_model_len, dtype=self.dtype, device=self.device, read=read)
@@ -154,17 +167,12 @@ class Engine:
         self.validate_request(prompt, params)
         return self._queue([prompt], [params])[0]
 
-    def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams]) -> list[Sequence]:
+    def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams],
+                     name: str = "request") -> list[Sequence]:
         """Queue several requests, all or nothing: each is validated before any is queued, and an
-        error names the request ("request 2: ...")."""
-        if len(prompts) != len(params):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        error names the request ("request 2: ...", or `name` in its place)."""
         prompts = [list(p) for p in prompts]
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                self.validate_request(prompt, p)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"request {i}: {e}") from None
+        self.limits.check_all(prompts, params, name)
         return self._queue(prompts, list(params))
 
     def _queue(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
@@ -178,11 +186,6 @@ class Engine:
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
         return seqs
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(self.config.vocab_size, self.max_model_len, self.block_manager.num_blocks,
-                             self.block_manager.block_size)
 
     def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
