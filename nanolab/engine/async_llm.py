@@ -205,7 +205,8 @@ def _core_process(factory: Callable[[], Engine], conn, step_log) -> None:
     try:
         core = EngineCore(factory(), step_log)
     except Exception as e:
-        conn.send(("error", str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"))
+        bad_input = isinstance(e, (ValueError, FileNotFoundError))
+        conn.send(("error", (bad_input, str(e) if bad_input else f"{type(e).__name__}: {e}")))
         return
     conn.send(("ready", engine_info(core.engine)))
 
@@ -284,7 +285,8 @@ class AsyncLLM:
                                "before it was ready") from None
         if kind == "error":
             self._process.join()
-            raise (ValueError if not payload.startswith(("RuntimeError", "Error")) else RuntimeError)(payload)
+            bad_input, message = payload
+            raise (ValueError if bad_input else RuntimeError)(message)
         self.info = payload
         self._conn = parent
         self._loop = asyncio.get_running_loop()

@@ -132,8 +132,8 @@ class OpenAIServing:
             raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
 
     def _token_ids(self, req: CompletionRequest) -> list[list[int]]:
-        # Encoding holds the GIL, which the engine thread needs too: text far longer than any
-        # prompt the context can take (more than 16 characters a token) is refused unencoded.
+        # Encoding runs on the event loop, and every other stream waits while it does: text far longer
+        # than any prompt the context can take (more than 16 characters a token) is refused unencoded.
         limit = 16 * self.async_llm.limits.max_model_len
         if req.chat:
             if sum(len(m.get("content") or "") for m in req.messages if isinstance(m, dict)
@@ -184,7 +184,6 @@ class OpenAIServing:
                 return await self._stream(request, req, rid, streams)
             return await self._whole(request, req, rid, streams)
         except ConnectionResetError:  # the client left mid-stream: its requests are aborted below
-            request[SUMMARY] = "client disconnected"
             raise asyncio.CancelledError from None
         finally:
             for s in streams:
@@ -204,9 +203,7 @@ class OpenAIServing:
             text = self.tokenizer.decode(stream.output_token_ids)
             last = stream.stop_text_index
             choices.append((text if last is None else text[:last], stream.finish_reason))
-        use = protocol.usage(sum(len(s.prompt_token_ids) for s in streams),
-                             sum(len(s.output_token_ids) for s in streams))
-        return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices, use))
+        return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices, _usage(streams)))
 
     async def _stream(self, request, req: CompletionRequest, rid: str, streams) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -226,12 +223,15 @@ class OpenAIServing:
             await response.write(chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index]))
             first[index] = False
         if req.include_usage:
-            use = protocol.usage(sum(len(s.prompt_token_ids) for s in streams),
-                                 sum(len(s.output_token_ids) for s in streams))
-            await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created, use)))
+            await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created,
+                                                           _usage(streams))))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _usage(streams: list[RequestStream]) -> dict:
+    return protocol.usage(sum(len(s.prompt_token_ids) for s in streams), sum(len(s.output_token_ids) for s in streams))
 
 
 def _sse(obj: dict) -> bytes:
