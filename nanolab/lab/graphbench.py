@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import concurrent.futures
 import gc
 import json
@@ -369,8 +368,9 @@ def slice_steps(steps: pd.DataFrame, windows: dict[float, tuple[float, float]]) 
 
 
 def smallest_bucket(rows: int, batch_sizes: Sequence[int]) -> int | None:
-    i = bisect.bisect_left(batch_sizes, rows)
-    return batch_sizes[i] if i < len(batch_sizes) else None
+    """The batch the engine pads `rows` live rows up to (`DecodeBuckets.lookup`), None past the list."""
+    shape = DecodeBuckets(tuple(batch_sizes), None).lookup(rows, 0)
+    return None if shape is None else shape[0]
 
 
 def check_compaction(steps: pd.DataFrame, batch_sizes: Sequence[int], expect_graphs: bool | None = None) -> Gate:
