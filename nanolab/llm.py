@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.kv_cache import READS, kv_bytes_per_block
 from nanolab.engine.llm_engine import Engine, check_int
+from nanolab.engine.runner import compile_decode
 from nanolab.engine.sequence import Sequence
 from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
@@ -113,9 +114,13 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto") -> None:
+                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
+                 compile: bool | None = None, async_scheduling: bool | None = None) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
-        capture list is warmed here, with a progress bar. `read` picks the decode read: "streamed",
+        capture list is warmed here, with a progress bar. `compile` captures the decode step compiled
+        by inductor (`runner.compile_decode`; about a minute at start for Llama-3.2-1B on the H200)
+        and `async_scheduling` launches each decode step before reading back the last one
+        (`Engine`); both default to on with CUDA graphs and off without. `read` picks the decode read: "streamed",
         "reference", or "auto" (streamed on CUDA). The pool is `num_blocks` blocks, else as many as
         `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
 
@@ -130,6 +135,9 @@ class LLM:
         check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
+        for name, value in (("compile", compile), ("async_scheduling", async_scheduling)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: must be a bool or None (on with CUDA graphs)")
         if not isinstance(read, str) or read not in ("auto", *READS):
             raise ValueError(f"read={read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
         device = resolve_device(device)
@@ -145,7 +153,10 @@ class LLM:
                                  f"is {per_block} bytes for this model")
             num_blocks = kv_cache_bytes // per_block
         self.tokenizer = Tokenizer.from_dir(self.path)
-        self.model = load_model(self.path, dtype=self.dtype, device=device)
+        graphs = device.type == "cuda" and not enforce_eager
+        self.compiled = graphs if compile is None else compile
+        # oneDNN's prepacked matmuls (the CPU's default) are opaque to dynamo: a compiled model keeps plain weights.
+        self.model = load_model(self.path, dtype=self.dtype, device=device, prepack=False if self.compiled else None)
         if num_blocks is None:
             # On CUDA the default budget is a share of what the weights left free.
             num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
@@ -154,8 +165,9 @@ class LLM:
             # the pool is refused, so a larger context would refuse every request without max_tokens.
             max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, detokenize=self.tokenizer.decode,
-                             cuda_graphs=device.type == "cuda" and not enforce_eager, read=read)
+                             max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
+                             read=read, forward=compile_decode(self.model) if self.compiled else None,
+                             async_scheduling=graphs if async_scheduling is None else async_scheduling)
 
     @property
     def config(self):
@@ -206,7 +218,7 @@ class LLM:
     def _step(self):
         """One engine step; a step that schedules nothing while requests wait can never finish them."""
         outputs = self.engine.step()
-        if not outputs and self.engine.has_unfinished_requests():
+        if self.engine.stalled(outputs):
             raise RuntimeError("the engine scheduled nothing while requests were waiting: none of them can be "
                                "admitted (no free row, or not enough free blocks)")
         return outputs

@@ -73,7 +73,14 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [rows, vocab] fp32 -> one token per row.
+    """logits [rows, vocab] fp32 -> one token per row, on the host (`sample_tokens`, read back)."""
+    return sample_tokens(logits, params, generators).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [rows, vocab] fp32 -> [rows] int64 tokens on logits' device, with nothing read back
+    to the host: the engine can launch the next step before it looks at these.
 
     Greedy rows take the argmax of the raw logits (exact, no noise). Sampled rows apply
     temperature, then top-k, then top-p, and draw with the row's own generator, so a seeded
@@ -85,7 +92,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         tokens = tokens.clone()
         for i in sampled:
             tokens[i] = _sample_row(logits[i], params[i], generators[i])
-    return tokens.tolist()
+    return tokens
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from test_cache_properties import check_drained
 
 from nanolab import Engine, SamplingParams
 from nanolab.engine.async_llm import AsyncLLM
-from nanolab.sampling import sample
+from nanolab.sampling import sample, sample_tokens
 
 BLOCK = 4
 VOCAB = 320  # the sharp models' vocabulary
@@ -27,11 +27,11 @@ class Poisoned(Exception):
 
 
 def poisoned_sampler(poisoned: set[int]):
-    """`sample`, except that a batch holding a poisoned request (by its params' identity) raises."""
+    """`sample_tokens`, except that a batch holding a poisoned request (by its params' identity) raises."""
     def sampler(logits, params, generators):
         if any(id(p) in poisoned for p in params):
             raise Poisoned("injected sampler failure")
-        return sample(logits, params, generators)
+        return sample_tokens(logits, params, generators)
     return sampler
 
 
@@ -56,9 +56,9 @@ class FlakyRunner:
         self._maybe_fail(seqs)
         return self.runner.prefill(seqs)
 
-    def decode(self, seqs):
+    def decode(self, seqs, ids=None):
         self._maybe_fail(seqs)
-        return self.runner.decode(seqs)
+        return self.runner.decode(seqs, ids)
 
 
 @functools.cache
@@ -82,14 +82,15 @@ OP = st.one_of(
 )
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4))
-def test_failures_stay_with_their_request(sharp_gqa24, ops, num_blocks, max_num_seqs):
+def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs):
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
     engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                    sampler=poisoned_sampler(poisoned))
+                    sampler=poisoned_sampler(poisoned), async_scheduling=async_scheduling)
     engine.runner = flaky = FlakyRunner(engine.runner)
     seqs, fated = [], {}
 
@@ -136,13 +137,15 @@ def test_failures_stay_with_their_request(sharp_gqa24, ops, num_blocks, max_num_
             event("a request survived")
 
 
-def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24, async_scheduling):
     """One request's sampling raises in the middle of a batch: it alone ends, with the error, and
     the others finish with the tokens they produce alone."""
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
-    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=poisoned_sampler(poisoned))
+    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=poisoned_sampler(poisoned),
+                    async_scheduling=async_scheduling)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
     seqs = engine.add_requests(prompts, params)

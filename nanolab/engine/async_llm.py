@@ -130,7 +130,7 @@ class EngineCore:
 
     def step(self) -> list[Output]:
         outputs = self.engine.step()
-        if not outputs and self.engine.has_unfinished_requests() and not self.engine.scheduler.running:
+        if self.engine.stalled(outputs):
             # Nothing could be admitted and nothing runs: every waiting request was validated to fit
             # the pool alone, so this is a scheduler fault.
             raise RuntimeError("the engine scheduled nothing while requests were waiting")

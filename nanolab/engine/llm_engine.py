@@ -22,12 +22,12 @@ from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.graphs import CaptureReport
-from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.runner import ModelRunner
 from nanolab.engine.scheduler import Scheduler
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
-from nanolab.sampling import SamplingParams, sample
+from nanolab.sampling import SamplingParams, sample_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +105,23 @@ class RequestLimits:
                 raise type(e)(f"{name} {i}: {e}") from None
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A decode step launched under asynchronous scheduling whose tokens are still on their way."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [rows] int64 on the device: what the next step feeds
+    host: torch.Tensor  # [rows] int64, pinned on CUDA: filled by a copy queued behind the sampler
+    done: torch.cuda.Event | None  # recorded after that copy; None on the CPU, where it is synchronous
+    batch: int  # rows the forward ran at
+    graph: bool
+    start: float  # perf_counter at launch
+
+
+def _host_list(tokens) -> list[int]:
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
 def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
     """Raise ValueError naming `name` unless `value` is an int >= `minimum` (or None, if `optional`).
     bool is an int subclass; True is not a size."""
@@ -126,7 +143,7 @@ class Engine:
                  detokenize: Callable[[list[int]], str] | None = None, read: str = "auto",
                  forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
                  progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
-                 sampler: Callable = sample) -> None:
+                 sampler: Callable = sample_tokens, async_scheduling: bool = False) -> None:
         check_int("num_blocks", num_blocks)
         check_int("block_size", block_size)
         check_int("max_num_seqs", max_num_seqs)
@@ -148,6 +165,10 @@ class Engine:
                              progress=progress)
         self.detokenize = detokenize
         self.sampler = sampler
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling={async_scheduling!r}: must be a bool")
+        self.async_scheduling = async_scheduling
+        self._inflight: _InFlight | None = None  # the decode step launched and not yet read back
         self.eos_token_ids = frozenset(self.config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
@@ -197,28 +218,55 @@ class Engine:
             self.scheduler.abort(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a decode step launched by asynchronous scheduling awaits its read-back."""
+        return self._inflight is not None
+
+    def stalled(self, outputs: list[StepOutput]) -> bool:
+        """Whether the step that returned `outputs` did nothing while requests remain: it ran no
+        forward, read nothing back and left nothing in flight. Every queued request was checked to
+        fit the pool alone, so a stall is a scheduler fault, never a request's."""
+        return not outputs and self.last_step is None and not self.in_flight and self.has_unfinished_requests()
 
     # One step.
 
     def step(self) -> list[StepOutput]:
-        start = time.perf_counter()
+        """Run one step and return what it produced. With asynchronous scheduling a decode step is
+        launched before the one in flight is read back, so what a call returns is the previous
+        decode step's tokens (`_step_async`)."""
         self.last_step = None
+        if self.async_scheduling:
+            return self._step_async()
         seqs, prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        return self._run(seqs, prefill)
+
+    def _run(self, seqs: list[Sequence], prefill: bool) -> list[StepOutput]:
+        """One forward over `seqs`, sampled and read back before returning."""
+        start = time.perf_counter()
         try:
             logits = self.runner.prefill(seqs) if prefill else self.runner.decode(seqs)
         except Exception as e:  # contained: the step's requests end, the engine goes on
-            # A forward's failure cannot be pinned on one row: every request of the step ends with it.
-            return [self._fail(seq, f"the forward failed: {type(e).__name__}: {e}") for seq in seqs]
+            return self._fail_forward(seqs, e)
         tokens = self._sample(logits, seqs)
         batch, graph = (len(seqs), False) if prefill else self.runner.last_decode
         self.last_step = StepRecord("prefill" if prefill else "decode", len(seqs), batch, graph,
                                     sum(s.num_tokens for s in seqs) if prefill else len(seqs),
                                     time.perf_counter() - start)
+        return self._emit(seqs, tokens, logits)
+
+    def _emit(self, seqs: list[Sequence], tokens: list, logits: torch.Tensor | None) -> list[StepOutput]:
+        """Append each row's token (or end the row with its sampling error), retire finished
+        requests, and return the outputs. A request that ended while its token was in flight
+        (aborted, or finished by the step before) has it dropped."""
         outputs = []
-        for seq, token, row in zip(seqs, tokens, logits, strict=True):
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if seq.finished:
+                continue
             if isinstance(token, Exception):
                 outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
                 continue
@@ -227,27 +275,125 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, token, row))
+            outputs.append(StepOutput(seq, token, None if logits is None else logits[i]))
         return outputs
 
+    def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
+        # A forward's failure cannot be pinned on one row: every request of the step ends with it.
+        return [self._fail(seq, f"the forward failed: {type(e).__name__}: {e}") for seq in seqs if not seq.finished]
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-        """One token per row, or the exception that row's sampling raised. The whole batch is
-        sampled at once; only when that raises is each row sampled alone, to find the culprits. A
-        seeded row's generator is put back first, so its draw is the one it would have made."""
+        """One token per row on the host, or the exception that row's sampling raised. The whole
+        batch is sampled at once; only when that raises is each row sampled alone, to find the
+        culprits. A seeded row's generator is put back first, so its draw is the one it would have
+        made."""
+        tokens = self._sample_batch(logits, seqs)
+        return _host_list(tokens) if tokens is not None else self._sample_rows(logits, seqs)
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """The sampler's tokens for the whole batch (a device tensor, or a list from a host
+        sampler), or None when it raised, with every seeded generator put back."""
         states = [None if s.generator is None else s.generator.get_state() for s in seqs]
         try:
             return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        except Exception:  # retried row by row below
+        except Exception:  # the caller retries row by row
             for seq, state in zip(seqs, states):
                 if state is not None:
                     seq.generator.set_state(state)
+            return None
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         tokens: list[int | Exception] = []
         for i, seq in enumerate(seqs):
             try:
-                tokens.append(self.sampler(logits[i: i + 1], [seq.params], [seq.generator])[0])
+                tokens.append(_host_list(self.sampler(logits[i: i + 1], [seq.params], [seq.generator]))[0])
             except Exception as e:  # this row alone ends with it
                 tokens.append(e)
         return tokens
+
+    # Asynchronous scheduling (vLLM's async_scheduling): the host plans and launches decode step
+    # t + 1 while the GPU runs step t, whose sampled tokens feed t + 1 on the device. The tokens
+    # reach the host one call later, so a request that stops on EOS or a stop string runs one step
+    # past it, and that token is dropped; length limits are known ahead and never overrun.
+
+    def _step_async(self) -> list[StepOutput]:
+        prev = self._inflight
+        if prev is None:
+            seqs, prefill = self.scheduler.schedule()
+            if not seqs:
+                return []
+            if prefill:  # prefill steps run as before: their requests' first tokens come back now
+                return self._run(seqs, prefill=True)
+            return self._launch(seqs, None, None)
+        nxt = self._continuing(prev)
+        if not nxt:  # the next step needs the scheduler (admission, preemption) or nothing is left
+            self._inflight = None
+            return self._retire(prev)
+        index = {id(s): i for i, s in enumerate(prev.seqs)}
+        rows = [index[id(s)] for s in nxt]
+        ids = prev.tokens
+        if rows != list(range(len(rows))):  # the batch lost rows: gather the survivors' tokens
+            ids = ids[stage(torch.tensor(rows), self.device).to(self.device, non_blocking=True)]
+        else:
+            ids = ids[: len(rows)]
+        return self._launch(nxt, ids, prev)
+
+    def _continuing(self, prev: _InFlight) -> list[Sequence] | None:
+        """The rows of the in-flight step that can decode again without the scheduler: every
+        running request is among them, nothing waits to be admitted, the pool has the blocks,
+        and a request whose in-flight token reaches its length limit is left out."""
+        running = self.scheduler.running
+        if self.scheduler.waiting or len(running) > len(prev.seqs):
+            return None
+        members = {id(s) for s in prev.seqs}
+        if any(id(s) not in members for s in running):
+            return None
+        nxt = [s for s in prev.seqs if not s.finished and not self._ends_by_length(s)]
+        need = sum(self.block_manager.table(s.row).blocks_needed(1) for s in nxt)
+        return nxt if need <= self.block_manager.allocator.num_free else None
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token in flight for `seq` ends it by max_tokens or the context."""
+        n = len(seq.output_token_ids) + 1
+        return (seq.params.max_tokens is not None and n >= seq.params.max_tokens) or \
+            seq.num_tokens + 1 >= self.max_model_len
+
+    def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None, prev: _InFlight | None) -> list[StepOutput]:
+        """Launch a decode step over `seqs` and leave it in flight; return the outputs of `prev`,
+        read back after the launch. A step that cannot stay in flight (its forward or its batch
+        sampling raised, or the sampler is a host one) finishes here, after `prev`."""
+        start = time.perf_counter()
+        try:
+            logits = self.runner.decode(seqs, ids)
+        except Exception as e:
+            self._inflight = None
+            return (self._retire(prev) if prev else []) + self._fail_forward(seqs, e)
+        tokens = self._sample_batch(logits, seqs)
+        batch, graph = self.runner.last_decode
+        if not isinstance(tokens, torch.Tensor):  # raised (None), or a host sampler's list
+            self._inflight = None
+            outputs = self._retire(prev) if prev else []
+            tokens = self._sample_rows(logits, seqs) if tokens is None else list(tokens)
+            self.last_step = StepRecord("decode", len(seqs), batch, graph, len(seqs), time.perf_counter() - start)
+            return outputs + self._emit(seqs, tokens, logits)
+        host = stage(torch.empty(len(seqs), dtype=torch.int64), self.device)
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._inflight = _InFlight(seqs, tokens, host, done, batch, graph, start)
+        return self._retire(prev) if prev else []
+
+    def _retire(self, step: _InFlight) -> list[StepOutput]:
+        """Wait for an in-flight step's tokens and emit them (its logits are gone by now: the next
+        replay overwrites a graph's output)."""
+        if step.done is not None:
+            step.done.synchronize()
+        tokens = step.host.tolist()
+        self.last_step = StepRecord("decode", len(step.seqs), step.batch, step.graph, len(step.seqs),
+                                    time.perf_counter() - step.start)
+        return self._emit(step.seqs, tokens, None)
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         """End `seq` with an error; its row and blocks go back to the pool."""

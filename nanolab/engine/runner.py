@@ -14,10 +14,19 @@ import torch
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs, planned_step
-from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
+
+
+def compile_decode(model: LlamaModel) -> Callable:
+    """`model` compiled by inductor, for decode steps: inductor fuses the norms, residual adds, rotary
+    embedding, K/V writes and activations between the projections into a few kernels a layer,
+    while the projections stay cuBLAS's (or `kernels.gemv`) and the streamed read stays one opaque
+    op (`paged_attention_op`). The batch is symbolic, so the capture buckets share one graph;
+    dynamo specialises batch 1 by itself. Compiling happens on the first call."""
+    return torch.compile(model, dynamic=True, fullgraph=True)
 
 
 class ModelRunner:
@@ -53,24 +62,32 @@ class ModelRunner:
         view = self.kv_cache.view(plan)
         return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
 
-    def plan_step(self, seqs: list[Sequence]) -> tuple[DecodePlan, torch.Tensor]:
-        """Plan a decode step, padded to its bucket when it has one, and its input ids [batch, 1]
-        on the host (padded rows decode token 0)."""
-        shape = None if self.buckets is None else self.buckets.lookup(len(seqs), max(s.num_tokens for s in seqs))
+    def plan_step(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[DecodePlan, torch.Tensor]:
+        """Plan a decode step, padded to its bucket when it has one, and its input ids [batch, 1]:
+        `ids` [rows] on the device when given (tokens still being sampled by the step before, for
+        asynchronous scheduling), else each sequence's last token from the host, in pinned memory.
+        Padded rows decode token 0."""
+        tables = [self.kv_cache.blocks.table(s.row) for s in seqs]
+        longest = max(t.num_tokens for t in tables) + 1  # this step's token included
+        shape = None if self.buckets is None else self.buckets.lookup(len(seqs), longest)
         plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
                                          width=shape and shape[1])
-        ids = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
-        ids[: len(seqs), 0] = torch.tensor([s.output_token_ids[-1] for s in seqs])
-        return plan, ids
+        if ids is not None:
+            return plan, ids.view(-1, 1)
+        host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
+        host[: len(seqs), 0] = torch.tensor([s.output_token_ids[-1] for s in seqs])
+        return plan, stage(host, self.device)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One new token's logits for every sequence -> [rows, vocab] fp32."""
-        plan, ids = self.plan_step(seqs)
+    def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token's logits for every sequence -> [rows, vocab] fp32. `ids` as `plan_step`."""
+        plan, ids = self.plan_step(seqs, ids)
         if self.graphs is not None:
             shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:
                 self.last_decode = (plan.batch_size, True)
                 return self.graphs.replay(shape, ids[: len(seqs)], plan)
         self.last_decode = (plan.batch_size, False)
-        return planned_step(self.forward, self.kv_cache, ids.to(self.device), plan)[: len(seqs)]
+        if ids.shape[0] < plan.batch_size:  # device ids cover the live rows only: pad with token 0
+            ids = torch.cat([ids, ids.new_zeros((plan.batch_size - ids.shape[0], 1))])
+        return planned_step(self.forward, self.kv_cache, ids.to(self.device, non_blocking=True), plan)[: len(seqs)]

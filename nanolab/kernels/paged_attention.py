@@ -404,3 +404,18 @@ def _dot_mode(dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return 0
     return 1 if INTERPRETED else 2
+
+
+@torch.library.custom_op("nanolab::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                       table_rows: torch.Tensor, context_lens: torch.Tensor, positions: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+    """`paged_attention` with the default launch, as one opaque operator: what a compiled forward
+    calls, so dynamo records the read as a single node instead of tracing its launch logic, and
+    inductor fuses the work around it. The launch is still chosen from the shapes alone."""
+    return paged_attention(q, k_pool, v_pool, block_table, table_rows, block_size, context_lens, positions)
+
+
+@paged_attention_op.register_fake
+def _(q, k_pool, v_pool, block_table, table_rows, context_lens, positions, block_size):
+    return torch.empty_like(q)

@@ -82,14 +82,21 @@ class DecodeTiming:
 
 def time_engine(engine: Engine, prompts: torch.Tensor, steps: int, repeats: int = 3, arm: str = "nanolab"
                 ) -> DecodeTiming:
-    """Median over `repeats` runs (after one warm-up) of the mean ms per decode step at batch
-    len(prompts): prefill, then `steps` timed steps that finish every request. Each step is timed
-    between its own syncs; a step already ends in one (its sampled tokens come back to the host)."""
+    """Median over `repeats` runs (after one warm-up) of ms per decode step at batch len(prompts):
+    prefill, then the wall time of stepping the engine until every request holds its `steps` more
+    tokens, over `steps`. The loop is the one `LLM.generate` runs, so host work between steps is
+    in the time, and an engine that launches a step before reading back the last one (asynchronous
+    scheduling) is timed as it overlaps."""
     runs = []
     for _ in range(repeats + 1):
         seqs = prefill(engine, prompts, steps + 1)
-        runs.append(1000 * sum(timed_steps(engine, steps)) / steps)
-        assert all(s.finished for s in seqs), "a benchmark request outlived its steps"
+        sync(engine.device)
+        start = time.perf_counter()
+        drain(engine)
+        sync(engine.device)
+        runs.append(1000 * (time.perf_counter() - start) / steps)
+        assert all(s.finished and len(s.output_token_ids) == steps + 1 for s in seqs), \
+            "a benchmark request ended early or outlived its steps"
     return DecodeTiming(arm, len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
 
 

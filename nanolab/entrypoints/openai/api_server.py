@@ -284,6 +284,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
+                        help="capture the eager decode step instead of inductor's (default: compiled with graphs)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                        help="read each decode step back before launching the next (default: overlapped with graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting", type=int, default=256,
@@ -316,7 +320,8 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(resolve_weights(args.model))  # an unknown model fails here, at once
     factory = functools.partial(build_engine, model=args.model, device=args.device, dtype=args.dtype,
                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                enforce_eager=args.enforce_eager, read=args.read)
+                                enforce_eager=args.enforce_eager, read=args.read, compile=args.compile,
+                                async_scheduling=args.async_scheduling)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
     serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)

@@ -1,0 +1,302 @@
+"""The floor chapter's instruments: one decode step's time with each lever pulled in turn, where its
+time goes by kernel class, and the projections alone against cuBLAS.
+
+Day 61. CUDA only. Every arm is a graphed engine over the same weights, built with the levers
+of `ARMS` up to its own, so the arms read as a waterfall: the step before, then each lever added
+to the one before it. A step is timed as the engine runs it (`lab.timing.time_engine`), host
+work included; a profile of graphed steps at one shape splits the GPU's part by kernel class,
+and the rest of the step is the host's. Nothing here asserts a time.
+
+    python -m nanolab levers --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from nanolab import Engine, load_model
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.runner import compile_decode
+from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv
+from nanolab.lab.capturebench import _profile, rows_equal
+from nanolab.lab.costs import kv_read_bytes, weight_bytes
+from nanolab.lab.reference import engine_greedy
+from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
+from nanolab.model.layers import Linear
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    compile: bool = False  # inductor over the graphed step (`runner.compile_decode`)
+    gemv: bool = False  # the Triton GEMV for projections of up to MAX_ROWS rows
+
+
+# Cumulative: each arm keeps every lever before it.
+ARMS = (
+    Lever("graphs (before)"),
+    Lever("+ inductor", compile=True),
+    Lever("+ triton gemv", compile=True, gemv=True),
+)
+
+# Kernel classes of the waterfall, matched in order against a kernel's name.
+KERNEL_CLASSES = (
+    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "_gemv", "_sum_splits")),
+    ("attention read", ("_paged_decode", "_merge_splits")),
+    ("sampling", ("argmax", "reduce_kernel")),
+    ("norms", ("layer_norm", "rms")),
+    ("fused by inductor", ("triton_",)),
+    ("copies and indexing", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill", "scatter")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in lowered for k in keys):
+            return cls
+    return "other elementwise"
+
+
+def set_gemv(model: torch.nn.Module, on: bool) -> None:
+    """Route every projection of up to MAX_ROWS rows through `kernels.gemv` (on) or cuBLAS (off)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.gemv = on
+
+
+def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
+    """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
+    set_gemv(model, lever.gemv)
+    start = time.perf_counter()
+    forward = compile_decode(model) if lever.compile else None
+    engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False, **engine_kwargs)
+    torch.cuda.synchronize()
+    return engine, time.perf_counter() - start
+
+
+def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
+    """Median ms of the batch-`batch` graph's replay alone, timed with events: the GPU's part of a
+    step, its kernels and the gaps between them. Replays whatever plan the buffers hold last; run
+    it only when no request is live."""
+    graph = engine.runner.graphs.graphs[(batch, None)]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
+    """Mean host microseconds a graphed decode step spends in each part, found by wrapping the
+    engine's own methods on this instance: scheduling, planning (host tables and the copies into
+    the step buffers), issuing the replay, sampling (which waits for the GPU and reads the tokens
+    back), and the rest of `Engine.step`. Also the share of steps that replayed a graph."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    runner, graphs = engine.runner, engine.runner.graphs
+    patches = [(engine.scheduler, "schedule"), (runner, "plan_step"), (graphs, "replay"), (engine, "sampler")]
+    originals = [getattr(obj, name) for obj, name in patches]
+    for obj, name in patches:
+        setattr(obj, name, timed(name, getattr(obj, name)))
+    prefill(engine, prompts, steps + 1)
+    spent.clear()
+    graphed, total = 0, 0.0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()
+        total += time.perf_counter() - t0
+        graphed += runner.last_decode[1]
+    for (obj, name), original in zip(patches, originals, strict=True):
+        setattr(obj, name, original)
+    drain(engine)
+    out = {f"{name}_us": 1e6 * s / steps for name, s in spent.items()}
+    out["rest_us"] = 1e6 * total / steps - sum(out.values())
+    out["graphed_share"] = graphed / steps
+    return out
+
+
+def decode_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
+    """[rows, vocab] fp32 logits of the first decode step after prefilling `prompts`."""
+    seqs = prefill(engine, prompts, 2)
+    logits = {o.seq.request_id: o.logits.clone() for o in engine.step()}
+    drain(engine)
+    return torch.stack([logits[s.request_id] for s in seqs])
+
+
+def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
+    """ms per step by kernel class, and the host's share: the measured step less the GPU's time."""
+    by_class = profile.assign(cls=profile.kernel.map(kernel_class)).groupby("cls").us_per_step.sum() / 1000
+    rows = [{"part": cls, "ms": ms} for cls, ms in by_class.items()]
+    rows.append({"part": "host (GPU idle)", "ms": ms_per_step - by_class.sum()})
+    return pd.DataFrame(rows)
+
+
+def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32, 128), (64, 128), (32, 2048)),
+               arms=ARMS, steps: int = 32, repeats: int = 3, profile_shape=(1, 128), block_size: int = 16,
+               progress: bool = True) -> dict[str, pd.DataFrame]:
+    """Tables `steps` (arm, batch, context, ms_per_step, floor_ms, x_floor, build_s), `parts` (arm,
+    part, ms at `profile_shape`) and `agreement` (greedy tokens of each arm against the first)."""
+    device = torch.device("cuda")
+    model = load_model(model_path, dtype=dtype, device=device)
+    config = model.config
+    max_batch = max(b for b, _ in shapes)
+    num_blocks = max_batch * (cdiv(max(c for _, c in shapes), block_size) + 2) + 16
+    kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch)
+    bandwidth = copy_bandwidth(device)
+    weights = weight_bytes(model)
+    check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
+    records, parts, profiles, agreement, first = [], [], [], [], None
+    for lever in tqdm(arms, desc="levers", disable=not progress):
+        engine, build_s = lever_engine(model, lever, **kw)
+        for batch, context in shapes:
+            prompts = random_prompts(batch, context - steps, config.vocab_size)
+            timing = time_engine(engine, prompts, steps, repeats, lever.name)
+            floor = (weights + kv_read_bytes(config, batch, context, dtype)) / bandwidth * 1000
+            records.append({"arm": lever.name, "batch": batch, "context": context, "ms_per_step": timing.ms_per_step,
+                            "floor_ms": floor, "x_floor": timing.ms_per_step / floor, "build_s": build_s,
+                            "bandwidth_tb_s": bandwidth / 1e12})
+            anatomy = step_anatomy(engine, prompts, steps)
+            records[-1].update(anatomy, replay_ms=replay_ms(engine, batch))
+            if (batch, context) == tuple(profile_shape):
+                profile = _profile(engine, prompts, steps, lever.name)
+                profiles.append(profile.assign(batch=batch, context=context))
+                parts.append(breakdown(profile, timing.ms_per_step).assign(arm=lever.name, batch=batch,
+                                                                           context=context))
+        tokens, logits = engine_greedy(engine, check, 32), decode_logits(engine, check)
+        first = first or (tokens, logits)
+        agreement.append({"arm": lever.name, "rows": len(check), "steps": 32,
+                          "rows equal to the first arm": rows_equal(tokens, first[0]),
+                          "logits rel err to the first arm": float((logits - first[1]).norm() / first[1].norm())})
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    set_gemv(model, False)
+    return {"day61_levers": pd.DataFrame(records), "day61_parts": pd.concat(parts, ignore_index=True),
+            "day61_lever_agreement": pd.DataFrame(agreement),
+            "day61_lever_profile": pd.concat(profiles, ignore_index=True)}
+
+
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """[N, K] of each projection a decode step runs."""
+    h, d = config.hidden_size, config.head_dim
+    return {"qkv": ((config.num_attention_heads + 2 * config.num_key_value_heads) * d, h),
+            "o": (h, config.num_attention_heads * d), "gate_up": (2 * config.intermediate_size, h),
+            "down": (h, config.intermediate_size), "lm_head": (config.vocab_size, h)}
+
+
+def sweep_configs(n: int, k: int) -> list[GemvConfig]:
+    out = []
+    for block_n in (16, 32, 64, 128):
+        for block_k in (128, 256, 512):
+            for split in (1, 2, 4, 8):
+                stage_bytes = (block_n + 16) * block_k * 2  # a weight tile and the activation tile, 16-bit
+                stages = min(4, 200_000 // stage_bytes)  # what an H200 SM's 227 KiB of shared memory holds
+                if k % (split * block_k) == 0 and stages >= 2:
+                    out.append(GemvConfig(block_n, block_k, split, num_stages=stages))
+    return out
+
+
+def projection_table(config, dtype=torch.bfloat16, rows=(1, 2, 4, 8, 16), sweep_rows=(1, 16), repeats: int = 30,
+                     progress: bool = True) -> pd.DataFrame:
+    """Each projection alone, L2 flushed before every launch: cuBLAS (`F.linear`), `gemv` with
+    `choose_config`'s tiles, and at `sweep_rows` the best of `sweep_configs`. TB/s counts the
+    weight, the activations and the output once."""
+    device = torch.device("cuda")
+    jobs = [(name, nk, m) for name, nk in projection_shapes(config).items() for m in rows]
+    records = []
+    for name, (n, k), m in tqdm(jobs, desc="projections", disable=not progress):
+        records += _time_projection(name, n, k, m, dtype, device, m in sweep_rows, repeats)
+    df = pd.DataFrame(records)
+    df["chosen"] = [a == "gemv" for a in df.arm]
+    return df
+
+
+def _time_projection(name: str, n: int, k: int, m: int, dtype, device, sweep: bool, repeats: int) -> list[dict]:
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    nbytes = (n * k + m * k + m * n) * w.element_size()
+    ref = F.linear(x.double(), w.double())
+    arms: list[tuple[str, Callable]] = [("cublas", lambda: F.linear(x, w))]
+    if m <= MAX_ROWS:
+        arms.append(("gemv", lambda: gemv(x, w)))
+        if sweep:
+            arms += [(f"gemv {c.block_n}x{c.block_k} split {c.split_k}", lambda c=c: gemv(x, w, c))
+                     for c in sweep_configs(n, k)]
+    records = []
+    for arm, fn in arms:
+        err = float((fn().double() - ref).norm() / ref.norm())
+        us = time_us(fn, device, repeats)
+        records.append({"projection": name, "n": n, "k": k, "rows": m, "arm": arm, "us": us,
+                        "tb_s": nbytes / us / 1e6, "rel_err": err})
+    return records
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("levers", "projections"), default=None)
+    parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from nanolab.lab.report import run_label, save_table
+    from nanolab.llm import resolve_dtype
+    from nanolab.model.config import ModelConfig
+    from nanolab.model.weights import resolve_weights, weights_kind
+
+    if not torch.cuda.is_available():
+        raise ValueError("--device: the levers bench needs a CUDA device")
+    path = resolve_weights(args.model)
+    dtype = resolve_dtype(args.dtype, torch.device("cuda"))
+    label = run_label(torch.device("cuda"), args.model, dtype, weights=weights_kind(path))
+    tables = {}
+
+    def keep(new: dict[str, pd.DataFrame]) -> None:  # saved as they come: a later arm's failure loses nothing
+        for name, table in new.items():
+            print(f"{name}: {save_table(table, name, label)}", flush=True)
+        tables.update(new)
+
+    if args.only != "levers":
+        keep({"day61_projections": projection_table(ModelConfig.from_dir(path), dtype)})
+    if args.only != "projections":
+        arms = ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
+        keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats))
+    fmt = dict(index=False, float_format=lambda x: f"{x:.3f}")
+    if "day61_projections" in tables:
+        p = tables["day61_projections"]
+        best = p[p.arm.str.startswith("gemv")].sort_values("us").groupby(["projection", "rows"]).head(1)
+        print(best.to_string(**fmt))
+        print(p[p.arm.isin(("cublas", "gemv"))].pivot_table(index=["projection", "rows"], columns="arm",
+                                                             values="us").to_string(float_format="{:.1f}".format))
+    for name in ("day61_parts", "day61_lever_agreement", "day61_levers"):
+        if name in tables:
+            print(tables[name].to_string(**fmt))
+    print(label.caption())
+    return 0

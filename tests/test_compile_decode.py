@@ -1,0 +1,84 @@
+"""The decode step compiled by inductor (`runner.compile_decode`): the streamed read goes in as one
+opaque op (`paged_attention_op`), the K/V writes stay writes into the pools, and every step's
+logits equal the one-shot reference's, as the eager step's do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
+from test_cache_properties import check_drained
+
+from nanolab import Engine, SamplingParams, load_model
+from nanolab.engine.runner import compile_decode
+from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+
+
+def plain(sharp, device="cpu"):
+    """The sharp model without oneDNN's prepacked weights, which dynamo cannot trace."""
+    return load_model(sharp.path, dtype=torch.float32, device=device, prepack=False)
+
+
+class Counting:
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("read", ["reference", "streamed"])
+def test_compiled_decode_matches_the_reference(sharp_gqa24, read):
+    torch._dynamo.reset()
+    model = plain(sharp_gqa24)
+    forward = Counting(compile_decode(model))
+    engine = Engine(model, num_blocks=64, block_size=4, read=read, forward=forward)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+    logits, on_step = logit_recorder()
+    run_until_done(engine, on_step=on_step)
+    assert forward.calls >= 6, "the decode steps did not go through the compiled forward"
+    assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_the_read_op_is_the_kernel():
+    """The custom op returns what the kernel returns, and its fake gives the shape dynamo traces with."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(33, 2, 16), torch.randn(33, 2, 16)
+    table = torch.tensor([[0, 1], [-1, -1], [-1, -1]], dtype=torch.int32)
+    rows, lens = torch.tensor([0, 0]), torch.tensor([20, 5])
+    args = (q, k, v, table, rows, lens, (lens - 1)[:, None], 16)
+    assert torch.equal(paged_attention_op(*args), paged_attention(q, k, v, table, rows, 16, lens, (lens - 1)[:, None]))
+    torch.library.opcheck(paged_attention_op, args)
+
+
+@needs_cuda
+def test_compiled_graphs_with_async_scheduling_on_cuda(sharp_gqa24):
+    """The configuration `LLM` builds on a GPU: inductor's step captured in CUDA graphs, launched
+    ahead of the read-back. fp32, so its logits (read synchronously) and its greedy tokens (read
+    asynchronously) must equal the eager engine's."""
+    torch._dynamo.reset()
+    model = plain(sharp_gqa24, "cuda")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def decode(**kw):
+        engine = Engine(model, num_blocks=64, block_size=4, progress=False, **kw)
+        seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+        logits, on_step = logit_recorder()
+        run_until_done(engine, on_step=on_step)
+        check_drained(engine.kv_cache, engine.scheduler)
+        return seqs, logits
+
+    forward = compile_decode(model)
+    eager, _ = decode()
+    synced, logits = decode(forward=forward, cuda_graphs=True)
+    assert_logits_match_reference(sharp_gqa24, synced, {k: [r.cpu() for r in v] for k, v in logits.items()},
+                                  atol=1e-3, rtol=1e-3)
+    overlapped, _ = decode(forward=forward, cuda_graphs=True, async_scheduling=True)
+    expected = [s.output_token_ids for s in eager]
+    assert [s.output_token_ids for s in synced] == expected
+    assert [s.output_token_ids for s in overlapped] == expected
