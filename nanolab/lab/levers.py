@@ -13,6 +13,7 @@ and the rest of the step is the host's. Nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -25,6 +26,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from nanolab import Engine, load_model
+from nanolab.engine import kv_cache as kv_cache_module
+from nanolab.engine import llm_engine as engine_module
+from nanolab.engine import runner as runner_module
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import compile_decode
 from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv
@@ -38,16 +42,42 @@ from nanolab.model.layers import Linear
 @dataclass(frozen=True)
 class Lever:
     name: str
+    pinned: bool = True  # step inputs staged in pinned memory (`kv_cache.stage`); False re-runs the pageable copies
     compile: bool = False  # inductor over the graphed step (`runner.compile_decode`)
+    async_scheduling: bool = False  # launch step t + 1 before reading back step t (`Engine`)
     gemv: bool = False  # the Triton GEMV for projections of up to MAX_ROWS rows
 
 
-# Cumulative: each arm keeps every lever before it.
+# Cumulative: each arm keeps every lever before it. The last, the Triton GEMV, is measured on
+# request only (`--arms`): alone against cuBLAS it does not pay (`projection_table`).
 ARMS = (
-    Lever("graphs (before)"),
+    Lever("graphs (before)", pinned=False),
+    Lever("+ pinned step inputs"),
     Lever("+ inductor", compile=True),
-    Lever("+ triton gemv", compile=True, gemv=True),
+    Lever("+ async scheduling", compile=True, async_scheduling=True),
+    Lever("+ triton gemv", compile=True, async_scheduling=True, gemv=True),
 )
+DEFAULT_ARMS = ARMS[:4]
+
+
+def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t  # the engine before pinned staging: every step input copied from pageable memory
+
+
+@contextlib.contextmanager
+def staging(pinned: bool):
+    """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
+    arm before that lever, copied from pageable memory, each copy a round trip the host waits on."""
+    modules = (kv_cache_module, runner_module, engine_module)
+    saved = [m.stage for m in modules]
+    if not pinned:
+        for m in modules:
+            m.stage = _pageable
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved, strict=True):
+            m.stage = fn
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
@@ -80,7 +110,8 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     set_gemv(model, lever.gemv)
     start = time.perf_counter()
     forward = compile_decode(model) if lever.compile else None
-    engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False, **engine_kwargs)
+    engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
+                    async_scheduling=lever.async_scheduling, **engine_kwargs)
     torch.cuda.synchronize()
     return engine, time.perf_counter() - start
 
@@ -141,10 +172,13 @@ def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str,
 
 
 def decode_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
-    """[rows, vocab] fp32 logits of the first decode step after prefilling `prompts`."""
+    """[rows, vocab] fp32 logits of the first decode step after prefilling `prompts`, read back
+    synchronously (an asynchronous step's logits are overwritten before its tokens are read)."""
+    engine.async_scheduling, overlapped = False, engine.async_scheduling
     seqs = prefill(engine, prompts, 2)
     logits = {o.seq.request_id: o.logits.clone() for o in engine.step()}
     drain(engine)
+    engine.async_scheduling = overlapped
     return torch.stack([logits[s.request_id] for s in seqs])
 
 
@@ -157,10 +191,12 @@ def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
 
 
 def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32, 128), (64, 128), (32, 2048)),
-               arms=ARMS, steps: int = 32, repeats: int = 3, profile_shape=(1, 128), block_size: int = 16,
+               arms=DEFAULT_ARMS, steps: int = 32, repeats: int = 3, profile_shape=(1, 128), block_size: int = 16,
                progress: bool = True) -> dict[str, pd.DataFrame]:
-    """Tables `steps` (arm, batch, context, ms_per_step, floor_ms, x_floor, build_s), `parts` (arm,
-    part, ms at `profile_shape`) and `agreement` (greedy tokens of each arm against the first)."""
+    """Tables `day61_levers` (arm, batch, context, ms_per_step, floor_ms, x_floor, build_s, the step's
+    anatomy and its replay alone), `day61_parts` (arm, part, ms at `profile_shape`),
+    `day61_lever_profile` (its kernels) and `day61_lever_agreement` (greedy tokens and first-step
+    logits of each arm against the first)."""
     device = torch.device("cuda")
     model = load_model(model_path, dtype=dtype, device=device)
     config = model.config
@@ -172,22 +208,23 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
     for lever in tqdm(arms, desc="levers", disable=not progress):
-        engine, build_s = lever_engine(model, lever, **kw)
-        for batch, context in shapes:
-            prompts = random_prompts(batch, context - steps, config.vocab_size)
-            timing = time_engine(engine, prompts, steps, repeats, lever.name)
-            floor = (weights + kv_read_bytes(config, batch, context, dtype)) / bandwidth * 1000
-            records.append({"arm": lever.name, "batch": batch, "context": context, "ms_per_step": timing.ms_per_step,
-                            "floor_ms": floor, "x_floor": timing.ms_per_step / floor, "build_s": build_s,
-                            "bandwidth_tb_s": bandwidth / 1e12})
-            anatomy = step_anatomy(engine, prompts, steps)
-            records[-1].update(anatomy, replay_ms=replay_ms(engine, batch))
-            if (batch, context) == tuple(profile_shape):
-                profile = _profile(engine, prompts, steps, lever.name)
-                profiles.append(profile.assign(batch=batch, context=context))
-                parts.append(breakdown(profile, timing.ms_per_step).assign(arm=lever.name, batch=batch,
-                                                                           context=context))
-        tokens, logits = engine_greedy(engine, check, 32), decode_logits(engine, check)
+        with staging(lever.pinned):
+            engine, build_s = lever_engine(model, lever, **kw)
+            for batch, context in shapes:
+                prompts = random_prompts(batch, context - steps, config.vocab_size)
+                timing = time_engine(engine, prompts, steps, repeats, lever.name)
+                floor = (weights + kv_read_bytes(config, batch, context, dtype)) / bandwidth * 1000
+                records.append({"arm": lever.name, "batch": batch, "context": context,
+                                "ms_per_step": timing.ms_per_step, "floor_ms": floor,
+                                "x_floor": timing.ms_per_step / floor, "build_s": build_s,
+                                "bandwidth_tb_s": bandwidth / 1e12, **step_anatomy(engine, prompts, steps),
+                                "replay_ms": replay_ms(engine, batch)})
+                if (batch, context) == tuple(profile_shape):
+                    profile = _profile(engine, prompts, steps, lever.name).assign(batch=batch, context=context)
+                    profiles.append(profile)
+                    parts.append(breakdown(profile, timing.ms_per_step).assign(arm=lever.name, batch=batch,
+                                                                               context=context))
+            tokens, logits = engine_greedy(engine, check, 32), decode_logits(engine, check)
         first = first or (tokens, logits)
         agreement.append({"arm": lever.name, "rows": len(check), "steps": 32,
                           "rows equal to the first arm": rows_equal(tokens, first[0]),
@@ -286,7 +323,7 @@ def main(args: argparse.Namespace) -> int:
     if args.only != "levers":
         keep({"day61_projections": projection_table(ModelConfig.from_dir(path), dtype)})
     if args.only != "projections":
-        arms = ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
+        arms = DEFAULT_ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
         keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats))
     fmt = dict(index=False, float_format=lambda x: f"{x:.3f}")
     if "day61_projections" in tables:
