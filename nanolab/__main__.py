@@ -1,6 +1,6 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
-`capturebench`, `streambench`, `graphbench`.
+`capturebench`, `streambench`, `graphbench`, `floorbench`.
 
 Engine core (before Day 49). Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -29,6 +29,8 @@ LAZY_COMMANDS = {
                     "the decode read alone: reference, streamed kernels, SDPA (CUDA)"),
     "graphbench": ("nanolab.lab.graphbench", "lab",
                    "the server over loopback with CUDA graphs on and off: TTFT, TPOT, ITL, goodput (Day 58)"),
+    "floorbench": ("nanolab.lab.floorbench", "lab",
+                   "decode ms/step against the bandwidth floor: nanolab, HF (compiled and eager), gpt-fast (Day 61)"),
 }
 
 # Errors that mean the input was bad, not that nanolab is broken: reported in one line, exit 2.
