@@ -26,8 +26,6 @@ import torch
 from nanolab.model.config import ModelConfig
 from nanolab.model.weights import load_checkpoint
 
-MODULES = ("model", "tokenizer", "generate")  # gpt-fast's top-level modules, in import order
-
 
 @dataclass(frozen=True)
 class GptFast:
@@ -85,11 +83,16 @@ def _changed(before: dict, after: dict) -> dict:
     return {k: v for k, v in after.items() if before.get(k) != v}
 
 
+_IMPORTED: dict[Path, GptFast] = {}  # a checkout's modules are imported once a process
+
+
 def import_gpt_fast(path: Path | str) -> GptFast:
     """gpt-fast's modules from a checkout at `path`. Its generate.py sets inductor options when
     imported; they are undone for the rest of the process and kept in `GptFast.settings()`.
     Raises ValueError for a folder that is not a gpt-fast checkout."""
     path = Path(path).expanduser().resolve()
+    if path in _IMPORTED:
+        return _IMPORTED[path]
     missing = [f"{name}.py" for name in ("model", "generate") if not (path / f"{name}.py").is_file()]
     if missing:
         raise ValueError(f"--gpt-fast {path}: not a gpt-fast checkout (no {', '.join(missing)})")
@@ -106,7 +109,8 @@ def import_gpt_fast(path: Path | str) -> GptFast:
     theirs_functorch = _changed(functorch, torch._functorch.config.get_config_copy())
     torch._inductor.config.load_config(inductor)
     torch._functorch.config.load_config(functorch)
-    return GptFast(path, model, generate, generate.decode_one_token, ours, theirs_functorch)
+    _IMPORTED[path] = GptFast(path, model, generate, generate.decode_one_token, ours, theirs_functorch)
+    return _IMPORTED[path]
 
 
 def model_args(gf: GptFast, config: ModelConfig):
