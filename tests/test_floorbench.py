@@ -23,7 +23,9 @@ from nanolab.lab.floorbench import (
     Shape,
     decode_row,
     decode_shapes,
+    floor_columns,
     floor_tables,
+    merge_tables,
     nanolab_generate,
     parse_arms,
     parse_pairs,
@@ -94,11 +96,10 @@ def _bench(ms: dict[str, float], bandwidth: float = 4e12) -> FloorBench:
     rows = []
     for arm, base in ms.items():
         for s in shapes:
-            row = decode_row(arm, f"{arm} label", s, 256)
-            row["ms_per_step"] = base * (1 if s.batch == 1 else 1.1)
-            rows.append(row)
+            row = {**decode_row(arm, f"{arm} label", s, 256), "ms_per_step": base * (1 if s.batch == 1 else 1.1)}
+            rows.append({**row, **floor_columns(row, roofline)})
     ttft = [{**ttft_row(arm, arm, 1, 2048, 5), "ttft_ms": 10 * base} for arm, base in ms.items()]
-    return floor_tables(rows, ttft, roofline)
+    return floor_tables(pd.DataFrame(rows), pd.DataFrame(ttft), roofline)
 
 
 def test_x_floor_targets_and_speedups():
@@ -119,6 +120,25 @@ def test_x_floor_targets_and_speedups():
     assert lines[2] == "TTFT 1 x 2048: nanolab 12.0 ms, hf-default 24.0 ms (nanolab 2.00x, target 1.5x)"
 
 
+def test_append_keeps_earlier_arms_and_redoes_the_comparisons():
+    earlier = _bench({"nanolab": 1.2, "hf-default": 2.4})
+    earlier.decode["run"] = "earlier"
+    now = _bench({"nanolab": 1.0, "gpt-fast": 1.5})
+    merged = merge_tables(now, earlier)
+    d = merged.decode.set_index(["arm", "batch"])
+    assert sorted(set(merged.decode.arm)) == ["gpt-fast", "hf-default", "nanolab"] and len(d) == 6
+    assert d.ms_per_step["nanolab", 1] == 1.0 and d.run["hf-default", 1] == "earlier"
+    assert d.nanolab_speedup["hf-default", 1] == pytest.approx(2.4) and d.nanolab_speedup["gpt-fast", 1] == 1.5
+    assert {"x_floor_nanolab", "x_floor_hf-default", "x_floor_gpt-fast"} <= set(merged.roofline.columns)
+    assert len(merged.roofline) == 2 and sorted(merged.ttft.arm) == ["gpt-fast", "hf-default", "nanolab"]
+    # A run of one shape (the rest of a run cut off by a time limit) replaces that shape's rows only.
+    again = _bench({"gpt-fast": 3.0})
+    at8 = FloorBench(again.decode[again.decode.batch == 8], again.roofline[again.roofline.batch == 8],
+                     again.ttft.iloc[:0])
+    d = merge_tables(at8, merged).decode.set_index(["arm", "batch"])
+    assert len(d) == 6 and d.ms_per_step["gpt-fast", 8] == pytest.approx(3.3) and d.ms_per_step["gpt-fast", 1] == 1.5
+
+
 @pytest.fixture(scope="module")
 def tiny_llm():
     return LLM("tiny", device="cpu", max_num_seqs=8, num_blocks=64)
@@ -130,8 +150,8 @@ def test_a_run_on_the_cpu_says_what_ran(tiny_llm, one_thread, tmp_path, monkeypa
     seen = []
     bench = run_floorbench(tiny_llm, shapes, steps=8, repeats=1, warmup=1, arms=["nanolab", "hf-default", "hf-eager"],
                            ttft_cases=[(1, 24), (2, 12)], ttft_repeats=2, bandwidth=1e10,
-                           on_arm=lambda b: seen.append(len(b.decode)), progress=False)
-    assert seen == [3, 6, 9]  # the tables so far, after each arm
+                           on_row=lambda b: seen.append((len(b.decode), len(b.ttft))), progress=False)
+    assert seen[:5] == [(1, 0), (2, 0), (3, 0), (3, 1), (3, 2)] and seen[-1] == (9, 6)  # saved after each row
     d = bench.decode
     assert len(d) == 9 and (d.error == "").all() and (d.ms_per_step > 0).all()
     assert set(d.label) == {"nanolab (eager, reference read)", "hf static (default, not compiled)",
@@ -164,6 +184,23 @@ def test_an_arms_failure_is_kept_in_its_rows(tiny_llm, one_thread):
     assert d.error["flaky", 2].startswith("OutOfMemoryError: CUDA out of memory")
     assert list(bench.ttft.arm) == ["flaky"] and "OutOfMemoryError" in bench.ttft.error.iloc[0]
     assert any("flaky arm: failed" in line for line in ratio_lines(bench))
+
+
+def test_the_command_writes_labelled_tables_and_appends(tmp_path, monkeypatch, capsys, one_thread):
+    monkeypatch.setattr(report, "DATA_DIR", tmp_path)
+    base = ["floorbench", "--model", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "1@12", "--steps",
+            "4", "--repeats", "1", "--warmup", "0", "--ttft", "1x8"]
+    assert cli.main([*base, "--arms", "nanolab,hf-eager"]) == 0
+    first = pd.read_csv(tmp_path / "day61_floor_cpu.csv")
+    assert cli.main([*base, "--arms", "nanolab", "--append"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1 @ 12: floor" in out and "gpt-fast: not run (no --gpt-fast PATH)" in out
+    floor = pd.read_csv(tmp_path / "day61_floor_cpu.csv")
+    assert sorted(floor.arm) == ["hf-eager", "hf-eager", "nanolab", "nanolab"]
+    hf = floor[floor.arm == "hf-eager"]
+    assert list(hf.ms_per_step) == list(first[first.arm == "hf-eager"].ms_per_step)  # kept from the first run
+    assert floor.run.nunique() == 2 and floor.device_slug.eq("cpu").all() and floor.model.eq("tiny").all()
+    assert sorted(pd.read_csv(tmp_path / "day61_ttft_cpu.csv").arm) == ["hf-eager", "nanolab"]
 
 
 def test_parsers():

@@ -30,6 +30,7 @@ import gc
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import pandas as pd
 import torch
@@ -49,6 +50,8 @@ STRETCH_MS = {(1, 128): 0.80}
 TTFT_CASES = ((1, 2048), (8, 1024))  # (batch, prompt_len)
 TTFT_TARGET = 1.5  # nanolab's TTFT speedup over HF's default path at batch 1
 STEMS = ("day61_floor", "day61_roofline", "day61_ttft")
+ROOFLINE_SHOWN = ("batch", "context", "kv_tokens", "step_bytes", "bandwidth_tb_s", "floor_ms", "target_ms",
+                  "stretch_ms", "target_x_floor")
 WEIGHTS_SOURCE = "nanolab's folder"  # every arm loads the same weights
 
 
@@ -195,18 +198,27 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " ".join(str(e).splitlines())[:300]
 
 
+NAN = float("nan")
+
+
 def decode_row(arm: str, label: str, shape: Shape, steps: int, error: str = "", note: str = "") -> dict:
-    """A decode table row, not yet measured."""
+    """A decode table row, not yet measured; `floor_columns` fills its floor."""
     return {"arm": arm, "label": label, "batch": shape.batch, "context": shape.context,
             "prompt_len": shape.prompt_len, "kv_tokens": shape.kv_tokens(steps), "steps": steps,
-            "ms_per_step": float("nan"), "tokens_per_s": float("nan"), "graphs_compiled": 0,
-            "graphs_compiled_timed": 0, "error": error, "note": note, "weights_source": WEIGHTS_SOURCE}
+            "ms_per_step": NAN, "tokens_per_s": NAN, "bandwidth_tb_s": NAN, "floor_ms": NAN, "x_floor": NAN,
+            "target_ms": NAN, "x_target": NAN, "graphs_compiled": 0, "graphs_compiled_timed": 0, "error": error,
+            "note": note, "weights_source": WEIGHTS_SOURCE, "run": ""}
 
 
 def ttft_row(arm: str, label: str, batch: int, prompt_len: int, runs: int, error: str = "", note: str = "") -> dict:
     """A TTFT table row, not yet measured."""
-    return {"arm": arm, "label": label, "batch": batch, "prompt_len": prompt_len, "ttft_ms": float("nan"),
-            "runs": runs, "graphs_compiled": 0, "error": error, "note": note, "weights_source": WEIGHTS_SOURCE}
+    return {"arm": arm, "label": label, "batch": batch, "prompt_len": prompt_len, "ttft_ms": NAN,
+            "runs": runs, "graphs_compiled": 0, "error": error, "note": note, "weights_source": WEIGHTS_SOURCE,
+            "run": ""}
+
+
+DECODE_COLUMNS = list(decode_row("", "", Shape(1, 1, 1), 1))
+TTFT_COLUMNS = list(ttft_row("", "", 1, 1, 1))
 
 
 def measure_decode(arm: Arm, shape: Shape, vocab: int, steps: int, repeats: int, warmup: int,
@@ -288,45 +300,63 @@ def _lookup(df: pd.DataFrame, keys: list[str], arm: str, column: str) -> Callabl
     return lambda key: values.get(key, float("nan"))
 
 
-def floor_tables(decode_rows: list[dict], ttft_rows: list[dict], roofline: pd.DataFrame) -> FloorBench:
-    """The three tables from the measured rows: each decode row with its floor, x_floor, target,
-    x_target and nanolab's speedup over it (its ms over nanolab's); the roofline with each arm's
-    x_floor; TTFT with nanolab's speedup over each arm."""
-    shape = ["batch", "context"]
-    decode = pd.DataFrame(decode_rows, columns=list(decode_row("", "", Shape(1, 1, 1), 1)))
-    keys = list(decode[shape].itertuples(index=False, name=None))
-    roof = roofline.set_index(shape)
-    decode["floor_ms"] = [roof.floor_ms[k] for k in keys]
-    decode["x_floor"] = decode.ms_per_step / decode.floor_ms
-    decode["target_ms"] = [roof.target_ms[k] for k in keys]
-    decode["x_target"] = decode.ms_per_step / decode.target_ms
+def floor_columns(row: dict, roofline: pd.DataFrame) -> dict:
+    """`row`'s floor at its shape in this run's `roofline`, its x_floor, its target and x_target."""
+    r = roofline.set_index(["batch", "context"]).loc[(row["batch"], row["context"])]
+    ms = row["ms_per_step"]
+    return {"bandwidth_tb_s": r.bandwidth_tb_s, "floor_ms": r.floor_ms, "x_floor": ms / r.floor_ms,
+            "target_ms": r.target_ms, "x_target": ms / r.target_ms}
+
+
+def floor_tables(decode: pd.DataFrame, ttft: pd.DataFrame, roofline: pd.DataFrame) -> FloorBench:
+    """The three tables with what compares rows: nanolab's speedup over each decode and TTFT row
+    (its time over nanolab's at the same shape), and each arm's x_floor on the roofline."""
+    shape, case = ["batch", "context"], ["batch", "prompt_len"]
+    decode, ttft = decode.copy(), ttft.copy()
+    roofline = roofline[[c for c in roofline.columns if not c.startswith("x_floor_")]].copy()
     ours = _lookup(decode, shape, "nanolab", "ms_per_step")
-    decode["nanolab_speedup"] = [ms / ours(k) for ms, k in zip(decode.ms_per_step, keys, strict=True)]
-    roofline = roofline.copy()
+    decode["nanolab_speedup"] = [ms / ours(k) for ms, k in
+                                 zip(decode.ms_per_step, decode[shape].itertuples(index=False, name=None),
+                                     strict=True)]
     for arm in dict.fromkeys(decode.arm):
         x_floor = _lookup(decode, shape, arm, "x_floor")
         roofline[f"x_floor_{arm}"] = [x_floor(k) for k in roofline[shape].itertuples(index=False, name=None)]
-    case = ["batch", "prompt_len"]
-    ttft = pd.DataFrame(ttft_rows, columns=list(ttft_row("", "", 1, 1, 1)))
     ours = _lookup(ttft, case, "nanolab", "ttft_ms")
     ttft["nanolab_speedup"] = [ms / ours(k) for ms, k in
                                zip(ttft.ttft_ms, ttft[case].itertuples(index=False, name=None), strict=True)]
     return FloorBench(decode, roofline, ttft)
 
 
+def merge_tables(bench: FloorBench, previous: FloorBench) -> FloorBench:
+    """`bench` over tables saved by earlier runs on this device: their rows of an arm and shape (or
+    TTFT case) that `bench` did not measure are kept, each with the floor and `run` stamp of its own
+    run, and the comparisons are redone over the whole."""
+
+    def kept(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+        seen = set(new[keys].itertuples(index=False, name=None))
+        old = old[[k not in seen for k in old[keys].itertuples(index=False, name=None)]]
+        return pd.concat([old, new], ignore_index=True) if len(old) else new
+
+    return floor_tables(kept(previous.decode, bench.decode, ["arm", "batch", "context"]),
+                        kept(previous.ttft, bench.ttft, ["arm", "batch", "prompt_len"]),
+                        kept(previous.roofline, bench.roofline, ["batch", "context"]))
+
+
 def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats: int = 3, warmup: int = 2,
                    arms: Iterable[str] = ARMS[:3], gpt_fast=None, ttft_cases=TTFT_CASES, ttft_repeats: int = 5,
                    bandwidth: float | None = None, extra_arms: Iterable[Arm] = (),
-                   on_arm: Callable[[FloorBench], None] | None = None, progress: bool = True) -> FloorBench:
+                   on_row: Callable[[FloorBench], None] | None = None, progress: bool = True) -> FloorBench:
     """Every arm in `arms` (then `extra_arms`) at every shape, arm by arm; TTFT for all but
     gpt-fast. `gpt_fast` is the checkout for the gpt-fast arm. `bandwidth` (bytes/s) defaults to
-    `copy_bandwidth` measured now. `on_arm` gets the tables so far after each arm (to save them)."""
+    `copy_bandwidth` measured now. `on_row` gets the tables so far after each row (to save them,
+    so a run cut off by a time limit keeps what it measured)."""
     from tqdm.auto import tqdm
 
     from nanolab.lab.reference import load_hf
 
     device, config, vocab = llm.device, llm.config, llm.config.vocab_size
     arms = list(arms)
+    run = datetime.now(timezone.utc).isoformat(timespec="milliseconds")  # which rows shared this process
     if bandwidth is None:
         bandwidth = copy_bandwidth(device, nbytes=1 << 30 if device.type == "cuda" else 1 << 26)
     roofline = roofline_table(config, shapes, steps, llm.dtype, bandwidth)
@@ -347,6 +377,16 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     bar = tqdm(total=len(plan) * len(shapes) + sum(timed_ttft) * len(ttft_cases), desc="floor bench",
                disable=not progress)
     decode_rows, ttft_rows = [], []
+    def done(n: int = 1) -> None:
+        bar.update(n)
+        if on_row is not None:
+            on_row(tables())
+
+    def tables() -> FloorBench:
+        decode = [{**row, **floor_columns(row, roofline), "run": run} for row in decode_rows]
+        return floor_tables(pd.DataFrame(decode, columns=DECODE_COLUMNS),
+                            pd.DataFrame([{**row, "run": run} for row in ttft_rows], columns=TTFT_COLUMNS), roofline)
+
     for (name, start), with_ttft in zip(plan, timed_ttft, strict=True):
         try:
             arm = start()
@@ -356,24 +396,24 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
             decode_rows += [decode_row(name, name, s, steps, error) for s in shapes]
             if with_ttft:
                 ttft_rows += [ttft_row(name, name, b, n, 0, error) for b, n in ttft_cases]
-            bar.update(len(shapes) + with_ttft * len(ttft_cases))
+            done(len(shapes) + with_ttft * len(ttft_cases))
             continue
         for shape in shapes:
             bar.set_postfix_str(f"{name} batch {shape.batch} @ {shape.context}")
-            decode_rows.append(measure_decode(arm, shape, vocab, steps, repeats, warmup, device))
-            bar.update()
+            # Only a compiling arm needs more than one untimed call to be warm.
+            decode_rows.append(measure_decode(arm, shape, vocab, steps, repeats,
+                                              warmup if arm.compiles else min(warmup, 1), device))
+            done()
         if with_ttft:
             for batch, prompt_len in ttft_cases:
                 bar.set_postfix_str(f"{name} TTFT {batch} x {prompt_len}")
                 ttft_rows.append(measure_ttft(arm, batch, prompt_len, vocab, ttft_repeats, warmup, device))
-                bar.update()
+                done()
         if arm.compiles:
             torch._dynamo.reset()  # lets go of its graphs and their memory pools
         _free(device)
-        if on_arm is not None:
-            on_arm(floor_tables(decode_rows, ttft_rows, roofline))
     bar.close()
-    return floor_tables(decode_rows, ttft_rows, roofline)
+    return tables()
 
 
 def _finite(x: float) -> bool:
@@ -429,12 +469,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-fast", default=None, metavar="PATH", help="a gpt-fast checkout: adds its arm")
     parser.add_argument("--ttft", default=",".join(f"{b}x{n}" for b, n in TTFT_CASES),
                         help="BATCHxPROMPT_LEN cases for time to first token ('none' to skip)")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the tables saved on this device: rows of arms and shapes not run now are kept")
+
+
+def labelled(bench: FloorBench, label) -> FloorBench:
+    """`bench` with `label`'s columns on every row (before a merge, where earlier rows keep theirs)."""
+    return FloorBench(*(t.assign(**{k: v for k, v in label.as_columns().items() if k not in t})
+                        for t in (bench.decode, bench.roofline, bench.ttft)))
 
 
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from nanolab.lab.report import run_label, save_table
+    from nanolab.lab.report import load_table, run_label, save_table
 
     batches = parse_batches(args.batches)
     prompt_len = _positive(args.prompt_len, "--prompt-len")
@@ -452,17 +500,26 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
 
-    def save(bench: FloorBench) -> list:
-        return [save_table(table, stem, label) for stem, table in bench.tables().items()]
+    saved = [load_table(stem, label.device_slug) for stem in STEMS]
+    previous = FloorBench(*saved) if args.append and all(t is not None for t in saved) else None
+    if args.append and previous is None:
+        print(f"--append: no complete set of {', '.join(STEMS)} tables for {label.device_slug} yet; writing new ones")
+
+    def save(bench: FloorBench) -> tuple[FloorBench, list]:
+        bench = labelled(bench, label)
+        if previous is not None:
+            bench = merge_tables(bench, previous)
+        return bench, [save_table(table, stem, label) for stem, table in bench.tables().items()]
 
     bench = run_floorbench(llm, shapes, steps=steps, repeats=repeats, warmup=warmup, arms=arms,
-                           gpt_fast=args.gpt_fast, ttft_cases=ttft, on_arm=save)
-    paths = save(bench)
+                           gpt_fast=args.gpt_fast, ttft_cases=ttft, on_row=save)
+    bench, paths = save(bench)
     fmt = {"float_format": lambda x: f"{x:.3f}", "index": False}
     print(bench.decode[["label", "batch", "context", "ms_per_step", "floor_ms", "x_floor", "target_ms",
-                        "x_target", "nanolab_speedup", "graphs_compiled", "graphs_compiled_timed",
+                        "x_target", "nanolab_speedup", "graphs_compiled", "graphs_compiled_timed", "run",
                         "error"]].to_string(**fmt))
-    print(bench.roofline.drop(columns=["weight_bytes", "kv_bytes"]).to_string(**fmt))
+    print(bench.roofline[[c for c in bench.roofline if c in ROOFLINE_SHOWN or c.startswith("x_floor_")]]
+          .to_string(**fmt))
     if len(bench.ttft):
         print(bench.ttft[["label", "batch", "prompt_len", "ttft_ms", "nanolab_speedup", "error"]].to_string(**fmt))
     if "gpt-fast" not in arms:
