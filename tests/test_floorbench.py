@@ -115,9 +115,9 @@ def test_x_floor_targets_and_speedups():
     assert roof["x_floor_hf-default"][1] == pytest.approx(2.4 / floor1)
     lines = ratio_lines(bench)
     assert lines[0].startswith("batch 1 @ 128: floor") and "1.20x target 1.00 ms" in lines[0]
-    assert "1.50x stretch 0.80 ms" in lines[0] and "(nanolab 2.00x)" in lines[0]
+    assert "1.50x stretch 0.80 ms" in lines[0] and "(nanolab speedup 2.00x)" in lines[0]
     assert "1.20x target 1.10 ms" in lines[1]
-    assert lines[2] == "TTFT 1 x 2048: nanolab 12.0 ms, hf-default 24.0 ms (nanolab 2.00x, target 1.5x)"
+    assert lines[2] == "TTFT 1 x 2048: nanolab 12.0 ms, hf-default 24.0 ms (nanolab speedup 2.00x, target 1.5x)"
 
 
 def test_append_keeps_earlier_arms_and_redoes_the_comparisons():
@@ -201,6 +201,7 @@ def test_the_command_writes_labelled_tables_and_appends(tmp_path, monkeypatch, c
     assert list(hf.ms_per_step) == list(first[first.arm == "hf-eager"].ms_per_step)  # kept from the first run
     assert floor.run.nunique() == 2 and floor.device_slug.eq("cpu").all() and floor.model.eq("tiny").all()
     assert sorted(pd.read_csv(tmp_path / "day61_ttft_cpu.csv").arm) == ["hf-eager", "nanolab"]
+    assert "error: nan" not in out.lower() and (floor.error.isna() | (floor.error == "")).all()
 
 
 def test_parsers():

@@ -18,7 +18,9 @@ would. The floor of a step is the bytes it must read (every weight once, and the
 history an average timed step reads) over the copy bandwidth measured in the same run; `x_floor`
 is ms/step over it. Issue 13's targets print as ratios; nothing asserts a time. TTFT is
 `generate` with one new token, warmed, medians. One arm's failure (a compile error, OOM at a large
-batch) is recorded in its rows and the bench goes on.
+batch) is recorded in its rows and the bench goes on. The tables are saved after every row; where
+a time limit splits the work, `--append` adds a run's rows to those saved before on the device, by
+arm and shape, and each row's `run` says which process measured it.
 
     python -m nanolab floorbench --model llama-3.2-1b --gpt-fast third_party/gpt-fast
 """
@@ -53,6 +55,7 @@ STEMS = ("day61_floor", "day61_roofline", "day61_ttft")
 ROOFLINE_SHOWN = ("batch", "context", "kv_tokens", "step_bytes", "bandwidth_tb_s", "floor_ms", "target_ms",
                   "stretch_ms", "target_x_floor")
 WEIGHTS_SOURCE = "nanolab's folder"  # every arm loads the same weights
+NAN = float("nan")
 
 
 @dataclass(frozen=True)
@@ -198,9 +201,6 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " ".join(str(e).splitlines())[:300]
 
 
-NAN = float("nan")
-
-
 def decode_row(arm: str, label: str, shape: Shape, steps: int, error: str = "", note: str = "") -> dict:
     """A decode table row, not yet measured; `floor_columns` fills its floor."""
     return {"arm": arm, "label": label, "batch": shape.batch, "context": shape.context,
@@ -333,6 +333,9 @@ def merge_tables(bench: FloorBench, previous: FloorBench) -> FloorBench:
     run, and the comparisons are redone over the whole."""
 
     def kept(old: pd.DataFrame, new: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+        # Empty text reads back from a CSV as NaN.
+        old = old.assign(**{c: old[c].astype(object).where(old[c].notna(), "") for c in ("error", "note", "run")
+                            if c in old})
         seen = set(new[keys].itertuples(index=False, name=None))
         old = old[[k not in seen for k in old[keys].itertuples(index=False, name=None)]]
         return pd.concat([old, new], ignore_index=True) if len(old) else new
@@ -439,7 +442,7 @@ def ratio_lines(bench: FloorBench) -> list[str]:
             else:
                 line += f"; {r.label} {r.ms_per_step:.3f} ms"
                 if _finite(r.nanolab_speedup):
-                    line += f" (nanolab {r.nanolab_speedup:.2f}x)"
+                    line += f" (nanolab speedup {r.nanolab_speedup:.2f}x)"
         lines.append(line)
     t = bench.ttft
     for (batch, prompt_len), rows in t.groupby(["batch", "prompt_len"], sort=False):
@@ -447,7 +450,7 @@ def ratio_lines(bench: FloorBench) -> list[str]:
         for r in rows.itertuples():
             part = f"{r.label} failed" if not _finite(r.ttft_ms) else f"{r.label} {r.ttft_ms:.1f} ms"
             if r.arm != "nanolab" and _finite(r.nanolab_speedup):
-                part += f" (nanolab {r.nanolab_speedup:.2f}x" + (f", target {TTFT_TARGET}x)" if batch == 1 and
+                part += f" (nanolab speedup {r.nanolab_speedup:.2f}x" + (f", target {TTFT_TARGET}x)" if batch == 1 and
                                                                  r.arm == "hf-default" else ")")
             parts.append(part)
         lines.append(f"TTFT {batch} x {prompt_len}: " + ", ".join(parts))
