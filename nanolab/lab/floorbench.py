@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -380,6 +381,7 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     bar = tqdm(total=len(plan) * len(shapes) + sum(timed_ttft) * len(ttft_cases), desc="floor bench",
                disable=not progress)
     decode_rows, ttft_rows = [], []
+
     def done(n: int = 1) -> None:
         bar.update(n)
         if on_row is not None:
@@ -419,10 +421,6 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     return tables()
 
 
-def _finite(x: float) -> bool:
-    return x == x and x not in (float("inf"), float("-inf"))
-
-
 def ratio_lines(bench: FloorBench) -> list[str]:
     """Per shape: nanolab's step against the floor and issue 13's target (and stretch), then its
     speedup over each peer; per TTFT case, each arm's time and nanolab's speedup over it."""
@@ -431,25 +429,25 @@ def ratio_lines(bench: FloorBench) -> list[str]:
     for s in bench.roofline.itertuples():
         line = f"batch {s.batch} @ {s.context}: floor {s.floor_ms:.3f} ms"
         for r in d[(d.batch == s.batch) & (d.context == s.context)].itertuples():
-            if not _finite(r.ms_per_step):
+            if not math.isfinite(r.ms_per_step):
                 line += f"; {r.label}: failed"
             elif r.arm == "nanolab":
                 line += f"; nanolab {r.ms_per_step:.3f} ms/step = {r.x_floor:.2f}x floor"
-                if _finite(s.target_ms):
+                if math.isfinite(s.target_ms):
                     line += f", {r.x_target:.2f}x target {s.target_ms:.2f} ms"
-                if _finite(s.stretch_ms):
+                if math.isfinite(s.stretch_ms):
                     line += f", {r.ms_per_step / s.stretch_ms:.2f}x stretch {s.stretch_ms:.2f} ms"
             else:
                 line += f"; {r.label} {r.ms_per_step:.3f} ms"
-                if _finite(r.nanolab_speedup):
+                if math.isfinite(r.nanolab_speedup):
                     line += f" (nanolab speedup {r.nanolab_speedup:.2f}x)"
         lines.append(line)
     t = bench.ttft
     for (batch, prompt_len), rows in t.groupby(["batch", "prompt_len"], sort=False):
         parts = []
         for r in rows.itertuples():
-            part = f"{r.label} failed" if not _finite(r.ttft_ms) else f"{r.label} {r.ttft_ms:.1f} ms"
-            if r.arm != "nanolab" and _finite(r.nanolab_speedup):
+            part = f"{r.label} failed" if not math.isfinite(r.ttft_ms) else f"{r.label} {r.ttft_ms:.1f} ms"
+            if r.arm != "nanolab" and math.isfinite(r.nanolab_speedup):
                 part += f" (nanolab speedup {r.nanolab_speedup:.2f}x" + (f", target {TTFT_TARGET}x)" if batch == 1 and
                                                                  r.arm == "hf-default" else ")")
             parts.append(part)
