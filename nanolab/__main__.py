@@ -1,6 +1,6 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
-`capturebench`, `streambench`, `graphbench`, `levers`.
+`capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`.
 
 Engine core (before Day 49). Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -31,6 +31,8 @@ LAZY_COMMANDS = {
                    "the server over loopback with CUDA graphs on and off: TTFT, TPOT, ITL, goodput (Day 58)"),
     "levers": ("nanolab.lab.levers", "lab",
                "the decode step with each speed lever added in turn, by kernel class (CUDA)"),
+    "floorbench": ("nanolab.lab.floorbench", "lab",
+                   "decode ms/step against the bandwidth floor: nanolab, HF (compiled and eager), gpt-fast (Day 61)"),
 }
 
 # Errors that mean the input was bad, not that nanolab is broken: reported in one line, exit 2.

@@ -8,7 +8,8 @@
 - Day 59: the streamed read's tile (`streamed_workspace_bytes`): rows, heads and query_len cancel,
   so the saving is `width / block`; and the tiles it walks (`streamed_work`). `streambench_table`
   is the seed's host-only table, rebuilt from this arithmetic.
-- The capture bench's floor: the bytes a decode step must read (`weight_bytes`, `kv_read_bytes`).
+- The capture bench's floor: the bytes a decode step must read (`weight_bytes`, `kv_read_bytes`);
+  Day 61's from the config alone (`step_read_bytes`), so every system at these shapes meets one floor.
 """
 
 from __future__ import annotations
@@ -280,3 +281,9 @@ def kv_read_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
     """Bytes of K and V a decode step reads: each row's whole history, every layer."""
     per_token = kv_bytes_per_block(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 1, dtype)
     return batch * context * per_token
+
+
+def step_read_bytes(config: ModelConfig, batch: int, context: int, dtype) -> int:
+    """Bytes one decode step must read at least: every weight once (a tied head once) and each of
+    `batch` rows' K and V over `context` tokens, every layer."""
+    return config.num_parameters() * dtype.itemsize + kv_read_bytes(config, batch, context, dtype)

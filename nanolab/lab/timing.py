@@ -1,8 +1,9 @@
 """The one timing loop every bench shares, and the clocks around it.
 
 `prefill` queues greedy requests and runs the engine until each has its first token; `timed_steps`
-then times decode steps one at a time, each bracketed by a device sync. HF's `generate` is timed
-from outside (`time_hf`), one read alone as a CUDA graph replay (`time_us`).
+then times decode steps one at a time, each bracketed by a device sync. A whole generate call is
+timed from outside (`time_generate`: any system's, HF's through `time_hf`), one read alone as a
+CUDA graph replay (`time_us`).
 """
 
 from __future__ import annotations
@@ -100,39 +101,65 @@ def time_engine(engine: Engine, prompts: torch.Tensor, steps: int, repeats: int 
     return DecodeTiming(arm, len(prompts), prompts.shape[1], steps, statistics.median(runs[1:]))
 
 
-def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int = 3) -> DecodeTiming:
-    """Median ms per decode step of transformers' `generate` with a "static" or "dynamic" cache and
-    `disable_compile=True`: the time of `1 + steps` new tokens minus the time of 1, so the prefill
-    is left out (the fastest of each instead of the medians when a busy machine makes those cross)."""
-    device = model.device
-    ids = prompts.to(device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, disable_compile=True)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
+def wall_s(fn: Callable[[], object], device: torch.device, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call of `fn`, between two device syncs."""
+    sync(device)
+    start = clock()
+    fn()
+    sync(device)
+    return clock() - start
 
-    def run(new: int) -> float:
-        sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=new, **kwargs)
-        sync(device)
-        return time.perf_counter() - start
 
-    run(steps + 1)  # warm-up
-    # Interleaved, so a slow patch of the machine lands on both sides of the difference.
-    pairs = [(run(steps + 1), run(1)) for _ in range(repeats)]
-    decode_s = statistics.median(full for full, _ in pairs) - statistics.median(prefill for _, prefill in pairs)
-    # A busy machine can make the medians cross. Then more pairs are timed and the fastest of each
-    # side used: the runs the machine disturbed least.
+def time_generate(run: Callable[[int], object], steps: int, repeats: int = 3, *, device: torch.device | str = "cpu",
+                  short: int = 1, warmup: int = 1, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Milliseconds per decode step of a whole-generate call `run(new_tokens)`, timed from outside:
+    the wall time of `short + steps` new tokens minus that of `short`, over `steps`. The prefill and
+    the first `short` tokens are in both calls and cancel. `short` is 1 for `generate`-style calls
+    (gpt-fast's loop: 2). After `warmup` long calls, `repeats` pairs are timed interleaved, so a
+    slow patch of the machine lands on both sides of the difference, and the medians are used (the
+    fastest of each side when a busy machine makes the medians cross: more pairs are timed first)."""
+    device = torch.device(device)
+    long = short + steps
+    for _ in range(warmup):
+        run(long)
+    pairs = [(wall_s(lambda: run(long), device, clock), wall_s(lambda: run(short), device, clock))
+             for _ in range(repeats)]
+    decode_s = statistics.median(full for full, _ in pairs) - statistics.median(head for _, head in pairs)
     for _ in range(3 * repeats):
         if decode_s > 0:
             break
-        pairs.append((run(steps + 1), run(1)))
-        decode_s = min(full for full, _ in pairs) - min(prefill for _, prefill in pairs)
+        pairs.append((wall_s(lambda: run(long), device, clock), wall_s(lambda: run(short), device, clock)))
+        decode_s = min(full for full, _ in pairs) - min(head for _, head in pairs)
     if decode_s <= 0:
-        raise RuntimeError(f"HF decode time not measurable: generate(max_new_tokens={steps + 1}) was not slower than "
-                           "generate(max_new_tokens=1); the machine is too busy for this benchmark")
-    return DecodeTiming(f"hf-{cache}", len(prompts), prompts.shape[1], steps, decode_s * 1000 / steps)
+        raise RuntimeError(f"decode time not measurable: {long} new tokens were not slower than {short}; the "
+                           "machine is too busy for this benchmark")
+    return decode_s * 1000 / steps
+
+
+def hf_generate(model, prompts: torch.Tensor, cache: str = "static", disable_compile: bool = True
+                ) -> Callable[[int], object]:
+    """`run(new_tokens)`: transformers' greedy `generate` on `prompts` [batch, len] with a "static" or
+    "dynamic" cache. `disable_compile=False` is transformers' default path, which compiles the
+    decode forward itself where it judges that it can (a static cache on CUDA)."""
+    ids = prompts.to(model.device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    if disable_compile:
+        kwargs["disable_compile"] = True
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+
+    def run(new: int):
+        with torch.inference_mode():
+            return model.generate(ids, max_new_tokens=new, **kwargs)
+
+    return run
+
+
+def time_hf(model, prompts: torch.Tensor, steps: int, cache: str, repeats: int = 3) -> DecodeTiming:
+    """Median ms per decode step of transformers' `generate` with a "static" or "dynamic" cache and
+    `disable_compile=True` (`time_generate`)."""
+    ms = time_generate(hf_generate(model, prompts, cache), steps, repeats, device=model.device)
+    return DecodeTiming(f"hf-{cache}", len(prompts), prompts.shape[1], steps, ms)
 
 
 def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 512 << 20) -> float:
@@ -166,12 +193,17 @@ def time_us(fn, device: torch.device, repeats: int, flush_bytes: int = 512 << 20
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Bytes per second a device-to-device copy moves (read plus write), the median of `repeats`."""
+    """Bytes per second a device-to-device copy moves (read plus write), the median of `repeats`;
+    on CUDA timed by events, elsewhere by the host clock."""
+    device = torch.device(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(repeats):
+        if device.type != "cuda":
+            times.append(wall_s(lambda: dst.copy_(src), device))
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         dst.copy_(src)
