@@ -113,11 +113,13 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto") -> None:
+                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
+                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
-        capture list is warmed here, with a progress bar. `read` picks the decode read: "streamed",
-        "reference", or "auto" (streamed on CUDA). The pool is `num_blocks` blocks, else as many as
-        `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
+        capture list is warmed here, with a progress bar. `read` picks the reads: "streamed",
+        "reference", or "auto" (streamed on CUDA). `enable_chunked_prefill` and
+        `max_num_batched_tokens` are the engine's step budget (`Engine`). The pool is `num_blocks`
+        blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -128,6 +130,9 @@ class LLM:
         check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
         check_int("num_blocks", num_blocks, optional=True)
         check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
         if not isinstance(read, str) or read not in ("auto", *READS):
@@ -155,7 +160,9 @@ class LLM:
             max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode,
-                             cuda_graphs=device.type == "cuda" and not enforce_eager, read=read)
+                             cuda_graphs=device.type == "cuda" and not enforce_eager, read=read,
+                             enable_chunked_prefill=enable_chunked_prefill,
+                             max_num_batched_tokens=max_num_batched_tokens)
 
     @property
     def config(self):

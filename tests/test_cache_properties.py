@@ -45,11 +45,14 @@ def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
     assert sorted(s.row for s in scheduler.running) == open_rows
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
-        # The table holds every token but the last sampled one: a prefill writes the whole sequence
-        # and then samples one, a decode writes the previous sample and then samples one.
-        assert cache.blocks.table(seq.row).num_tokens == seq.num_tokens - 1
+        # The table holds the tokens the sequence has computed: every token but the last sampled one
+        # once its prompt is in (a prefill writes the whole sequence and then samples one, a decode
+        # writes the previous sample and then samples one), fewer while its prompt is in chunks.
+        table = cache.blocks.table(seq.row)
+        assert table.num_tokens == seq.num_computed_tokens
+        assert seq.num_computed_tokens == seq.num_tokens - 1 or not seq.output_token_ids or seq.num_preemptions
     for seq in scheduler.waiting:
-        assert seq.status is SequenceStatus.WAITING and seq.row is None
+        assert seq.status is SequenceStatus.WAITING and seq.row is None and seq.num_computed_tokens == 0
 
 
 def check_drained(cache: KVCache, scheduler: Scheduler) -> None:
@@ -101,24 +104,28 @@ class FakeForward:
             self.scheduler.abort(self.seqs[pick % len(self.seqs)])
 
     def step(self) -> None:
-        seqs, prefill = self.scheduler.schedule()
-        if not seqs:
+        out = self.scheduler.schedule()
+        if not out.seqs:
             return
-        rows = tuple(s.row for s in seqs)
-        lengths = [s.num_tokens for s in seqs] if prefill else [1] * len(seqs)
-        shape = (len(seqs), max(lengths), self.kv_heads, self.head_dim)
-        view = self.cache.view(self.cache.plan_prefill(rows, lengths) if prefill else self.cache.plan_decode(rows))
+        rows = tuple(s.row for s in out.seqs)
+        lengths = out.num_scheduled_tokens
+        if out.decode_only:
+            view, shape = self.cache.view(self.cache.plan_decode(rows)), (len(rows), 1)
+        else:
+            view, shape = self.cache.view(self.cache.plan_varlen(rows, lengths, out.sampled)), (1, sum(lengths))
         for layer in range(self.num_layers):
-            k, v = torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
-            view.write(layer, k, v)
+            k = torch.randn(*shape, self.kv_heads, self.head_dim, generator=self.gen)
+            view.write(layer, k, torch.randn(k.shape, generator=self.gen))
             if layer == 0:
-                for i, (s, n) in enumerate(zip(seqs, lengths)):
-                    old = self.written[s.request_id] if not prefill else k[i, :0]
-                    self.written[s.request_id] = torch.cat([old, k[i, :n]])
-        for s in seqs:
-            s.output_token_ids.append(self.rng.randrange(VOCAB))
-            if len(s.output_token_ids) >= s.params.max_tokens:
-                self.scheduler.finish(s, "length")
+                k = k.reshape(-1, self.kv_heads, self.head_dim)  # [num_tokens, ...], segments in order
+                for s, a, piece in zip(out.seqs, out.num_computed_tokens, k.split(lengths)):
+                    old = self.written[s.request_id][:a] if a else piece[:0]
+                    self.written[s.request_id] = torch.cat([old, piece])
+        for s, due in zip(out.seqs, out.sampled):
+            if due:
+                s.output_token_ids.append(self.rng.randrange(VOCAB))
+                if len(s.output_token_ids) >= s.params.max_tokens:
+                    self.scheduler.finish(s, "length")
 
     def check(self) -> None:
         check_pool(self.cache, self.scheduler)

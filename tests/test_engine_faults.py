@@ -52,9 +52,9 @@ class FlakyRunner:
             self.failed.update(s.request_id for s in seqs)
             raise RuntimeError("injected forward failure")
 
-    def prefill(self, seqs):
+    def run_varlen(self, seqs, *args):
         self._maybe_fail(seqs)
-        return self.runner.prefill(seqs)
+        return self.runner.run_varlen(seqs, *args)
 
     def decode(self, seqs):
         self._maybe_fail(seqs)

@@ -1,7 +1,9 @@
 """`Engine`: schedule, run, sample, retire. Engine core (before Day 49).
 
-`Engine.step` runs one forward over the batch the scheduler chose: a prefill of newly admitted
-requests or one decode token for every running one. Requests join (`add_requests`, all or
+`Engine.step` runs one forward over the batch the scheduler chose: one decode token for every
+running request (a planned, possibly graphed, decode), or a flattened varlen forward of prompt
+chunks and decode rows under the token budget (chunked prefill), or of whole prompts without it.
+Only a request whose last token was fed is sampled. Requests join (`add_requests`, all or
 nothing) and leave (`abort_request`, finishing, or failing) between steps; every way a request
 ends returns its row and blocks. A failure is contained to the requests it touches: a row whose
 sampling raises ends alone with an error, a forward that raises ends the requests of that step,
@@ -51,10 +53,10 @@ class StepOutput:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What one step ran: its phase, the live rows, the rows the forward ran at (a decode bucket
-    pads up to its batch size), whether a CUDA graph replayed, the tokens it fed, and its wall time
-    from scheduling to sampled tokens on the host."""
+    pads up to its batch size; a varlen step's segments), whether a CUDA graph replayed, the tokens
+    it fed, and its wall time from scheduling to sampled tokens on the host."""
 
-    phase: str  # "prefill" or "decode"
+    phase: str  # "decode" (every row a decode row), "prefill" (none) or "mixed" (chunks beside decode rows)
     rows: int
     batch: int
     graph: bool
@@ -116,13 +118,19 @@ def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> Non
 
 class Engine:
     """The engine over `model`: a KV pool of `num_blocks` blocks, at most `max_num_seqs` running
-    requests. `read` picks the decode read ("auto": streamed on CUDA); `forward` replaces the model
-    in decode steps (a compiled model); `cuda_graphs` captures the decode buckets at start; `runner`
-    builds the `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
+    requests. `enable_chunked_prefill` (vLLM's name; on, as in vLLM v1) makes `max_num_batched_tokens`
+    each step's token budget, decode rows first and prompts in chunks; off, a step prefills whole
+    prompts or decodes, and the budget is raised to `max_model_len` so any prompt fits. The default
+    budget, 2,048, is vLLM v1's for serving on a smaller GPU: every step stays a short one, which is
+    what bounds inter-token latency, and a forward of 2,048 tokens is already compute-bound. `read`
+    picks the reads ("auto": streamed on CUDA); `forward` replaces the model in decode steps (a
+    compiled model); `cuda_graphs` captures the decode buckets at start; `runner` builds the
+    `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
     step's logits into tokens (`nanolab.sampling.sample`'s signature; tests inject failures here)."""
 
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True,
                  detokenize: Callable[[list[int]], str] | None = None, read: str = "auto",
                  forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
                  progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
@@ -132,6 +140,8 @@ class Engine:
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
         check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         self.model = model
         self.config = model.config
         param = next(model.parameters())
@@ -143,7 +153,8 @@ class Engine:
         self.kv_cache = KVCache(self.block_manager, num_layers=self.config.num_hidden_layers,
                                 num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
                                 max_model_len=self.max_model_len, dtype=self.dtype, device=self.device, read=read)
-        self.scheduler = Scheduler(self.block_manager, max(max_num_batched_tokens, self.max_model_len))
+        budget = max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, budget, enable_chunked_prefill)
         self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets, cuda_graphs=cuda_graphs,
                              progress=progress)
         self.detokenize = detokenize
@@ -202,23 +213,28 @@ class Engine:
     # One step.
 
     def step(self) -> list[StepOutput]:
+        """One forward and its sampling. Outputs only for the requests sampled: a request whose
+        prompt is partly in the cache gains nothing this step."""
         start = time.perf_counter()
         self.last_step = None
-        seqs, prefill = self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        seqs = out.seqs
         if not seqs:
             return []
         try:
-            logits = self.runner.prefill(seqs) if prefill else self.runner.decode(seqs)
+            if out.decode_only:
+                logits = self.runner.decode(seqs)
+            else:
+                logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled)
         except Exception as e:  # contained: the step's requests end, the engine goes on
             # A forward's failure cannot be pinned on one row: every request of the step ends with it.
             return [self._fail(seq, f"the forward failed: {type(e).__name__}: {e}") for seq in seqs]
-        tokens = self._sample(logits, seqs)
-        batch, graph = (len(seqs), False) if prefill else self.runner.last_decode
-        self.last_step = StepRecord("prefill" if prefill else "decode", len(seqs), batch, graph,
-                                    sum(s.num_tokens for s in seqs) if prefill else len(seqs),
-                                    time.perf_counter() - start)
+        sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
+        tokens = self._sample(logits, sampled) if sampled else []
+        batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), False)
+        self.last_step = StepRecord(out.phase, len(seqs), batch, graph, out.num_tokens, time.perf_counter() - start)
         outputs = []
-        for seq, token, row in zip(seqs, tokens, logits, strict=True):
+        for seq, token, row in zip(sampled, tokens, logits, strict=True):
             if isinstance(token, Exception):
                 outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
                 continue
