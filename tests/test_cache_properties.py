@@ -84,10 +84,11 @@ class FakeForward:
 
     num_layers, kv_heads, head_dim = 2, 2, 4
 
-    def __init__(self, num_blocks: int, max_rows: int, seed: int) -> None:
+    def __init__(self, num_blocks: int, max_rows: int, seed: int, budget: int | None = None) -> None:
+        """`budget` None: whole prompts; else chunked prefill with that many tokens a step."""
         self.cache = make_cache(num_layers=self.num_layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                                 num_blocks=num_blocks, block_size=BLOCK, max_rows=max_rows)
-        self.scheduler = Scheduler(self.cache.blocks)
+        self.scheduler = Scheduler(self.cache.blocks, budget or 8192, enable_chunked_prefill=budget is not None)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.seqs: list[Sequence] = []
@@ -136,11 +137,15 @@ class FakeForward:
                 f"request {s.request_id}'s K/V was overwritten"
 
 
+# The step budget: None is the whole-prompt scheduler, a number chunked prefill's budget.
+BUDGET = st.sampled_from([None, 3, 7, 2048])
+
+
 @settings(max_examples=400, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_rows=st.integers(1, 4), seed=st.integers(0, 2**31),
-       drain=st.sampled_from(["abort", "complete"]))
-def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain) -> None:
-    fake = FakeForward(num_blocks, max_rows, seed)
+       drain=st.sampled_from(["abort", "complete"]), budget=BUDGET)
+def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain, budget) -> None:
+    fake = FakeForward(num_blocks, max_rows, seed, budget)
     for op in ops:
         if op[0] == "add":
             if fits(op[1], op[2], num_blocks):
@@ -223,11 +228,16 @@ def drain(engine: Engine) -> None:
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
+def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None) -> Engine:
+    return Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=budget or 2048, enable_chunked_prefill=budget is not None)
+
+
 @settings(max_examples=250, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
-       finish=st.sampled_from(["abort", "complete"]))
-def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish) -> None:
-    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET)
+def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget) -> None:
+    engine = make_engine(num_blocks, max_num_seqs, budget)
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -248,8 +258,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
 
 
-def greedy_outputs(requests, num_blocks: int, max_num_seqs: int) -> tuple[list[list[int]], int]:
-    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None
+                   ) -> tuple[list[list[int]], int]:
+    engine = make_engine(num_blocks, max_num_seqs, budget)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
@@ -263,21 +274,23 @@ REQUEST = st.tuples(PROMPT, st.integers(1, 16), st.booleans())  # prompt, max_to
 
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=6), spare=st.integers(0, 3),
-       max_num_seqs=st.integers(2, 4))
-def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs) -> None:
-    """Recompute preemption re-prefills a request from its tokens so far; greedy decoding must
-    then continue exactly as if it had never been interrupted."""
+       max_num_seqs=st.integers(2, 4), budget=BUDGET)
+def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs, budget) -> None:
+    """Recompute preemption re-prefills a request from its tokens so far (in chunks, with a
+    budget); greedy decoding must then continue exactly as if it had never been interrupted, and
+    as the whole-prompt engine on a pool that never preempts."""
     smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
-    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs)
+    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget)
     large, none = greedy_outputs(requests, 512, max_num_seqs)
     assert none == 0
     assert small == large
     event(f"greedy: {'preempted' if preemptions else 'no preemption'}")
 
 
-def test_engine_preempts_on_a_small_pool_and_greedy_is_unchanged() -> None:
+@pytest.mark.parametrize("budget", [None, 5])
+def test_engine_preempts_on_a_small_pool_and_greedy_is_unchanged(budget) -> None:
     requests = [(list(range(10 + i, 17 + i)), 8, True) for i in range(3)]
-    small, preemptions = greedy_outputs(requests, 8, 4)
+    small, preemptions = greedy_outputs(requests, 8, 4, budget)
     assert preemptions >= 1
     large, none = greedy_outputs(requests, 512, 4)
     assert none == 0

@@ -83,13 +83,14 @@ OP = st.one_of(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4))
-def test_failures_stay_with_their_request(sharp_gqa24, ops, num_blocks, max_num_seqs):
+@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4),
+       budget=st.sampled_from([3, 7, 2048]))  # chunked prefill's budget: prompts of up to 24 tokens in chunks
+def test_failures_stay_with_their_request(sharp_gqa24, ops, num_blocks, max_num_seqs, budget):
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
     engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                    sampler=poisoned_sampler(poisoned))
+                    max_num_batched_tokens=budget, sampler=poisoned_sampler(poisoned))
     engine.runner = flaky = FlakyRunner(engine.runner)
     seqs, fated = [], {}
 
