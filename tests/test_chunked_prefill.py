@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_logits_match_reference, logit_recorder, make_cache, run_until_done
+from conftest import assert_logits_match_reference, logit_recorder, make_cache, needs_smollm2, run_until_done
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -75,6 +75,22 @@ def test_chunked_equals_whole_prompts_and_hf(sharp_gqa24, budget, read):
     for s in seqs[:2]:
         assert s.output_token_ids == hf_greedy(sharp.hf, s.prompt_token_ids, 8)
     assert engine.block_manager.allocator.num_free == 64
+
+
+@needs_smollm2
+def test_chunked_equals_whole_prompts_on_smollm2(smollm2_model):
+    """The real model, 30 layers: prompts in chunks of 5 tokens (16-token blocks) beside decode rows."""
+    vocab = smollm2_model.config.vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompt_list = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (4, 21, 13)]
+    whole_seqs, whole_logits, _ = run(Engine(smollm2_model, num_blocks=16, enable_chunked_prefill=False),
+                                      prompt_list, 4)
+    seqs, logits, steps = run(Engine(smollm2_model, num_blocks=16, max_num_batched_tokens=5), prompt_list, 4)
+    assert "mixed" in {p for p, _ in steps}
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in whole_seqs]
+    for a, b in zip(seqs, whole_seqs):
+        ours, ref = torch.stack(logits[a.request_id]), torch.stack(whole_logits[b.request_id])
+        torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
 
 
 def test_a_prompt_longer_than_the_budget_is_fed_in_chunks_and_sampled_once(sharp_gqa24):
