@@ -115,14 +115,16 @@ class LLM:
                  dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
                  max_model_len: int | None = None, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
-                 compile: bool | None = None, async_scheduling: bool | None = None) -> None:
+                 compile: bool | None = None, async_scheduling: bool | None = None,
+                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
         capture list is warmed here, with a progress bar. `compile` captures the decode step compiled
         by inductor (`runner.compile_decode`; about a minute at start for Llama-3.2-1B on the H200)
         and `async_scheduling` launches each decode step before reading back the last one
-        (`Engine`); both default to on with CUDA graphs and off without. `read` picks the decode read: "streamed",
-        "reference", or "auto" (streamed on CUDA). The pool is `num_blocks` blocks, else as many as
-        `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
+        (`Engine`); both default to on with CUDA graphs and off without. `read` picks the reads:
+        "streamed", "reference", or "auto" (streamed on CUDA). `enable_chunked_prefill` and
+        `max_num_batched_tokens` are the engine's step budget (`Engine`). The pool is `num_blocks`
+        blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -133,6 +135,9 @@ class LLM:
         check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
         check_int("num_blocks", num_blocks, optional=True)
         check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
         for name, value in (("compile", compile), ("async_scheduling", async_scheduling)):
@@ -167,7 +172,9 @@ class LLM:
         self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
                              read=read, forward=compile_decode(self.model) if self.compiled else None,
-                             async_scheduling=graphs if async_scheduling is None else async_scheduling)
+                             async_scheduling=graphs if async_scheduling is None else async_scheduling,
+                             enable_chunked_prefill=enable_chunked_prefill,
+                             max_num_batched_tokens=max_num_batched_tokens)
 
     @property
     def config(self):

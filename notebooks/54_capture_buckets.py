@@ -95,7 +95,7 @@ def measured_host_cells(steps: int, rows: int = 4, prompt: int = 16, block: int 
     blocks = BlockManager(rows * ((prompt + steps) // block + 1), block, rows)
     cache = KVCache(blocks, num_layers=1, num_kv_heads=1, head_dim=4)
     table_rows = [blocks.open_row() for _ in range(rows)]
-    cache.plan_prefill(table_rows, [prompt] * rows)  # the prompts' blocks go up before the count starts
+    cache.plan_varlen(table_rows, [prompt] * rows)  # the prompts' blocks go up before the count starts
     before, addresses = cache.host_cells, set()
     for _ in range(steps):
         plan = cache.plan_decode(table_rows)

@@ -71,15 +71,14 @@ def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks:
                    head_dim=head_dim, max_model_len=max_model_len, dtype=dtype, device=device, read=read)
 
 
-def prefill_logits(model, cache: KVCache, rows: list[int], token_ids: list[list[int]]) -> torch.Tensor:
-    """Logits [rows, T, vocab] of one ragged prefill of `token_ids` into `rows` of `cache`."""
-    dev = cache.device
-    plan = cache.plan_prefill(rows, [len(t) for t in token_ids])
-    ids = torch.zeros((len(rows), max(len(t) for t in token_ids)), dtype=torch.int64)
-    for i, t in enumerate(token_ids):
-        ids[i, : len(t)] = torch.tensor(t)
+def prefill_logits(model, cache: KVCache, rows: list[int], token_ids: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of one varlen prefill of `token_ids` into `rows` of `cache`: one [len(token_ids[i]),
+    vocab] tensor per row."""
+    plan = cache.plan_varlen(rows, [len(t) for t in token_ids])
+    ids = torch.tensor([[t for ids in token_ids for t in ids]], dtype=torch.int64)  # [1, num_tokens]
     with torch.inference_mode():
-        return model(ids.to(dev), plan.positions, cache=cache.view(plan))
+        logits = model(ids.to(cache.device), plan.positions, cache=cache.view(plan))[0]
+    return list(logits.split([len(t) for t in token_ids]))
 
 
 # Bounded engine loops: a livelock fails the test with a message instead of hanging it.

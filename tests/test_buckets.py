@@ -27,7 +27,7 @@ def prefilled(cache: KVCache, lengths) -> list[int]:
     rows = []
     for n in lengths:
         row = cache.blocks.open_row()
-        view = cache.view(cache.plan_prefill((row,), (n,)))
+        view = cache.view(cache.plan_varlen((row,), (n,)))
         k = torch.randn(1, n, 2, 4)
         for layer in range(cache.num_layers):
             view.write(layer, k, k)

@@ -10,7 +10,7 @@ from conftest import make_cache
 
 from nanolab.engine.block_manager import BlockAllocator, BlockTable, CacheFull
 from nanolab.engine.kv_cache import KVCache, kv_bytes_per_block
-from nanolab.engine.plan import derive_slot_mapping
+from nanolab.engine.plan import VarlenPlan, derive_slot_mapping
 from nanolab.kernels.reference import reference_read
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 8, 4
@@ -28,12 +28,12 @@ def kv(rows: int, t: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
 
 
 def write_all_layers(cache: KVCache, rows, lengths, gen: torch.Generator) -> list:
-    """One planned forward's writes of lengths[i] new tokens to row i; returns the (k, v) written
-    per layer."""
-    view = cache.view(cache.plan_prefill(rows, lengths))
+    """One planned varlen forward's writes of lengths[i] new tokens to row i; returns the (k, v)
+    written per layer, [1, sum(lengths), kv_heads, head_dim] each."""
+    view = cache.view(cache.plan_varlen(rows, lengths))
     written = []
     for layer in range(cache.num_layers):
-        k, v = kv(len(rows), max(lengths), gen)
+        k, v = kv(1, sum(lengths), gen)
         view.write(layer, k, v)
         written.append((k, v))
     return written
@@ -106,30 +106,44 @@ def test_allocator_needs_a_block() -> None:
 
 # Plans: the host tables grow before the forward, and the forward writes where the plan says.
 
-def test_prefill_plan_grows_tables_and_every_layer_writes_its_slots() -> None:
+def test_varlen_plan_grows_tables_and_every_layer_writes_its_slots() -> None:
     cache, gen = small_cache(), torch.Generator().manual_seed(0)
     rows = (cache.blocks.open_row(), cache.blocks.open_row())
-    plan = cache.plan_prefill(rows, (3, 6))
+    plan = cache.plan_varlen(rows, (3, 6))
     t0, t1 = cache.blocks.table(rows[0]), cache.blocks.table(rows[1])
     assert (t0.num_tokens, len(t0.blocks), t1.num_tokens, len(t1.blocks)) == (3, 1, 6, 2)
     assert cache.blocks.allocator.num_used == 3
-    assert plan.write_slots.tolist() == [[t0.slot(p) for p in range(3)] + [-1] * 3, [t1.slot(p) for p in range(6)]]
-    assert plan.positions.tolist() == [[0, 1, 2, 0, 0, 0], list(range(6))]
-    assert plan.context_lens.tolist() == [3, 6] and plan.logits_index.tolist() == [2, 5]
+    # Flattened, no padding: row 0's three tokens, then row 1's six.
+    assert plan.write_slots.tolist() == [t0.slot(p) for p in range(3)] + [t1.slot(p) for p in range(6)]
+    assert plan.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5]]
+    assert plan.query_start_loc.tolist() == [0, 3, 9] and plan.query_lens == (3, 6)
+    assert plan.context_lens.tolist() == [3, 6] and plan.logits_index.tolist() == [2, 8]
     # The device block table holds the new blocks; the padding row is untouched.
     assert cache.block_table[rows[0], :1].tolist() == t0.blocks and cache.block_table[rows[1], :2].tolist() == t1.blocks
     assert (cache.block_table[cache.pad_row] == -1).all()
     view = cache.view(plan)
+    sink = cache.k_pools[0][-1].clone()
     for layer in range(cache.num_layers):
-        k, v = kv(2, 6, gen)
+        k, v = kv(1, 9, gen)
         view.write(layer, k, v)
-        for i, (row, n) in enumerate(zip(rows, (3, 6))):
+        for row, a, n in zip(rows, (0, 3), (3, 6)):
             slots = [cache.blocks.table(row).slot(p) for p in range(n)]
-            torch.testing.assert_close(cache.k_pools[layer][slots], k[i, :n], rtol=0, atol=0)
-            torch.testing.assert_close(cache.v_pools[layer][slots], v[i, :n], rtol=0, atol=0)
-        # The short row's padding went to the sink, the pool's last slot, and nowhere else (which of
-        # its three padded tokens lands last is up to index_put).
-        assert any(torch.equal(cache.k_pools[layer][-1], k[0, t]) for t in range(3, 6))
+            torch.testing.assert_close(cache.k_pools[layer][slots], k[0, a:a + n], rtol=0, atol=0)
+            torch.testing.assert_close(cache.v_pools[layer][slots], v[0, a:a + n], rtol=0, atol=0)
+    assert torch.equal(cache.k_pools[0][-1], sink), "a varlen plan has no padding: nothing goes to the sink"
+
+
+def test_a_chunk_continues_its_row_and_only_sampled_rows_give_logits() -> None:
+    cache = small_cache()
+    rows = (cache.blocks.open_row(), cache.blocks.open_row())
+    cache.plan_varlen(rows[:1], (6,), sampled=(False,))  # the first chunk of row 0's prompt
+    plan = cache.plan_varlen(rows, (3, 1), sampled=(True, False))  # its last chunk, and row 1's first token
+    assert plan.positions.tolist() == [[6, 7, 8, 0]] and plan.context_lens.tolist() == [9, 1]
+    assert plan.write_slots.tolist() == [cache.blocks.table(rows[0]).slot(p) for p in (6, 7, 8)] + [
+        cache.blocks.table(rows[1]).slot(0)]
+    assert plan.logits_index.tolist() == [2]
+    with pytest.raises(ValueError, match="twice"):
+        cache.plan_varlen((rows[0], rows[0]), (1, 1))
 
 
 def test_decode_plan_appends_one_token_per_row() -> None:
@@ -147,11 +161,11 @@ def test_plans_refuse_rows_that_are_not_open() -> None:
     cache = small_cache()
     row = cache.blocks.open_row()
     with pytest.raises(ValueError, match="not open"):
-        cache.plan_prefill((row, row + 1), (2, 2))
+        cache.plan_varlen((row, row + 1), (2, 2))
     with pytest.raises(ValueError, match="not open"):
         cache.plan_decode((row + 1,))
     with pytest.raises(ValueError, match="at least one token"):
-        cache.plan_prefill((row,), (0,))
+        cache.plan_varlen((row,), (0,))
     assert cache.blocks.table(row).num_tokens == 0 and cache.blocks.allocator.num_used == 0
 
 
@@ -161,9 +175,9 @@ def test_a_plan_needing_more_blocks_than_free_changes_nothing() -> None:
     write_all_layers(cache, rows, (4, 3), gen)  # 2 blocks used, 3 free
     before, table, cells = snapshot(cache), cache.block_table.clone(), cache.host_cells
     with pytest.raises(CacheFull):
-        cache.plan_prefill(rows, (8, 6))  # 4 + 8 and 3 + 6 tokens need 2 + 2 blocks
+        cache.plan_varlen(rows, (8, 6))  # 4 + 8 and 3 + 6 tokens need 2 + 2 blocks
     assert snapshot(cache) == before and torch.equal(cache.block_table, table) and cache.host_cells == cells
-    cache.plan_prefill(rows, (8, 2))  # exactly enough still succeeds: 2 + 1 blocks
+    cache.plan_varlen(rows, (8, 2))  # exactly enough still succeeds: 2 + 1 blocks
     assert cache.blocks.allocator.num_free == 0
 
 
@@ -171,9 +185,9 @@ def test_a_row_cannot_outgrow_its_block_table_row() -> None:
     cache = make_cache(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=16, block_size=BLOCK,
                        max_rows=2, max_model_len=8)
     row = cache.blocks.open_row()
-    cache.plan_prefill((row,), (8,))
+    cache.plan_varlen((row,), (8,))
     with pytest.raises(ValueError, match="block-table row"):
-        cache.plan_prefill((row,), (1,))
+        cache.plan_varlen((row,), (1,))
     assert cache.blocks.table(row).num_tokens == 8
 
 
@@ -266,7 +280,24 @@ def naive_attention(cache: KVCache, layer: int, rows, q: torch.Tensor, positions
 
 def forward_and_check(cache, plan, q, gen: torch.Generator) -> None:
     """Write the planned forward's K/V and read it back layer by layer, as the model does, then
-    compare every layer with naive attention."""
+    compare every layer with naive attention. A varlen plan's q [1, num_tokens, ...] is compared
+    segment by segment."""
+    if isinstance(plan, VarlenPlan):
+        view = cache.view(plan)
+        got = []
+        for layer in range(cache.num_layers):
+            k, v = kv(1, plan.num_tokens, gen)
+            view.write(layer, k, v)
+            got.append(view.read(layer, q, plan.positions))
+        loc = plan.host_query_start_loc
+        for layer, out in enumerate(got):
+            assert out.shape == q.shape
+            for i, row in enumerate(plan.rows):
+                a, b = loc[i], loc[i + 1]
+                want = naive_attention(cache, layer, (row,), q[:, a:b], plan.positions[:, a:b], [b - a])
+                for t in range(b - a):
+                    torch.testing.assert_close(out[0, a + t].double(), want[0][t], rtol=1e-5, atol=1e-5)
+        return
     rows, lengths = plan.rows, (plan.write_slots >= 0).reshape(len(plan.rows), -1).sum(1).tolist()
     view = cache.view(plan)
     got = []
@@ -301,8 +332,8 @@ def test_reference_matches_naive_in_causal_prefill() -> None:
     gen = torch.Generator().manual_seed(9)
     cache = small_cache(num_blocks=16, max_rows=3)
     rows = (cache.blocks.open_row(), cache.blocks.open_row(), cache.blocks.open_row())
-    plan = cache.plan_prefill(rows, (5, 9, 2))  # ragged, crossing block boundaries, padded to T = 9
-    forward_and_check(cache, plan, torch.randn((len(rows), 9, HEADS, HEAD_DIM), generator=gen), gen)
+    plan = cache.plan_varlen(rows, (5, 9, 2))  # ragged, crossing block boundaries, no padding
+    forward_and_check(cache, plan, torch.randn((1, 16, HEADS, HEAD_DIM), generator=gen), gen)
 
 
 def test_reference_matches_naive_for_a_chunk_on_top_of_history() -> None:
@@ -311,9 +342,9 @@ def test_reference_matches_naive_for_a_chunk_on_top_of_history() -> None:
     gen = torch.Generator().manual_seed(10)
     cache, rows = fragmented_cache(gen)
     before = [cache.blocks.table(r).num_tokens for r in rows]
-    plan = cache.plan_prefill(rows, (4, 2, 3))
-    assert plan.positions[:, 0].tolist() == before
-    forward_and_check(cache, plan, torch.randn((len(rows), 4, HEADS, HEAD_DIM), generator=gen), gen)
+    plan = cache.plan_varlen(rows, (4, 2, 3))
+    assert plan.positions[0, plan.query_start_loc[:-1]].tolist() == before
+    forward_and_check(cache, plan, torch.randn((1, 9, HEADS, HEAD_DIM), generator=gen), gen)
 
 
 def reference_inputs(gen: torch.Generator):

@@ -45,11 +45,14 @@ def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
     assert sorted(s.row for s in scheduler.running) == open_rows
     for seq in scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
-        # The table holds every token but the last sampled one: a prefill writes the whole sequence
-        # and then samples one, a decode writes the previous sample and then samples one.
-        assert cache.blocks.table(seq.row).num_tokens == seq.num_tokens - 1
+        # The table holds the tokens the sequence has computed: every token but the last sampled one
+        # once its prompt is in (a prefill writes the whole sequence and then samples one, a decode
+        # writes the previous sample and then samples one), fewer while its prompt is in chunks.
+        table = cache.blocks.table(seq.row)
+        assert table.num_tokens == seq.num_computed_tokens
+        assert seq.num_computed_tokens == seq.num_tokens - 1 or not seq.output_token_ids or seq.num_preemptions
     for seq in scheduler.waiting:
-        assert seq.status is SequenceStatus.WAITING and seq.row is None
+        assert seq.status is SequenceStatus.WAITING and seq.row is None and seq.num_computed_tokens == 0
 
 
 def check_drained(cache: KVCache, scheduler: Scheduler) -> None:
@@ -81,10 +84,11 @@ class FakeForward:
 
     num_layers, kv_heads, head_dim = 2, 2, 4
 
-    def __init__(self, num_blocks: int, max_rows: int, seed: int) -> None:
+    def __init__(self, num_blocks: int, max_rows: int, seed: int, budget: int | None = None) -> None:
+        """`budget` None: whole prompts; else chunked prefill with that many tokens a step."""
         self.cache = make_cache(num_layers=self.num_layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                                 num_blocks=num_blocks, block_size=BLOCK, max_rows=max_rows)
-        self.scheduler = Scheduler(self.cache.blocks)
+        self.scheduler = Scheduler(self.cache.blocks, budget or 8192, enable_chunked_prefill=budget is not None)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.seqs: list[Sequence] = []
@@ -101,24 +105,28 @@ class FakeForward:
             self.scheduler.abort(self.seqs[pick % len(self.seqs)])
 
     def step(self) -> None:
-        seqs, prefill = self.scheduler.schedule()
-        if not seqs:
+        out = self.scheduler.schedule()
+        if not out.seqs:
             return
-        rows = tuple(s.row for s in seqs)
-        lengths = [s.num_tokens for s in seqs] if prefill else [1] * len(seqs)
-        shape = (len(seqs), max(lengths), self.kv_heads, self.head_dim)
-        view = self.cache.view(self.cache.plan_prefill(rows, lengths) if prefill else self.cache.plan_decode(rows))
+        rows = tuple(s.row for s in out.seqs)
+        lengths = out.num_scheduled_tokens
+        if out.decode_only:
+            view, shape = self.cache.view(self.cache.plan_decode(rows)), (len(rows), 1)
+        else:
+            view, shape = self.cache.view(self.cache.plan_varlen(rows, lengths, out.sampled)), (1, sum(lengths))
         for layer in range(self.num_layers):
-            k, v = torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
-            view.write(layer, k, v)
+            k = torch.randn(*shape, self.kv_heads, self.head_dim, generator=self.gen)
+            view.write(layer, k, torch.randn(k.shape, generator=self.gen))
             if layer == 0:
-                for i, (s, n) in enumerate(zip(seqs, lengths)):
-                    old = self.written[s.request_id] if not prefill else k[i, :0]
-                    self.written[s.request_id] = torch.cat([old, k[i, :n]])
-        for s in seqs:
-            s.output_token_ids.append(self.rng.randrange(VOCAB))
-            if len(s.output_token_ids) >= s.params.max_tokens:
-                self.scheduler.finish(s, "length")
+                k = k.reshape(-1, self.kv_heads, self.head_dim)  # [num_tokens, ...], segments in order
+                for s, a, piece in zip(out.seqs, out.num_computed_tokens, k.split(lengths)):
+                    old = self.written[s.request_id][:a] if a else piece[:0]
+                    self.written[s.request_id] = torch.cat([old, piece])
+        for s, due in zip(out.seqs, out.sampled):
+            if due:
+                s.output_token_ids.append(self.rng.randrange(VOCAB))
+                if len(s.output_token_ids) >= s.params.max_tokens:
+                    self.scheduler.finish(s, "length")
 
     def check(self) -> None:
         check_pool(self.cache, self.scheduler)
@@ -129,11 +137,15 @@ class FakeForward:
                 f"request {s.request_id}'s K/V was overwritten"
 
 
+# The step budget: None is the whole-prompt scheduler, a number chunked prefill's budget.
+BUDGET = st.sampled_from([None, 3, 7, 2048])
+
+
 @settings(max_examples=400, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_rows=st.integers(1, 4), seed=st.integers(0, 2**31),
-       drain=st.sampled_from(["abort", "complete"]))
-def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain) -> None:
-    fake = FakeForward(num_blocks, max_rows, seed)
+       drain=st.sampled_from(["abort", "complete"]), budget=BUDGET)
+def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain, budget) -> None:
+    fake = FakeForward(num_blocks, max_rows, seed, budget)
     for op in ops:
         if op[0] == "add":
             if fits(op[1], op[2], num_blocks):
@@ -216,11 +228,16 @@ def drain(engine: Engine) -> None:
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
+def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None) -> Engine:
+    return Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=budget or 2048, enable_chunked_prefill=budget is not None)
+
+
 @settings(max_examples=250, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
-       finish=st.sampled_from(["abort", "complete"]))
-def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish) -> None:
-    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET)
+def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget) -> None:
+    engine = make_engine(num_blocks, max_num_seqs, budget)
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -241,8 +258,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
 
 
-def greedy_outputs(requests, num_blocks: int, max_num_seqs: int) -> tuple[list[list[int]], int]:
-    engine = Engine(load_tiny(), num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs)
+def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None
+                   ) -> tuple[list[list[int]], int]:
+    engine = make_engine(num_blocks, max_num_seqs, budget)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
@@ -256,21 +274,23 @@ REQUEST = st.tuples(PROMPT, st.integers(1, 16), st.booleans())  # prompt, max_to
 
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=6), spare=st.integers(0, 3),
-       max_num_seqs=st.integers(2, 4))
-def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs) -> None:
-    """Recompute preemption re-prefills a request from its tokens so far; greedy decoding must
-    then continue exactly as if it had never been interrupted."""
+       max_num_seqs=st.integers(2, 4), budget=BUDGET)
+def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs, budget) -> None:
+    """Recompute preemption re-prefills a request from its tokens so far (in chunks, with a
+    budget); greedy decoding must then continue exactly as if it had never been interrupted, and
+    as the whole-prompt engine on a pool that never preempts."""
     smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
-    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs)
+    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget)
     large, none = greedy_outputs(requests, 512, max_num_seqs)
     assert none == 0
     assert small == large
     event(f"greedy: {'preempted' if preemptions else 'no preemption'}")
 
 
-def test_engine_preempts_on_a_small_pool_and_greedy_is_unchanged() -> None:
+@pytest.mark.parametrize("budget", [None, 5])
+def test_engine_preempts_on_a_small_pool_and_greedy_is_unchanged(budget) -> None:
     requests = [(list(range(10 + i, 17 + i)), 8, True) for i in range(3)]
-    small, preemptions = greedy_outputs(requests, 8, 4)
+    small, preemptions = greedy_outputs(requests, 8, 4, budget)
     assert preemptions >= 1
     large, none = greedy_outputs(requests, 512, 4)
     assert none == 0

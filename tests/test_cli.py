@@ -147,5 +147,18 @@ def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> No
     assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
 
 
+def test_serve_takes_the_step_budget() -> None:
+    import argparse
+
+    from nanolab.entrypoints.openai.api_server import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = parser.parse_args([])
+    assert default.enable_chunked_prefill is True and default.max_num_batched_tokens == 2048
+    off = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"])
+    assert off.enable_chunked_prefill is False and off.max_num_batched_tokens == 512
+
+
 def test_graphbench_refuses_a_device_in_one_line() -> None:
     assert_refused(nanolab("graphbench", "--device", "tpu"), "device")

@@ -52,9 +52,9 @@ class FlakyRunner:
             self.failed.update(s.request_id for s in seqs)
             raise RuntimeError("injected forward failure")
 
-    def prefill(self, seqs):
+    def run_varlen(self, seqs, *args):
         self._maybe_fail(seqs)
-        return self.runner.prefill(seqs)
+        return self.runner.run_varlen(seqs, *args)
 
     def decode(self, seqs, ids=None):
         self._maybe_fail(seqs)
@@ -84,13 +84,15 @@ OP = st.one_of(
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4))
-def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs):
+@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4),
+       budget=st.sampled_from([3, 7, 2048]))  # chunked prefill's budget: prompts of up to 24 tokens in chunks
+def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs, budget):
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
     engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                    sampler=poisoned_sampler(poisoned), async_scheduling=async_scheduling)
+                    max_num_batched_tokens=budget, sampler=poisoned_sampler(poisoned),
+                    async_scheduling=async_scheduling)
     engine.runner = flaky = FlakyRunner(engine.runner)
     seqs, fated = [], {}
 

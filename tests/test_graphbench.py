@@ -30,9 +30,11 @@ from nanolab.lab.graphbench import (
     run_arm,
     run_plan,
     run_plan_async,
+    serve_command,
     serving_metrics,
     slice_steps,
     smallest_bucket,
+    split_arm,
     step_summary,
     sustained_rates,
     time_offline,
@@ -338,6 +340,40 @@ def test_run_arm_on_the_stand_in(fake_script, tmp_path):
     assert (rates.decode_steps > 0).all() and (rates.step_batch >= rates.median_rows).all()
     assert check_compaction(arm.steps, BUCKETS, expect_graphs=True)
     assert check_compaction(step_summary(arm.steps), BUCKETS, expect_graphs=True)
+
+
+def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_path):
+    assert split_arm("graphs") == ("graphs", None) and split_arm("eager-whole") == ("eager", "whole")
+    with pytest.raises(ValueError, match="unknown arm"):
+        split_arm("graphs-sometimes")
+    argv = lambda **kw: serve_command("m", 1, device="cpu", eager=True, step_log=tmp_path / "s", **kw)
+    assert "--no-enable-chunked-prefill" in argv(chunked_prefill=False)
+    assert "--enable-chunked-prefill" in argv(chunked_prefill=True)
+    assert not any("chunked" in a for a in argv())  # the server's default
+    seen = {}
+
+    def command(model, port, *, device, eager, step_log, **kw):
+        seen.update(kw)
+        return [sys.executable, str(fake_script), f"port={port}", f"step_log={step_log}", f"graphs={not eager}"]
+
+    arm = run_arm("graphs-whole", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+                  command=command, log=lambda _: None)
+    assert seen["chunked_prefill"] is False
+    rates = pd.DataFrame(arm.rates)
+    assert list(rates.arm) == ["graphs-whole"] and list(rates.prefill) == ["whole"]
+    assert {"mixed_steps", "mixed_p50_ms"} <= set(rates.columns)
+    assert check_compaction(arm.steps, BUCKETS, expect_graphs=True)  # "graphs-whole" replays graphs
+
+
+def test_whole_over_chunked_itl_p99_at_each_rate():
+    rates = pd.DataFrame({"arm": ["graphs-chunked", "graphs-whole", "graphs-chunked", "graphs-whole"],
+                          "rate": [8.0, 8.0, 32.0, 32.0], "itl_p50_ms": [3.0, 2.5, 4.0, 3.0],
+                          "itl_p99_ms": [6.0, 12.0, 8.0, 49.5], "step_batch": [8, 8, 32, 32],
+                          "saturated": [False] * 4})
+    r = graphbench_ratios(rates, pd.DataFrame(columns=["arm", "batch", "ms_p50"])).set_index(["ratio", "arm", "rate"])
+    whole = r.xs("whole / chunked ITL p99", level="ratio")
+    assert list(whole.index) == [("graphs", 8.0), ("graphs", 32.0)]
+    assert whole.value.tolist() == pytest.approx([2.0, 49.5 / 8.0]) and whole.met.all()
 
 
 # Row compaction.

@@ -23,7 +23,7 @@ def history_cache(num_layers: int = 2):
     cache = make_cache(num_layers=num_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_blocks=16,
                        block_size=BLOCK, max_rows=4)
     rows = (cache.blocks.open_row(), cache.blocks.open_row())
-    cache.plan_prefill(rows, (4, 2))
+    cache.plan_varlen(rows, (4, 2))
     return cache, rows
 
 

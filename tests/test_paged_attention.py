@@ -50,8 +50,8 @@ def _decode_batch(lengths, heads, kv_heads, *, seed=0, scatter=False, sink=False
         shape = (1, n, kv_heads, HEAD_DIM)
         return torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE)
 
-    def write(row, n):  # n more tokens of one row, through a prefill plan of that row alone
-        cache.view(cache.plan_prefill((row,), (n,))).write(0, *kv(n))
+    def write(row, n):  # n more tokens of one row, through a varlen plan of that row alone
+        cache.view(cache.plan_varlen((row,), (n,))).write(0, *kv(n))
 
     sink_slots = []
     if sink:

@@ -32,11 +32,11 @@ def small_cache(model=None, num_blocks=32, block_size=4, max_rows=4) -> KVCache:
 
 
 def prefilled(cache: KVCache, lengths) -> list[int]:
-    """Open rows and write `lengths[i]` random tokens into each, through a planned prefill."""
+    """Open rows and write `lengths[i]` random tokens into each, through a planned varlen step."""
     rows = [cache.blocks.open_row() for _ in lengths]
-    view = cache.view(cache.plan_prefill(rows, lengths))
+    view = cache.view(cache.plan_varlen(rows, lengths))
     for layer in range(cache.num_layers):
-        k = torch.randn(len(rows), max(lengths), KV_HEADS, HEAD_DIM)
+        k = torch.randn(1, sum(lengths), KV_HEADS, HEAD_DIM)
         view.write(layer, k, torch.randn_like(k))
     return rows
 

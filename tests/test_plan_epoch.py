@@ -12,9 +12,9 @@ from nanolab.engine.plan import check_plan_current
 
 
 def write(cache: KVCache, rows: list[int], lengths: list[int]) -> None:
-    """Write `lengths[i]` random tokens into each of `rows`, through a planned prefill."""
-    view = cache.view(cache.plan_prefill(rows, lengths))
-    kv = torch.randn(len(rows), max(lengths), 1, 4)
+    """Write `lengths[i]` random tokens into each of `rows`, through a planned varlen step."""
+    view = cache.view(cache.plan_varlen(rows, lengths))
+    kv = torch.randn(1, sum(lengths), 1, 4)
     view.write(0, kv, kv)
 
 

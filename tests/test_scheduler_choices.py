@@ -3,9 +3,11 @@ request waits (the front of the queue) and how it comes back (recomputed from al
 and the admission reserve (admission keeps back a block for every row whose table is full, so
 the decode step after an admission never has to preempt).
 
-Driven without a model: `Driver` plans every step on the cache (a prefill or a decode plan, which
+Driven without a model: `Driver` plans every step on the cache (a varlen or a decode plan, which
 grow the tables) and writes zeros for its K/V through the plan's view, and appends a token to
-every request, as `Engine.step` would."""
+every request sampled, as `Engine.step` would. These choices are the whole-prompt scheduler's
+(`enable_chunked_prefill=False`), whose steps are either prefills or decodes; the chunked
+scheduler's are in test_chunked_prefill."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class Driver:
         self.cache = make_cache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BLOCK,
                                 max_rows=max_rows)
         self.blocks = self.cache.blocks
-        self.scheduler = Scheduler(self.blocks)
+        self.scheduler = Scheduler(self.blocks, 8192, enable_chunked_prefill=False)
         self.seqs: list[Sequence] = []
         self.prefilled: list[list[Sequence]] = []  # every prefill batch, in order
 
@@ -41,12 +43,13 @@ class Driver:
     def step(self) -> tuple[list[Sequence], bool, int]:
         """One step: (its batch, whether it was a prefill, how many requests it preempted)."""
         before = self.scheduler.num_preemptions
-        seqs, prefill = self.scheduler.schedule()
+        out = self.scheduler.schedule()
+        seqs, prefill = out.seqs, out.phase == "prefill"
         if seqs:
             rows = [s.row for s in seqs]
-            lengths = [s.num_tokens for s in seqs] if prefill else [1] * len(seqs)
-            plan = self.cache.plan_prefill(rows, lengths) if prefill else self.cache.plan_decode(rows)
-            kv = torch.zeros(len(seqs), max(lengths), 1, 2)
+            lengths = out.num_scheduled_tokens
+            plan = self.cache.plan_varlen(rows, lengths) if prefill else self.cache.plan_decode(rows)
+            kv = torch.zeros(1, sum(lengths), 1, 2)
             self.cache.view(plan).write(0, kv, kv)
             if prefill:
                 self.prefilled.append(list(seqs))

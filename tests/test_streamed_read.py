@@ -47,7 +47,7 @@ def test_a_streamed_view_derives_nothing():
     cache = make_cache(num_layers=1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4, read="streamed")
     row = cache.blocks.open_row()
     k = torch.zeros(1, 5, 2, 4)
-    cache.view(cache.plan_prefill([row], [5])).write(0, k, k)
+    cache.view(cache.plan_varlen([row], [5])).write(0, k, k)
     plan = cache.plan_decode([row], batch_size=2)
     view = cache.view(plan)
     assert view.slot_mapping is None and view.mask_bias is None and view.plan is plan

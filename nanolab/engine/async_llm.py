@@ -96,6 +96,8 @@ def engine_info(engine: Engine) -> dict:
     server's startup line says."""
     return {"limits": engine.limits, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "read": engine.kv_cache.read, "graphs": engine.runner.graphs is not None,
+            "prefill": (f"chunked prefill of {engine.scheduler.max_num_batched_tokens} tokens a step"
+                        if engine.scheduler.enable_chunked_prefill else "whole prompts"),
             "num_blocks": engine.block_manager.num_blocks}
 
 

@@ -4,24 +4,27 @@ address them. Engine core (before Day 49); plans Day 50; persistent table Day 51
 Pools are `[num_blocks * block_size + 1, kv_heads, head_dim]`. The last slot is the sink (slot -1):
 padded writes land there and the reference read's padding loads it. The device block table is
 `[max_rows + 1, max_blocks_per_row]` int32 (vLLM v1's `BlockTable`); its last row (`pad_row`) is
-all -1, and rows padded up to a capture bucket point at it. `plan_decode` and `plan_prefill` grow
-the host tables (`BlockManager`), copy the new entries into the device table, and hand the forward
-a plan; the forward reads the pools through a `CacheView` of that plan. The decode read is chosen
-once, when the cache is built: the streamed Triton kernel or the reference rectangle.
+all -1, and rows padded up to a capture bucket point at it. `plan_decode` and `plan_varlen` (chunked
+prefill) grow the host tables (`BlockManager`), copy the new entries into the device table, and hand
+the forward a plan; the forward reads the pools through a `CacheView` of that plan. The read is
+chosen once, when the cache is built: the streamed Triton kernels (`paged_attention` for decode,
+`varlen_attention` for varlen steps) or their torch references.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from nanolab.engine.block_manager import BlockManager, cdiv
-from nanolab.engine.plan import DecodePlan, PrefillPlan
+from nanolab.engine.plan import DecodePlan, VarlenPlan
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.kernels.reference import attention_mask_bias, reference_read
+from nanolab.kernels.varlen_attention import varlen_attention, varlen_reference
 
 SINK = -1  # the pool slot past the last block
 READS = ("streamed", "reference")
@@ -70,7 +73,8 @@ class KVCache:
                              "machine with CUDA the interpreter is off unless TRITON_INTERPRET=1 is set before "
                              "nanolab is imported")
         self.read = read
-        self._decode_reader = _streamed if read == "streamed" else _reference  # prefill always reads the rectangle
+        self._decode_reader = _streamed if read == "streamed" else _reference
+        self._varlen_reader = _varlen_streamed if read == "streamed" else _varlen_reference
         # Zeroed, not empty: the reference read loads padding slots and masks them afterwards, and
         # 0 * NaN from uninitialised memory would still poison the row.
         shape = (blocks.num_blocks * self.block_size + 1, num_kv_heads, head_dim)
@@ -129,29 +133,32 @@ class KVCache:
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 
-    def plan_prefill(self, rows, token_counts) -> PrefillPlan:
-        """Grow row i by token_counts[i] tokens (its prompt, or everything it holds after a
-        preemption) and plan the ragged forward that writes them, [rows, max(token_counts)]."""
+    def plan_varlen(self, rows, token_counts, sampled=None) -> VarlenPlan:
+        """Grow row i by token_counts[i] tokens (a prompt, a chunk of one, everything a row holds
+        after a preemption, or a decode row's one token) and plan the flattened forward that writes
+        them, [1, sum(token_counts)]. `sampled[i]` (default: every row) says whether row i's last
+        token gives logits: a chunk that leaves part of its prompt for a later step is not sampled."""
         rows, counts = tuple(rows), [int(n) for n in token_counts]
-        if not rows or len(counts) != len(rows) or min(counts) < 1:
-            raise ValueError(f"a prefill needs at least one row and at least one token a row, got {counts}")
+        sampled = [True] * len(rows) if sampled is None else [bool(x) for x in sampled]
+        if not rows or len(counts) != len(rows) or len(sampled) != len(rows) or min(counts) < 1:
+            raise ValueError(f"a varlen step needs at least one row and at least one token a row, got {counts}")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows} name a row twice: a row's tokens are one segment")
         tables = [self.blocks.table(row) for row in rows]
         starts = [t.num_tokens for t in tables]
         self._grow(tables, rows, counts)
-        t = max(counts)
-        write_slots = torch.full((len(rows), t), SINK, dtype=torch.int64)
-        for i, (table, start, n) in enumerate(zip(tables, starts, counts, strict=True)):
-            write_slots[i, :n] = torch.tensor([table.slot(p) for p in range(start, start + n)])
-        steps = torch.arange(t)
-        lens = torch.tensor(counts)
-        # Padding positions are 0: a padded query reads key 0 only, and its output is never used.
-        positions = torch.where(steps < lens[:, None], torch.tensor(starts)[:, None] + steps, 0)
+        write_slots = [t.slot(p) for t, a, n in zip(tables, starts, counts, strict=True) for p in range(a, a + n)]
+        positions = [p for a, n in zip(starts, counts, strict=True) for p in range(a, a + n)]
+        loc = list(itertools.accumulate(counts, initial=0))
+        logits_index = [end - 1 for end, due in zip(loc[1:], sampled, strict=True) if due]
+        lens = tuple(t.num_tokens for t in tables)
         dev = self.device
-        return PrefillPlan(
-            table_rows=torch.tensor(rows, dtype=torch.int64).to(dev), write_slots=write_slots.to(dev),
-            context_lens=torch.tensor([t.num_tokens for t in tables], dtype=torch.int64).to(dev),
-            positions=positions.to(dev), logits_index=(lens - 1).to(dev), block_table=self.block_table,
-            block_size=self.block_size, width=max(t.num_tokens for t in tables), rows=rows)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)
+        return VarlenPlan(
+            table_rows=as_tensor(rows), write_slots=as_tensor(write_slots), query_start_loc=as_tensor(loc),
+            context_lens=as_tensor(lens), positions=as_tensor(positions)[None], logits_index=as_tensor(logits_index),
+            block_table=self.block_table, block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens,
+            rows=rows)
 
     def plan_decode(self, rows, *, batch_size: int | None = None, width: int | None = None) -> DecodePlan:
         """Grow every row's table by this step's token and return where everything goes.
@@ -202,18 +209,18 @@ class KVCache:
             raise RuntimeError(f"stale DecodePlan: built as plan {plan.epoch}, but plan {self.plan_epoch} exists; "
                                "its slots have been handed out again")
 
-    def view(self, plan: DecodePlan | PrefillPlan) -> CacheView:
+    def view(self, plan: DecodePlan | VarlenPlan) -> CacheView:
         """The cache as the forward of `plan` sees it. A decode plan must be the newest.
 
-        For the reference read the view derives the step's slot mapping [rows, width] and mask
-        [rows, T, width] here, once for every layer, on the device: a CUDA graph that captures the
-        view with the forward replays the derivation too. The streamed read (decode only) walks the
-        block table itself and needs neither."""
-        reader = _reference
-        if isinstance(plan, DecodePlan):
-            self.require_current(plan)
-            reader = self._decode_reader
-        if reader is _streamed:
+        For the reference decode read the view derives the step's slot mapping [rows, width] and
+        mask [rows, 1, width] here, once for every layer, on the device: a CUDA graph that captures
+        the view with the forward replays the derivation too. The streamed reads walk the block
+        table themselves and need neither; the varlen reference read takes each segment's slots from
+        the block table as it goes."""
+        if isinstance(plan, VarlenPlan):
+            return CacheView(self, plan, self._varlen_reader)
+        self.require_current(plan)
+        if self._decode_reader is _streamed:
             return CacheView(self, plan, _streamed)
         mask = attention_mask_bias(plan.context_lens, plan.positions, plan.width, self.dtype)
         return CacheView(self, plan, _reference, plan.slot_mapping, mask)
@@ -228,6 +235,20 @@ def _streamed(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Ten
                            plan.block_size, plan.context_lens, positions)
 
 
+def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    plan, kv = view.plan, view.cache
+    return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
+                            plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
+                            plan.max_query_len)[None]
+
+
+def _varlen_reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    plan, kv = view.plan, view.cache
+    return varlen_reference(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
+                            plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
+                            host=(plan.host_query_start_loc, list(plan.planned_lens)))[None]
+
+
 def _reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     kv = view.cache
     return reference_read(q, kv.k_pools[layer], kv.v_pools[layer], view.slot_mapping, view.plan.context_lens,
@@ -240,13 +261,14 @@ class CacheView:
     how to read. The model carries it and never names the cache's internals."""
 
     cache: KVCache
-    plan: DecodePlan | PrefillPlan
+    plan: DecodePlan | VarlenPlan
     reader: Callable[..., torch.Tensor]
-    slot_mapping: torch.Tensor | None = None  # [rows, width] int64, the reference read's, once per step
-    mask_bias: torch.Tensor | None = None  # [rows, T, width], the reference read's mask, once per step
+    slot_mapping: torch.Tensor | None = None  # [rows, width] int64, the reference decode read's, once per step
+    mask_bias: torch.Tensor | None = None  # [rows, 1, width], the reference decode read's mask, once per step
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [rows, T, kv_heads, head_dim] into the plan's write slots, one index_put each."""
+        """k, v [rows, T, kv_heads, head_dim] into the plan's write slots, one index_put each: a
+        decode plan's [batch] (T = 1), a varlen plan's [num_tokens] (rows = 1)."""
         slots = self.plan.write_slots.reshape(-1)  # [rows * T]; padding names the sink
         self.cache.k_pools[layer][slots] = k.reshape(-1, *k.shape[2:])
         self.cache.v_pools[layer][slots] = v.reshape(-1, *v.shape[2:])

@@ -1,7 +1,9 @@
 """`Engine`: schedule, run, sample, retire. Engine core (before Day 49).
 
-`Engine.step` runs one forward over the batch the scheduler chose: a prefill of newly admitted
-requests or one decode token for every running one. Requests join (`add_requests`, all or
+`Engine.step` runs one forward over the batch the scheduler chose: one decode token for every
+running request (a planned, possibly graphed, decode), or a flattened varlen forward of prompt
+chunks and decode rows under the token budget (chunked prefill), or of whole prompts without it.
+Only a request whose last token was fed is sampled. Requests join (`add_requests`, all or
 nothing) and leave (`abort_request`, finishing, or failing) between steps; every way a request
 ends returns its row and blocks. A failure is contained to the requests it touches: a row whose
 sampling raises ends alone with an error, a forward that raises ends the requests of that step,
@@ -24,7 +26,7 @@ from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.graphs import CaptureReport
 from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.runner import ModelRunner
-from nanolab.engine.scheduler import Scheduler
+from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
 from nanolab.sampling import SamplingParams, sample_tokens
@@ -51,10 +53,10 @@ class StepOutput:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What one step ran: its phase, the live rows, the rows the forward ran at (a decode bucket
-    pads up to its batch size), whether a CUDA graph replayed, the tokens it fed, and its wall time
-    from scheduling to sampled tokens on the host."""
+    pads up to its batch size; a varlen step's segments), whether a CUDA graph replayed, the tokens
+    it fed, and its wall time from scheduling to sampled tokens on the host."""
 
-    phase: str  # "prefill" or "decode"
+    phase: str  # "decode" (every row a decode row), "prefill" (none) or "mixed" (chunks beside decode rows)
     rows: int
     batch: int
     graph: bool
@@ -133,13 +135,20 @@ def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> Non
 
 class Engine:
     """The engine over `model`: a KV pool of `num_blocks` blocks, at most `max_num_seqs` running
-    requests. `read` picks the decode read ("auto": streamed on CUDA); `forward` replaces the model
-    in decode steps (a compiled model); `cuda_graphs` captures the decode buckets at start; `runner`
-    builds the `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
-    step's logits into tokens (`nanolab.sampling.sample`'s signature; tests inject failures here)."""
+    requests. `enable_chunked_prefill` (vLLM's name; on, as in vLLM v1) makes `max_num_batched_tokens`
+    each step's token budget, decode rows first and prompts in chunks; off, a step prefills whole
+    prompts or decodes, and the budget is raised to `max_model_len` so any prompt fits. The default
+    budget, 2,048, is vLLM v1's for serving on a smaller GPU: every step stays a short one, which is
+    what bounds inter-token latency, and a forward of 2,048 tokens is already compute-bound. `read`
+    picks the reads ("auto": streamed on CUDA); `forward` replaces the model in decode steps (a
+    compiled model); `cuda_graphs` captures the decode buckets at start; `runner` builds the
+    `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
+    step's logits into tokens (`nanolab.sampling.sample_tokens`: a device tensor, or a list; tests inject
+    failures here); `async_scheduling` launches each decode step before reading back the last."""
 
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True,
                  detokenize: Callable[[list[int]], str] | None = None, read: str = "auto",
                  forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
                  progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
@@ -149,6 +158,8 @@ class Engine:
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
         check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
+        if not isinstance(enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         self.model = model
         self.config = model.config
         param = next(model.parameters())
@@ -160,7 +171,8 @@ class Engine:
         self.kv_cache = KVCache(self.block_manager, num_layers=self.config.num_hidden_layers,
                                 num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
                                 max_model_len=self.max_model_len, dtype=self.dtype, device=self.device, read=read)
-        self.scheduler = Scheduler(self.block_manager, max(max_num_batched_tokens, self.max_model_len))
+        budget = max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, budget, enable_chunked_prefill)
         self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets, cuda_graphs=cuda_graphs,
                              progress=progress)
         self.detokenize = detokenize
@@ -234,30 +246,35 @@ class Engine:
     # One step.
 
     def step(self) -> list[StepOutput]:
-        """Run one step and return what it produced. With asynchronous scheduling a decode step is
-        launched before the one in flight is read back, so what a call returns is the previous
-        decode step's tokens (`_step_async`)."""
+        """Run one step and return what it produced: outputs only for the requests sampled, so a
+        request whose prompt is partly in the cache gains nothing. With asynchronous scheduling a
+        decode step is launched before the one in flight is read back, so what a call returns is
+        the previous decode step's tokens (`_step_async`)."""
         self.last_step = None
         if self.async_scheduling:
             return self._step_async()
-        seqs, prefill = self.scheduler.schedule()
-        if not seqs:
+        out = self.scheduler.schedule()
+        if not out.seqs:
             return []
-        return self._run(seqs, prefill)
+        return self._run(out)
 
-    def _run(self, seqs: list[Sequence], prefill: bool) -> list[StepOutput]:
-        """One forward over `seqs`, sampled and read back before returning."""
+    def _run(self, out: SchedulerOutput) -> list[StepOutput]:
+        """One forward over the scheduled step (a planned decode, or a varlen step of prompts,
+        chunks and decode rows), sampled and read back before returning."""
         start = time.perf_counter()
+        seqs = out.seqs
         try:
-            logits = self.runner.prefill(seqs) if prefill else self.runner.decode(seqs)
+            if out.decode_only:
+                logits = self.runner.decode(seqs)
+            else:
+                logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled)
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
-        tokens = self._sample(logits, seqs)
-        batch, graph = (len(seqs), False) if prefill else self.runner.last_decode
-        self.last_step = StepRecord("prefill" if prefill else "decode", len(seqs), batch, graph,
-                                    sum(s.num_tokens for s in seqs) if prefill else len(seqs),
-                                    time.perf_counter() - start)
-        return self._emit(seqs, tokens, logits)
+        sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
+        tokens = self._sample(logits, sampled) if sampled else []
+        batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), False)
+        self.last_step = StepRecord(out.phase, len(seqs), batch, graph, out.num_tokens, time.perf_counter() - start)
+        return self._emit(sampled, tokens, logits)
 
     def _emit(self, seqs: list[Sequence], tokens: list, logits: torch.Tensor | None) -> list[StepOutput]:
         """Append each row's token (or end the row with its sampling error), retire finished
@@ -319,16 +336,18 @@ class Engine:
     def _step_async(self) -> list[StepOutput]:
         prev = self._inflight
         if prev is None:
-            seqs, prefill = self.scheduler.schedule()
-            if not seqs:
+            out = self.scheduler.schedule()
+            if not out.seqs:
                 return []
-            if prefill:  # prefill steps run as before: their requests' first tokens come back now
-                return self._run(seqs, prefill=True)
-            return self._launch(seqs, None, None)
+            if not out.decode_only:  # prompts and chunks run as before: their first tokens come back now
+                return self._run(out)
+            return self._launch(out.seqs, None, None)
         nxt = self._continuing(prev)
         if not nxt:  # the next step needs the scheduler (admission, preemption) or nothing is left
             self._inflight = None
             return self._retire(prev)
+        for seq in nxt:  # what the scheduler does for a step it schedules: the token fed is counted now
+            seq.num_computed_tokens += 1
         index = {id(s): i for i, s in enumerate(prev.seqs)}
         rows = [index[id(s)] for s in nxt]
         ids = prev.tokens

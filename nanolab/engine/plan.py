@@ -1,6 +1,6 @@
 """Where a forward's K/V goes and what it reads, decided on the host before it runs.
 
-`DecodePlan` (Day 50; fixed buffers, Day 51) and `PrefillPlan`. The forward only reads their
+`DecodePlan` (Day 50; fixed buffers, Day 51) and `VarlenPlan` (chunked prefill). The forward only reads their
 tensors: nothing inside it grows a table or reads a length that changes from step to step. The
 read rectangle `slot_mapping` [rows, width] (vLLM's name; `write_slots` is the per-token half
 vLLM's `reshape_and_cache` takes) is derived on the device from the persistent block table.
@@ -8,6 +8,7 @@ vLLM's `reshape_and_cache` takes) is derived on the device from the persistent b
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -32,24 +33,39 @@ def mapping_bytes(rows: int, width: int, itemsize: int = 8) -> int:
 
 
 @dataclass(frozen=True)
-class PrefillPlan:
-    """A ragged prefill of T = the longest row's new tokens; row i's first logits_index[i] + 1 are
-    real. Its tensors are its own (a prefill is never captured); padded tokens write to the sink."""
+class VarlenPlan:
+    """One forward over every token of a step that is not decode-only, laid end to end with no
+    padding: input_ids and positions [1, num_tokens], and one segment per sequence, its new tokens
+    (a whole prompt, a chunk of one, or a decode row's single token). Chunked prefill.
 
-    table_rows: torch.Tensor  # [rows] int64: each batch row's block-table row
-    write_slots: torch.Tensor  # [rows, T] int64: pool slot of each new token; -1 (the sink) for padding
-    context_lens: torch.Tensor  # [rows] int64: tokens per row after this forward
-    positions: torch.Tensor  # [rows, T] int64: padding positions are 0 (a padded query reads key 0 only)
-    logits_index: torch.Tensor  # [rows] int64: each row's last real token
+    vLLM's attention metadata for the same batch: `query_start_loc` is its name (flash-attn's
+    cu_seqlens_q), `context_lens` its `seq_lens`, `write_slots` its `slot_mapping`. Its tensors are
+    its own (a varlen step is never captured)."""
+
+    table_rows: torch.Tensor  # [segments] int64: each segment's block-table row
+    write_slots: torch.Tensor  # [num_tokens] int64: pool slot of each new token
+    query_start_loc: torch.Tensor  # [segments + 1] int64: segment s is tokens query_start_loc[s] .. [s + 1] - 1
+    context_lens: torch.Tensor  # [segments] int64: tokens each row holds after this forward
+    positions: torch.Tensor  # [1, num_tokens] int64: a chunk's positions continue from the tokens before it
+    logits_index: torch.Tensor  # [sampled] int64: the last token of each segment sampled this step
     block_table: torch.Tensor  # [max_rows + 1, max_blocks] int32: the cache's persistent table, whole
+    # Host only: nothing inside the forward may read these from the device.
     block_size: int
-    width: int  # the longest row
-    rows: tuple[int, ...]
+    query_lens: tuple[int, ...]  # tokens of each segment
+    planned_lens: tuple[int, ...]  # context length of each row after this forward
+    rows: tuple[int, ...]  # the cache rows, in segment order
 
     @property
-    def slot_mapping(self) -> torch.Tensor:
-        """[rows, width] int64, derived on the device from the block table."""
-        return derive_slot_mapping(self.block_table, self.table_rows, self.context_lens, self.width, self.block_size)
+    def num_tokens(self) -> int:
+        return self.write_slots.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def host_query_start_loc(self) -> list[int]:
+        return list(itertools.accumulate(self.query_lens, initial=0))
 
 
 @dataclass(frozen=True)

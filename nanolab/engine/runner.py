@@ -1,9 +1,11 @@
 """`ModelRunner`: plans a scheduled batch, runs the forward it was built with, returns the logits.
 
-Engine core (before Day 49); planned decode Day 50, buckets Day 52, graphs Days 54 and 56, planned
-prefill with the re-layout. Which forward a decode step runs is fixed at construction: the model
+Engine core (before Day 49); planned decode Day 50, buckets Day 52, graphs Days 54 and 56, varlen
+steps with chunked prefill. Which forward a decode step runs is fixed at construction: the model
 eagerly, a stand-in given as `forward` (a compiled model), and on top of either, CUDA graphs over
-the capture buckets. A decode batch outside the capture list runs the same planned step eagerly.
+the capture buckets. A decode batch outside the capture list runs the same planned step eagerly. A
+step that is not decode-only (whole prompts, chunks, and decode rows beside them) runs the model
+eagerly over one flattened varlen plan.
 """
 
 from __future__ import annotations
@@ -51,14 +53,16 @@ class ModelRunner:
             self.graphs.capture(progress=progress)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Every token each sequence holds, in one ragged forward -> logits [rows, vocab] fp32 at
-        each row's last token."""
-        counts = [s.num_tokens for s in seqs]
-        plan = self.kv_cache.plan_prefill([s.row for s in seqs], counts)
-        ids = torch.zeros((len(seqs), max(counts)), dtype=torch.int64)  # [rows, T], padding token 0
-        for i, s in enumerate(seqs):
-            ids[i, : counts[i]] = torch.tensor(s.token_ids)
+    def run_varlen(self, seqs: list[Sequence], num_scheduled_tokens: list[int], num_computed_tokens: list[int],
+                   sampled: list[bool]) -> torch.Tensor:
+        """One flattened forward of every scheduled token: sequence i feeds its tokens
+        num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (a prompt, a chunk of one, or a
+        decode row's pending token) -> logits [sum(sampled), vocab] fp32, at the last token of each
+        sampled sequence, in order. Always the model, eagerly: a varlen step has no capture."""
+        plan = self.kv_cache.plan_varlen([s.row for s in seqs], num_scheduled_tokens, sampled)
+        ids = [t for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)
+               for t in s.token_ids[a:a + n]]
+        ids = torch.tensor([ids], dtype=torch.int64)  # [1, num_tokens]
         view = self.kv_cache.view(plan)
         return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
 

@@ -1,24 +1,64 @@
-"""Continuous batching: which requests run this step, admission by free blocks, preemption.
+"""Continuous batching: which requests run this step and how many tokens each feeds, admission by
+free blocks, preemption. Engine core (before Day 49); chunked prefill after Day 60.
 
-Introduced with the engine core (before Day 49). Requests join and leave between steps. A step
-is either a ragged prefill of newly admitted requests or one decode token for every running
-request. When a decode step would need more blocks than the pool has free, the most recently
-admitted request is preempted: its row and blocks go back to the pool and it waits at the front
-of the queue to be recomputed from its tokens so far (vLLM's recompute preemption).
+Requests join and leave between steps. With chunked prefill (`enable_chunked_prefill`, vLLM v1's
+rule and the default) a step has a budget of `max_num_batched_tokens` tokens: every running decode
+row takes one token first, so a long prompt never stalls a running stream; then a running request
+whose prompt is partly in the cache continues with its next chunk; then waiting requests are
+admitted with a chunk that fits what is left. A request is sampled only in the step that feeds its
+last token. Without chunked prefill a step is either a prefill of whole prompts of newly admitted
+requests or one decode token for every running request (the engine before chunking).
+
+When a decode row needs a block the pool does not have, the most recently admitted request is
+preempted: its row and blocks go back to the pool and it waits at the front of the queue to be
+recomputed from its tokens so far (vLLM's recompute preemption).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step (vLLM's name): the sequences in forward order and, for each, the tokens it feeds
+    (`num_scheduled_tokens`), the tokens it had in the cache before (`num_computed_tokens`), whether
+    it is a decode row (its one pending sampled token) and whether it is sampled after this step
+    (its last token is fed)."""
+
+    seqs: list[Sequence]
+    num_scheduled_tokens: list[int]
+    num_computed_tokens: list[int]
+    decode: list[bool]
+    sampled: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a decode row: the step can run as a planned (and graphed) decode."""
+        return all(self.decode)
+
+    @property
+    def phase(self) -> str:
+        """"decode" (every row a decode row), "prefill" (none) or "mixed"."""
+        if all(self.decode):
+            return "decode"
+        return "mixed" if any(self.decode) else "prefill"
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 8192) -> None:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True) -> None:
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -29,12 +69,81 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next forward, and whether it is a prefill."""
-        batch = self._admit()
-        if batch:
-            return batch, True
-        return self._make_room_for_decode(), False
+    def schedule(self) -> SchedulerOutput:
+        """The next step. Every scheduled sequence's `num_computed_tokens` already counts the tokens
+        it feeds (as vLLM v1 advances it when it schedules): the step runs them or ends them."""
+        if self.enable_chunked_prefill:
+            scheduled = self._schedule_chunked()
+        else:
+            seqs = self._admit() or self._make_room_for_decode()
+            scheduled = {s: s.num_tokens - s.num_computed_tokens for s in seqs}
+        seqs, counts = list(scheduled), list(scheduled.values())
+        computed = [s.num_computed_tokens for s in seqs]
+        decode = [s.is_decoding for s in seqs]
+        sampled = [c + n == s.num_tokens for s, c, n in zip(seqs, computed, counts, strict=True)]
+        for seq, n in zip(seqs, counts, strict=True):
+            seq.num_computed_tokens += n
+        return SchedulerOutput(seqs, counts, computed, decode, sampled)
+
+    # Chunked prefill.
+
+    def _schedule_chunked(self) -> dict[Sequence, int]:
+        """Tokens per sequence under the budget, in forward order: decode rows, then the next chunk
+        of each running prompt, then admissions (`_admits`)."""
+        budget = self.max_num_batched_tokens
+        block = self.blocks.block_size
+        scheduled: dict[Sequence, int] = {}
+        taken = 0  # blocks this step's tokens will take from the pool when the runner plans them
+        for seq in list(self.running):  # decode rows, oldest first
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not seq.is_decoding:
+                continue  # preempted by an older row of this loop, or mid-prefill
+            table = self.blocks.table(seq.row)
+            while table.blocks_needed(1) > self.blocks.allocator.num_free - taken:
+                # The newest is never a row scheduled already: this loop goes oldest first.
+                self.preempt(self.running[-1])
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            else:
+                taken += table.blocks_needed(1)
+                scheduled[seq] = 1
+                budget -= 1
+        for seq in self.running:  # prompts partly in the cache, oldest first
+            if budget == 0:
+                break
+            if seq in scheduled or seq.is_decoding:
+                continue
+            table = self.blocks.table(seq.row)
+            room = (len(table.blocks) + self.blocks.allocator.num_free - taken) * block - table.num_tokens
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room)
+            if n > 0:  # else it waits for a decode row's preemption or finish to free blocks
+                taken += table.blocks_needed(n)
+                scheduled[seq] = n
+                budget -= n
+        while self.waiting and budget > 0 and self.blocks.free_row_count() > 0 and self._admits(self.waiting[0]):
+            seq = self.waiting.popleft()
+            seq.row = self.blocks.open_row()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens, budget)
+            assert cdiv(n, block) <= self.blocks.allocator.num_free - taken, "admission promised these blocks"
+            taken += cdiv(n, block)
+            scheduled[seq] = n
+            budget -= n
+        return scheduled
+
+    def _admits(self, seq: Sequence) -> bool:
+        """Whether the pool can promise `seq` all its tokens and one more while every running
+        sequence keeps the same promise: the sum of cdiv(num_tokens + 1, block_size) over the running
+        and `seq` fits the pool. Blocks are taken a chunk at a time, but a prompt is admitted only
+        when it can finish, and the step after an admission never has to preempt: each running
+        sequence then holds at most its promise."""
+        block = self.blocks.block_size
+        promised = sum(cdiv(s.num_tokens + 1, block) for s in self.running)
+        return promised + cdiv(seq.num_tokens + 1, block) <= self.blocks.num_blocks
+
+    # Whole prompts (enable_chunked_prefill=False).
 
     def _admit(self) -> list[Sequence]:
         """Admit waiting requests while rows, the token budget and free blocks allow. Blocks are
@@ -70,9 +179,12 @@ class Scheduler:
             self.preempt(self.running[-1])
         return list(self.running)
 
+    # Leaving.
+
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -19,7 +19,8 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's tokens and state. `row` is its cache row while it runs."""
+    """One request's tokens and state. `row` is its cache row while it runs; `num_computed_tokens`
+    (vLLM's name) how many of its tokens are in that row's cache, counting the ones this step feeds."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -34,6 +35,7 @@ class Sequence:
     text: TextDeltas | None = None  # the output's text, kept only for a request with stop strings
     stop_scanned: int = 0  # characters of `text` already searched for stop strings
     num_preemptions: int = 0
+    num_computed_tokens: int = 0  # back to 0 when preempted: recomputed from its tokens so far
 
     @property
     def token_ids(self) -> list[int]:
@@ -42,6 +44,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last sampled one is in the cache: its next step feeds that one token."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
 
     @property
     def finished(self) -> bool:

@@ -110,7 +110,9 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
     # otherwise leave the cache narrower than its capture list).
     num_blocks = max(max_batch * (cdiv(max(contexts), block_size) + 1), cdiv(2 * max(contexts), block_size)) + 16
     buckets = bench_buckets(batches, contexts)
-    kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, progress=progress)
+    # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
+    kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, progress=progress,
+              enable_chunked_prefill=False)
 
     # Day 54: the capture list with a pool per graph (over the padded engine's cache, then let go),
     # then with one shared pool: the graphed engine's own, captured when it is built.

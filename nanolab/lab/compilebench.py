@@ -224,6 +224,7 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
         engine = Engine(model, num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1,
                         block_size=block_size, max_num_seqs=max(rows, 1), forward=probe,
                         read="reference",  # Days 49 and 50 study the reference read's guards
+                        enable_chunked_prefill=False,  # every step after the prefill is a decode step
                         **({} if planned else {"runner": unplanned_runner(bounds)}))
         seqs = prefill(engine, random_prompts(rows, prompt_len, model.config.vocab_size, seed), steps + 1)
         # dynamo's tallies are process-wide: count what the decode steps add to them.

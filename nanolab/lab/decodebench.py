@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(64, *batches),
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, enable_chunked_prefill=False)  # see `timing.prefill`
     df = decode_table(llm, batches, args.prompt_len, args.steps, repeats=args.repeats)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
     path = save_table(df, "decode_bench", label)

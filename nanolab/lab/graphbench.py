@@ -1,8 +1,11 @@
 """Day 58's serving measurement: the real server over loopback, with CUDA graphs on and off.
 
 Day 58. For each arm ("graphs", "eager" = `--enforce-eager`) this starts `python -m nanolab serve`
-with a step log, sends a seeded Poisson stream of streamed completions at each rate from its own
-aiohttp client, and reduces the timings with `vllm bench serve`'s definitions:
+with a step log (an arm may name the prefill too: "graphs-whole" serves with
+`--no-enable-chunked-prefill`, "graphs-chunked" with `--enable-chunked-prefill`, and the `prefill`
+column says which; a bare arm takes the server's default, chunked), sends a seeded Poisson stream
+of streamed completions at each rate from its own aiohttp client, and reduces the timings with
+`vllm bench serve`'s definitions:
 
 - TTFT: first streamed chunk - send time, per request;
 - TPOT: (latency - TTFT) / (output tokens - 1), per request, latency being the last chunk's time;
@@ -48,6 +51,7 @@ from nanolab.engine.buckets import DecodeBuckets
 from nanolab.gates import Gate
 
 ARMS = ("graphs", "eager")
+PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
 SEED_RATES = (1.0, 2.0, 4.0, 8.0)
 SATURATION = 0.9  # sustained below this share of the offered rate: the queue grows, the rate is not sustainable
 MIN_VERDICT = 4  # fewer requests than this at a rate: no central 80% to measure, no verdict
@@ -425,11 +429,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_arm(arm: str) -> tuple[str, str | None]:
+    """An arm's graphs mode and prefill: "graphs-whole" -> ("graphs", "whole"); "eager" ->
+    ("eager", None), the server's default prefill."""
+    mode, _, prefill = arm.partition("-")
+    if mode not in ARMS or prefill not in ("", *PREFILLS):
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, optionally ending in -{' or -'.join(PREFILLS)}")
+    return mode, prefill or None
+
+
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
-                  max_waiting: int = 1024) -> list[str]:
+                  max_waiting: int = 1024, chunked_prefill: bool | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
-    request count: a bench past saturation measures the queue, not the server's 503s."""
+    request count: a bench past saturation measures the queue, not the server's 503s.
+    `chunked_prefill` None leaves the server's default."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -437,6 +451,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv.append("--enforce-eager")
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    if chunked_prefill is not None:
+        argv.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
     return argv
 
 
@@ -535,12 +551,14 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     beyond the listed ones saturates. `warmup` requests (all at once, outside every window) go
     first, so first-use costs fall outside the measured rates. `command` builds the server's argv
     (`serve_command`'s signature; tests start a stand-in)."""
+    mode, prefill = split_arm(arm)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
     step_log = workdir / f"steps_{arm}.jsonl"
     port = free_port()
-    argv = command(model, port, device=device, eager=arm == "eager", step_log=step_log, dtype=dtype, read=read,
+    extra = {} if prefill is None else {"chunked_prefill": prefill == "chunked"}
+    argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   max_waiting=max(1024, workload.max_requests + warmup))
+                   max_waiting=max(1024, workload.max_requests + warmup), **extra)
     out = ArmRun(arm)
     with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
         out.ready_s = server.ready_s
@@ -553,7 +571,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
             plan = request_plan(rate, workload.requests_at(rate), vocab_size, workload, seed)
             run = run_plan(server.url, served, plan)
             server.check_alive()
-            m = {"arm": arm, "rate": rate, **serving_metrics(run, slo)}
+            m = {"arm": arm, "prefill": prefill or "default", "rate": rate, **serving_metrics(run, slo)}
             out.rates.append(m)
             out.windows[rate] = run.window
             log(f"{arm:>6} {rate:5g} req/s: {m['completed']}/{m['requests']} in {m['duration_s']:.1f} s, "
@@ -566,7 +584,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     if server.exit_code != 0:
         log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
     out.steps = slice_steps(read_step_log(step_log), out.windows).assign(arm=arm)
-    graphed = arm == "graphs" and device.startswith("cuda")
+    graphed = mode == "graphs" and device.startswith("cuda")
     for m in out.rates:
         m.update(step_columns(out.steps[out.steps.rate == m["rate"]], graphed, capture_batch_sizes(max_num_seqs)),
                  server_exit=out.server_exit, server_ready_s=out.ready_s)
@@ -576,9 +594,11 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
 def step_columns(window: pd.DataFrame, graphed: bool, batch_sizes: Sequence[int]) -> dict:
     """What the step log says about one rate's window: step counts, the token-weighted median live
     rows, the batch a step of that many rows runs at (its bucket when `graphed`), the server's own
-    median decode and prefill step times, and the mean padding share of its decode steps."""
+    median decode, prefill and mixed (prompt chunks beside decode rows) step times, and the mean
+    padding share of its decode steps."""
     nan = float("nan")
     decode, prefill = window[window.phase == "decode"], window[window.phase == "prefill"]
+    mixed = window[window.phase == "mixed"]
     median = weighted_median_rows(decode)
     batch = nan
     if median == median:  # not NaN: the window has decode steps
@@ -586,6 +606,7 @@ def step_columns(window: pd.DataFrame, graphed: bool, batch_sizes: Sequence[int]
     return dict(decode_steps=len(decode), prefill_steps=len(prefill), median_rows=median, step_batch=batch,
                 server_step_p50_ms=float(decode.ms.median()) if len(decode) else nan,
                 prefill_p50_ms=float(prefill.ms.median()) if len(prefill) else nan,
+                mixed_steps=len(mixed), mixed_p50_ms=float(mixed.ms.median()) if len(mixed) else nan,
                 padding_share=float(decode.padding_share.mean()) if len(decode) else nan,
                 graphed_share=float(decode.graph.astype(bool).mean()) if len(decode) else nan)
 
@@ -610,8 +631,9 @@ def time_offline(model: str, device: str, arm: str, batches: Sequence[int], cont
     from nanolab import LLM
     from nanolab.lab.timing import prefill, random_prompts, timed_steps
 
-    llm = LLM(model, device=device, dtype=dtype, enforce_eager=arm == "eager", read=read,
-              max_num_seqs=max(max_num_seqs, *batches))
+    # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
+    llm = LLM(model, device=device, dtype=dtype, enforce_eager=split_arm(arm)[0] == "eager", read=read,
+              max_num_seqs=max(max_num_seqs, *batches), enable_chunked_prefill=False)
     vocab = vocab_size or llm.config.vocab_size
     prompt_len = max(1, context - steps // 2)
     records = []
@@ -671,7 +693,8 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
     from nanolab.model.weights import resolve_weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    if kind == "cpu" and "graphs" in arms:
+    modes = [split_arm(arm)[0] for arm in arms]  # an unknown arm fails here, before any server starts
+    if kind == "cpu" and "graphs" in modes:
         raise ValueError("a CPU has no CUDA graphs: run the eager arm alone (arms=('eager',))")
     workload, slo = workload or WORKLOADS[kind], slo or SLOS[kind]
     vocab = ModelConfig.from_dir(resolve_weights(model)).vocab_size  # prepared here, once, outside any server start
@@ -716,7 +739,9 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
     - per arm and rate, ITL p50 over the offline median step at the same batch, minus 1: what the
       server adds (aim: 10% or less). The detail splits it at the server's own median step (the
       step log's): the engine step inside the server, then the path from step to client;
-    - per arm, ITL p99 over p50 at its highest sustainable rate (aim: 3x or less)."""
+    - per arm, ITL p99 over p50 at its highest sustainable rate (aim: 3x or less);
+    - at each rate both ran, ITL p99 of an arm's whole-prompt server over its chunked one (aim:
+      above 1, chunking shortens the tail)."""
     records = []
     by = rates.set_index(["arm", "rate"])
     arms = rates.arm.unique()
@@ -749,8 +774,19 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
             if prefill_ms == prefill_ms:  # the tail's usual cause: decode steps that waited behind a prefill
                 detail += (f"; {int(row.prefill_steps)} prefill steps among {int(row.decode_steps)} decode steps, "
                            f"{prefill_ms:.2f} ms at the median")
+            mixed_ms = row.get("mixed_p50_ms", float("nan"))
+            if mixed_ms == mixed_ms:
+                detail += f"; {int(row.mixed_steps)} mixed steps, {mixed_ms:.2f} ms at the median"
             records.append({"ratio": "ITL p99 / p50 at the highest sustainable rate", "arm": arm, "rate": row.rate,
                             "value": value, "aim": "<= 3", "met": value <= 3, "detail": detail})
+    for mode in ARMS:
+        for rate in rates.rate.unique():
+            whole, chunked = (f"{mode}-whole", rate), (f"{mode}-chunked", rate)
+            if whole in by.index and chunked in by.index:
+                w, c = by.loc[whole, "itl_p99_ms"], by.loc[chunked, "itl_p99_ms"]
+                records.append({"ratio": "whole / chunked ITL p99", "arm": mode, "rate": rate, "value": w / c,
+                                "aim": "> 1", "met": w / c > 1,
+                                "detail": f"ITL p99 {w:.2f} ms whole prompts, {c:.2f} ms chunked"})
     return pd.DataFrame(records, columns=["ratio", "arm", "rate", "value", "aim", "met", "detail"])
 
 
@@ -770,8 +806,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arms: graphs (CUDA graphs), eager (--enforce-eager) "
-                             "(default: graphs,eager on CUDA, eager on a CPU)")
+                        help="comma-separated arms: graphs (CUDA graphs), eager (--enforce-eager), either "
+                             "ending in -chunked or -whole to serve with or without chunked prefill, e.g. "
+                             "graphs-chunked,graphs-whole (default: graphs,eager on CUDA, eager on a CPU)")
     parser.add_argument("--rates", default="1,2,4,8", help="requests/s always run, in order (default: the seed's)")
     parser.add_argument("--max-rate", type=float, default=256.0,
                         help="after --rates, the rate doubles until it saturates or passes this (default: 256)")
@@ -837,7 +874,7 @@ def main(args: argparse.Namespace) -> int:
                       weights=weights_kind(path))
     for name, table in bench.tables(args.prefix).items():
         print(f"{name}: {save_table(table, name, label)}")
-    cols = ["arm", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms",
+    cols = ["arm", "prefill", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms",
             "request_throughput", "output_throughput", "goodput", "median_rows", "step_batch", "saturated"]
     print(bench.rates[cols].to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     print(bench.offline.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
@@ -847,7 +884,7 @@ def main(args: argparse.Namespace) -> int:
                       f"{args.prefix}_row_compaction", label))
     gates = [check_requests(bench.rates)]
     for arm in arms:
-        expect = (arm == "graphs") if kind == "cuda" else False
+        expect = (split_arm(arm)[0] == "graphs") if kind == "cuda" else False
         gates.append(check_compaction(bench.steps[bench.steps.arm == arm], capture_batch_sizes(args.max_num_seqs),
                                       expect))
     print("\n".join(f"{g}" for g in gates))

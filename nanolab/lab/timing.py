@@ -34,7 +34,9 @@ def random_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> to
 
 def prefill(engine: Engine, prompts, new_tokens: int, max_steps: int = 100_000) -> list[Sequence]:
     """Queue `prompts` (lists or a [batch, len] tensor) as greedy requests of `new_tokens` tokens that
-    ignore EOS, and step `engine` until every one holds its first token."""
+    ignore EOS, and step `engine` until every one holds its first token. Every request then holds
+    exactly one only when the engine prefills whole prompts (`enable_chunked_prefill=False`), or all
+    of them fit one step's budget: with chunks, the first admitted decode while later ones prefill."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     seqs = [engine.add_request(list(map(int, p)), params) for p in prompts]
     for _ in range(max_steps):

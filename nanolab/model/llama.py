@@ -44,18 +44,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [rows, T] int64; cache a `CacheView` of this forward's plan.
+        """input_ids, positions [rows, T] int64 (a decode step's [batch, 1], a varlen step's
+        [1, num_tokens]); cache a `CacheView` of this forward's plan.
 
-        logits_index [rows] picks one position per row (the last real token of a ragged
-        prefill) and returns logits [rows, vocab]; None returns every position, [rows, T, vocab].
-        Logits are fp32 whatever the model's dtype.
+        logits_index [n] picks n tokens of the flattened [rows * T] token axis (the last token of
+        each sampled segment of a varlen step) and returns logits [n, vocab]; None returns every
+        position, [rows, T, vocab]. Logits are fp32 whatever the model's dtype.
         """
         x = self.embed_tokens(input_ids)  # [rows, T, hidden]
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, cache)
         if logits_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logits_index]  # [rows, hidden]
+            x = x.flatten(0, 1)[logits_index]  # [n, hidden]: only the sampled tokens reach the head
         return self.lm_head(self.norm(x)).float()
 
 

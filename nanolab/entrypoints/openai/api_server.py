@@ -290,6 +290,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read each decode step back before launching the next (default: overlapped with graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="a token budget per step, decode rows first and prompts in chunks "
+                             "(--no-enable-chunked-prefill: a step prefills whole prompts or decodes)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the tokens one step feeds, with chunked prefill (default: 2048)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests past this get 503 with Retry-After")
     parser.add_argument("--api-key", default=None,
@@ -321,7 +326,9 @@ async def serve(args: argparse.Namespace) -> int:
     factory = functools.partial(build_engine, model=args.model, device=args.device, dtype=args.dtype,
                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                 enforce_eager=args.enforce_eager, read=args.read, compile=args.compile,
-                                async_scheduling=args.async_scheduling)
+                                async_scheduling=args.async_scheduling,
+                                enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
     serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)
@@ -343,9 +350,10 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     port = site._server.sockets[0].getsockname()[1]
     info = async_llm.info
-    log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %d KV blocks%s)",
+    log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %s, %d KV blocks%s)",
              serving.model_name, args.host, port, info["device"], info["dtype"], info["read"],
-             "CUDA graphs" if info["graphs"] else "eager", info["num_blocks"], ", API key required" if api_key else "")
+             "CUDA graphs" if info["graphs"] else "eager", info["prefill"], info["num_blocks"],
+             ", API key required" if api_key else "")
     await stop.wait()
 
     serving.draining = True

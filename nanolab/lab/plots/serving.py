@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-SERVING_ARMS = {"graphs": ("C0", "o"), "eager": ("C7", "s")}
+SERVING_ARMS = {"graphs": ("C0", "o"), "eager": ("C7", "s"), "graphs-chunked": ("C0", "o"),
+                "eager-chunked": ("C7", "s"), "graphs-whole": ("C3", "^"), "eager-whole": ("C1", "D")}
 
 
 def _rate_axis(ax, rates: pd.Series) -> None:
@@ -57,14 +58,14 @@ def plot_graphbench(rates: pd.DataFrame):
 
 def plot_row_compaction(trace: pd.DataFrame, batch_sizes):
     """Per arm, one window of steps over time: the live rows and the batch the step ran at (the
-    capture bucket when a graph replayed) with the bucket sizes as guides and prefill steps as
-    ticks, and under it each decode step's padding share."""
+    capture bucket when a graph replayed) with the bucket sizes as guides and prefill and mixed
+    steps (prompt chunks beside decode rows) as ticks, and under it each decode step's padding share."""
     arms = list(trace.arm.unique())
     fig, axes = plt.subplots(2, len(arms), figsize=(6.5 * len(arms), 5.6), sharex="col", squeeze=False,
                              gridspec_kw={"height_ratios": [2.2, 1]})
     for j, arm in enumerate(arms):
         part = trace[trace.arm == arm]
-        decode, prefill = part[part.phase == "decode"], part[part.phase == "prefill"]
+        decode, prefill = part[part.phase == "decode"], part[part.phase != "decode"]
         rows_ax, pad_ax = axes[0, j], axes[1, j]
         top = max(int(part.batch.max()), 1)
         for b in batch_sizes:
@@ -73,7 +74,7 @@ def plot_row_compaction(trace: pd.DataFrame, batch_sizes):
         # The batch drawn wide under the rows: eagerly the two are one line, and both stay visible.
         rows_ax.step(decode.t_s, decode.batch, where="post", color="C3", lw=3, alpha=0.5, label="batch run (bucket)")
         rows_ax.step(decode.t_s, decode.rows, where="post", color="C0", lw=1.2, label="live rows")
-        rows_ax.plot(prefill.t_s, np.zeros(len(prefill)), "|", color="k", ms=8, label="prefill step")
+        rows_ax.plot(prefill.t_s, np.zeros(len(prefill)), "|", color="k", ms=8, label="prefill or mixed step")
         rows_ax.set_ylabel("rows")
         rows_ax.set_yscale("symlog", base=2, linthresh=1)
         shown = [b for b in batch_sizes if b <= 2 * top]

@@ -1,0 +1,204 @@
+"""`varlen_attention`: causal attention of a flattened batch of query segments over the paged pool,
+streamed in Triton, and `varlen_reference`, its torch oracle. Chunked prefill.
+
+A step that is not decode-only runs one forward over all its tokens, laid end to end: queries
+[num_tokens, heads, head_dim], and segment s (one sequence's new tokens: a prompt, a chunk of one,
+or a decode row's single token) is tokens query_start_loc[s] .. query_start_loc[s + 1] - 1
+(FlashAttention's varlen layout; vLLM's `query_start_loc`, flash-attn's cu_seqlens_q). The segment's
+K/V is already in the pool when the read runs, beside every earlier chunk's, so the read needs
+nothing but the pool: a query at position p reads keys 0..p of its segment's row, through the
+persistent block table (`_slots`).
+
+One program per (segment, query tile, KV head). The tile is BLOCK_Q consecutive tokens times the
+G query heads sharing that KV head, [BLOCK_Q * G, D], so each K/V tile is loaded once for the group
+(as `_paged_decode_group` does) and the scores are one tl.dot (vLLM's unified Triton attention
+tiles the same way). The walk stops at the tile's last position, so a chunk never loads keys it
+cannot see, and a segment shorter than its tile (a decode row) leaves the rest of the tile masked.
+Tiles past a segment's end walk nothing and store nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanolab.kernels.paged_attention import _dot_mode, _pow2, _slots
+from nanolab.kernels.reference import reference_read
+
+BLOCK_M = 64  # query-tile rows: BLOCK_Q tokens x G heads
+BLOCK_N = 64  # keys per tile
+
+
+@triton.jit
+def _varlen_group(
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_ot, stride_oh,
+    scale, head_dim,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, DOT: tl.constexpr,
+):
+    """One program: segment s, query tile qb, KV head kv. Row i of the [BLOCK_Q * G, D] query tile
+    is token qb * BLOCK_Q + i // G of the segment and query head kv * GROUP + i % G."""
+    s = tl.program_id(0)
+    qb = tl.program_id(1)
+    kv = tl.program_id(2)
+    start = tl.load(starts_ptr + s)
+    q_len = tl.load(starts_ptr + s + 1) - start
+    i = tl.arange(0, BLOCK_Q * G)
+    tok = qb * BLOCK_Q + i // G
+    g = i % G
+    d = tl.arange(0, D)
+    dmask = d < head_dim
+    live = (tok < q_len) & (g < GROUP)  # [M]: a real token and a real head of the group
+    t = start + tok  # the token's place on the flattened axis
+    heads = kv * GROUP + g
+    qmask = live[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if DOT != 2:
+        q = q.to(tl.float32)
+    pos = tl.load(pos_ptr + t, mask=live, other=-1)  # [M]; -1 reads nothing
+    # Keys this tile can see: up to its last position, and never past the row's length. A tile past
+    # the segment's end has every pos at -1, so it walks nothing.
+    n_keys = tl.minimum(tl.load(lens_ptr + s), tl.max(pos, axis=0) + 1)
+    m = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
+    for b in range(tl.cdiv(n_keys, BLOCK_N)):
+        w = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = w < n_keys
+        slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
+        tile_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+        if DOT == 0:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif DOT == 1:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)))
+        else:
+            sc = tl.dot(q, tl.trans(k))  # fp32 accumulation
+        seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+        sc = tl.where(seen, sc * scale, float("-inf"))  # [M, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(sc - m_use[:, None])
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+        if DOT == 0:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif DOT == 1:
+            pv = tl.dot(p, v.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, heads, head_dim], got {tuple(q.shape)}")
+    n, heads, _ = q.shape
+    segments = table_rows.shape[0]
+    if query_start_loc.shape != (segments + 1,) or context_lens.shape != (segments,):
+        raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} must describe the {segments} segments of table_rows")
+    if positions.shape != (n,):
+        raise ValueError(f"positions must be [num_tokens] = [{n}], got {tuple(positions.shape)}")
+    if heads % k_pool.shape[1]:
+        raise ValueError(f"{heads} query heads do not share {k_pool.shape[1]} KV heads evenly")
+    if q.dtype != k_pool.dtype or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"q, K and V must share a dtype, got {q.dtype}, {k_pool.dtype} and {v_pool.dtype}")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor,
+    max_query_len: int,
+    *,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Causal attention of every segment's queries over its row of the paged pool, in Triton.
+
+    q               [num_tokens, heads, head_dim]   the step's queries, segments end to end
+    k_pool/v_pool   [slots, kv_heads, head_dim]     one layer's pool, this step's K/V already written
+    block_table     [table rows, max_blocks] int32  the cache's persistent table
+    table_rows      [segments] int64                each segment's table row
+    query_start_loc [segments + 1] int64            segment s is tokens query_start_loc[s] .. [s + 1] - 1
+    context_lens    [segments] int64                tokens each row holds, this step's included
+    positions       [num_tokens] int64              a query at position p reads keys 0..p of its row
+    max_query_len   host int, the longest segment: the grid's query-tile axis
+    returns         [num_tokens, heads, head_dim]   in q's dtype
+    `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
+    the keys per tile; both powers of two.
+    """
+    _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a [table rows, max_blocks] tensor, contiguous along a row")
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
+        raise ValueError("table_rows, query_start_loc, context_lens and positions must be contiguous")
+    assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q.stride(2) == 1
+    n, heads, d = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    G = _pow2(group)
+    block_q = max(1, block_m // G)
+    out = torch.zeros_like(q)  # zeros: a token of no segment (none in a plan) reads zeros, not garbage
+    segments = table_rows.shape[0]
+    if n == 0 or segments == 0:
+        return out
+    grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads)
+    _varlen_group[grid](
+        q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, out,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d,
+        GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=_pow2(d, 16), PAGE=block_size,
+        DOT=_dot_mode(k_pool.dtype))
+    return out
+
+
+def varlen_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    block_size: int,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    host: tuple[list[int], list[int]] | None = None,
+) -> torch.Tensor:
+    """`varlen_attention`'s inputs and result, in torch: segment by segment, the row's slots
+    0..context_lens[s] - 1 from the block table, and `reference_read` of the segment's queries over
+    them. The CPU's read, and the kernel's oracle. `host` (query_start_loc, context_lens) as host
+    ints spares reading them back from the device (a plan has them)."""
+    _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
+    starts, lens = host if host is not None else (query_start_loc.tolist(), context_lens.tolist())
+    out = torch.zeros_like(q)
+    for s, ctx in enumerate(lens):
+        a, b = starts[s], starts[s + 1]
+        if a == b:
+            continue
+        p = torch.arange(ctx, device=q.device)
+        blocks = block_table[table_rows[s], p // block_size].long()
+        slots = (blocks * block_size + p % block_size)[None]  # [1, ctx]
+        out[a:b] = reference_read(q[None, a:b], k_pool, v_pool, slots, context_lens[s:s + 1], positions[None, a:b],
+                                  validated=True)[0]
+    return out

@@ -1,0 +1,128 @@
+"""The varlen read (chunked prefill): the Triton kernel against its torch reference, and the
+reference against naive attention.
+
+Each case lays ragged segments end to end, as a varlen step does: a segment holds `history` keys
+from earlier steps and `q_len` new ones (a whole prompt, a chunk, or a decode row's single token),
+and its row's blocks are scattered over the pool. Every slot that no segment may read (other rows'
+blocks, the tail of a row's last block, the sink) holds NaN, so a read of one poisons the result.
+On a CPU the kernel runs in Triton's interpreter: small shapes, 16-wide tiles so that a chunk spans
+several query tiles and a context several key tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanolab.engine.block_manager import cdiv
+from nanolab.kernels.varlen_attention import varlen_attention, varlen_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 4  # the cache's block_size
+TILES = dict(block_m=16, block_n=16)
+# query heads : KV heads, head_dim
+SHAPES = {"gqa 4:2 d24": (4, 2, 24), "mha 2:2 d16": (2, 2, 16), "gqa 6:2 d16": (6, 2, 16), "mqa 8:1 d16": (8, 1, 16)}
+
+
+def varlen_case(segments, heads, kv_heads, head_dim, *, dtype=torch.float32, seed=0):
+    """Inputs for `segments` [(history, q_len), ...]: (kwargs for both reads, max_query_len)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [h + n for h, n in segments]
+    num_blocks = sum(cdiv(n, PAGE) for n in lens) + 3  # three blocks nobody owns
+    k_pool = torch.full((num_blocks * PAGE + 1, kv_heads, head_dim), float("nan"))
+    v_pool = torch.full_like(k_pool, float("nan"))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(segments) + 1, max(cdiv(n, PAGE) for n in lens) + 1), -1, dtype=torch.int32)
+    for s, ctx in enumerate(lens):
+        blocks = [order.pop() for _ in range(cdiv(ctx, PAGE))]
+        table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots = [blocks[p // PAGE] * PAGE + p % PAGE for p in range(ctx)]
+        k_pool[slots] = torch.randn(ctx, kv_heads, head_dim, generator=g)
+        v_pool[slots] = torch.randn(ctx, kv_heads, head_dim, generator=g)
+    starts = [0]
+    for _, n in segments:
+        starts.append(starts[-1] + n)
+    positions = [p for h, n in segments for p in range(h, h + n)]
+    q = torch.randn(starts[-1], heads, head_dim, generator=g)
+    tensors = dict(q=q.to(dtype), k_pool=k_pool.to(dtype), v_pool=v_pool.to(dtype), block_table=table,
+                   table_rows=torch.arange(len(segments)), block_size=PAGE, query_start_loc=torch.tensor(starts),
+                   context_lens=torch.tensor(lens), positions=torch.tensor(positions))
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}, max(
+        n for _, n in segments)
+
+
+def naive(case) -> torch.Tensor:
+    """float64, one query at a time: softmax over keys 0..position of its row."""
+    q, k_pool, v_pool = case["q"].double().cpu(), case["k_pool"].double().cpu(), case["v_pool"].double().cpu()
+    table, starts = case["block_table"].cpu(), case["query_start_loc"].tolist()
+    heads, kv_heads, d = q.shape[1], k_pool.shape[1], q.shape[2]
+    out = torch.zeros_like(q)
+    for s in range(len(starts) - 1):
+        for t in range(starts[s], starts[s + 1]):
+            p = torch.arange(int(case["positions"][t]) + 1)
+            slots = table[s, p // PAGE].long() * PAGE + p % PAGE
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                w = torch.softmax(k_pool[slots, kv] @ q[t, h] / math.sqrt(d), dim=0)
+                out[t, h] = w @ v_pool[slots, kv]
+    return out
+
+
+MIXED = [(0, 9), (13, 1), (5, 7), (0, 1), (30, 1), (2, 18)]  # prompts, chunks on history, decode rows
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_equals_reference_equals_naive_fp32(shape):
+    heads, kv_heads, d = SHAPES[shape]
+    case, max_q = varlen_case(MIXED, heads, kv_heads, d)
+    ref = varlen_reference(**case)
+    assert not ref.isnan().any(), "the reference read a poisoned slot"
+    torch.testing.assert_close(ref.double().cpu(), naive(case), rtol=1e-5, atol=1e-5)
+    got = varlen_attention(**case, max_query_len=max_q, **TILES)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_kernel_in_16_bits(dtype, atol):
+    """16-bit pools against the fp32 reference of the same (rounded) values: the kernel accumulates
+    in fp32 and rounds once, at the store (the interpreter's fp32-to-bf16 cast truncates)."""
+    case, max_q = varlen_case(MIXED, 4, 2, 24, dtype=dtype, seed=1)
+    oracle = varlen_reference(**{k: v.float() if k in ("q", "k_pool", "v_pool") else v for k, v in case.items()})
+    got = varlen_attention(**case, max_query_len=max_q, **TILES)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), oracle, rtol=2e-2, atol=atol)
+
+
+def test_default_tiles_and_one_token_segments_only():
+    """Decode rows alone (every segment one token), at the default 64-wide tiles."""
+    case, max_q = varlen_case([(7, 1), (0, 1), (21, 1)], 4, 2, 24, seed=2)
+    torch.testing.assert_close(varlen_attention(**case, max_query_len=max_q), varlen_reference(**case),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_are_checked():
+    case, max_q = varlen_case([(0, 3)], 4, 2, 16)
+    with pytest.raises(ValueError, match="segments"):
+        varlen_attention(**{**case, "query_start_loc": case["query_start_loc"][:1]}, max_query_len=max_q)
+    with pytest.raises(ValueError, match="positions"):
+        varlen_attention(**{**case, "positions": case["positions"][:2]}, max_query_len=max_q)
+    with pytest.raises(ValueError, match="power of two"):
+        varlen_attention(**case, max_query_len=max_q, block_m=24)
+
+
+SEGMENT = st.tuples(st.integers(0, 24), st.integers(1, 20))  # (history, q_len)
+
+
+@settings(max_examples=25, deadline=None)
+@given(segments=st.lists(SEGMENT, min_size=1, max_size=5), shape=st.sampled_from(sorted(SHAPES)),
+       seed=st.integers(0, 1000))
+def test_kernel_equals_reference_on_random_segments(segments, shape, seed):
+    heads, kv_heads, d = SHAPES[shape]
+    case, max_q = varlen_case(segments, heads, kv_heads, d, seed=seed)
+    ref = varlen_reference(**case)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(varlen_attention(**case, max_query_len=max_q, **TILES), ref, rtol=1e-5, atol=1e-5)
