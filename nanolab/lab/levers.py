@@ -111,7 +111,8 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     start = time.perf_counter()
     forward = compile_decode(model) if lever.compile else None
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
-                    async_scheduling=lever.async_scheduling, **engine_kwargs)
+                    async_scheduling=lever.async_scheduling, enable_chunked_prefill=False,  # see `timing.prefill`
+                    **engine_kwargs)
     torch.cuda.synchronize()
     return engine, time.perf_counter() - start
 
