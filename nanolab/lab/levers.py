@@ -36,6 +36,7 @@ from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
+from nanolab.model.config import ModelConfig
 from nanolab.model.layers import Linear
 
 
@@ -183,6 +184,30 @@ def decode_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack([logits[s.request_id] for s in seqs])
 
 
+def fp32_agreement(model_path, steps: int = 32, rows: int = 8, block_size: int = 16) -> pd.DataFrame:
+    """How far bf16 decode is from fp32 decode, eagerly and compiled: the first decode step's
+    logits of each against the fp32 eager engine's (relative error), and how many rows' `steps`
+    greedy tokens equal fp32's. Random weights give near-flat logits, so greedy tokens part early
+    even between two correct bf16 paths; the logits' error is the measure that tells them apart."""
+    device = torch.device("cuda")
+    prompts = random_prompts(rows, 64, ModelConfig.from_dir(model_path).vocab_size, seed=1).tolist()
+    kw = dict(num_blocks=rows * (cdiv(64 + steps, block_size) + 1) + 8, block_size=block_size, max_num_seqs=rows,
+              progress=False, enable_chunked_prefill=False)
+    results, reference = [], None
+    for dtype, compiled in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        model = load_model(model_path, dtype=dtype, device=device)
+        engine = Engine(model, forward=compile_decode(model) if compiled else None, cuda_graphs=True, **kw)
+        tokens, logits = engine_greedy(engine, prompts, steps), decode_logits(engine, prompts)
+        reference = reference or (tokens, logits)
+        results.append({"arm": f"{str(dtype).removeprefix('torch.')} {'inductor' if compiled else 'eager'} graphs",
+                        "rows": rows, "steps": steps, "rows equal to fp32": rows_equal(tokens, reference[0]),
+                        "logits rel err to fp32": float((logits - reference[1]).norm() / reference[1].norm())})
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return pd.DataFrame(results)
+
+
 def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
     """ms per step by kernel class, and the host's share: the measured step less the GPU's time."""
     by_class = profile.assign(cls=profile.kernel.map(kernel_class)).groupby("cls").us_per_step.sum() / 1000
@@ -299,14 +324,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("levers", "projections"), default=None)
+    parser.add_argument("--only", choices=("levers", "projections", "agreement"), default=None)
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
 
 
 def main(args: argparse.Namespace) -> int:
     from nanolab.lab.report import run_label, save_table
     from nanolab.llm import resolve_dtype
-    from nanolab.model.config import ModelConfig
     from nanolab.model.weights import resolve_weights, weights_kind
 
     if not torch.cuda.is_available():
@@ -321,6 +345,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: {save_table(table, name, label)}", flush=True)
         tables.update(new)
 
+    if args.only == "agreement":
+        keep({"day61_fp32_agreement": fp32_agreement(path)})
+        print(tables["day61_fp32_agreement"].to_string(index=False))
+        return 0
     if args.only != "levers":
         keep({"day61_projections": projection_table(ModelConfig.from_dir(path), dtype)})
     if args.only != "projections":
