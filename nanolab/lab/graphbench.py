@@ -835,6 +835,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=8, help="requests sent at once before the first rate")
     parser.add_argument("--offline-steps", type=int, default=32, help="decode steps timed in-process per batch")
     parser.add_argument("--offline-repeats", type=int, default=3)
+    parser.add_argument("--no-offline", action="store_true",
+                        help="skip the in-process step timing (and so the server-overhead ratio)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--prefix", default="day58", help="tables go to data/<prefix>_graphbench_<device>.csv, ...")
 
@@ -865,7 +867,7 @@ def main(args: argparse.Namespace) -> int:
                                workload, slo, seed=args.seed, dtype=args.dtype, read=args.read,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, warmup=args.warmup,
                                offline_steps=args.offline_steps, offline_repeats=args.offline_repeats,
-                               start_timeout_s=args.start_timeout)
+                               start_timeout_s=args.start_timeout, offline=not args.no_offline)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
