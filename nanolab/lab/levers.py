@@ -31,13 +31,12 @@ from nanolab.engine import llm_engine as engine_module
 from nanolab.engine import runner as runner_module
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import compile_decode
-from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
+from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
 from nanolab.model.config import ModelConfig
-from nanolab.model.layers import Linear
 
 
 @dataclass(frozen=True)
@@ -46,19 +45,17 @@ class Lever:
     pinned: bool = True  # step inputs staged in pinned memory (`kv_cache.stage`); False re-runs the pageable copies
     compile: bool = False  # inductor over the graphed step (`runner.compile_decode`)
     async_scheduling: bool = False  # launch step t + 1 before reading back step t (`Engine`)
-    gemv: bool = False  # the Triton GEMV for projections of up to MAX_ROWS rows
 
 
-# Cumulative: each arm keeps every lever before it. The last, the Triton GEMV, is measured on
-# request only (`--arms`): alone against cuBLAS it does not pay (`projection_table`).
+# Cumulative: each arm keeps every lever before it. The Triton GEMV is measured alone against
+# cuBLAS (`projection_table`) and, as it does not beat it, never enters the engine.
 ARMS = (
     Lever("graphs (before)", pinned=False),
     Lever("+ pinned step inputs"),
     Lever("+ inductor", compile=True),
     Lever("+ async scheduling", compile=True, async_scheduling=True),
-    Lever("+ triton gemv", compile=True, async_scheduling=True, gemv=True),
 )
-DEFAULT_ARMS = ARMS[:4]
+DEFAULT_ARMS = ARMS
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,16 +96,8 @@ def kernel_class(name: str) -> str:
     return "other elementwise"
 
 
-def set_gemv(model: torch.nn.Module, on: bool) -> None:
-    """Route every projection of up to MAX_ROWS rows through `kernels.gemv` (on) or cuBLAS (off)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.gemv = on
-
-
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
-    set_gemv(model, lever.gemv)
     start = time.perf_counter()
     forward = compile_decode(model) if lever.compile else None
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
@@ -258,7 +247,6 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    set_gemv(model, False)
     return {"day61_levers": pd.DataFrame(records), "day61_parts": pd.concat(parts, ignore_index=True),
             "day61_lever_agreement": pd.DataFrame(agreement),
             "day61_lever_profile": pd.concat(profiles, ignore_index=True)}

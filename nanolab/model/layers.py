@@ -10,8 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanolab.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from nanolab.kernels.gemv import gemv_op
 from nanolab.model.config import ModelConfig
 
 
@@ -28,7 +26,6 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed: torch.Tensor | None = None
-        self.gemv = False  # route a few rows through the Triton GEMV (`kernels.gemv`) instead of cuBLAS
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
@@ -36,8 +33,6 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        if self.gemv and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # a decode step's few rows
-            return gemv_op(x, self.weight)
         return F.linear(x, self.weight)
 
 

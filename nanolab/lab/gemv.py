@@ -1,4 +1,7 @@
-"""`gemv`: a decode step's projections, `x @ weight.T` for a few rows, in Triton.
+"""`gemv`: a decode step's projections, `x @ weight.T` for a few rows, in Triton. Day 61's lever
+that did not pay: alone, with the L2 flushed, its best tiles only match cuBLAS at 1 and 16 rows on
+the H200 (`levers.projection_table`, `data/day61_projections_h200.csv`), so the engine keeps
+cuBLAS and this kernel stays in the lab, where the chapter measures it.
 
 A decode step multiplies a handful of activation rows by every weight matrix once, so each
 projection is bound by reading its weight: [N, K] bf16 from memory, [M, K] activations beside
@@ -105,13 +108,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         _sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, part.stride(0), SPLIT_K=cfg.split_k, BLOCK=block)
     return out.reshape(*lead, n)
 
-
-@torch.library.custom_op("nanolab::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`gemv` with `choose_config`'s tiles, as one opaque operator for a compiled forward."""
-    return gemv(x, weight)
-
-
-@gemv_op.register_fake
-def _(x, weight):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))

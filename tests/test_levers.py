@@ -1,0 +1,82 @@
+"""Day 61's instruments on the CPU: the Triton GEMV (in Triton's interpreter) against float64, the
+sweep's tiles within shared memory, kernel classes, the waterfall's host share, and the staging
+switch that re-runs the pageable copies for the arm before the pinned lever."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from nanolab.engine import kv_cache, llm_engine, runner
+from nanolab.lab.gemv import MAX_ROWS, GemvConfig, choose_config, gemv
+from nanolab.lab.levers import breakdown, kernel_class, projection_shapes, staging, sweep_configs
+from nanolab.model.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: CPU tensors only")
+
+
+@pytest.mark.parametrize("m, n, k, config", [
+    (1, 40, 512, GemvConfig(16, 128, 1)),  # a column edge inside the last tile
+    (3, 70, 1024, GemvConfig(32, 128, 2)),  # split-K: fp32 partials summed once
+    (16, 64, 256, GemvConfig(64, 256, 1)),  # the most rows a launch takes
+    (5, 33, 2048, GemvConfig(16, 256, 8)),
+])
+def test_gemv_is_a_linear(m, n, k, config):
+    torch.manual_seed(m * n)
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    out = gemv(x, w, config)
+    ref = x.double() @ w.double().T
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
+
+
+def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_run():
+    x, w = torch.randn(2, 1, 256), torch.randn(48, 256)
+    assert gemv(x, w).shape == (2, 1, 48)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.randn(MAX_ROWS + 1, 256), w)
+    with pytest.raises(ValueError, match="features"):
+        gemv(torch.randn(1, 128), w)
+    with pytest.raises(ValueError, match="multiple"):
+        gemv(torch.randn(1, 256), torch.randn(8, 256), GemvConfig(16, 512, 1))
+
+
+def test_sweep_tiles_fit_shared_memory_and_split_k_evenly():
+    config = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072)
+    for n, k in projection_shapes(config).values():
+        configs = sweep_configs(n, k)
+        assert configs and choose_config(n, k).block_k * choose_config(n, k).split_k <= k
+        for c in configs:
+            assert k % (c.split_k * c.block_k) == 0
+            assert (c.block_n + 16) * c.block_k * 2 * c.num_stages <= 200_000  # the OutOfResources an H200 raised
+
+
+def test_kernel_classes():
+    assert kernel_class("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "projections"
+    assert kernel_class("_paged_decode_group") == "attention read"
+    assert kernel_class("triton_red_fused__to_copy_add_mean_mul_rsqrt_0") == "fused by inductor"
+    assert kernel_class("void at::native::vectorized_layer_norm_kernel<c10::BFloat16") == "norms"
+    assert kernel_class("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps") == "sampling"
+    assert kernel_class("Memcpy HtoD (Pageable -> Device)") == "copies and indexing"
+    assert kernel_class("void at::native::silu_kernel") == "other elementwise"
+
+
+def test_the_host_share_is_what_the_kernels_leave():
+    profile = pd.DataFrame({"kernel": ["nvjet_x", "_paged_decode_group", "triton_poi_fused_0"],
+                            "us_per_step": [800.0, 90.0, 80.0]})
+    parts = breakdown(profile, ms_per_step=1.2).set_index("part").ms
+    assert parts["projections"] == pytest.approx(0.8) and parts["attention read"] == pytest.approx(0.09)
+    assert parts["host (GPU idle)"] == pytest.approx(1.2 - 0.97)
+
+
+def test_staging_switch_restores_the_engine():
+    modules = (kv_cache, runner, llm_engine)
+    pinned = [m.stage for m in modules]
+    with pytest.raises(RuntimeError), staging(pinned=False):
+        assert all(m.stage is not p for m, p in zip(modules, pinned))
+        t = torch.ones(3)
+        assert all(m.stage(t, torch.device("cuda")) is t for m in modules)  # no pinning: the host tensor as is
+        raise RuntimeError("an arm failed")
+    assert [m.stage for m in modules] == pinned
