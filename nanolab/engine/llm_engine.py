@@ -7,7 +7,9 @@ Only a request whose last token was fed is sampled. Requests join (`add_requests
 nothing) and leave (`abort_request`, finishing, or failing) between steps; every way a request
 ends returns its row and blocks. A failure is contained to the requests it touches: a row whose
 sampling raises ends alone with an error, a forward that raises ends the requests of that step,
-and the engine goes on with the rest.
+and the engine goes on with the rest. With asynchronous scheduling (Day 61) consecutive decode
+steps overlap: step t + 1 is planned and launched, fed by step t's tokens on the device, before
+step t's tokens are read back.
 """
 
 from __future__ import annotations
