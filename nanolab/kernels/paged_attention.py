@@ -61,6 +61,37 @@ def _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
+                 stride_ks, stride_kh, stride_vs, stride_vh, DOT: tl.constexpr):
+    """Fold one tile of keys into an online softmax: q [M, D] (M query rows sharing KV head kv),
+    the tile's pool slots [N] and which are live (`valid`, [N]), which (row, key) pairs may be read
+    (`seen`, [M, N]), and the running max m [M], denominator l [M] and accumulator acc [M, D], all
+    fp32. Returns the new (m, l, acc). DOT is `_dot_mode`'s: 0 and 1 multiply fp32 tiles (at IEEE
+    or default precision), 2 the pool's own 16-bit tiles with fp32 accumulation."""
+    tile_mask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+    if DOT == 0:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif DOT == 1:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))  # fp32 accumulation
+    s = tl.where(seen, s * scale, float("-inf"))  # [M, N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+    if DOT == 0:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        pv = tl.dot(p, v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v)  # p rounded to 16 bits, as flash attention does
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_head(
     q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, tiles_ptr,
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
@@ -140,29 +171,8 @@ def _paged_decode_group(
         w = b * BLOCK + tl.arange(0, BLOCK)
         valid = w < ctx
         slot, valid = _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE)
-        tile_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
-        if DOT == 0:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        elif DOT == 1:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)))
-        else:
-            s = tl.dot(q, tl.trans(k))  # fp32 accumulation
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [G, BLOCK]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(s - m_use[:, None])
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
-        if DOT == 0:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif DOT == 1:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)  # p rounded to 16 bits, as flash attention does
-        acc = acc * alpha[:, None] + pv
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, valid[None, :], m, l, acc, scale,
+                                 stride_ks, stride_kh, stride_vs, stride_vh, DOT)
         walked += 1
     if SPLITS == 1:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]

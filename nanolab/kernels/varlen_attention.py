@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanolab.kernels.paged_attention import _dot_mode, _pow2, _slots
+from nanolab.kernels.paged_attention import _attend_tile, _dot_mode, _pow2, _slots
 from nanolab.kernels.reference import reference_read
 
 BLOCK_M = 64  # query-tile rows: BLOCK_Q tokens x G heads
@@ -70,30 +70,9 @@ def _varlen_group(
         w = b * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = w < n_keys
         slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
-        tile_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
-        if DOT == 0:
-            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        elif DOT == 1:
-            sc = tl.dot(q, tl.trans(k.to(tl.float32)))
-        else:
-            sc = tl.dot(q, tl.trans(k))  # fp32 accumulation
         seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
-        sc = tl.where(seen, sc * scale, float("-inf"))  # [M, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(sc - m_use[:, None])
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
-        if DOT == 0:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif DOT == 1:
-            pv = tl.dot(p, v.to(tl.float32))
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
+                                 stride_ks, stride_kh, stride_vs, stride_vh, DOT)
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qmask)
