@@ -159,8 +159,14 @@ def nanolab_generate(llm: LLM, prompts: torch.Tensor) -> Callable[[int], object]
 
 
 def nanolab_label(llm: LLM) -> str:
-    graphs = "graphs" if llm.engine.runner.graphs is not None else "eager"
-    return f"nanolab ({graphs}, {llm.engine.kv_cache.read} read)"
+    """What ran: graphs or eager, inductor's step or the model's, overlapped steps or not, the read.
+    (The tables of 2026-11-30 were measured before the label named compile and async scheduling;
+    their nanolab rows ran with both, the defaults with graphs.)"""
+    engine = llm.engine
+    parts = ["graphs" if engine.runner.graphs is not None else "eager"]
+    parts += ["inductor"] if getattr(llm, "compiled", False) else []
+    parts += ["async scheduling"] if engine.async_scheduling else []
+    return f"nanolab ({', '.join(parts)}, {engine.kv_cache.read} read)"
 
 
 def hf_arms(hf, device: torch.device) -> list[Arm]:
