@@ -22,9 +22,10 @@ import sys
 LAZY_COMMANDS = {
     "serve": ("nanolab.entrypoints.openai.api_server", "serve",
               "serve the OpenAI-compatible HTTP API (completions and chat completions)"),
-    "bench": ("nanolab.lab.decodebench", "lab", "decode ms/step and tokens/s, nanolab against HF transformers"),
+    "bench": ("nanolab.lab.decodebench", "lab",
+              "decode ms/step and tokens/s, nanolab against HF transformers' eager path"),
     "capturebench": ("nanolab.lab.capturebench", "lab",
-                     "decode with CUDA graphs on and off against HF static (CUDA)"),
+                     "decode with CUDA graphs on and off against HF static, eager (CUDA)"),
     "streambench": ("nanolab.lab.streambench", "lab",
                     "the decode read alone: reference, streamed kernels, SDPA (CUDA)"),
     "graphbench": ("nanolab.lab.graphbench", "lab",

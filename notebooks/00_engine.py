@@ -24,8 +24,9 @@
 # - a vLLM-shaped front door, `LLM` and `SamplingParams`.
 #
 # The chapter generates text, draws the cache's bookkeeping for a ragged batch, checks the greedy
-# tokens against HF transformers on the same weights, and times decoding against transformers in
-# the same process. On a CPU it runs the embedded SmolLM2-135M-Instruct in fp32; on a GPU it runs
+# tokens against HF transformers on the same weights, and times decoding against transformers'
+# eager path in the same process, then against its default, compiled path as Day 61 measured it on
+# the H200. On a CPU it runs the embedded SmolLM2-135M-Instruct in fp32; on a GPU it runs
 # Llama-3.2-1B shapes in bf16 (random weights unless you point `NANOLAB_MODEL` at a real folder).
 
 # %%
@@ -41,6 +42,7 @@ from nanolab.lab import (
     decode_table,
     hf_greedy,
     load_hf,
+    load_table,
     nanolab_greedy,
     plot_block_tables,
     plot_decode_speed,
@@ -48,6 +50,7 @@ from nanolab.lab import (
     save_figure,
     save_table,
     show,
+    table_label,
 )
 
 DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
@@ -56,6 +59,8 @@ ON_GPU = DEVICE.type == "cuda"
 BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU else \
     dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)
 PARITY_TOKENS = 32 if ON_GPU else 24
+# What each HF arm of the decode bench runs: transformers' eager path, both (`lab.timing.time_hf`).
+HF_ARMS = {"hf-static": "HF static, eager (disable_compile=True)", "hf-dynamic": "HF dynamic, eager (default cache)"}
 
 # This chapter is the engine before the compiler, before CUDA graphs (Days 54-56) and before the
 # streamed read (Day 59, the CUDA default since): eager steps over the reference read.
@@ -164,38 +169,71 @@ if ON_GPU:
     torch.cuda.empty_cache()
 
 # %% [markdown]
-# ## Decode speed against HF transformers, same machine, same run
+# ## Decode speed against HF transformers' eager path, same machine, same run
 #
-# Both arms decode greedily from the same random prompts. nanolab is timed step by step through
+# Every arm decodes greedily from the same random prompts. nanolab is timed step by step through
 # `Engine.step`; transformers' `generate` is timed as the difference between generating
-# `1 + steps` tokens and generating 1, which leaves its prefill out. `hf-static` is transformers
-# with its static cache (the fast eager configuration); `hf-dynamic` is its default. Nothing is
-# compiled on either side.
+# `1 + steps` tokens and generating 1, which leaves its prefill out. Both HF arms are
+# transformers' eager path, as this engine is eager: "HF static, eager" is `generate` with a static
+# cache and `disable_compile=True`, and "HF dynamic, eager" is `generate` with its default dynamic
+# cache, which transformers does not compile. Nothing is compiled on either side. That is not
+# what a user of transformers gets on a GPU: there its static cache compiles the decode forward by
+# default (on a CPU it does not). The last section sets nanolab against that default path.
 
 # %%
 df = decode_table(llm, BENCH["batches"], BENCH["prompt_len"], BENCH["steps"], repeats=BENCH["repeats"],
                   progress=False)
 path = save_table(df, "engine_decode", label)
-show(df[["engine", "batch", "prompt_len", "steps", "ms_per_step", "tokens_per_s", "nanolab_speedup"]].round(2))
-for arm in ("hf-static", "hf-dynamic"):
+show(df[["engine", "batch", "prompt_len", "steps", "ms_per_step", "tokens_per_s", "nanolab_speedup"]]
+     .replace({"engine": HF_ARMS}).round(2))
+for arm, name in HF_ARMS.items():
     ratios = df[df.engine == arm].set_index("batch").nanolab_speedup
-    print(f"nanolab tokens/s over {arm}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
+    print(f"nanolab tokens/s over {name}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
 
 # %% [markdown]
 # The committed GPU run sits beside whatever this run measured: each panel is one device's table
 # from `data/engine_decode_<device>.csv`, titled with the device, model, dtype and date that made
-# it.
+# it. Both HF lines are transformers' eager path, on the GPU as on the CPU.
 
 # %%
 tables = committed_tables("engine_decode")
 fig = plot_decode_speed(tables)
+for ax in fig.axes:  # the lab's legend names an arm by its table key; say what ran
+    for text in ax.get_legend().get_texts():
+        text.set_text(HF_ARMS.get(text.get_text(), text.get_text()))
 save_figure(fig, "engine_decode", label)
 show(fig)
 for slug, table in tables.items():
     first = table.iloc[0]
     print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, {first.date}")
 both = pd.concat([t.assign(device=slug) for slug, t in tables.items()])
-show(both.pivot_table(index=["device", "batch"], columns="engine", values="tokens_per_s").round(1))
+show(both.replace({"engine": HF_ARMS}).pivot_table(index=["device", "batch"], columns="engine",
+                                                   values="tokens_per_s").round(1))
+
+# %% [markdown]
+# ## Against HF's default path, on the H200 (Day 61)
+#
+# The baseline a user of transformers gets on a GPU is its default static-cache path, which
+# compiles the decode forward. Day 61's floor bench (`python -m nanolab floorbench`) timed it on
+# the H200 beside the eager path, gpt-fast and nanolab, every arm from outside as whole `generate`
+# calls: 257 new tokens minus 1 (gpt-fast: 258 minus 2), over 256. Its nanolab row is the engine
+# of that day, with CUDA graphs over the streamed read, not this chapter's eager engine. The
+# ratios against HF are those against its default path; the eager path stands beside them.
+# `x_floor` is the step over the bytes it must read at the copy bandwidth that its own process
+# measured; the lines above the table say which arms shared a process.
+
+# %%
+floor = load_table("day61_floor", "h200")
+print(f"measured on: {table_label(floor).caption()}")
+day61 = floor[floor.batch.isin([1, 8]) & (floor.context == floor.context.min())]
+for run, arms in day61.groupby("run").label.unique().items():
+    print(f"process of {run}: {', '.join(arms)}")
+assert (day61[day61.arm == "hf-default"].graphs_compiled > 0).all(), "HF's default arm did not compile"
+show(day61.pivot_table(index="label", columns="batch", values=["ms_per_step", "x_floor"])
+     .sort_values(("ms_per_step", 1)).round(3))
+speedups = day61[day61.arm != "nanolab"].pivot_table(index="label", columns="batch", values="nanolab_speedup")
+for peer, ratios in speedups.sort_values(1).iterrows():
+    print(f"nanolab over {peer}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
 
 # %% [markdown]
 # ## What this sets up

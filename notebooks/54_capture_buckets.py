@@ -216,11 +216,16 @@ if DTYPE == torch.float32:  # in bf16 a padded matmul can round differently, and
 # - nanolab eager (graphs off);
 # - nanolab graphs;
 # - nanolab graphs over the forward compiled by inductor (Day 50's planned dynamic compile);
-# - HF transformers' `generate` with a static cache and no compile (sdpa attention).
+# - HF static, eager: transformers' `generate` with a static cache and `disable_compile=True`
+#   (sdpa attention).
 #
-# It covers batches of 1 to 64 at contexts of 128 and 2,048, where the context is the history
-# at the last timed step. It also captures the list twice, with a pool per graph and with one
-# shared pool, and profiles a batch-1 step.
+# The HF arm is transformers' eager path, not its default. On CUDA its static cache compiles the
+# decode forward unless told not to, and that compiled path is the baseline a user gets. Day 61's
+# floor bench timed both on the H200; the comparison follows the step table.
+#
+# The bench covers batches of 1 to 64 at contexts of 128 and 2,048, where the context is the
+# history at the last timed step. It also captures the list twice, with a pool per graph and with
+# one shared pool, and profiles a batch-1 step.
 
 # %%
 if ON_GPU:
@@ -236,6 +241,8 @@ else:
     tables = {stem: load_table(stem, "h200") for stem in table_stems("day54")}
     assert all(t is not None for t in tables.values()), "the committed H200 tables are missing from data/"
 steps, capture, agreement, profile = tables.values()
+# The bench's HF arm (key "hf-static") is transformers' eager path: name it so in every table and legend.
+steps = steps.replace({"arm": {"hf-static": "HF static, eager (disable_compile=True)"}})
 measured = table_label(steps)
 print(f"the tables below were measured on: {measured.caption()}")
 if not ON_GPU:
@@ -278,18 +285,40 @@ assert (agreement["rows equal, graphs vs same shapes eager"] == agreement["rows"
 # %%
 cols = ["arm", "batch", "context", "ms_per_step", "tokens_per_s", "floor_ms", "x_floor", "speedup_vs_hf_static"]
 show(steps[cols].pivot_table(index=["context", "batch"], columns="arm", values="ms_per_step").round(3))
-# gpt-fast's batch-1 step on an H200 at these shapes (torch.compile with CUDA graphs; whole generate
-# calls, 257 new tokens minus 1, over 256), from a side-by-side run of 2026-11-29 made outside this
-# repo's benches: quoted, not measured here.
-GPT_FAST_BATCH1_MS = 1.272
-print("\n".join(targets(steps, GPT_FAST_BATCH1_MS)))
+# Day 61's floor bench: gpt-fast and HF's default (compiled) static path beside HF's eager path and
+# nanolab, every arm timed from outside as whole generate calls (257 new tokens minus 1, over 256).
+floor = load_table("day61_floor", "h200")
+gpt_fast_b1 = floor[(floor.arm == "gpt-fast") & (floor.batch == 1)].iloc[0]
+print(f"gpt-fast, batch 1: {gpt_fast_b1.ms_per_step:.3f} ms a step, Day 61's floor bench ({gpt_fast_b1.date}), "
+      "not this bench's run")
+print("\n".join(targets(steps, gpt_fast_b1.ms_per_step)))
 
 # %% [markdown]
-# HF's rows and the eager nanolab rows are launch-bound: their step time is mostly the host
+# HF's eager rows and the eager nanolab rows are launch-bound: their step time is mostly the host
 # issuing kernels, so it moves with the speed of the machine's host from run to run. The graphed
-# rows issue one launch a step and move far less. Every ratio above compares arms measured in the
-# same process, minutes apart.
+# rows issue one launch a step and move far less. Every ratio above against HF compares arms
+# measured in the same process, minutes apart; the gpt-fast ratio sets this run against Day 61's.
 #
+# ### Against HF's default path
+#
+# The 3x target above is read against HF's eager path, the only HF arm this bench runs. A user of
+# transformers on a GPU gets its default path, which compiles the decode forward. Day 61's floor
+# bench timed that path, the eager one and the engine of that day (graphs over the streamed read)
+# at batches 1 and 8, in one session on the H200. The lines below give nanolab's speedup over each
+# from that committed table, and read the chapter's 3x target against each. They are printed
+# ratios, not a gate.
+
+# %%
+print(f"Day 61's floor bench: {table_label(floor).caption()}")
+print(f"its nanolab arm, the engine of that day: {floor[floor.arm == 'nanolab'].label.iloc[0]}")
+ours = floor[floor.arm == "nanolab"].set_index(["batch", "context"]).ms_per_step
+for peer in ("hf-default", "hf-eager"):
+    for r in floor[floor.arm == peer].itertuples():
+        print(f"batch {r.batch}, context {r.context}: nanolab {ours[r.batch, r.context]:.3f} ms a step against "
+              f"{r.label} {r.ms_per_step:.3f} ms: {r.nanolab_speedup:.2f}x "
+              f"(target 3x {'met' if r.nanolab_speedup >= 3 else 'missed'})")
+
+# %% [markdown]
 # ### Where a step goes
 #
 # The bench profiled both corners of its grid: the smallest step (batch 1, shortest context) and
@@ -321,8 +350,10 @@ show(fig)
 #
 # The chapter's targets were a graphed batch-1 step of at most 0.9 ms, which is about 1.5x the
 # floor and 1.4x faster than gpt-fast's compiled decode on this card, and at least 3x HF's
-# static-cache `generate` at every batch. The lines printed under the step table give each margin.
-# The two breakdowns say where the misses come from.
+# static-cache `generate` at every batch. That HF target was set, and is read above, against
+# transformers' eager path (`disable_compile=True`). The lines printed under the step table give
+# each margin, and Day 61's lines the margin against HF's default, compiled path. The two
+# breakdowns say where the misses come from.
 #
 # - **Batch 1.** The matmuls alone take about as long as the whole target, in either graphed arm.
 #   cuBLAS reads the weights well below the copy bandwidth on these skinny shapes, and the small
@@ -332,9 +363,9 @@ show(fig)
 #   copies, the launch, and reading back the sampled tokens.
 # - **Long context, large batch.** At 64 rows x 2,048 tokens the top kernels are the reference
 #   read's gather of K and V into the `[rows, width]` rectangle, not the model's matmuls. That is
-#   the cost Day 59's streamed kernel removes, and it is why the ratio to HF shrinks with batch
-#   at 2,048 tokens. HF's sdpa attends over its contiguous static cache without building that
-#   rectangle.
+#   the cost Day 59's streamed kernel removes, and it is why the ratio to HF's eager arm shrinks
+#   with batch at 2,048 tokens. HF's sdpa attends over its contiguous static cache without
+#   building that rectangle.
 
 # %%
 small = breakdowns[corners[0]].set_index("arm").iloc[-1]  # the best arm: graphs over the compiled forward
