@@ -1,0 +1,188 @@
+"""Day 61's figures: the levers as a waterfall of one decode step, nanolab and its peers against the
+bandwidth floor, the projections alone against cuBLAS, and the server's ITL with chunked prefill on
+and off. Each takes the committed tables as they are saved (`lab.levers`, `lab.floorbench`,
+`lab.graphbench`) and returns a Figure. The figures are made without pyplot, so a notebook shows
+each once, where it calls `show`, and not again at the end of the cell."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from nanolab.lab.plots.common import log_batch_axes
+from nanolab.lab.plots.serving import SERVING_ARMS
+
+# The waterfall's parts, bottom to top, each always in the same colour: the GPU's kernel classes
+# (`levers.KERNEL_CLASSES`) under the host's share, which is grey.
+PARTS = {
+    "projections": "#4c72b0",
+    "attention read": "#55a868",
+    "norms": "#8172b2",
+    "fused by inductor": "#ccb974",
+    "copies and indexing": "#c44e52",
+    "other elementwise": "#dd8452",
+    "sampling": "#64b5cd",
+    "host (GPU idle)": "0.82",
+}
+FLOOR_ARMS = {"nanolab": ("C0", "o"), "gpt-fast": ("C2", "^"), "hf-default": ("C1", "s"), "hf-eager": ("C7", "D")}
+PROJECTION_ARMS = (("cublas", "cuBLAS (F.linear)", "0.45"), ("gemv", "Triton GEMV, default tiles", "C1"),
+                   ("best gemv", "Triton GEMV, best of the sweep", "C3"))
+
+
+def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
+                         replay_ms: Mapping[str, float] | None = None):
+    """One stacked bar per arm (columns arm, part, ms; arms in the order they appear): the step's
+    ms by kernel class with the host's share on top, each part in its `PARTS` colour. Dashed: the
+    floor; dotted: the target. `replay_ms` (by arm), when given, marks the graph's replay alone."""
+    unknown = set(parts.part) - set(PARTS)
+    assert not unknown, f"parts without a colour: {sorted(unknown)}"
+    arms = list(dict.fromkeys(parts.arm))
+    ms = parts.pivot_table(index="arm", columns="part", values="ms", aggfunc="sum").reindex(arms).fillna(0.0)
+    fig = Figure(figsize=(10, 5.6))
+    ax = fig.subplots()
+    x = np.arange(len(arms))
+    bottom = np.zeros(len(arms))
+    for part, colour in PARTS.items():
+        if part not in ms:
+            continue
+        heights = ms[part].to_numpy()
+        ax.bar(x, heights, 0.6, bottom=bottom, color=colour, edgecolor="white", linewidth=0.6, label=part,
+               hatch="//" if part.startswith("host") else None)
+        for i, (h, b) in enumerate(zip(heights, bottom, strict=True)):
+            if h >= 0.05:
+                ax.text(x[i], b + h / 2, f"{h:.2f}", ha="center", va="center", fontsize=7.5)
+        bottom += heights
+    for i, total in enumerate(bottom):
+        ax.text(x[i], total + 0.02, f"{total:.2f} ms", ha="center", va="bottom", fontsize=9, weight="bold")
+    if replay_ms is not None:
+        ticks = [(i, replay_ms[arm]) for i, arm in enumerate(arms) if arm in replay_ms]
+        ax.hlines([r for _, r in ticks], [i - 0.38 for i, _ in ticks], [i + 0.38 for i, _ in ticks], color="k",
+                  lw=1.6, label="the graph's replay alone (GPU time)")
+    ax.axhline(floor_ms, color="k", ls="--", lw=1, label=f"floor: the bytes a step must read ({floor_ms:.2f} ms)")
+    ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
+    ax.set_xticks(x, arms)
+    ax.set_ylim(0, bottom.max() * 1.12)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("one decode step, lever by lever (each arm keeps the levers to its left)", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):
+    """Two panels against batch, one line per arm of the floor bench (its `label`): ms per decode
+    step, and the same over the floor. The shortest context is drawn as lines with the floor
+    (dashed) and the targets (red x); each longer context as hollow markers at its batch."""
+    short = roofline.context.min()
+    fig = Figure(figsize=(13, 5))
+    ms_ax, x_ax = fig.subplots(1, 2)
+    for arm, part in floor.groupby("arm", sort=False):
+        colour, marker = FLOOR_ARMS.get(arm, ("C5", "v"))
+        name = part.label.iloc[0] if "label" in part else arm
+        line, rest = part[part.context == short].sort_values("batch"), part[part.context != short]
+        for ax, col in ((ms_ax, "ms_per_step"), (x_ax, "x_floor")):
+            ax.plot(line.batch, line[col], color=colour, marker=marker, label=name)
+            ax.scatter(rest.batch, rest[col], marker=marker, facecolors="white", edgecolors=colour, s=55, zorder=3)
+    base = roofline[roofline.context == short].sort_values("batch")
+    ms_ax.plot(base.batch, base.floor_ms, color="k", ls="--", lw=1, label=f"floor (context {short})")
+    ms_ax.scatter(base.batch, base.target_ms, marker="x", color="C3", s=60, zorder=4, label="target")
+    x_ax.axhline(1, color="k", ls="--", lw=1, label="the floor")
+    x_ax.scatter(base.batch, base.target_ms / base.floor_ms, marker="x", color="C3", s=60, zorder=4,
+                 label="target")
+    for _, r in roofline[roofline.context != short].iterrows():
+        ms_ax.scatter([r.batch], [r.floor_ms], marker="_", color="k", s=300, zorder=4)
+        ms_ax.scatter([r.batch], [r.target_ms], marker="x", color="C3", s=60, zorder=4)
+        x_ax.scatter([r.batch], [r.target_ms / r.floor_ms], marker="x", color="C3", s=60, zorder=4)
+        ms_ax.annotate(f"context {r.context:,}", (r.batch, r.floor_ms), textcoords="offset points", xytext=(8, -4),
+                       fontsize=7.5)
+    log_batch_axes(ms_ax, floor.batch, "ms per decode step")
+    log_batch_axes(x_ax, floor.batch, "ms per step / floor")
+    for ax in (ms_ax, x_ax):
+        ax.set_yticks([0.5, 1, 2, 5, 10, 20], ["0.5", "1", "2", "5", "10", "20"])
+        ax.grid(alpha=0.3, which="both")
+    ms_ax.set_title(f"decode step at context {short} (lines); hollow: a longer context at its batch", fontsize=9)
+    x_ax.set_title("how far above the floor (1 = every byte read once at the measured bandwidth)", fontsize=9)
+    handles, labels = ms_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def best_of_sweep(projections: pd.DataFrame) -> pd.DataFrame:
+    """Per projection and rows, in the table's order: cuBLAS's microseconds, the GEMV's with its
+    default tiles (`gemv`), and the fastest GEMV measured (`best gemv`, its tiles in `best tiles`:
+    the sweep's best where one ran, else the default), each also over cuBLAS's."""
+    keys = ["projection", "rows"]
+    gemv = projections[projections.arm.str.startswith("gemv")]
+    table = projections[projections.arm.isin(("cublas", "gemv"))].pivot_table(index=keys, columns="arm", values="us")
+    fastest = gemv.loc[gemv.groupby(keys).us.idxmin()].set_index(keys)
+    table["best gemv"], table["best tiles"] = fastest.us, fastest.arm
+    for arm in ("gemv", "best gemv"):
+        table[f"{arm} / cublas"] = table[arm] / table["cublas"]
+    order = pd.MultiIndex.from_frame(projections[keys].drop_duplicates())
+    return table.reindex(order).reset_index()
+
+
+def plot_projections(projections: pd.DataFrame, rows: Sequence[int] = (1, 16)):
+    """One panel per row count in `rows`: each projection's time alone relative to cuBLAS's (1 is
+    a tie, below 1 the GEMV wins), for the Triton GEMV with its default tiles and the fastest of
+    its sweep. The tick under each projection gives its [N, K] and cuBLAS's microseconds."""
+    table = best_of_sweep(projections)
+    fig = Figure(figsize=(6.2 * len(rows), 4.6))
+    axes = fig.subplots(1, len(rows), sharey=True, squeeze=False)
+    for ax, m in zip(axes[0], rows, strict=True):
+        part = table[table.rows == m]
+        shapes = projections.drop_duplicates("projection").set_index("projection")
+        x = np.arange(len(part))
+        width = 0.27
+        for j, (arm, name, colour) in enumerate(PROJECTION_ARMS):
+            rel = part[arm] / part["cublas"]
+            ax.bar(x + (j - 1) * width, rel, width, color=colour, label=name)
+            for xi, v in zip(x, rel, strict=True):
+                ax.text(xi + (j - 1) * width, v + 0.01, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.axhline(1, color="k", lw=1)
+        ax.set_xticks(x, [f"{p}\n{shapes.n[p]}x{shapes.k[p]}\n{us:.1f} us" for p, us in
+                          zip(part.projection, part.cublas, strict=True)], fontsize=8)
+        ax.set_title(f"{m} row{'s' if m > 1 else ''} against the weight, L2 flushed before every launch", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].set_ylabel("time / cuBLAS's time")
+    axes[0, 0].set_ylim(0, table[table.rows.isin(rows)]["gemv / cublas"].max() * 1.2)
+    axes[0, 0].legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_chunked_itl(rates: pd.DataFrame, aim: float = 3.0):
+    """Graphbench's ITL p50 (left) and p99 (right), one bar per arm at each offered rate. On the
+    p99 panel a black tick over each bar marks `aim` x that arm's p50 at that rate: the tail's aim."""
+    arms = list(dict.fromkeys(rates.arm))
+    values = sorted(rates.rate.unique())
+    fig = Figure(figsize=(11, 4.4))
+    axes = fig.subplots(1, 2)
+    width = 0.8 / len(arms)
+    x = np.arange(len(values))
+    by = rates.set_index(["arm", "rate"])
+    for ax, col, name in ((axes[0], "itl_p50_ms", "p50"), (axes[1], "itl_p99_ms", "p99")):
+        for j, arm in enumerate(arms):
+            colour = SERVING_ARMS.get(arm, ("C5", "v"))[0]
+            heights = [by.loc[(arm, r), col] for r in values]
+            offset = x + (j - (len(arms) - 1) / 2) * width
+            ax.bar(offset, heights, width * 0.95, color=colour, label=arm)
+            for xi, h in zip(offset, heights, strict=True):
+                ax.text(xi, h, f"{h:.2f}" if name == "p50" else f"{h:.1f}", ha="center", va="bottom", fontsize=8)
+            if name == "p99":
+                ticks = [aim * by.loc[(arm, r), "itl_p50_ms"] for r in values]
+                ax.hlines(ticks, offset - width * 0.45, offset + width * 0.45, color="k", lw=2,
+                          label=f"aim: {aim:g} x p50" if j == 0 else None)
+        ax.set_xticks(x, [f"{r:g} req/s" for r in values])
+        ax.set_ylabel(f"ITL {name} (ms)")
+        ax.set_title(f"inter-token latency, {name}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,534 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Day 61: the floor
+#
+# A decode step at batch 1 reads every weight once and does almost no arithmetic with it. The
+# bytes it must read, over the bandwidth the card actually delivers, give a time that no engine
+# beats without reading fewer bytes. That time is **the floor**. By Day 60 nanolab's step replayed
+# one CUDA graph over the streamed read, and it still took several times the floor. This chapter
+# asks where the rest of the time goes, and pulls one lever at a time to take it back. For each
+# lever it says what should change, changes it, measures it, and then looks back at the prediction:
+#
+# - **pinned step inputs**: every step copies its small host tables (positions, slots, the block
+#   table's new cells) to the GPU. From pageable memory such a copy makes the host wait. Staged in
+#   pinned memory it is queued on the stream and the host moves on (`kv_cache.stage`).
+# - **inductor over the graphed step**: `torch.compile` fuses the rotary embedding, the K/V writes,
+#   the residual adds and the activations into a few Triton kernels. The graph then captures the
+#   compiled step (`runner.compile_decode`), with the streamed read kept as one opaque op.
+# - **asynchronous scheduling**: the engine launches step t + 1 before it reads back step t's
+#   tokens. It gathers t + 1's input ids on the device, so the host's scheduling and planning for
+#   the next step run while the GPU works (`Engine(async_scheduling=True)`, vLLM's name for it).
+# - **a Triton GEMV for the projections**: measured alone against cuBLAS, and not kept.
+#
+# Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
+# compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
+# with chunked prefill on and off. The H200 numbers come from committed tables. On a CPU the
+# chapter reruns what a CPU can check: asynchronous scheduling and chunked prefill change when
+# the work runs, so neither may change a single token.
+
+# %%
+import pandas as pd
+import torch
+
+from nanolab import PRESETS, Engine, SamplingParams, load_model
+from nanolab.lab import (
+    Gate,
+    best_of_sweep,
+    chapter_run,
+    check_requests,
+    figure_path,
+    load_table,
+    plot_chunked_itl,
+    plot_floor_roofline,
+    plot_lever_waterfall,
+    plot_projections,
+    save_figure,
+    save_table,
+    show,
+    table_label,
+)
+from nanolab.lab.floorbench import TTFT_TARGET
+from nanolab.model.tokenizer import Tokenizer
+
+DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+ON_GPU = DEVICE.type == "cuda"
+print(label.caption())
+
+# %% [markdown]
+# ## The H200 tables
+#
+# Two benches made them, on one H200 at Llama-3.2-1B shapes in bf16 with synthesized random weights.
+# `python -m nanolab levers` builds one graphed engine per lever and times its decode step.
+# `python -m nanolab floorbench` times every engine from outside, as whole `generate` calls, and
+# measures time to first token. The graphbench with chunked prefill on and off is Day 58's bench.
+# Every row carries the label of the run that measured it.
+
+# %%
+STEMS = ("levers", "parts", "lever_agreement", "projections", "floor", "roofline", "ttft", "graphbench",
+         "fp32_agreement")
+h200 = {stem: load_table(f"day61_{stem}", "h200") for stem in STEMS}
+missing = [f"data/day61_{stem}_h200.csv" for stem, table in h200.items() if table is None]
+assert set(missing) <= {"data/day61_projections_h200.csv"}, f"missing: {missing} (python -m nanolab levers and " \
+    "floorbench on an H200)"
+labels = pd.DataFrame([{"table": f"day61_{stem}", **table_label(t).as_columns()} for stem, t in h200.items()
+                       if t is not None])
+show(labels.drop(columns=["device_slug"]))
+measured = table_label(h200["levers"])
+print(f"measured on: {measured.caption()}")
+
+# %% [markdown]
+# ## The floor
+#
+# A step's floor is the bytes it must read over the bandwidth of a device-to-device copy measured
+# in the same run. Those bytes are every weight once, the tied head counted once, plus the K and V
+# of the history each row attends to. At batch 1 and a short context the weights are nearly all
+# of it.
+
+# %%
+roofline = h200["roofline"].sort_values(["context", "batch"]).reset_index(drop=True)
+first = roofline[(roofline.batch == 1) & (roofline.context == 128)].iloc[0]
+weights_ms = first.weight_bytes / (first.bandwidth_tb_s * 1e12) * 1e3
+print(f"weights: {first.weight_bytes / 1e9:.3f} GB; copy bandwidth: {first.bandwidth_tb_s:.2f} TB/s; "
+      f"the weights alone take {weights_ms:.3f} ms; floor at batch 1, context 128: {first.floor_ms:.3f} ms")
+show(roofline[["batch", "context", "kv_tokens", "weight_bytes", "kv_bytes", "step_bytes", "bandwidth_tb_s",
+               "floor_ms", "target_ms", "target_x_floor"]].round(3))
+
+# %% [markdown]
+# Each bench measures its own bandwidth, and the copy measures a little differently from one
+# process to the next. So each table's `x_floor` is over its own run's floor. The two floors
+# differ by the ratio printed here:
+
+# %%
+levers = h200["levers"]
+bw = {"levers": levers.bandwidth_tb_s.iloc[0], "floorbench": h200["floor"].bandwidth_tb_s.iloc[0]}
+print(", ".join(f"{name}: {v:.3f} TB/s" for name, v in bw.items()) +
+      f"; the levers' floor is {bw['floorbench'] / bw['levers']:.3f}x the floorbench's")
+
+# %% [markdown]
+# ## Four arms, one lever added at a time
+#
+# Each arm keeps every lever before it, so the arms read as a waterfall. "graphs (before)" is Day
+# 60's engine: graphs over the streamed read, with step inputs copied from pageable memory. Each
+# step is timed as `LLM.generate` runs it, host work included. The table gives ms per step at each
+# batch and context, then the same over the floor.
+
+# %%
+order = list(dict.fromkeys(levers.arm))
+step_ms = levers.pivot_table(index=["batch", "context"], columns="arm", values="ms_per_step")[order]
+show(step_ms.round(3))
+show(levers.pivot_table(index=["batch", "context"], columns="arm", values="x_floor")[order].round(2))
+
+# %% [markdown]
+# ### Where a batch-1 step's time goes
+#
+# At batch 1 and context 128 the bench also profiled 32 graphed steps of each arm. It sorted
+# every kernel into a class (`levers.kernel_class`) and called the rest of the measured step the
+# host's, time when the GPU sat idle. The black tick over each bar is the graph's replay timed
+# alone with events: the GPU's part of the step, gaps between kernels included.
+
+# %%
+parts = h200["parts"]
+b1 = levers[(levers.batch == 1) & (levers.context == 128)].set_index("arm")
+floor_b1 = b1.floor_ms.iloc[0]
+target_b1 = float(roofline[(roofline.batch == 1) & (roofline.context == 128)].target_ms.iloc[0])
+by_part = parts.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
+show(by_part.sort_values(order[-1], ascending=False).round(3))  # 0: no kernel of that class ran
+fig = plot_lever_waterfall(parts, floor_b1, target_b1, replay_ms=b1.replay_ms.to_dict())
+if ON_GPU or not figure_path("day61_waterfall", "h200").exists():
+    save_figure(fig, "day61_waterfall", measured)
+show(fig)
+
+# %% [markdown]
+# *Read the bars from left to right. The red and orange blocks fold into the small gold block once
+# inductor fuses them, and the grey host block shrinks once asynchronous scheduling hides it. The
+# blue projections stay the same height throughout.*
+#
+# ### Pinned step inputs: nothing, on its own
+#
+# The prediction was modest. The synchronous engine waits for each step's tokens anyway, so a
+# copy that no longer stalls the host only moves the wait elsewhere. The measurement agrees: the
+# step and the replay did not get faster. The host's planning (`plan_step`) took longer in this
+# arm at every shape, most at the larger batches. `stage` now copies each input into a pinned
+# block on the host before queueing it, and that extra work lands in the planning. The lever
+# earns its place later: a pageable copy makes the host wait on the stream, which would undo the
+# next lever's overlap. Pinned staging also changes no number: the arm decodes exactly the logits
+# of the arm before it.
+
+# %%
+anatomy = ["schedule_us", "plan_step_us", "replay_us", "sampler_us", "rest_us"]
+before, pinned = order[0], order[1]
+for col in ("ms_per_step", "replay_ms", "plan_step_us"):
+    ratio = (levers[levers.arm == pinned].set_index(["batch", "context"])[col]
+             / levers[levers.arm == before].set_index(["batch", "context"])[col])
+    print(f"{col}, pinned over before: " + ", ".join(f"{b}x{c}: {r:.2f}" for (b, c), r in ratio.items()))
+agreement = h200["lever_agreement"].set_index("arm")
+print(f"pinned against before: {agreement.loc[pinned, 'rows equal to the first arm']} of "
+      f"{agreement.loc[pinned, 'rows']} rows equal, logits rel err "
+      f"{agreement.loc[pinned, 'logits rel err to the first arm']:.1e}")
+
+# %% [markdown]
+# ### Inductor: the small kernels fold together
+#
+# Between the projections, a Llama layer runs a string of small kernels for the rotary
+# embedding, the cache writes, the residual adds and the SiLU. At batch 1 each one reads and
+# writes a few kilobytes, and each still costs a kernel's start-up inside the graph. The
+# prediction was that fusing them would remove most of that time and leave the projections and
+# the attention read alone. It did. Copies and indexing, and the other elementwise kernels,
+# became a few fused kernels, and the RMS norms took the residual adds into themselves. The
+# replay got shorter at every shape. The step got shorter too, but at most shapes by less than
+# the replay: in a synchronous engine the host's part still comes on top of every replay, and at
+# batch 1 it did not shrink.
+
+# %%
+inductor = order[2]
+small = ["copies and indexing", "other elementwise", "norms", "fused by inductor"]
+print(f"batch 1: copies, elementwise and norms {by_part.loc[small, pinned].sum():.3f} ms -> "
+      f"{by_part.loc[small, inductor].sum():.3f} ms; host (GPU idle) {by_part.loc['host (GPU idle)', pinned]:.3f} -> "
+      f"{by_part.loc['host (GPU idle)', inductor]:.3f} ms")
+replay = levers.pivot_table(index=["batch", "context"], columns="arm", values="replay_ms")[order]
+show(replay.round(3))
+show(pd.DataFrame({"replay saved (ms)": replay[pinned] - replay[inductor],
+                   "step saved (ms)": step_ms[pinned] - step_ms[inductor]}).round(3))
+
+# %% [markdown]
+# ### Asynchronous scheduling: the host goes under the GPU
+#
+# After inductor, the grey block was the host's whole step: scheduling, planning, launching the
+# replay, reading the tokens back and appending them. During all of it the GPU waited. The
+# prediction was that launching step t + 1 before reading back step t would hide that time
+# behind the replay, so a step would take about the replay and no more. That is what the table
+# shows, at every shape. Most of the grey block that is left lies under the replay's tick: it is
+# the gaps between kernels inside the graph, not the host.
+#
+# The step anatomy (`levers.step_anatomy`) confirms it from the host's side. It wraps the
+# engine's own methods and times each one, and it synchronizes the device before every step it
+# times. In the synchronous arms, `rest_us` includes waiting for the GPU's tokens. Under
+# asynchronous scheduling the step before has already finished when a timed step begins, so the
+# anatomy adds up to the host's own work. That work is shorter than the replay it now runs beside.
+
+# %%
+overlapped = order[3]
+kernels_ms = by_part[overlapped].drop("host (GPU idle)").sum()
+print(f"batch 1: host (GPU idle) {by_part.loc['host (GPU idle)', inductor]:.3f} ms -> "
+      f"{by_part.loc['host (GPU idle)', overlapped]:.3f} ms, of which {b1.replay_ms[overlapped] - kernels_ms:.3f} ms "
+      "are gaps between kernels inside the replay")
+last = levers[levers.arm == overlapped].set_index(["batch", "context"])
+show(pd.DataFrame({"step ms": last.ms_per_step, "replay ms": last.replay_ms,
+                   "step / replay": last.ms_per_step / last.replay_ms,
+                   "host work ms": last[anatomy].sum(axis=1) / 1000}).round(3))
+show(levers.set_index(["arm", "batch", "context"])[anatomy].round(1).loc[order])
+
+# %% [markdown]
+# ## What is left: the projections
+#
+# After the three levers, a batch-1 step is nearly all GPU time, and most of that is cuBLAS
+# running the projections. Their bytes are almost the whole weight, so they can be set against
+# the weights' own floor:
+
+# %%
+gpu_ms = b1.replay_ms[overlapped]
+proj_ms = by_part.loc["projections", overlapped]
+print(f"batch 1 after the levers: step {b1.ms_per_step[overlapped]:.3f} ms, replay {gpu_ms:.3f} ms, of which "
+      f"projections {proj_ms:.3f} ms ({proj_ms / gpu_ms:.0%}); the weights at the copy bandwidth: "
+      f"{weights_ms:.3f} ms; the projections stream them at "
+      f"{first.weight_bytes / (proj_ms * 1e-3) / 1e12:.2f} TB/s ({weights_ms / proj_ms:.0%} of the copy's rate)")
+
+# %% [markdown]
+# ### A Triton GEMV, measured and not kept
+#
+# With one row, or a few, against a weight matrix, a projection is a matrix-vector product, and a
+# GEMV tiled for that shape can in principle stream the weight faster than a general GEMM.
+# `nanolab.lab.gemv` is one, in Triton. `levers.projection_table` timed each projection alone,
+# cuBLAS (`F.linear`) against the GEMV, at 1 to 16 rows, with the L2 flushed before every launch.
+# The GEMV ran with its default tiles everywhere, and at 1 and 16 rows with every tiling of a sweep
+# as well. The times include each launch, so they compare the arms with each other and not with
+# the step. cuBLAS's kernels inside the graph run back to back.
+
+# %%
+projections = h200["projections"]
+if projections is not None:
+    print(f"measured on: {table_label(projections).caption()}")
+    best = best_of_sweep(projections)
+    show(best.round(3))
+    layers = PRESETS[measured.model].num_hidden_layers  # each projection once a layer, the head once a step
+    calls = best.projection.map(lambda p: 1 if p == "lm_head" else layers)
+    weighted = best[["cublas", "gemv", "best gemv"]].mul(calls, axis=0).assign(rows=best.rows)
+    totals = weighted[weighted.rows.isin((1, 16))].groupby("rows").sum() / 1000
+    print("every projection of one step, timed alone and summed (ms):")
+    show(totals.round(3))
+    fig = plot_projections(projections)
+    if ON_GPU or not figure_path("day61_projections", "h200").exists():
+        save_figure(fig, "day61_projections", table_label(projections))
+    show(fig)
+else:
+    print("data/day61_projections_h200.csv is not committed: `python -m nanolab levers --only projections` on an "
+          "H200 makes it")
+
+# %% [markdown]
+# *Each bar is a projection's time alone over cuBLAS's. The orange bars, the GEMV's default tiles,
+# lose on the small projections. The red bars, the best tiling of the sweep, land on cuBLAS's line.*
+#
+# With the best of its sweep the GEMV ties cuBLAS, winning slightly on some shapes and losing
+# slightly on others. With its default tiles it loses on most of them. A kernel that at best
+# matches cuBLAS adds a second path to maintain and buys nothing. So the GEMV stays in the lab as a
+# measurement, and `Linear` has no switch for it. The projections' gap to the floor is cuBLAS's
+# to close, or a smaller weight's.
+#
+# ## Against the peers
+#
+# The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
+# new tokens minus one of 1, over 256. Prompts are random token ids and decoding is greedy. The
+# arms are:
+#
+# - **nanolab**: `LLM.generate` with graphs over the streamed read and every lever above.
+# - **gpt-fast**: its own `generate()` with `decode_one_token` compiled as its `--compile` does
+#   (`mode="reduce-overhead"`), on the same weights, at batches 1 and 8.
+# - **HF static, default**: transformers' `generate` with a static cache. On CUDA it compiles the
+#   decode forward itself, so this is the headline peer. Batches 1 and 8.
+# - **HF static, eager**: the same with `disable_compile=True`, labelled as such.
+#
+# Each row carries a `run` stamp: which process measured it.
+
+# %%
+floor = h200["floor"]
+runs = floor.groupby("run").agg(arms=("arm", lambda a: ", ".join(dict.fromkeys(a))),
+                                batches=("batch", lambda b: ", ".join(map(str, sorted(set(b))))))
+show(runs)
+stamps = pd.to_datetime(pd.Series(runs.index))
+print(f"{len(runs)} processes on one {measured.device}, the second started "
+      f"{(stamps.max() - stamps.min()).total_seconds() / 60:.1f} minutes after the first")
+notes = floor.dropna(subset=["note"]).drop_duplicates("arm")
+for row in notes.itertuples():
+    print(f"{row.label}: {row.note}")
+
+# %% [markdown]
+# The compiled peers' rows came from a second process, started minutes after nanolab's on the
+# same machine. The floorbench saves its tables after every row, and `--append` adds a later
+# process's rows to them. Each process measured its own bandwidth, so each row's `x_floor` is over
+# its own floor, and the floor column beside the times is the later process's at batches 1 and 8.
+
+# %%
+side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
+side = side[list(dict.fromkeys(floor.label))]
+side["floor"] = roofline.set_index(["batch", "context"]).floor_ms
+side["target"] = roofline.set_index(["batch", "context"]).target_ms
+show(side.round(3))
+show(floor.pivot_table(index=["batch", "context"], columns="label", values="x_floor")[side.columns[:-2]].round(2))
+
+# %%
+fig = plot_floor_roofline(floor, roofline)
+if ON_GPU or not figure_path("day61_roofline", "h200").exists():
+    save_figure(fig, "day61_roofline", table_label(floor))
+show(fig)
+
+# %% [markdown]
+# *Follow the blue line against the black dashed floor and the red targets: it sits under every
+# peer at every batch, and keeps a nearly constant distance above the floor.*
+#
+# The issue set its targets in milliseconds, one per shape. They are printed here as measured over
+# target, so 1 or less meets the target. Nothing asserts a time.
+
+# %%
+ours = floor[floor.arm == "nanolab"].set_index(["batch", "context"])
+for (b, c), row in ours.iterrows():
+    verdict = "met" if row.ms_per_step <= row.target_ms else "missed"
+    print(f"batch {b}, context {c}: {row.ms_per_step:.3f} ms / target {row.target_ms:.2f} ms = "
+          f"{row.ms_per_step / row.target_ms:.2f} ({verdict}); {row.x_floor:.2f}x the floor")
+stretch = roofline.dropna(subset=["stretch_ms"])
+for row in stretch.itertuples():
+    print(f"stretch at batch {row.batch}, context {row.context}: {row.stretch_ms:.2f} ms "
+          f"({ours.loc[(row.batch, row.context)].ms_per_step / row.stretch_ms:.2f}x)")
+peers = floor[floor.arm != "nanolab"].set_index(["batch", "context"])
+for (b, c), row in peers.iterrows():
+    print(f"batch {b}, context {c}: {row.label} takes {row.nanolab_speedup:.2f}x nanolab's step")
+
+# %% [markdown]
+# ## Time to first token
+#
+# TTFT is a `generate` of one new token, warmed up, median of five. There are two cases: one
+# prompt of 2,048 tokens, and eight of 1,024. transformers' default path compiles the decode
+# forward, not the prefill, so at batch 1 its two TTFT rows time much the same eager prefill. The
+# target (`floorbench.TTFT_TARGET`, printed below) was a batch-1 TTFT that many times shorter than
+# HF's default path's.
+
+# %%
+ttft = h200["ttft"]
+show(ttft.pivot_table(index=["batch", "prompt_len"], columns="label", values="ttft_ms").round(2))
+cases = ttft.groupby(["batch", "prompt_len"]).arm.apply(set)
+for (b, n), arms in cases.items():
+    absent = [a for a in dict.fromkeys(ttft.arm) if a not in arms]
+    if absent:
+        print(f"{b} x {n} tokens: no row for {', '.join(absent)}")
+t = ttft.set_index(["arm", "batch"]).ttft_ms
+ratio, eager_ratio = t[("hf-default", 1)] / t[("nanolab", 1)], t[("hf-eager", 1)] / t[("nanolab", 1)]
+print(f"batch 1: HF default / nanolab = {ratio:.2f}x (target {TTFT_TARGET:g}x: "
+      f"{'met' if ratio >= TTFT_TARGET else 'missed'}); HF eager / nanolab = {eager_ratio:.2f}x")
+print(f"batch 8: HF eager / nanolab = {t[('hf-eager', 8)] / t[('nanolab', 8)]:.2f}x")
+
+# %% [markdown]
+# The TTFT target is missed. A 2,048-token prefill is one large batch of matmuls, and both
+# engines hand those to cuBLAS. Nothing in this chapter touched the prefill, and HF's eager
+# prefill was already close to nanolab's. At eight prompts nanolab was no faster than HF's eager
+# path.
+#
+# ## Under load: chunked prefill
+#
+# Day 58 left one aim unmet: under load, ITL p99 over p50 should be at most 3. A newly arrived
+# prompt's prefill stopped every running decode for its whole length. With chunked prefill (vLLM
+# v1's rule, decode rows first) a step carries the decode rows and then fills its token budget
+# with prompt chunks. A decode row then waits behind one mixed step at most, never behind a
+# run of whole prefills. The graphbench ran the real server at 16 and 32 requests/s with chunked
+# prefill on (`graphs-chunked`) and off (`graphs-whole`), on Day 58's workload.
+
+# %%
+gb = h200["graphbench"]
+print(f"measured on: {table_label(gb).caption()}")
+gate = check_requests(gb)
+print(gate)
+assert gate, gate
+cols = ["arm", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms", "decode_steps",
+        "prefill_steps", "prefill_p50_ms", "mixed_steps", "mixed_p50_ms", "server_step_p50_ms"]
+show(gb[cols].round(2))
+
+# %%
+fig = plot_chunked_itl(gb)
+if ON_GPU or not figure_path("day61_chunked_itl", "h200").exists():
+    save_figure(fig, "day61_chunked_itl", table_label(gb))
+show(fig)
+
+# %% [markdown]
+# *Compare the p99 bars at each rate: chunking cuts the tail, and the cut is larger at 32 req/s.
+# Both arms are still far above the black ticks that mark the aim.*
+
+# %%
+by = gb.set_index(["arm", "rate"])
+for rate in sorted(gb.rate.unique()):
+    whole, chunked = by.loc[("graphs-whole", rate)], by.loc[("graphs-chunked", rate)]
+    print(f"{rate:g} req/s: ITL p99 {whole.itl_p99_ms:.1f} -> {chunked.itl_p99_ms:.1f} ms, "
+          f"p50 {whole.itl_p50_ms:.2f} -> {chunked.itl_p50_ms:.2f} ms; p99/p50 chunked "
+          f"{chunked.itl_p99_ms / chunked.itl_p50_ms:.1f} (aim <= 3); {int(chunked.mixed_steps)} mixed steps, "
+          f"median {chunked.mixed_p50_ms:.1f} ms ({chunked.mixed_p50_ms / chunked.server_step_p50_ms:.1f}x a decode "
+          "step)")
+
+# %% [markdown]
+# Chunking cut the tail and left the median alone, as predicted. The aim is still missed, and
+# the table shows why: a mixed step carries decode rows beside prompt chunks, it runs eagerly
+# with no CUDA graph, and it costs several decode steps' time. p99 now lands on those steps. To
+# close the gap, the mixed step needs a faster path of its own: a graph, or inductor, over the
+# varlen step.
+#
+# ## bf16 against fp32
+#
+# Every arm runs in bf16, and the bench checked how far each is from fp32. On random weights the
+# logits are nearly flat, so two correct bf16 paths round differently, pick different tokens
+# within a few steps, and then follow different histories. Greedy rows therefore part early for
+# any two bf16 paths. The relative error of the first decode step's logits against fp32 is the
+# measure that separates a rounding difference from a wrong answer.
+
+# %%
+show(h200["fp32_agreement"].drop(columns=list(measured.as_columns())).round(4))
+show(h200["lever_agreement"].drop(columns=list(measured.as_columns())).round(4))
+
+# %% [markdown]
+# Compiled bf16 is no further from fp32 than eager bf16. The pinned arm decodes exactly what the
+# arm before it decodes. Asynchronous scheduling replays the same compiled graph, so it matches
+# the inductor arm, and both sit at the bf16 rounding distance from the eager graphs.
+#
+# ## On this machine: the schedule changes, the tokens must not
+#
+# Of the levers, two change the engine's schedule on every device: asynchronous scheduling, and
+# chunked prefill under a token budget. On a CPU there is no stream for the host to run ahead
+# of, and nothing here is timed. What can be checked anywhere is that neither changes what the
+# engine decodes. A few prompts of different lengths, each with its own number of tokens to
+# generate, run through four engines on the chapter's model. The model is loaded in fp32 on any
+# device, because bf16 rounding could flip a near-tie. The first engine is synchronous and
+# prefills whole prompts, and it is the reference. The gates below require the same greedy
+# tokens and finish reasons from each of the others. They also require that each lever really
+# ran: a step left in flight for asynchronous scheduling, and mixed steps within the budget for
+# chunked prefill. When the tokenizer has a chat template, one request is a chat turn that may
+# stop at EOS, so a stop token that arrives while a step is in flight is part of the check.
+
+# %%
+BUDGET = 16
+model = load_model(path, dtype=torch.float32, device=DEVICE)
+tokenizer = Tokenizer.from_dir(path)
+texts = ["The capital of France is", "def fibonacci(n):",
+         "A paged KV cache keeps every request's keys and values in fixed-size blocks, so that",
+         "Three facts about the Moon: it is about a quarter of the Earth's width, it always shows us one face, and"]
+prompts = [tokenizer.encode(t) for t in texts]
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 9, 12, 14)]
+if tokenizer.chat_template is not None:
+    prompts.append(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    params.append(SamplingParams(temperature=0, max_tokens=24))
+ARMS = {"synchronous, whole prompts": dict(enable_chunked_prefill=False),
+        "asynchronous scheduling": dict(enable_chunked_prefill=False, async_scheduling=True),
+        f"chunked prefill, {BUDGET}-token budget": dict(max_num_batched_tokens=BUDGET),
+        "both": dict(max_num_batched_tokens=BUDGET, async_scheduling=True)}
+print(f"prompt lengths {[len(p) for p in prompts]}, new tokens at most {[p.max_tokens for p in params]}")
+
+
+def decode(engine: Engine) -> tuple[list, pd.DataFrame]:
+    """Every request's (tokens, finish reason), and what each step ran."""
+    seqs = engine.add_requests(prompts, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        ran = engine.last_step  # None for a step that only launched the next decode
+        steps.append({"phase": ran.phase if ran else "launch", "tokens": ran.tokens if ran else 0,
+                      "in_flight": engine.in_flight})
+    return [(s.output_token_ids, s.finish_reason) for s in seqs], pd.DataFrame(steps)
+
+
+decoded = {arm: decode(Engine(model, num_blocks=64, **kw)) for arm, kw in ARMS.items()}
+reference, _ = decoded["synchronous, whole prompts"]
+show(pd.DataFrame({"prompt tokens": [len(p) for p in prompts], "new tokens": [len(t) for t, _ in reference],
+                   "finish": [f for _, f in reference],
+                   "completion": [tokenizer.decode(t) for t, _ in reference]}))
+
+# %%
+gates, rows = [], []
+for arm, kw in list(ARMS.items())[1:]:
+    outcome, steps = decoded[arm]
+    numbers = {"requests": len(outcome), "equal": sum(a == b for a, b in zip(outcome, reference, strict=True)),
+               "steps": len(steps), "steps left in flight": int(steps.in_flight.sum()),
+               "mixed steps": int((steps.phase == "mixed").sum()), "most tokens a step": int(steps.tokens.max())}
+    passed = numbers["equal"] == numbers["requests"]
+    if kw.get("async_scheduling"):
+        passed &= numbers["steps left in flight"] > 0
+    if kw.get("enable_chunked_prefill", True):
+        passed &= numbers["mixed steps"] > 0 and numbers["most tokens a step"] <= BUDGET
+    gates.append(Gate(f"{arm}: the synchronous whole-prompt engine's greedy tokens", passed, numbers))
+    rows.append({"arm": arm, **numbers, "passed": passed})
+parity = pd.DataFrame(rows)
+save_table(parity, "day61_parity", label)
+show(parity)
+for gate in gates:
+    print(gate)
+    assert gate, gate
+
+# %% [markdown]
+# ## Looking back
+#
+# - **Pinned step inputs** changed nothing on their own, as predicted. They are what lets the
+#   host stop waiting on the stream, and no logits moved.
+# - **Inductor** folded the small kernels between the projections into a few fused ones. The
+#   replay got shorter and the host's share did not move.
+# - **Asynchronous scheduling** hid the host under the replay: a step now takes about as long as
+#   its graph. On this machine it decoded exactly the synchronous engine's tokens.
+# - **A Triton GEMV** at best roughly tied cuBLAS, so it stays a measurement. The
+#   projections are now the bulk of the step, and they stream the weights below the copy's rate.
+# - **Against the peers**, nanolab's step is the fastest measured at every batch, at a nearly
+#   constant multiple of the floor. Of the issue's step targets it meets only the long-context
+#   one, and the printed ratios say by how much it misses the others. The TTFT target is missed.
+# - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it
+#   decoded the whole-prompt engine's tokens. The tail aim is still missed, because mixed steps
+#   run eagerly. A graphed or compiled varlen step is the next lever.

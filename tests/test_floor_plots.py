@@ -1,0 +1,150 @@
+"""Day 61's figures, drawn from small synthetic tables shaped like the committed ones: each draws
+what it should (bars, lines, labels), and the sweep's best is the fastest GEMV measured. The
+figures never touch pyplot, so no backend is chosen here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.collections import LineCollection
+from matplotlib.patches import Rectangle
+
+from nanolab.lab.plots.floor import (
+    PARTS,
+    best_of_sweep,
+    plot_chunked_itl,
+    plot_floor_roofline,
+    plot_lever_waterfall,
+    plot_projections,
+)
+
+
+def bars(ax) -> list[Rectangle]:
+    return [p for c in ax.containers for p in c.patches]
+
+
+def legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def hline_ys(ax) -> list[float]:
+    return [ln.get_ydata()[0] for ln in ax.get_lines() if len(set(ln.get_ydata())) == 1]
+
+
+def test_waterfall_stacks_each_arm_in_the_fixed_order():
+    parts = pd.DataFrame([
+        ("before", "projections", 0.8), ("before", "other elementwise", 0.2), ("before", "host (GPU idle)", 0.4),
+        ("after", "projections", 0.8), ("after", "fused by inductor", 0.1), ("after", "host (GPU idle)", 0.1),
+    ], columns=["arm", "part", "ms"])
+    fig = plot_lever_waterfall(parts, floor_ms=0.6, target_ms=1.0, replay_ms={"before": 1.0, "after": 0.9})
+    (ax,) = fig.axes
+    assert len(bars(ax)) == 2 * 4  # one bar per arm for each of the four parts present (zero where absent)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["before", "after"]
+    # Stacks: each arm's bars add up to its step, and the parts sit in PARTS order, bottom to top.
+    tops = {}
+    for rect in bars(ax):
+        arm = round(rect.get_x() + rect.get_width() / 2)
+        tops[arm] = max(tops.get(arm, 0.0), rect.get_y() + rect.get_height())
+    assert tops == pytest.approx({0: 1.4, 1: 1.0})
+    labels = legend_texts(ax)
+    present = [p for p in PARTS if p in set(parts.part)]
+    assert [lb for lb in labels if lb in PARTS] == present[::-1]  # the legend reads top of the stack first
+    assert any(lb.startswith("floor") for lb in labels) and any(lb.startswith("target") for lb in labels)
+    assert sorted(hline_ys(ax)) == pytest.approx([0.6, 1.0])
+    (replay,) = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert [seg[0][1] for seg in replay.get_segments()] == pytest.approx([1.0, 0.9])
+
+
+def test_waterfall_refuses_a_part_without_a_colour():
+    parts = pd.DataFrame({"arm": ["a"], "part": ["mystery kernels"], "ms": [1.0]})
+    with pytest.raises(AssertionError, match="mystery kernels"):
+        plot_lever_waterfall(parts, 0.5, 1.0)
+
+
+def floor_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    rows = []
+    for arm, label, scale, batches in (("nanolab", "nanolab (graphs)", 2.0, (1, 8, 32)),
+                                       ("hf-default", "hf static (compiled)", 4.0, (1, 8))):
+        for b in batches:
+            rows.append((arm, label, b, 128, 0.6 * scale, scale))
+    rows.append(("nanolab", "nanolab (graphs)", 32, 2048, 2.0, 1.8))
+    floor = pd.DataFrame(rows, columns=["arm", "label", "batch", "context", "ms_per_step", "x_floor"])
+    roofline = pd.DataFrame({"batch": [1, 8, 32, 32], "context": [128, 128, 128, 2048],
+                             "floor_ms": [0.6, 0.61, 0.65, 1.1], "target_ms": [1.0, 1.1, 1.3, 1.9]})
+    return floor, roofline
+
+
+def test_roofline_draws_a_line_per_arm_the_floor_and_the_targets():
+    floor, roofline = floor_tables()
+    fig = plot_floor_roofline(floor, roofline)
+    ms_ax, x_ax = fig.axes
+    for ax, col in ((ms_ax, "ms_per_step"), (x_ax, "x_floor")):
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert np.allclose(lines["nanolab (graphs)"].get_ydata(), floor[(floor.arm == "nanolab")
+                                                                        & (floor.context == 128)][col])
+        assert list(lines["hf static (compiled)"].get_xdata()) == [1, 8]
+    floor_line = next(ln for ln in ms_ax.get_lines() if ln.get_label().startswith("floor"))
+    assert np.allclose(floor_line.get_ydata(), [0.6, 0.61, 0.65])
+    assert 1 in hline_ys(x_ax)  # the floor is 1 on the right
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:2] == ["nanolab (graphs)", "hf static (compiled)"] and "target" in labels
+    # The long context is a hollow marker at its batch, not a point on the line.
+    hollow = [c for c in ms_ax.collections if c.get_offsets().shape[0] and (c.get_facecolor()[:, :3] == 1).all()]
+    assert any(np.allclose(c.get_offsets(), [[32, 2.0]]) for c in hollow)
+
+
+def projections() -> pd.DataFrame:
+    rows = []
+    for name, n, k, cublas in (("qkv", 96, 64, 9.0), ("lm_head", 512, 64, 100.0)):
+        for m in (1, 2, 16):
+            rows += [(name, n, k, m, "cublas", cublas), (name, n, k, m, "gemv", cublas * 1.5)]
+            if m != 2:  # the sweep ran at 1 and 16 rows only
+                rows += [(name, n, k, m, "gemv 16x128 split 1", cublas * 1.2),
+                         (name, n, k, m, "gemv 32x256 split 2", cublas * 0.95)]
+    return pd.DataFrame(rows, columns=["projection", "n", "k", "rows", "arm", "us"])
+
+
+def test_best_of_sweep_takes_the_fastest_gemv_measured():
+    table = best_of_sweep(projections())
+    assert list(table.projection.unique()) == ["qkv", "lm_head"]  # the table's order, not alphabetical
+    swept = table[table.rows != 2]
+    assert (swept["best tiles"] == "gemv 32x256 split 2").all()
+    assert np.allclose(swept["best gemv / cublas"], 0.95) and np.allclose(table["gemv / cublas"], 1.5)
+    unswept = table[table.rows == 2]
+    assert (unswept["best tiles"] == "gemv").all() and np.allclose(unswept["best gemv / cublas"], 1.5)
+
+
+def test_projections_panel_per_row_count():
+    fig = plot_projections(projections(), rows=(1, 16))
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        heights = sorted(round(r.get_height(), 6) for r in bars(ax))
+        assert heights == [0.95, 0.95, 1.0, 1.0, 1.5, 1.5]  # 2 projections x (cuBLAS, default, best)
+        assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["qkv", "lm_head"]
+    assert legend_texts(fig.axes[0])[0].startswith("cuBLAS")
+
+
+def test_chunked_itl_bars_and_the_tail_aim():
+    rates = pd.DataFrame({"arm": ["graphs-chunked"] * 2 + ["graphs-whole"] * 2, "rate": [16.0, 32.0] * 2,
+                          "itl_p50_ms": [1.2, 1.3, 1.25, 1.3], "itl_p99_ms": [14.0, 16.0, 17.0, 30.0]})
+    fig = plot_chunked_itl(rates, aim=3.0)
+    p50, p99 = fig.axes
+    assert sorted(r.get_height() for r in bars(p50)) == sorted(rates.itl_p50_ms)
+    assert sorted(r.get_height() for r in bars(p99)) == sorted(rates.itl_p99_ms)
+    assert [t.get_text() for t in p50.get_xticklabels()] == ["16 req/s", "32 req/s"]
+    ticks = [seg[0][1] for c in p99.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
+    assert sorted(ticks) == pytest.approx(sorted(3.0 * rates.itl_p50_ms))
+    assert legend_texts(p99) == ["aim: 3 x p50", "graphs-chunked", "graphs-whole"]
+
+
+def test_the_figures_stay_out_of_pyplot():
+    """A notebook's inline backend shows every pyplot figure again at the end of a cell; these are
+    shown once, by `show`."""
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    floor, roofline = floor_tables()
+    plot_floor_roofline(floor, roofline)
+    plot_projections(projections())
+    assert set(plt.get_fignums()) == before
