@@ -149,3 +149,38 @@ def test_logits_are_not_kept_in_flight(sharp_gqa24):
     assert isinstance(first[0].logits, torch.Tensor)
     later = [out for _ in bounded(engine.has_unfinished_requests) for out in engine.step()]
     assert len(later) == 3 and all(out.logits is None for out in later)
+
+
+def test_a_failure_after_an_overlapped_step_reports_each_output_as_it_was(sharp_gqa24):
+    """Step t + 1's forward raises while step t is in flight: one call returns t's token (the request
+    still running) and then the failure. Each output carries the state it was made in, so a
+    consumer that retires a request on `finished` (the server's engine core) sees it end once."""
+    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, async_scheduling=True)
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()  # a decode launched, in flight
+    decode = engine.runner.decode
+
+    def broken(seqs, ids=None):
+        raise RuntimeError("injected forward failure")
+
+    engine.runner.decode = broken
+    outputs = engine.step()
+    engine.runner.decode = decode
+    assert [(o.seq is seq, o.token_id is not None, o.finished, o.error is not None) for o in outputs] == [
+        (True, True, False, False), (True, False, True, True)]
+    assert not engine.has_unfinished_requests()
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_turning_async_off_mid_flight_reads_the_step_back(sharp_gqa24):
+    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, async_scheduling=True)
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.in_flight
+    engine.async_scheduling = False
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert len(seq.output_token_ids) == 6 and seq.finish_reason == "length"
+    check_drained(engine.kv_cache, engine.scheduler)

@@ -37,19 +37,16 @@ from nanolab.sampling import SamplingParams, sample_tokens
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """One request's progress in one step: the token it gained, the logits it was sampled from,
-    and whether it is done. A request that failed this step has no token (`error` says why)."""
+    and whether it is done. A request that failed this step has no token (`error` says why).
+    `finished` and `error` are the request's state when this output was made: one `step()` can
+    return two outputs of one request (an overlapped step's token, then the next step's failure),
+    and only the last says the request ended."""
 
     seq: Sequence
     token_id: int | None
     logits: torch.Tensor | None  # [vocab] fp32; a view the next step may overwrite (a graph's output)
-
-    @property
-    def finished(self) -> bool:
-        return self.seq.finished
-
-    @property
-    def error(self) -> str | None:
-        return self.seq.error
+    finished: bool = False
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +252,9 @@ class Engine:
         self.last_step = None
         if self.async_scheduling:
             return self._step_async()
+        if self._inflight is not None:  # asynchronous scheduling was turned off with a step in flight
+            prev, self._inflight = self._inflight, None
+            return self._retire(prev)
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
@@ -294,7 +294,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, token, None if logits is None else logits[i]))
+            outputs.append(StepOutput(seq, token, None if logits is None else logits[i], seq.finished))
         return outputs
 
     def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
@@ -421,7 +421,7 @@ class Engine:
         self.scheduler.finish(seq, "error")
         seq.error = message
         self.requests.pop(seq.request_id, None)
-        return StepOutput(seq, None, None)
+        return StepOutput(seq, None, None, True, message)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -629,7 +629,7 @@ def time_offline(model: str, device: str, arm: str, batches: Sequence[int], cont
     import torch
 
     from nanolab import LLM
-    from nanolab.lab.timing import prefill, random_prompts, timed_steps
+    from nanolab.lab.timing import drain, prefill, random_prompts, timed_steps
 
     # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
     llm = LLM(model, device=device, dtype=dtype, enforce_eager=split_arm(arm)[0] == "eager", read=read,
@@ -641,8 +641,9 @@ def time_offline(model: str, device: str, arm: str, batches: Sequence[int], cont
         prompts = random_prompts(batch, prompt_len, vocab)
         times = []
         for run in range(repeats + 1):
-            seqs = prefill(llm.engine, prompts, steps + 1)
+            seqs = prefill(llm.engine, prompts, steps + 2)
             timed = timed_steps(llm.engine, steps)
+            drain(llm.engine)  # with asynchronous scheduling the last step is still in flight
             assert all(s.finished for s in seqs), "a timed request outlived its steps"
             times += timed if run else []  # the first run warms up
         records.append({"arm": arm, "batch": batch, "context": context, "steps": steps * repeats,

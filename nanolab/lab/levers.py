@@ -126,8 +126,11 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
 def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
     """Mean host microseconds a graphed decode step spends in each part, found by wrapping the
     engine's own methods on this instance: scheduling, planning (host tables and the copies into
-    the step buffers), issuing the replay, sampling (which waits for the GPU and reads the tokens
-    back), and the rest of `Engine.step`. Also the share of steps that replayed a graph."""
+    the step buffers), issuing the replay, launching the sampler (`sample_tokens` leaves the tokens
+    on the device), and the rest of `Engine.step`, which holds the wait for the GPU and the
+    tokens' read-back. Each step starts from an idle GPU, so an engine with asynchronous scheduling
+    overlaps nothing here: compare its parts with the other arms', and its step time with
+    `time_engine`'s. Also the share of steps that replayed a graph."""
     spent: dict[str, float] = {}
 
     def timed(name, fn):

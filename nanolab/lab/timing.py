@@ -49,10 +49,14 @@ def prefill(engine: Engine, prompts, new_tokens: int, max_steps: int = 100_000) 
 def timed_steps(engine: Engine, steps: int, after: Callable[[], None] | None = None) -> list[float]:
     """Seconds of each of `steps` engine steps, each between two device syncs; `after` runs after
     each step, outside the clock. An engine with asynchronous scheduling is not synced between
-    steps (a sync would drain the step it keeps in flight): each step's time is the interval
-    between two returns, which in steady state is the longer of the GPU's step and the host's."""
+    steps (a sync would drain the step it keeps in flight): one untimed step fills the pipeline,
+    and each step's time is the interval between two returns, which in steady state is the longer
+    of the GPU's step and the host's. Such an engine still has a step in flight afterwards
+    (`drain` it): its requests need one more token than the steps timed."""
     times = []
     overlapped = getattr(engine, "async_scheduling", False)
+    if overlapped:
+        engine.step()
     sync(engine.device)
     last = time.perf_counter()
     for _ in range(steps):
