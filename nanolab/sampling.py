@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanolab.kernels.argmax import argmax
+
 # vLLM's floor for a positive temperature. Far below it, dividing fp32 logits of a few tens by the
 # temperature overflows them to inf (from about 1e-37) and the sampler draws from NaN; near it, the
 # draw is already the argmax in all but name.
@@ -86,7 +88,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     temperature, then top-k, then top-p, and draw with the row's own generator, so a seeded
     request gives the same tokens whatever else shares its batch.
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax(logits) if logits.is_cuda else logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         tokens = tokens.clone()

@@ -283,6 +283,55 @@ else:
 # measurement, and `Linear` has no switch for it. The projections' gap to the floor is cuBLAS's
 # to close, or a smaller weight's.
 #
+# ### Fused projections with programmatic dependent launch, measured and not kept
+#
+# A second try at the projections went further than a GEMV: fold everything between two
+# projections into them, so a layer is five kernels, and launch each one as a programmatic
+# dependent of the one before (Hopper's PDL), so it can start while its predecessor drains.
+# `nanolab.lab.projections` holds it: RMSNorm inside the q/k/v projection together with RoPE and
+# the K/V write, the residual adds inside the o and down projections, SwiGLU inside gate/up, the
+# final norm inside the head (`FusedDecode`). The prediction was a shorter replay: about 0.15 ms
+# of small kernels gone, and most of the in-graph gaps hidden by PDL. The bench's `day61_fused`
+# run put it beside the asynchronous arm, at 1, 8 and 16 rows.
+
+# %%
+fused = {stem: load_table(f"day61_fused_{stem}", "h200") for stem in ("levers", "parts")}
+if fused["levers"] is not None:
+    fl = fused["levers"]
+    print(f"measured on: {table_label(fl).caption()}")
+    f_order = list(dict.fromkeys(fl.arm))
+    show(fl.pivot_table(index="batch", columns="arm", values="replay_ms")[f_order].round(3))
+    f_parts = fused["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[f_order]
+    show(f_parts.fillna(0.0).round(3))
+    one = fl[fl.batch == 1].set_index("arm")
+    print(f"batch 1 replay: {one.replay_ms[f_order[0]]:.3f} ms compiled, {one.replay_ms[f_order[1]]:.3f} ms fused, "
+          f"{one.replay_ms[f_order[2]]:.3f} ms fused with PDL")
+else:
+    print("data/day61_fused_levers_h200.csv is not committed: `python -m nanolab levers --only levers --arms 3,4,5 "
+          "--shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
+
+# %% [markdown]
+# The small kernels did go, and PDL did shorten the replay of the fused step. But the fused step
+# started slower than the compiled one and PDL did not close the gap. The projections class tells
+# why: the fused kernels read the big matrices (gate/up, 67 MB a layer, and the 525 MB head) well
+# below cuBLAS's bandwidth, and that costs more than every small kernel saved. The tiles in
+# `projections.TILES` are the best of a sweep run on the H200 while the kernels were written (its
+# numbers are not committed); in that sweep, prefetching each program's weight rows into L2 before
+# its wait made the step slower. So the engine keeps inductor around cuBLAS, and the fused step
+# stays in the lab.
+#
+# One piece of that run did pay, and the engine kept it. torch's argmax reduces a row in one block
+# of threads, and the profile above puts 27 us of every batch-1 step in the "sampling" class,
+# longer than a layer's projections. `kernels.argmax` picks the token in two passes: chunks of
+# 4,096 logits, one program each, then the best chunk. The compiled arm of the fused run used it:
+
+# %%
+if fused["parts"] is not None:
+    sampling = {"before (day61_parts)": by_part.loc["sampling", overlapped],
+                "two-pass argmax (day61_fused_parts)": f_parts.loc["sampling", f_order[0]]}
+    print(", ".join(f"{k}: {v * 1000:.1f} us a step" for k, v in sampling.items()))
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -304,17 +353,20 @@ runs = floor.groupby("run").agg(arms=("arm", lambda a: ", ".join(dict.fromkeys(a
                                 batches=("batch", lambda b: ", ".join(map(str, sorted(set(b))))))
 show(runs)
 stamps = pd.to_datetime(pd.Series(runs.index))
-print(f"{len(runs)} processes on one {measured.device}, the second started "
-      f"{(stamps.max() - stamps.min()).total_seconds() / 60:.1f} minutes after the first")
+print(f"{len(runs)} processes on an {measured.device}, started " + ", ".join(
+    f"{(t - stamps.min()).total_seconds() / 60:.0f}" for t in sorted(stamps)) + " minutes after the first")
 notes = floor.dropna(subset=["note"]).drop_duplicates("arm")
 for row in notes.itertuples():
     print(f"{row.label}: {row.note}")
 
 # %% [markdown]
-# The compiled peers' rows came from a second process, started minutes after nanolab's on the
-# same machine. The floorbench saves its tables after every row, and `--append` adds a later
-# process's rows to them. Each process measured its own bandwidth, so each row's `x_floor` is over
-# its own floor, and the floor column beside the times is the later process's at batches 1 and 8.
+# The rows came from three processes. HF's eager arm ran first; the compiled peers ran in a second
+# process minutes later on the same machine. nanolab's rows were measured again hours later, on an
+# H200 of the same kind, once the engine's greedy pick had moved to a two-pass argmax (below), and
+# they replaced its earlier rows. The floorbench saves its tables after every row, and `--append`
+# keeps the rows of arms a later process did not run. Each process measured its own bandwidth, so
+# each row's `x_floor` is over its own floor, and the floor column beside the times is the latest
+# process's.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")

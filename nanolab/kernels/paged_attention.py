@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels import INTERPRETED
+from nanolab.kernels.pdl import dependent_launch
 
 VARIANTS = ("head", "gqa", "split")
 # Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
@@ -97,9 +98,10 @@ def _paged_decode_head(
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, HAS_POS: tl.constexpr,
-    COUNT: tl.constexpr,
+    COUNT: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: row r, query head h. Live state: a [BLOCK, D] K tile, the same of V, m, l, acc[D]."""
+    dependent_launch(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     kv = h // GROUP
@@ -140,12 +142,13 @@ def _paged_decode_group(
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-    PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr,
+    PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
     loaded once for all of them. With SPLITS == 1 the output is written normalised; otherwise the
     program writes its partial acc with its m and l, and `_merge_splits` folds the shares."""
+    dependent_launch(PDL)
     r = tl.program_id(0)
     kv = tl.program_id(1)
     sp = tl.program_id(2)
@@ -190,10 +193,11 @@ def _paged_decode_group(
 
 @triton.jit
 def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, heads, head_dim, stride_or, stride_oh,
-                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr):
+                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
     """Fold the split partials of one (row, query head): acc [rows, heads, SPLITS, D] fp32, m and
     l [rows, heads, SPLITS]. An empty share has m = -inf and l = acc = 0, so its weight
     exp(m - max) is exactly 0; a row with no live key at all reads zeros."""
+    dependent_launch(PDL)
     i = tl.program_id(0)  # row * heads + head
     sp = tl.arange(0, S)
     d = tl.arange(0, D)
@@ -314,6 +318,7 @@ def paged_attention(
     tile_counts: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q over each row's history in the paged pool, streamed (Day 59), addressed
     through the block table (Day 60). Row r reads slot `block_table[table_rows[r], p // block_size]
@@ -331,6 +336,8 @@ def paged_attention(
     tile_counts   [rows] int32 or None                      if given, every program adds the tiles it walked
                                                             to its row: tile_lanes(variant) * cdiv(len, block)
     returns       [rows, 1, heads, head_dim]                in q's dtype
+    `pdl` launches the kernels as programmatic dependents (`kernels.pdl`), each waiting for the one
+    before it.
     The variant is chosen for the table's capacity, which is fixed, so a captured graph's choice
     holds for every context length; a split share is cut from each row's own tiles at run time.
     """
@@ -344,12 +351,12 @@ def paged_attention(
         raise ValueError(f"block_size must be positive, got {block_size}")
     return _launch(q, k_pool, v_pool, block_table, table_rows, context_lens, positions, block_size,
                    block_table.shape[1] * block_size, block, variant, splits, num_sms, tile_counts, num_warps,
-                   num_stages)
+                   num_stages, pdl)
 
 
 def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, page: int, width: int, block: int,
             variant: str, splits: int | None, num_sms: int | None, tile_counts: torch.Tensor | None,
-            num_warps: int | None, num_stages: int | None) -> torch.Tensor:
+            num_warps: int | None, num_stages: int | None, pdl: bool = False) -> torch.Tensor:
     """Launch the variant `choose_launch` picks over the block table `addresses` of page `page`."""
     rows, t, heads, d = q.shape
     if t != 1:
@@ -381,7 +388,9 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
                addresses.stride(0), pos.stride(0), out.stride(0), out.stride(1))
-    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages)
+    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, PDL=pdl)
+    if pdl:
+        tuning["launch_pdl"] = True
     if launch.variant == "head":
         _paged_decode_head[(rows, heads)](
             q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, tiles, *strides, scale, d,
@@ -402,7 +411,8 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
         q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, acc, m, l, tiles, *strides, scale, d,
         SPLITS=n_splits, **meta)
     _merge_splits[(rows * heads,)](acc, m, l, out, heads, d, out.stride(0), out.stride(1),
-                                   SPLITS=n_splits, S=_pow2(n_splits), D=D)
+                                   SPLITS=n_splits, S=_pow2(n_splits), D=D, PDL=pdl,
+                                   **({"launch_pdl": True} if pdl else {}))
     return out[:, None]
 
 

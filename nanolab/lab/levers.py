@@ -34,6 +34,7 @@ from nanolab.engine.runner import compile_decode
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
+from nanolab.lab.projections import FusedDecode
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
 from nanolab.model.config import ModelConfig
@@ -45,6 +46,8 @@ class Lever:
     pinned: bool = True  # step inputs staged in pinned memory (`kv_cache.stage`); False re-runs the pageable copies
     compile: bool = False  # inductor over the graphed step (`runner.compile_decode`)
     async_scheduling: bool = False  # launch step t + 1 before reading back step t (`Engine`)
+    fused: bool = False  # up to 16 rows, the fused projections (`runner.FusedDecode`), the compiled step past that
+    pdl: bool = False  # the fused step's kernels launched as programmatic dependents (`kernels.pdl`)
 
 
 # Cumulative: each arm keeps every lever before it. The Triton GEMV is measured alone against
@@ -54,6 +57,8 @@ ARMS = (
     Lever("+ pinned step inputs"),
     Lever("+ inductor", compile=True),
     Lever("+ async scheduling", compile=True, async_scheduling=True),
+    Lever("+ fused projections", compile=True, async_scheduling=True, fused=True),
+    Lever("+ PDL", compile=True, async_scheduling=True, fused=True, pdl=True),
 )
 DEFAULT_ARMS = ARMS
 
@@ -79,9 +84,10 @@ def staging(pinned: bool):
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
-    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "_gemv", "_sum_splits")),
+    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "_gemv", "_sum_splits", "_norm_qkv_rope",
+                     "_norm_gate_up", "_norm_head")),
     ("attention read", ("_paged_decode", "_merge_splits")),
-    ("sampling", ("argmax", "reduce_kernel")),
+    ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
     ("norms", ("layer_norm", "rms")),
     ("fused by inductor", ("triton_",)),
     ("copies and indexing", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill", "scatter")),
@@ -100,6 +106,8 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
     start = time.perf_counter()
     forward = compile_decode(model) if lever.compile else None
+    if lever.fused:
+        forward = FusedDecode(model, forward, pdl=lever.pdl)
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
                     async_scheduling=lever.async_scheduling, enable_chunked_prefill=False,  # see `timing.prefill`
                     **engine_kwargs)
@@ -317,6 +325,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("levers", "projections", "agreement"), default=None)
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
+    parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
+                        "32@128, 64@128, 32@2048)")
+    parser.add_argument("--stem", default="day61", help="table names' prefix: a partial run under its own name "
+                        "leaves the full tables as they are")
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """"1@128,8@128" -> ((1, 128), (8, 128)); refuses anything else, naming --shapes."""
+    try:
+        shapes = tuple(tuple(int(x) for x in part.split("@")) for part in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise ValueError(f"--shapes: expected batch@context pairs such as 1@128,8@128, got {text!r}")
+    return shapes
 
 
 def main(args: argparse.Namespace) -> int:
@@ -332,27 +355,29 @@ def main(args: argparse.Namespace) -> int:
     tables = {}
 
     def keep(new: dict[str, pd.DataFrame]) -> None:  # saved as they come: a later arm's failure loses nothing
+        new = {name.replace("day61", args.stem, 1): table for name, table in new.items()}
         for name, table in new.items():
             print(f"{name}: {save_table(table, name, label)}", flush=True)
         tables.update(new)
 
     if args.only == "agreement":
         keep({"day61_fp32_agreement": fp32_agreement(path)})
-        print(tables["day61_fp32_agreement"].to_string(index=False))
+        print(tables[f"{args.stem}_fp32_agreement"].to_string(index=False))
         return 0
     if args.only != "levers":
         keep({"day61_projections": projection_table(ModelConfig.from_dir(path), dtype)})
     if args.only != "projections":
         arms = DEFAULT_ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
-        keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats))
+        shapes = {} if args.shapes is None else {"shapes": parse_shapes(args.shapes)}
+        keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats, **shapes))
     fmt = dict(index=False, float_format=lambda x: f"{x:.3f}")
-    if "day61_projections" in tables:
-        p = tables["day61_projections"]
+    if f"{args.stem}_projections" in tables:
+        p = tables[f"{args.stem}_projections"]
         best = p[p.arm.str.startswith("gemv")].sort_values("us").groupby(["projection", "rows"]).head(1)
         print(best.to_string(**fmt))
         print(p[p.arm.isin(("cublas", "gemv"))].pivot_table(index=["projection", "rows"], columns="arm",
                                                              values="us").to_string(float_format="{:.1f}".format))
-    for name in ("day61_parts", "day61_lever_agreement", "day61_levers"):
+    for name in (f"{args.stem}_parts", f"{args.stem}_lever_agreement", f"{args.stem}_levers"):
         if name in tables:
             print(tables[name].to_string(**fmt))
     print(label.caption())

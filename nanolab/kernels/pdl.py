@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (Hopper's PDL), for kernels that run back to back in a CUDA graph.
+Day 61.
+
+A kernel launched with `launch_pdl=True` may start while the kernel before it is still running,
+as soon as every program of that one has called `griddepcontrol.launch_dependents`. It must then
+wait (`griddepcontrol.wait`) before it reads anything its predecessors wrote; what it does before
+the wait (address arithmetic, prefetching constant weights) overlaps the predecessor's tail and the
+launch gap.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+from triton import jit
+
+from nanolab.kernels import INTERPRETED
+
+
+@jit
+def dependent_launch(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible. Nothing when not PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@jit
+def release_dependents(PDL: tl.constexpr):
+    """Let the next kernel launch once every program here has passed this point: it can only
+    prefetch until it waits in turn, and its wait does not return before this kernel has finished.
+    A kernel that never calls it releases the next one as its programs exit."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def supports_pdl(device: torch.device | str) -> bool:
+    """Whether kernels on `device` can launch as programmatic dependents: compiled (not Triton's
+    interpreter) on a GPU of compute capability 9.0 or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (9, 0)
