@@ -428,9 +428,15 @@ print(f"batch 8: HF eager / nanolab = {t[('hf-eager', 8)] / t[('nanolab', 8)]:.2
 
 # %% [markdown]
 # The TTFT target is missed. A 2,048-token prefill is one large batch of matmuls, and both
-# engines hand those to cuBLAS. Nothing in this chapter touched the prefill, and HF's eager
-# prefill was already close to nanolab's. At eight prompts nanolab was no faster than HF's eager
-# path.
+# engines hand those to cuBLAS. What the prefill could lose was the work between them, which runs
+# eagerly: the rotary embedding was five strided kernels over the fused q/k/v output, and SwiGLU two
+# more over halves of gate/up. `kernels.elementwise` does each in one Triton kernel, and the model
+# calls them when it runs eagerly on a GPU (under `torch.compile` it keeps the torch ops, which
+# inductor fuses). That took about 2 ms off the batch-1 TTFT measured before them, short of the
+# 1.5x. Two parts remain: the varlen read, which has not been tuned and which a profile of the
+# prefill put at about a quarter of its GPU time, and the host's share. FlashAttention's varlen kernel, as this
+# torch exposes it, was tried for steps of fresh prompts; it made the prefill slower, not faster,
+# and is not used. Compiling the prefill is the next lever.
 #
 # ## Under load: chunked prefill
 #
@@ -578,9 +584,13 @@ for gate in gates:
 #   its graph. On this machine it decoded exactly the synchronous engine's tokens.
 # - **A Triton GEMV** at best roughly tied cuBLAS, so it stays a measurement. The
 #   projections are now the bulk of the step, and they stream the weights below the copy's rate.
+# - **Fused projections with PDL** removed the small kernels and shortened their own replay, but
+#   read the big matrices too slowly to beat the compiled step; they stay in the lab. The
+#   **two-pass argmax** from the same run took the greedy pick from 27 us a step to 3, and stays.
 # - **Against the peers**, nanolab's step is the fastest measured at every batch, at a nearly
 #   constant multiple of the floor. Of the issue's step targets it meets only the long-context
-#   one, and the printed ratios say by how much it misses the others. The TTFT target is missed.
+#   one, and the printed ratios say by how much it misses the others. The TTFT target is missed,
+#   less widely since the prefill's elementwise work went into two Triton kernels.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it
 #   decoded the whole-prompt engine's tokens. The tail aim is still missed, because mixed steps
 #   run eagerly. A graphed or compiled varlen step is the next lever.

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanolab.kernels import INTERPRETED
+from nanolab.kernels.elementwise import rope_, silu_mul
 from nanolab.model.config import ModelConfig
 
 
@@ -76,9 +78,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def eager_on_gpu(x: torch.Tensor) -> bool:
+    """Whether x's forward runs eagerly on a GPU, where one Triton kernel beats a chain of torch
+    ops (`kernels.elementwise`); under torch.compile inductor fuses the torch ops itself."""
+    return x.is_cuda and not INTERPRETED and not torch.compiler.is_compiling()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [rows, T, heads, head_dim], rotated in halves (the Hugging Face layout, whose Q and K
-    rows are already permuted for it)."""
+    rows are already permuted for it). Eagerly on a GPU, in place in one kernel (`rope_`)."""
+    if eager_on_gpu(x):
+        return rope_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -92,5 +102,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if eager_on_gpu(gate_up):
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
