@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.kv_cache import READS, kv_bytes_per_block
@@ -24,6 +23,7 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
 from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
+from nanolab.progress import progress_bar
 from nanolab.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -255,7 +255,7 @@ class LLM:
                             f"got {type(prompts).__name__}")
         seqs = self._add_all(prompts, sampling_params)
         try:
-            with tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            with progress_bar(total=len(seqs), desc="generate", unit="req", enabled=use_tqdm) as bar:
                 while any(not s.finished for s in seqs):
                     bar.update(sum(out.finished for out in self._step()))
         finally:

@@ -35,3 +35,16 @@ if [[ ! -f "$cache/smollm2-135m/model.safetensors" ]]; then
     echo "setup: preparing smollm2-135m weights in $cache"
     python -m nanolab weights smollm2-135m
 fi
+
+# The book's browser test drives Debian's chromium through Playwright (whose own browser download
+# cannot be relied on). Install it where we may; elsewhere tests/test_book.py skips and says why.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing Debian's chromium for the browser test"
+        apt-get install -y -qq chromium >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } ||
+            echo "setup: could not install chromium; the browser test will skip"
+    else
+        echo "setup: chromium is missing and this is not a root shell with apt; the browser test will skip"
+    fi
+fi

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# README command 2: lint, unit tests, then every notebook executed top to bottom (its asserts are the gates).
+# README command 2: lint, unit tests, every notebook executed top to bottom (its asserts are the gates),
+# then the book built and opened in headless Chromium (tests/test_book.py).
 # Extra arguments go to the unit-test pytest run, e.g. `scripts/test.sh -k weights`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"   # cds to the repo root, activates .venv
@@ -13,7 +14,7 @@ step() {
 }
 
 step "ruff" ruff check .
-step "unit tests" python -m pytest -q tests/ "$@"
+step "unit tests" python -m pytest -q tests/ --ignore=tests/test_book.py "$@"
 
 # nbval collects only .ipynb: convert the jupytext notebooks into a scratch folder outside notebooks/
 # (nanolab resolves data/ and figures/ from the package, so the notebooks' cwd does not matter).
@@ -28,6 +29,10 @@ if ((${#notebooks[@]})); then
     done
     step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider "$nbdir"/*.ipynb
 fi
+
+# The book, built from scratch (every chapter rerun), then read in a browser: pages, images, search.
+step "book" scripts/book.sh
+step "browser" python -m pytest -q -rs -p no:cacheprovider tests/test_book.py
 
 if ((${#failed[@]})); then
     echo "test: FAILED: ${failed[*]}" >&2

@@ -184,3 +184,14 @@ def test_turning_async_off_mid_flight_reads_the_step_back(sharp_gqa24):
         engine.step()
     assert len(seq.output_token_ids) == 6 and seq.finish_reason == "length"
     check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_a_full_engine_keeps_overlapping_while_requests_wait(sharp_gqa24):
+    """Every row taken and more requests queued: nothing can be admitted until a row frees, so the
+    engine keeps launching each step before reading the last back, and still decodes exactly what
+    the synchronous engine does."""
+    sync, fast, spy = engines(sharp_gqa24.model, num_blocks=64, max_num_seqs=2)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 12, 6, 5)]
+    assert outcome(run(fast, prompts, params)) == outcome(run(sync, prompts, params))
+    assert spy.device_fed >= 10, f"only {spy.device_fed} steps overlapped while requests waited for a row"

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import KVCache
 from nanolab.engine.plan import DecodePlan
+from nanolab.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if shared_pool else None
         start = time.perf_counter()
         shapes = self.buckets.shapes
-        for batch, width in tqdm(shapes, desc="capturing decode graphs", unit="graph", disable=not progress):
+        for batch, width in progress_bar(shapes, desc="capturing decode graphs", unit="graph", enabled=progress):
             plan = self.cache.plan_decode((), batch_size=batch, width=width)  # all padding: writes the sink only
             ids = self.ids[:batch]
             with torch.inference_mode():

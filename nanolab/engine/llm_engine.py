@@ -361,10 +361,12 @@ class Engine:
 
     def _continuing(self, prev: _InFlight) -> list[Sequence] | None:
         """The rows of the in-flight step that can decode again without the scheduler: every
-        running request is among them, nothing waits to be admitted, the pool has the blocks,
-        and a request whose in-flight token reaches its length limit is left out."""
+        running request is among them, nothing waiting could be admitted (a request waits on a
+        free row as long as every row is taken), the pool has the blocks, and a request whose
+        in-flight token reaches its length limit is left out."""
         running = self.scheduler.running
-        if self.scheduler.waiting or len(running) > len(prev.seqs):
+        admissible = self.scheduler.waiting and self.block_manager.free_row_count() > 0
+        if admissible or len(running) > len(prev.seqs):
             return None
         members = {id(s) for s in prev.seqs}
         if any(id(s) not in members for s in running):

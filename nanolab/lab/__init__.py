@@ -11,6 +11,8 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `history`: the unplanned decode (Days 49 and 50's "before"), as a runner the engine accepts
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
 - `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
+- `levers`, `floorbench`, `gemv`, `projections`: Day 61's levers, the peers, and what was not kept
+- `results`: the front page's figure and the results page, from the committed tables
 """
 
 import importlib
@@ -33,8 +35,10 @@ _EXPORTS = {
                           "plot_decode_speed", "plot_floor_roofline", "plot_launch_sweep", "plot_lever_waterfall",
                           "plot_projections", "plot_streamed_engine", "plot_streamed_read"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
+    "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
+    "nanolab.lab.results": ["CHAPTERS", "headline_table"],
     "nanolab.lab.report": ["chapter_run", "chapter_target", "committed_tables", "figure_path", "load_table",
                            "run_label", "save_figure", "save_table", "show", "table_label"],
     "nanolab.lab.streambench": ["kernel_agreement", "launch_rule", "mapping_read", "read_batch", "run_streambench"],

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from nanolab import Engine, load_model
 from nanolab.engine.block_manager import cdiv
@@ -31,6 +30,7 @@ from nanolab.engine.graphs import DecodeGraphs
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.reference import engine_greedy, load_hf
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_hf
+from nanolab.progress import progress_bar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 2048)
@@ -144,7 +144,7 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
     hf = load_hf(model_path, dtype, device, attn_implementation="sdpa")
     records = []
     jobs = [(c, b) for c in contexts for b in batches]
-    for context, batch in tqdm(jobs, desc="capture bench", disable=not progress):
+    for context, batch in progress_bar(jobs, desc="capture bench", enabled=progress):
         prompts = random_prompts(batch, context - steps, config.vocab_size)
         floor = (weights + kv_read_bytes(config, batch, context, dtype)) / bandwidth * 1000
         timings = [time_engine(engine, prompts, steps, repeats, arm) for arm, engine in arms.items()]

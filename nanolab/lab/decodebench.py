@@ -25,12 +25,12 @@ def decode_table(llm: LLM, batches: list[int], prompt_len: int, steps: int, hf_c
                  repeats: int = 3, progress: bool = True) -> pd.DataFrame:
     """One row per (engine, batch): ms/step, tokens/s and the ratio of nanolab's tokens/s to each
     HF arm's. HF is loaded once, beside nanolab, from the same folder and in the same dtype."""
-    from tqdm.auto import tqdm
+    from nanolab.progress import progress_bar
 
     hf = load_hf(llm.path, llm.dtype, llm.device)
     timings: list[DecodeTiming] = []
     jobs = [(b, arm) for b in batches for arm in ("nanolab", *hf_caches)]
-    for batch, arm in tqdm(jobs, desc="decode bench", disable=not progress):
+    for batch, arm in progress_bar(jobs, desc="decode bench", enabled=progress):
         prompts = random_prompts(batch, prompt_len, llm.config.vocab_size)
         if arm == "nanolab":
             timings.append(time_engine(llm.engine, prompts, steps, repeats))

@@ -360,9 +360,8 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     gpt-fast. `gpt_fast` is the checkout for the gpt-fast arm. `bandwidth` (bytes/s) defaults to
     `copy_bandwidth` measured now. `on_row` gets the tables so far after each row (to save them,
     so a run cut off by a time limit keeps what it measured)."""
-    from tqdm.auto import tqdm
-
     from nanolab.lab.reference import load_hf
+    from nanolab.progress import progress_bar
 
     device, config, vocab = llm.device, llm.config, llm.config.vocab_size
     arms = list(arms)
@@ -384,8 +383,8 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     plan = [(name, lambda name=name: setup(name)) for name in arms]
     plan += [(arm.name, lambda arm=arm: arm) for arm in extra_arms]
     timed_ttft = [name != "gpt-fast" for name, _ in plan]  # gpt-fast's loop has no TTFT row
-    bar = tqdm(total=len(plan) * len(shapes) + sum(timed_ttft) * len(ttft_cases), desc="floor bench",
-               disable=not progress)
+    bar = progress_bar(total=len(plan) * len(shapes) + sum(timed_ttft) * len(ttft_cases), desc="floor bench",
+                       enabled=progress)
     decode_rows, ttft_rows = [], []
 
     def done(n: int = 1) -> None:

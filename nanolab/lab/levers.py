@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from nanolab import Engine, load_model
 from nanolab.engine import kv_cache as kv_cache_module
@@ -38,6 +37,7 @@ from nanolab.lab.projections import FusedDecode
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
 from nanolab.model.config import ModelConfig
+from nanolab.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     weights = weight_bytes(model)
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
-    for lever in tqdm(arms, desc="levers", disable=not progress):
+    for lever in progress_bar(arms, desc="levers", enabled=progress):
         with staging(lever.pinned):
             engine, build_s = lever_engine(model, lever, **kw)
             for batch, context in shapes:
@@ -291,7 +291,7 @@ def projection_table(config, dtype=torch.bfloat16, rows=(1, 2, 4, 8, 16), sweep_
     device = torch.device("cuda")
     jobs = [(name, nk, m) for name, nk in projection_shapes(config).items() for m in rows]
     records = []
-    for name, (n, k), m in tqdm(jobs, desc="projections", disable=not progress):
+    for name, (n, k), m in progress_bar(jobs, desc="projections", enabled=progress):
         records += _time_projection(name, n, k, m, dtype, device, m in sweep_rows, repeats)
     df = pd.DataFrame(records)
     df["chosen"] = [a == "gemv" for a in df.arm]

@@ -3,6 +3,7 @@ chapters compare the two through one pair of functions."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,8 +16,14 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32, device="cpu", attn_i
     """transformers' model for a nanolab weights folder, never stopping on EOS by itself (greedy
     comparisons decode exactly the tokens asked for). Eager attention by default, the plainest
     reference for parity; timings may ask for "sdpa", transformers' own default."""
-    from transformers import AutoModelForCausalLM
+    with warnings.catch_warnings():
+        # transformers imports tqdm.auto, which warns in a notebook without ipywidgets; the bar it
+        # would draw while loading is switched off below, so nothing is lost.
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     model.generation_config.eos_token_id = None
     return model.to(device).eval()

@@ -213,13 +213,13 @@ def tune(shapes: dict[str, list[int]] = TUNE_SHAPES, variants=("head", "gqa", "s
     """Time the table-addressed read (the engine's) at every launch setting of `launch_grid`: one row
     per (shape, variant, block, num_warps, num_stages, splits). The default launch,
     `kernels.paged_attention.choose_launch`, is read off this table."""
-    from tqdm.auto import tqdm
+    from nanolab.progress import progress_bar
 
     device = torch.device(device)
     jobs = [(label, v, cfg) for label, lengths in shapes.items() for v in variants
             for cfg in launch_grid(v, len(lengths))]
     records, b, batch_label = [], None, None
-    for label, variant, (block, warps, stages, splits) in tqdm(jobs, desc="launch sweep", disable=not progress):
+    for label, variant, (block, warps, stages, splits) in progress_bar(jobs, desc="launch sweep", enabled=progress):
         if label != batch_label:  # jobs come shape by shape: one batch in memory at a time
             b, batch_label = None, label
             b = read_batch(shapes[label], dtype=dtype, device=device, page=page)

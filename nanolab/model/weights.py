@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from nanolab.model.config import PRESETS, ModelConfig
 from nanolab.model.tokenizer import write_byte_tokenizer
+from nanolab.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def synthesize_weights(config: ModelConfig, out_dir: Path | str, *, dtype: torch
 
     gen = torch.Generator().manual_seed(seed)
     desc = f"synthesizing {preset or out_dir.name}"
-    bar = tqdm(total=len(shapes), desc=desc, unit="tensor", disable=not progress)
+    bar = progress_bar(total=len(shapes), desc=desc, unit="tensor", enabled=progress)
     for file, names in zip(files, shards, strict=True):
         tensors = {}
         for name in names:

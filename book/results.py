@@ -1,0 +1,29 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Results
+#
+# Each chapter's headline numbers, read from the tables committed in `data/` by
+# `nanolab.lab.results`. Nothing on this page is typed by hand: every value is computed from its
+# source file when the book is built, and every row carries the label of the run that measured it.
+
+# %%
+import nanolab.lab as lab
+
+table, missing = lab.headline_table("h200")
+lab.show(table.set_index(["chapter", "result"]))
+for source in missing:
+    print(f"not shown, no table: {source}")
+
+# %% [markdown]
+# The model column says whether the weights were real or synthesized at the real shapes: a
+# synthesized model's speed is the real one's, its outputs are meaningless. Ratios read as the
+# peer's time over nanolab's, so above 1 means nanolab is faster.

@@ -1,0 +1,133 @@
+"""The book's results page and front-page figure, generated from the committed tables in data/.
+
+`headline_table` reads each chapter's headline numbers from its CSV, one row per result, each with
+the label of the run that measured it (device, model, dtype, date). Nothing here is typed: a result
+whose table is not in data/ is left out, and the page says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from nanolab.lab.report import load_table, table_label
+
+# The chapters, by notebook, with their titles.
+CHAPTERS = {
+    "00_engine": "The engine before the compiler",
+    "49_compile_guards": "Day 49: the compiler fighting the engine",
+    "50_decode_plan": "Day 50: the addressing moves out of the forward",
+    "54_capture_buckets": "Days 51 to 56: capture buckets",
+    "58_graphbench": "Day 58: graphbench, the server under load",
+    "59_streamed_kernel": "Days 59 and 60: the streamed kernel",
+    "61_the_floor": "Day 61: the floor",
+}
+
+
+@dataclass(frozen=True)
+class Headline:
+    chapter: str  # the notebook that shows it, a key of CHAPTERS
+    stem: str  # the table, data/<stem>_<slug>.csv
+    result: str  # what the number is
+    value: Callable[[pd.DataFrame], str]  # the number, formatted, computed from the table
+
+
+def _at(df: pd.DataFrame, **where) -> pd.Series:
+    """The one row of `df` whose columns equal `where`."""
+    mask = pd.Series(True, index=df.index)
+    for col, value in where.items():
+        mask &= df[col] == value
+    rows = df[mask]
+    if len(rows) != 1:
+        raise LookupError(f"{len(rows)} rows match {where}")
+    return rows.iloc[0]
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f} ms"
+
+
+def _peer_over_nanolab(t: pd.DataFrame, arm: str) -> str:
+    """A floor-bench peer's step over nanolab's at batches 1 and 8, context 128."""
+    return ", ".join(f"{_at(t, arm=arm, batch=b, context=128).nanolab_speedup:.2f}x" for b in (1, 8))
+
+
+def _builds(row: pd.Series) -> str:
+    fell = "fell back to eager" if bool(row["fell back"]) else "no fallback"
+    builds = int(row.builds)
+    return f"{builds} build{'s' if builds != 1 else ''} for {int(row.shapes)} shapes, {fell}"
+
+
+def _graphs_over_eager(t: pd.DataFrame) -> str:
+    rate = t[t.arm == "eager"].rate.max()
+    top = t[t.rate == rate].set_index("arm")
+    return f"{top.loc['graphs'].output_throughput / top.loc['eager'].output_throughput:.2f}x at {rate:g} req/s"
+
+
+def _host_cells(t: pd.DataFrame) -> str:
+    row = _at(t, steps=512)
+    return f"{row['day 51 ratio']:.4f} (Day 50 rebuilt {row['day 50 ratio']:.1f})"
+
+
+HEADLINES = (
+    Headline("49_compile_guards", "day49_compilebench",
+             "torch.compile (dynamic) over the unplanned decode step: graphs built, and whether it fell back",
+             lambda t: _builds(_at(t, mode="dynamic"))),
+    Headline("50_decode_plan", "day50_compilebench",
+             "torch.compile (dynamic) over the planned step: graphs built, and the step against eager",
+             lambda t: f"{_builds(_at(t, mode='dynamic'))}, {_at(t, mode='dynamic').speedup:.2f}x eager's speed"),
+    Headline("54_capture_buckets", "day51_rebuild",
+             "block-table cells the host writes per cell a sequence appends, over 512 steps",
+             _host_cells),
+    Headline("54_capture_buckets", "day54_decode",
+             "graphed decode step at batch 1, context 128; and over HF's eager static cache",
+             lambda t: (f"{_ms(_at(t, arm='nanolab graphs', batch=1, context=128).ms_per_step)}, "
+                        f"{_at(t, arm='nanolab graphs', batch=1, context=128).speedup_vs_hf_static:.1f}x")),
+    Headline("58_graphbench", "day58_graphbench",
+             "output tokens/s through the real server at the highest rate both arms ran, CUDA graphs over eager",
+             _graphs_over_eager),
+    Headline("59_streamed_kernel", "day59_streambench",
+             "paged read of 64 rows x 8,192 tokens: the streamed kernel over the torch reference",
+             lambda t: f"{t[(t['shape'] == '64 x 8192') & (t.arm != 'reference')].x_reference.max():.1f}x"),
+    Headline("59_streamed_kernel", "day60_decode",
+             "graphed decode step with the streamed read at batch 1, context 128",
+             lambda t: _ms(_at(t, arm="nanolab graphs, streamed read", batch=1, context=128).ms_per_step)),
+    Headline("61_the_floor", "day61_floor",
+             "decode step at batch 1, context 128, and over the bandwidth floor",
+             lambda t: (lambda r: f"{_ms(r.ms_per_step)}, {r.x_floor:.2f}x the floor")(
+                 _at(t, arm="nanolab", batch=1, context=128))),
+    Headline("61_the_floor", "day61_floor",
+             "HF transformers' default (compiled) static cache over nanolab, batch 1 and 8",
+             lambda t: _peer_over_nanolab(t, "hf-default")),
+    Headline("61_the_floor", "day61_floor",
+             "gpt-fast (compiled) over nanolab, batch 1 and 8",
+             lambda t: _peer_over_nanolab(t, "gpt-fast")),
+    Headline("61_the_floor", "day61_ttft",
+             "time to first token, one 2,048-token prompt; HF's default path over nanolab",
+             lambda t: (f"{_ms(_at(t, arm='nanolab', batch=1).ttft_ms)}, "
+                        f"{_at(t, arm='hf-default', batch=1).nanolab_speedup:.2f}x")),
+)
+
+
+def headline_table(slug: str = "h200", headlines=HEADLINES) -> tuple[pd.DataFrame, list[str]]:
+    """One row per headline whose table exists on device `slug`: chapter, result, value, the source
+    file, and its run label. Also the source files that were missing, or did not hold the row."""
+    rows, missing = [], []
+    for h in headlines:
+        table = load_table(h.stem, slug)
+        source = f"data/{h.stem}_{slug}.csv"
+        if table is None:
+            missing.append(source)
+            continue
+        try:
+            value = h.value(table)
+        except (LookupError, KeyError, ValueError) as e:
+            missing.append(f"{source} ({e})")
+            continue
+        label = table_label(table)
+        rows.append({"chapter": CHAPTERS[h.chapter], "result": h.result, "value": value, "device": label.device,
+                     "model": f"{label.model} ({label.weights} weights)", "dtype": label.dtype, "date": label.date,
+                     "source": source})
+    return pd.DataFrame(rows), missing

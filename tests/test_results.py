@@ -1,0 +1,43 @@
+"""The results page and the front page's figure (`lab.results`, `lab.plots.results`): built from the
+committed tables, every value computed and labelled, and a missing table reported, not invented."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from nanolab.lab import plots
+from nanolab.lab.report import load_table
+from nanolab.lab.results import CHAPTERS, HEADLINES, Headline, headline_table
+
+
+def test_every_committed_headline_is_computed_and_labelled():
+    table, missing = headline_table("h200")
+    assert not missing, f"headlines whose committed table is missing or lacks the row: {missing}"
+    assert len(table) == len(HEADLINES)
+    assert set(table.chapter) <= set(CHAPTERS.values())
+    for col in ("value", "device", "model", "dtype", "date", "source"):
+        assert table[col].astype(str).str.len().min() > 0, f"an empty {col}"
+    floor = load_table("day61_floor", "h200")
+    ours = floor[(floor.arm == "nanolab") & (floor.batch == 1) & (floor.context == 128)].iloc[0]
+    row = table[table.source.str.endswith("day61_floor_h200.csv")].iloc[0]
+    assert row.value.startswith(f"{ours.ms_per_step:.3f} ms"), "the value is not the table's"
+
+
+def test_a_missing_table_is_reported_not_shown():
+    extra = Headline("61_the_floor", "day99_nothing", "a table nobody measured", lambda t: "x")
+    table, missing = headline_table("h200", HEADLINES[:1] + (extra,))
+    assert len(table) == 1 and missing == ["data/day99_nothing_h200.csv"]
+
+
+def test_a_table_without_the_row_is_reported():
+    wrong = Headline("61_the_floor", "day61_floor", "batch 3", lambda t: str(t[t.batch == 3].iloc[0].ms_per_step))
+    table, missing = headline_table("h200", (wrong,))
+    assert table.empty and missing and "day61_floor_h200.csv" in missing[0]
+
+
+def test_the_headline_figure_draws_every_arm_and_the_floor():
+    floor, roofline = load_table("day61_floor", "h200"), load_table("day61_roofline", "h200")
+    fig = plots.plot_headline(floor, roofline)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert len(labels) == floor.arm.nunique() + 1 and any("floor" in t for t in labels)
+    assert isinstance(floor, pd.DataFrame)
