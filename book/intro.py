@@ -33,7 +33,7 @@ label = lab.table_label(floor[floor.arm == "nanolab"])
 print(f"measured on: {label.caption()}")
 
 # %%
-fig = lab.plot_headline(floor, roofline)
+fig = lab.caption_figure(lab.plot_headline(floor, roofline), label)
 if not lab.figure_path("headline", "h200").exists():  # drawn from the committed H200 tables
     lab.save_figure(fig, "headline", label)
 lab.show(fig)

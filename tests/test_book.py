@@ -83,6 +83,7 @@ def test_every_page_loads_clean(book, browser, source):
         broken = [src for src, ok in images if not ok]
         assert not broken, f"{source}: images that did not load: {broken}"
         text = main.inner_text()
+        assert "<Figure size" not in text, f"{source}: a figure shows as text instead of an image"
         assert not TRACEBACK.search(text), f"{source}: a traceback shows near {_around(text, TRACEBACK)!r}"
         errors = page.locator("main div.output.traceback, main div.output.error").count()
         assert not errors, f"{source}: {errors} error outputs show"

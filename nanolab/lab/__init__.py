@@ -39,8 +39,8 @@ _EXPORTS = {
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
-    "nanolab.lab.report": ["chapter_run", "chapter_target", "committed_tables", "figure_path", "load_table",
-                           "run_label", "save_figure", "save_table", "show", "table_label"],
+    "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
+                           "load_table", "run_label", "save_figure", "save_table", "show", "table_label"],
     "nanolab.lab.streambench": ["kernel_agreement", "launch_rule", "mapping_read", "read_batch", "run_streambench"],
     "nanolab.lab.timing": ["drain", "prefill", "random_prompts", "time_engine", "timed_steps"],
 }

@@ -9,9 +9,11 @@ notebook show both side by side (`committed_tables`).
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import re
+import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -194,12 +196,18 @@ def committed_tables(stem: str) -> dict[str, pd.DataFrame]:
     return tables
 
 
-def save_figure(fig, stem: str, label: RunLabel) -> Path:
-    """Put `label.caption()` under `fig` and write figures/<stem>_<slug>.png."""
+def caption_figure(fig, label: RunLabel):
+    """Put `label.caption()` under `fig` (replacing an earlier one); returns fig."""
     for text in [t for t in fig.texts if t.get_gid() == _CAPTION_GID]:
         text.remove()
     # y=0 with va="top" hangs the footer just below the figure; bbox_inches="tight" grows the canvas to fit.
     fig.text(0.5, 0.0, label.caption(), ha="center", va="top", fontsize=7, color="0.35", gid=_CAPTION_GID)
+    return fig
+
+
+def save_figure(fig, stem: str, label: RunLabel) -> Path:
+    """Put `label.caption()` under `fig` and write figures/<stem>_<slug>.png."""
+    caption_figure(fig, label)
     path = figure_path(stem, label.device_slug)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -207,10 +215,23 @@ def save_figure(fig, stem: str, label: RunLabel) -> Path:
 
 
 def show(obj) -> None:
-    """`display` in a notebook; `print` where IPython is absent (the GPU box runs notebooks as scripts)."""
+    """`display` in a notebook; `print` where IPython is absent (the GPU box runs notebooks as scripts).
+
+    A matplotlib figure is shown as a PNG, drawn here: a `Figure` made without pyplot has no rich
+    display of its own, and one made with pyplot is closed after, so the inline backend does not
+    show it a second time."""
     try:
-        from IPython.display import display
+        from IPython.display import Image, display
     except ImportError:
         print(obj)
-    else:
+        return
+    from matplotlib.figure import Figure
+
+    if not isinstance(obj, Figure):
         display(obj)
+        return
+    png = io.BytesIO()
+    obj.savefig(png, format="png", dpi=100, bbox_inches="tight")
+    display(Image(data=png.getvalue()))
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close(obj)
