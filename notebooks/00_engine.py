@@ -30,44 +30,17 @@
 # Llama-3.2-1B shapes in bf16 (random weights unless you point `NANOLAB_MODEL` at a real folder).
 
 # %%
-import gc
+import nanolab.lab as lab
+from nanolab import LLM, SamplingParams
 
-import pandas as pd
-import torch
-
-from nanolab import LLM, Engine, SamplingParams, load_model
-from nanolab.lab import (
-    chapter_target,
-    committed_tables,
-    decode_table,
-    hf_greedy,
-    load_hf,
-    load_table,
-    nanolab_greedy,
-    plot_block_tables,
-    plot_decode_speed,
-    run_label,
-    save_figure,
-    save_table,
-    show,
-    table_label,
-)
-
-DEVICE, MODEL, DTYPE = chapter_target(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE = lab.chapter_target(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-# CPU sizes keep the chapter inside CI's budget on two cores; the GPU sizes are the real ones.
-BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU else \
-    dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)
-PARITY_TOKENS = 32 if ON_GPU else 24
-# What each HF arm of the decode bench runs: transformers' eager path, both (`lab.timing.time_hf`).
-HF_ARMS = {"hf-static": "HF static, eager (disable_compile=True)", "hf-dynamic": "HF dynamic, eager (default cache)"}
-
-# This chapter is the engine before the compiler, before CUDA graphs (Days 54-56) and before the
-# streamed read (Day 59, the CUDA default since): eager steps over the reference read.
+# The engine before the compiler, CUDA graphs (Days 54-56) and the streamed read (Day 59).
 llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, enforce_eager=True, read="reference")
-label = run_label(DEVICE, MODEL, DTYPE, weights=llm.weights_kind)
-print(label.caption())
-print(f"KV pool: {llm.engine.kv_cache.num_blocks} blocks of {llm.engine.kv_cache.block_size} tokens")
+label = lab.run_label(DEVICE, MODEL, DTYPE, weights=llm.weights_kind)
+print(label.caption().replace("; ", ";\n"))
+kv = llm.engine.kv_cache
+print(f"KV pool: {kv.num_blocks} blocks of {kv.block_size} tokens")
 
 # %% [markdown]
 # ## Generating text
@@ -77,9 +50,11 @@ print(f"KV pool: {llm.engine.kv_cache.num_blocks} blocks of {llm.engine.kv_cache
 # the whole batch.
 
 # %%
+import pandas as pd
+
 prompts = ["The capital of France is", "A paged KV cache stores", "def fibonacci(n):"]
 outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-show(pd.DataFrame({
+lab.show(pd.DataFrame({
     "prompt": prompts,
     "completion": [o.text for o in outputs],
     "new tokens": [len(o.token_ids) for o in outputs],
@@ -97,8 +72,8 @@ print(repr(answer.text), answer.finish_reason)
 if llm.weights_kind == "real" and MODEL == "smollm2-135m":
     assert "Paris" in answer.text and answer.finish_reason == "stop"
 
-for delta in llm.stream("Three facts about the Moon:", SamplingParams(temperature=0.7, top_p=0.9, seed=0,
-                                                                     max_tokens=40)):
+moon = SamplingParams(temperature=0.7, top_p=0.9, seed=0, max_tokens=40)
+for delta in llm.stream("Three facts about the Moon:", moon):
     print(delta, end="", flush=True)
 print()
 
@@ -114,22 +89,31 @@ print()
 # rectangle; Day 59 stops building it.
 
 # %%
+from nanolab import Engine
+
 demo = Engine(llm.model, num_blocks=48, block_size=4)
-texts = ["Paged attention splits", "Blocks return to the pool when a request ends, however it ends.", "Hi"]
-seqs = [demo.add_request(llm.tokenizer.encode(t), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-        for t in texts]
+texts = ["Paged attention splits",
+         "Blocks return to the pool when a request ends, however it ends.", "Hi"]
+greedy32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+seqs = [demo.add_request(llm.tokenizer.encode(t), greedy32) for t in texts]
 for _ in range(4):
     demo.step()
 demo.abort_request(seqs[1].request_id)
-late = demo.add_request(llm.tokenizer.encode("A late request joins mid-flight"),
-                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+late = demo.add_request(llm.tokenizer.encode("A late request joins mid-flight"), greedy32)
 for _ in range(3):
     demo.step()
 live = [seqs[0], seqs[2], late]
-fig = plot_block_tables(demo.kv_cache, [s.row for s in live], ["request 0", "request 2", "request 3 (late)"])
-save_figure(fig, "engine_block_tables", label)
-show(fig)
+fig = lab.plot_block_tables(demo.kv_cache, [s.row for s in live],
+                            ["request 0", "request 2", "request 3 (late)"])
+lab.save_figure(fig, "engine_block_tables", label)
+lab.show(fig)
 
+# %% [markdown]
+# *Figure 00.1: On the left, the pool's blocks, coloured by the request that owns them; on the
+# right, the read rectangle, one row per request. The late request's row names blocks that the
+# aborted one gave back, and the shorter row's hatched cells are padding that points at the sink.*
+
+# %%
 # Every block is owned once, and everything returns to the pool when the requests end.
 owned = [b for s in live for b in demo.kv_cache.blocks.table(s.row).blocks]
 assert len(owned) == len(set(owned)) == demo.block_manager.allocator.num_used
@@ -146,18 +130,26 @@ assert demo.block_manager.allocator.num_free == demo.kv_cache.num_blocks
 # transformers one at a time.
 
 # %%
-parity_model = llm.model if llm.dtype == torch.float32 else load_model(llm.path, dtype=torch.float32, device=DEVICE)
-hf = load_hf(llm.path, torch.float32, DEVICE)
+import gc
+
+import torch
+
+from nanolab import load_model
+
+PARITY_TOKENS = 32 if ON_GPU else 24
+parity_model = llm.model if llm.dtype == torch.float32 else \
+    load_model(llm.path, dtype=torch.float32, device=DEVICE)
+hf = lab.load_hf(llm.path, torch.float32, DEVICE)
 parity_prompts = [llm.tokenizer.encode(p) for p in prompts] + [llm.tokenizer.encode_chat(question)]
-ours = nanolab_greedy(parity_model, parity_prompts, PARITY_TOKENS)
-theirs = [hf_greedy(hf, p, PARITY_TOKENS) for p in parity_prompts]
+ours = lab.nanolab_greedy(parity_model, parity_prompts, PARITY_TOKENS)
+theirs = [lab.hf_greedy(hf, p, PARITY_TOKENS) for p in parity_prompts]
 
 
 def first_difference(a: list[int], b: list[int]) -> str:
     return next((str(i) for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), "none")
 
 
-show(pd.DataFrame({
+lab.show(pd.DataFrame({
     "prompt tokens": [len(p) for p in parity_prompts],
     "new tokens": [len(t) for t in ours],
     "first differing token": [first_difference(a, b) for a, b in zip(ours, theirs, strict=True)],
@@ -181,14 +173,22 @@ if ON_GPU:
 # default (on a CPU it does not). The last section sets nanolab against that default path.
 
 # %%
-df = decode_table(llm, BENCH["batches"], BENCH["prompt_len"], BENCH["steps"], repeats=BENCH["repeats"],
-                  progress=False)
-path = save_table(df, "engine_decode", label)
-show(df[["engine", "batch", "prompt_len", "steps", "ms_per_step", "tokens_per_s", "nanolab_speedup"]]
-     .replace({"engine": HF_ARMS}).round(2))
+# CPU sizes keep the chapter inside CI's budget on two cores; the GPU sizes are the real ones.
+BENCH = dict(batches=[1, 4, 16], prompt_len=128, steps=64, repeats=5) if ON_GPU else \
+    dict(batches=[1, 4, 16], prompt_len=32, steps=12, repeats=2)
+# What each HF arm of the decode bench runs: transformers' eager path, both (`lab.timing.time_hf`).
+HF_ARMS = {"hf-static": "HF static, eager (disable_compile=True)",
+           "hf-dynamic": "HF dynamic, eager (default cache)"}
+df = lab.decode_table(llm, BENCH["batches"], BENCH["prompt_len"], BENCH["steps"],
+                      repeats=BENCH["repeats"], progress=False)
+path = lab.save_table(df, "engine_decode", label)
+columns = ["engine", "batch", "prompt_len", "steps", "ms_per_step", "tokens_per_s",
+           "nanolab_speedup"]
+lab.show(df[columns].replace({"engine": HF_ARMS}).round(2))
 for arm, name in HF_ARMS.items():
     ratios = df[df.engine == arm].set_index("batch").nanolab_speedup
-    print(f"nanolab tokens/s over {name}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
+    print(f"nanolab tokens/s over {name}:\n  "
+          + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
 
 # %% [markdown]
 # The committed GPU run sits beside whatever this run measured: each panel is one device's table
@@ -196,19 +196,26 @@ for arm, name in HF_ARMS.items():
 # it. Both HF lines are transformers' eager path, on the GPU as on the CPU.
 
 # %%
-tables = committed_tables("engine_decode")
-fig = plot_decode_speed(tables)
+tables = lab.committed_tables("engine_decode")
+for slug, table in tables.items():
+    first = table.iloc[0]
+    print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, "
+          f"{first.date}")
+fig = lab.plot_decode_speed(tables)
 for ax in fig.axes:  # the lab's legend names an arm by its table key; say what ran
     for text in ax.get_legend().get_texts():
         text.set_text(HF_ARMS.get(text.get_text(), text.get_text()))
-save_figure(fig, "engine_decode", label)
-show(fig)
-for slug, table in tables.items():
-    first = table.iloc[0]
-    print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, {first.date}")
+lab.save_figure(fig, "engine_decode", label)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 00.2: Decode tokens per second against batch size, one panel per device. Look at the gap
+# between nanolab's line and the two HF eager lines in each panel: both sides run eagerly here.*
+
+# %%
 both = pd.concat([t.assign(device=slug) for slug, t in tables.items()])
-show(both.replace({"engine": HF_ARMS}).pivot_table(index=["device", "batch"], columns="engine",
-                                                   values="tokens_per_s").round(1))
+lab.show(both.replace({"engine": HF_ARMS}).pivot_table(index=["device", "batch"], columns="engine",
+                                                       values="tokens_per_s").round(1))
 
 # %% [markdown]
 # ## Against HF's default path, on the H200 (Day 61)
@@ -220,20 +227,22 @@ show(both.replace({"engine": HF_ARMS}).pivot_table(index=["device", "batch"], co
 # of that day, with CUDA graphs over the streamed read, not this chapter's eager engine. The
 # ratios against HF are those against its default path; the eager path stands beside them.
 # `x_floor` is the step over the bytes it must read at the copy bandwidth that its own process
-# measured; the lines above the table say which arms shared a process.
+# measured; the first table below says which arms shared a process.
 
 # %%
-floor = load_table("day61_floor", "h200")
-print(f"measured on: {table_label(floor).caption()}")
+floor = lab.load_table("day61_floor", "h200")
+print("measured on:", lab.table_label(floor).caption().replace("; ", ";\n  "))
 day61 = floor[floor.batch.isin([1, 8]) & (floor.context == floor.context.min())]
-for run, arms in day61.groupby("run").label.unique().items():
-    print(f"process of {run}: {', '.join(arms)}")
-assert (day61[day61.arm == "hf-default"].graphs_compiled > 0).all(), "HF's default arm did not compile"
-show(day61.pivot_table(index="label", columns="batch", values=["ms_per_step", "x_floor"])
-     .sort_values(("ms_per_step", 1)).round(3))
-speedups = day61[day61.arm != "nanolab"].pivot_table(index="label", columns="batch", values="nanolab_speedup")
-for peer, ratios in speedups.sort_values(1).iterrows():
-    print(f"nanolab over {peer}: " + ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratios.items()))
+processes = day61.groupby("run").label.unique().map(", ".join)
+with pd.option_context("display.max_colwidth", None):
+    lab.show(processes.rename("arms measured in the process").to_frame())
+compiled = day61[day61.arm == "hf-default"].graphs_compiled
+assert (compiled > 0).all(), "HF's default arm did not compile"
+lab.show(day61.pivot_table(index="label", columns="batch", values=["ms_per_step", "x_floor"])
+         .sort_values(("ms_per_step", 1)).round(3))
+speedups = day61[day61.arm != "nanolab"].pivot_table(index="label", columns="batch",
+                                                      values="nanolab_speedup")
+lab.show(speedups.sort_values(1).add_prefix("nanolab speedup, batch ").round(2))
 
 # %% [markdown]
 # ## What this sets up

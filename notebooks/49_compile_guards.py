@@ -29,40 +29,13 @@
 # real folder). Both use the seed's batch: 4 rows, 16-token prompts, 9 decode steps.
 
 # %%
-
-import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
-import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
-
+import nanolab.lab as lab
 from nanolab import load_model
-from nanolab.lab import (
-    chapter_run,
-    check_graph_reused,
-    committed_tables,
-    compilebench_table,
-    first_guard_failure,
-    guards_table,
-    results_table,
-    run_compilebench,
-    save_figure,
-    save_table,
-    show,
-)
 
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="tiny")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
-BENCH = dict(rows=4, prompt_len=16, steps=9)
-ROUND = {"reuse": 3, "compile s": 2, "step ms": 2, "speedup": 5, "breakeven steps": 1}
-pd.set_option("display.width", 160)
-pd.set_option("display.max_columns", 20)
-
 model = load_model(path, dtype=DTYPE, device=DEVICE)
-print(label.caption())
-print(f"{model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}; {BENCH}")
-print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## The benchmark
@@ -87,10 +60,19 @@ print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")
 #   (infinite when there is no saving).
 
 # %%
-df, results = compilebench_table(model, planned=False, **BENCH)
-save_table(df, "day49_compilebench", label)
-save_table(guards_table(results), "day49_guards", label)  # every guard failure, verbatim, for Day 50
-show(df.round(ROUND))
+import torch
+import torch._dynamo
+
+BENCH = dict(rows=4, prompt_len=16, steps=9)
+ROUND = {"reuse": 3, "compile s": 2, "step ms": 2, "speedup": 5, "breakeven steps": 1}
+print(f"{model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}; {BENCH}")
+print(f"dynamo recompile limit: {torch._dynamo.config.recompile_limit}")
+
+df, results = lab.compilebench_table(model, planned=False, **BENCH)
+lab.save_table(df, "day49_compilebench", label)
+# every guard failure, verbatim, for Day 50
+lab.save_table(lab.guards_table(results), "day49_guards", label)
+lab.show(df.round(ROUND))
 
 # %% [markdown]
 # When most steps build, the median step is itself a build step, so `step ms` for the compiled
@@ -105,7 +87,7 @@ show(df.round(ROUND))
 
 # %%
 dynamic = results["dynamic"]
-print(first_guard_failure(dynamic))
+print(lab.first_guard_failure(dynamic))
 
 # %% [markdown]
 # That is one reason with its stack. The first line of each reason is the guard expression
@@ -113,11 +95,23 @@ print(first_guard_failure(dynamic))
 # failed:
 
 # %%
+import re
+
+import pandas as pd
+
+
+def guard_table(lines: list[str]) -> pd.DataFrame:
+    """Guard lines as dynamo wrote them, cut at the comment: the guard, then its source line."""
+    cut = [re.split(r"\s+#\s+", line, maxsplit=1) + [""] for line in lines]
+    return pd.DataFrame([c[:2] for c in cut], columns=["guard", "source line (dynamo's comment)"])
+
+
 guard_lines = list(dict.fromkeys(reason.splitlines()[0] for reason in dynamic.guard_failures))
-for line in guard_lines:
-    print(line)
-print(f"static, first reason: {first_guard_failure(results['static']).splitlines()[0]}")
-gate = check_graph_reused(dynamic)
+with pd.option_context("display.max_colwidth", None):
+    lab.show(guard_table(guard_lines))
+static_first = lab.first_guard_failure(results["static"]).splitlines()[0]
+print(f"static, first reason: {guard_table([static_first]).guard.iloc[0]}")
+gate = lab.check_graph_reused(dynamic)
 print(gate)
 
 # %%
@@ -159,14 +153,19 @@ assert not gate, gate  # the gate that documents the pathology: it has to fail h
 # old way, so the two can be compared on the same batch.
 
 # %%
+from torch._dynamo.utils import counters
+
 breaks_before = counters["graph_break"].copy()
-before = run_compilebench(model, mode="dynamic", planned=False, bounds="device", **BENCH)
-break_reasons = {reason: n - breaks_before.get(reason, 0) for reason, n in counters["graph_break"].items()
-                 if n > breaks_before.get(reason, 0)}
-bounds = results_table([results["off"], dynamic, before]).iloc[1:]
-bounds.insert(0, "read bounds", ["host ints from the cache (Day 49)", "int(context_lens.min()) on the device"])
-save_table(bounds, "day49_bounds", label)
-show(bounds[["read bounds", "builds", "reuse", "fell back", "graph breaks", "compile s", "step ms"]].round(ROUND))
+before = lab.run_compilebench(model, mode="dynamic", planned=False, bounds="device", **BENCH)
+new_breaks = {reason: n - breaks_before.get(reason, 0)
+              for reason, n in counters["graph_break"].items()}
+break_reasons = {reason: n for reason, n in new_breaks.items() if n > 0}
+bounds = lab.results_table([results["off"], dynamic, before]).iloc[1:]
+bounds.insert(0, "read bounds", ["host ints from the cache (Day 49)",
+                                 "int(context_lens.min()) on the device"])
+lab.save_table(bounds, "day49_bounds", label)
+columns = ["read bounds", "builds", "reuse", "fell back", "graph breaks", "compile s", "step ms"]
+lab.show(bounds[columns].round(ROUND))
 
 # %%
 assert dynamic.graph_breaks == 0, dynamic.graph_breaks
@@ -175,10 +174,10 @@ print(f"graph-break reasons in the device-bounds run ({before.graph_breaks} brea
 for reason, n in break_reasons.items():
     print(f"--- {n}x\n{reason}")
 print("\nfirst guard failure in the device-bounds run, verbatim:")
-print(first_guard_failure(before) or "(none)")
+print(lab.first_guard_failure(before) or "(none)")
 print("\nthe distinct guard lines of the device-bounds run:")
-for line in dict.fromkeys(reason.splitlines()[0] for reason in before.guard_failures):
-    print(line)
+with pd.option_context("display.max_colwidth", None):
+    lab.show(guard_table(list(dict.fromkeys(r.splitlines()[0] for r in before.guard_failures))))
 
 # %% [markdown]
 # The fix removes the graph breaks and does not stop the rebuilds: the tables are still read
@@ -197,9 +196,12 @@ for line in dict.fromkeys(reason.splitlines()[0] for reason in before.guard_fail
 # %%
 layers, limit = model.config.num_hidden_layers, torch._dynamo.config.recompile_limit
 print(f"{layers} layers against a recompile limit of {limit}")
-for name, r in (("bounds from the cache", dynamic), ("bounds on the device", before)):
-    print(f"{name}: {r.builds} builds, in {r.steps_with_build} of {r.steps} steps; fell back: {r.fell_back}; "
-          f"median step {r.step_ms:.2f} ms against {results['off'].step_ms:.2f} ms eager")
+both_bounds = (("from the cache", dynamic), ("on the device", before))
+lab.show(pd.DataFrame([{"read bounds": name, "builds": r.builds,
+                        "steps that built": r.steps_with_build, "steps": r.steps,
+                        "fell back": r.fell_back, "median step ms": r.step_ms,
+                        "eager median step ms": results["off"].step_ms}
+                       for name, r in both_bounds]).round(2))
 
 # %% [markdown]
 # ## The compiled forward still decodes the same tokens
@@ -213,13 +215,16 @@ for name, r in (("bounds from the cache", dynamic), ("bounds on the device", bef
 
 # %%
 off = results["off"]
+agreement = []
 for mode, r in {**results, "dynamic, device bounds": before}.items():
+    worst = (r.logits - off.logits).abs().max().item()
     rows_equal = sum(a == b for a, b in zip(r.tokens, off.tokens))
-    print(f"{mode}: rows with tokens equal to off: {rows_equal} of {len(off.tokens)}; "
-          f"max |logit - off| on the last step: {(r.logits - off.logits).abs().max().item():.2e}")
+    agreement.append({"mode": mode, "rows equal to off": rows_equal, "rows": len(off.tokens),
+                      "max |logit - off|, last step": f"{worst:.2e}"})
     if DTYPE == torch.float32:
         assert r.tokens == off.tokens, mode
         torch.testing.assert_close(r.logits, off.logits, rtol=1e-4, atol=1e-4)
+lab.show(pd.DataFrame(agreement))
 
 # %% [markdown]
 # ## The picture
@@ -229,7 +234,11 @@ for mode, r in {**results, "dynamic, device bounds": before}.items():
 # over `off` written on each bar.
 
 # %%
-arms = {"off": results["off"], "static": results["static"], "dynamic": dynamic, "dynamic,\ndevice bounds": before}
+import matplotlib.pyplot as plt
+import numpy as np
+
+arms = {"off": results["off"], "static": results["static"], "dynamic": dynamic,
+        "dynamic,\ndevice bounds": before}
 counts = pd.DataFrame({"distinct shapes": [r.shapes for r in arms.values()],
                        "steps that built": [r.steps_with_build for r in arms.values()],
                        "graphs built": [r.builds for r in arms.values()],
@@ -244,18 +253,24 @@ bars = time_ax.bar(list(arms), ms, color=["C7", "C1", "C3", "C4"])
 for bar, r in zip(bars, arms.values()):
     speedup = results["off"].step_ms / r.step_ms
     text = f"{speedup:.3g}x" if speedup >= 1 else f"{speedup:.2g}x\n({1 / speedup:,.0f}x slower)"
-    time_ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=8)
+    time_ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center",
+                 va="bottom", fontsize=8)
 time_ax.set_yscale("log")
 time_ax.set_ylim(top=ms.max() * 20)
 time_ax.set_ylabel("median decode step (ms)")
 time_ax.set_title("median step, speedup over off on each bar")
 for ax in (count_ax, time_ax):
     ax.grid(alpha=0.3, axis="y")
-fig.suptitle(f"unplanned decode, {MODEL}: {BENCH['rows']} rows, {BENCH['prompt_len']}-token prompts, "
-             f"{BENCH['steps']} steps")
+fig.suptitle(f"unplanned decode, {MODEL}: {BENCH['rows']} rows, {BENCH['prompt_len']}-token "
+             f"prompts, {BENCH['steps']} steps")
 fig.tight_layout()
-save_figure(fig, "day49_compile_guards", label)
-show(fig)
+lab.save_figure(fig, "day49_compile_guards", label)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 49.1: On the left, compare each compiled arm's graphs built with the dotted line for the
+# number of decode steps: an arm that rebuilds on almost every step sits near it. On the right, the
+# median step on a log axis, with each bar labelled by its speedup over eager (`off`).*
 
 # %% [markdown]
 # ## The committed GPU run beside this one
@@ -264,13 +279,15 @@ show(fig)
 # the committed H200 result sits beside whatever this run measured.
 
 # %%
-tables = committed_tables("day49_compilebench")
+tables = lab.committed_tables("day49_compilebench")
 for slug, table in tables.items():
     first = table.iloc[0]
-    print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, {first.date}")
-    show(table[[c for c in df.columns if c in table.columns]].round(ROUND))
+    print(f"{slug}: {first.device}, {first.model} ({first.weights} weights), {first['dtype']}, "
+          f"{first.date}")
+    lab.show(table[[c for c in df.columns if c in table.columns]].round(ROUND))
 if all(slug == "cpu" for slug in tables):
-    print("No GPU table is committed yet; this chapter's GPU run will add data/day49_compilebench_<gpu>.csv.")
+    print("No GPU table is committed yet; this chapter's GPU run will add "
+          "data/day49_compilebench_<gpu>.csv.")
 
 # %% [markdown]
 # ## What Day 50 does about it

@@ -37,37 +37,14 @@
 # arithmetic.
 
 # %%
+import nanolab.lab as lab
+from nanolab import load_model
 
-import pandas as pd
-import torch
-
-from nanolab import Engine, SamplingParams, load_model, resolve_weights
-from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
-from nanolab.lab import (
-    appended_cells,
-    chapter_run,
-    check_graph_reused,
-    check_rebuild_bounded,
-    committed_tables,
-    compilebench_table,
-    first_guard_failure,
-    load_table,
-    mapping_bytes,
-    plot_decode_plan,
-    rebuild_cells,
-    rebuild_ratio,
-    run_compilebench,
-    save_figure,
-    save_table,
-    show,
-)
-
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="tiny")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
 ROWS, PROMPT_LEN, STEPS = 4, 16, 11
-
 model = load_model(path, dtype=DTYPE, device=DEVICE)
-print(label.caption())
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## A plan, and what it says about itself
@@ -77,22 +54,32 @@ print(label.caption())
 # mapping is as wide as the longest row, and the shorter rows' padding is counted.
 
 # %%
+import pandas as pd
+import torch
+
+from nanolab import Engine, SamplingParams
+from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
+
 engine = Engine(model, num_blocks=64, block_size=16, read="reference")  # the read of Days 49 to 58
 prompts = [list(range(20, 20 + n)) for n in (5, 13, 2)]
-seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts]
+greedy8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+seqs = [engine.add_request(p, greedy8) for p in prompts]
 engine.step()  # the ragged prefill, planned on the host as well
 rows = [s.row for s in seqs]
 plan = engine.kv_cache.plan_decode(rows)
 print(plan.render())
-show(pd.DataFrame([{k: getattr(plan, k) for k in ("batch_size", "width", "cells", "real_cells", "padding_cells",
-                                                   "padding_share", "mapping_bytes", "min_ctx", "max_ctx")}]))
+fields = ("batch_size", "width", "cells", "real_cells", "padding_cells", "padding_share",
+          "mapping_bytes", "min_ctx", "max_ctx")
+lab.show(pd.DataFrame([{k: getattr(plan, k) for k in fields}]))
 
 kv = engine.kv_cache
-gates = [check_plan_addressing(kv, plan), check_plan_rows(plan, rows), check_plan_current(kv, plan)]
+gates = [check_plan_addressing(kv, plan), check_plan_rows(plan, rows),
+         check_plan_current(kv, plan)]
 for gate in gates:
     print(gate)
     assert gate, gate
-assert torch.equal(kv.view(plan).slot_mapping, plan.slot_mapping)  # the plan's, derived on the device
+# the plan's mapping, derived on the device
+assert torch.equal(kv.view(plan).slot_mapping, plan.slot_mapping)
 
 # %% [markdown]
 # ## What a plan refuses
@@ -149,21 +136,25 @@ assert torch.equal(first, again)
 # from Day 49's table for this device.
 
 # %%
-planned, results = compilebench_table(model, rows=ROWS, prompt_len=PROMPT_LEN, steps=STEPS, planned=True)
-save_table(planned, "day50_compilebench", label)
-show(planned.round(3))
-unplanned = load_table("day49_compilebench", label.device_slug)
+import re
+
+BENCH = dict(rows=ROWS, prompt_len=PROMPT_LEN, steps=STEPS)
+planned, results = lab.compilebench_table(model, planned=True, **BENCH)
+lab.save_table(planned, "day50_compilebench", label)
+lab.show(planned.round(3))
+unplanned = lab.load_table("day49_compilebench", label.device_slug)
 if unplanned is None:  # Day 49 has not run on this device: measure that arm here
-    unplanned, before_results = compilebench_table(model, rows=ROWS, prompt_len=PROMPT_LEN, steps=STEPS,
-                                                   planned=False)
+    unplanned, before_results = lab.compilebench_table(model, planned=False, **BENCH)
     before = list(before_results["dynamic"].guard_failures)
 else:
-    day49_guards = load_table("day49_guards", label.device_slug)
-    before = [] if day49_guards is None else day49_guards[day49_guards["mode"] == "dynamic"].reason.tolist()
+    print(f"the unplanned rows: {lab.table_label(unplanned).caption().split(';')[0]}")
+    day49_guards = lab.load_table("day49_guards", label.device_slug)
+    before = [] if day49_guards is None else \
+        day49_guards[day49_guards["mode"] == "dynamic"].reason.tolist()
     before = before or ["(not recorded on this device; see Day 49)"]
-print("dynamic, unplanned (Day 49), dynamo's first reasons:")
+print("dynamic, unplanned (Day 49), dynamo's first reasons (the guard, without its comment):")
 for reason in before[:3]:
-    print("  ", reason.splitlines()[0])
+    print("  ", re.split(r"\s+#\s+", reason.splitlines()[0], maxsplit=1)[0])
 # Compiled or not, the same greedy tokens: exactly in fp32. In bf16 inductor's fused kernels round
 # differently from eager's, so near-ties on random weights can flip; that is reported, not asserted.
 for mode in ("dynamic", "static"):
@@ -181,16 +172,18 @@ for mode in ("dynamic", "static"):
 # after it. `check_graph_reused`, the gate Day 49 failed, passes.
 
 # %%
-after = first_guard_failure(results["static"])
+after = lab.first_guard_failure(results["static"])
 print("static, planned:", after)
 assert "size mismatch" in after and ("slot_mapping" in after or "mask_bias" in after)
-reused = check_graph_reused(results["dynamic"])
+reused = lab.check_graph_reused(results["dynamic"])
 print(reused)
 assert reused and results["dynamic"].builds == 1
 
 dyn, off = planned.set_index("mode").loc["dynamic"], planned.set_index("mode").loc["off"]
-print(f"dynamic on {label.device}: {dyn['step ms']:.2f} ms a step against {off['step ms']:.2f} eager "
-      f"({dyn['speedup']:.2f}x), compile {dyn['compile s']:.1f} s, break-even after {dyn['breakeven steps']:.0f} steps")
+print(f"dynamic on {label.device}: {dyn['step ms']:.2f} ms a step "
+      f"against {off['step ms']:.2f} eager ({dyn['speedup']:.2f}x),\n"
+      f"  compile {dyn['compile s']:.1f} s, "
+      f"break-even after {dyn['breakeven steps']:.0f} steps")
 
 # %% [markdown]
 # ## Beyond the seed: why `dynamic` sometimes built twice
@@ -206,25 +199,28 @@ print(f"dynamic on {label.device}: {dyn['step ms']:.2f} ms a step against {off['
 # hardware; a GPU box shows the committed CPU table instead of spending its time rerunning it.
 
 # %%
+from nanolab import resolve_weights
+
 if ON_GPU:
-    sweep = load_table("day50_dynamic_builds", "cpu")
+    sweep = lab.load_table("day50_dynamic_builds", "cpu")
+    print(f"measured on: {lab.table_label(sweep).caption().split(';')[0]}")
 else:
     tiny = load_model(resolve_weights("tiny"))
+    builds = lambda **kwargs: lab.run_compilebench(tiny, planned=True, steps=4, **kwargs).builds
     sweep = []
     for rows_, prompt_len in ((1, 5), (2, 16), (3, 7), (8, 3)):
-        kwargs = dict(rows=rows_, prompt_len=prompt_len, steps=4, planned=True)
+        shape = dict(rows=rows_, prompt_len=prompt_len)
         sweep.append({
             "rows": rows_, "prompt": prompt_len,
-            "dynamic=True, symbolic floats": run_compilebench(tiny, mode="dynamic", constant_floats=False,
-                                                              **kwargs).builds,
-            "dynamic=True, constant floats": run_compilebench(tiny, mode="dynamic", **kwargs).builds,
-            "static + width marked dynamic": run_compilebench(tiny, mode="static", dynamic_marks=True,
-                                                              **kwargs).builds,
+            "dynamic=True, symbolic floats": builds(mode="dynamic", constant_floats=False, **shape),
+            "dynamic=True, constant floats": builds(mode="dynamic", **shape),
+            "static + width marked dynamic": builds(mode="static", dynamic_marks=True, **shape),
         })
     sweep = pd.DataFrame(sweep)
-    save_table(sweep, "day50_dynamic_builds", label)
-show(sweep)
-assert (sweep["dynamic=True, constant floats"] == 1).all() and (sweep["static + width marked dynamic"] == 1).all()
+    lab.save_table(sweep, "day50_dynamic_builds", label)
+lab.show(sweep)
+assert (sweep["dynamic=True, constant floats"] == 1).all()
+assert (sweep["static + width marked dynamic"] == 1).all()
 
 # %% [markdown]
 # ## The price: a rectangle rebuilt every step
@@ -236,17 +232,18 @@ assert (sweep["dynamic=True, constant floats"] == 1).all() and (sweep["static + 
 
 # %%
 rebuild = pd.DataFrame([{
-    "steps": s, "rebuild_cells": rebuild_cells(4, 16, s), "appended_cells": appended_cells(4, s),
-    "ratio": rebuild_ratio(4, 16, s), "host_bytes": 8 * rebuild_cells(4, 16, s),
+    "steps": s, "rebuild_cells": lab.rebuild_cells(4, 16, s),
+    "appended_cells": lab.appended_cells(4, s), "ratio": lab.rebuild_ratio(4, 16, s),
+    "host_bytes": 8 * lab.rebuild_cells(4, 16, s),
 } for s in (8, 64, 128, 512)])
-save_table(rebuild, "day50_rebuild", label)
-show(rebuild)
+lab.save_table(rebuild, "day50_rebuild", label)
+lab.show(rebuild)
 seed = [(656, 32), (12_416, 256), (41_216, 512), (558_080, 2_048)]
 assert list(zip(rebuild.rebuild_cells, rebuild.appended_cells, strict=True)) == seed
-short, long = check_rebuild_bounded(4, 16, 8), check_rebuild_bounded(4, 16, 512)
+short, long = lab.check_rebuild_bounded(4, 16, 8), lab.check_rebuild_bounded(4, 16, 512)
 print(short, long, sep="\n")
 assert short and not long
-print(f"one [4, {16 + 512}] mapping alone is {mapping_bytes(4, 16 + 512):,} bytes")
+print(f"one [4, {16 + 512}] mapping alone is {lab.mapping_bytes(4, 16 + 512):,} bytes")
 
 # %% [markdown]
 # The seed printed these ratios as 20x, 49x, 80x and 272x. Every one of them is exactly a half
@@ -258,18 +255,26 @@ print(f"one [4, {16 + 512}] mapping alone is {mapping_bytes(4, 16 + 512):,} byte
 
 # %%
 sweep_arms = pd.concat([unplanned.assign(arm="unplanned"), planned.assign(arm="planned")])
-guards = {"unplanned": ("dynamic", before), "planned": ("static", list(results["static"].guard_failures))}
-fig = plot_decode_plan(guards, sweep_arms.rename(columns={"step ms": "step_ms"}), rebuild)
-save_figure(fig, "day50_decode_plan", label)
-show(fig)
+guards = {"unplanned": ("dynamic", before),
+          "planned": ("static", list(results["static"].guard_failures))}
+fig = lab.plot_decode_plan(guards, sweep_arms.rename(columns={"step ms": "step_ms"}), rebuild)
+lab.save_figure(fig, "day50_decode_plan", label)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 50.1: Top, where the addressing lives before and after the plan, and the guards dynamo
+# failed on in each. Bottom left, look at the `dynamic` bars: the unplanned forward builds on
+# almost every step and the planned one builds once. Bottom right, the cells the host rebuilds
+# every step grow far faster than the cells actually appended, and cross the 32x limit.*
 
 # %% [markdown]
 # ## The committed GPU run beside this one
 
 # %%
-for slug, table in committed_tables("day50_compilebench").items():
+columns = ["mode", "shapes", "builds", "reuse", "fell back", "compile s", "step ms", "speedup",
+           "breakeven steps"]
+for slug, table in lab.committed_tables("day50_compilebench").items():
     first_row = table.iloc[0]
-    print(f"{slug}: {first_row.device}, {first_row.model} ({first_row.weights} weights), {first_row['dtype']}, "
-          f"{first_row.date}")
-    show(table[["mode", "shapes", "builds", "reuse", "fell back", "compile s", "step ms", "speedup",
-                "breakeven steps"]].round(3))
+    print(f"{slug}: {first_row.device}, {first_row.model} ({first_row.weights} weights), "
+          f"{first_row['dtype']}, {first_row.date}")
+    lab.show(table[columns].round(3))

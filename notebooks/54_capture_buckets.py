@@ -35,41 +35,11 @@
 # committed H200 measurements of Days 54 and 56; every table says where it was measured.
 
 # %%
-import pandas as pd
-import torch
+import nanolab.lab as lab
 
-from nanolab import LLM, Engine, SamplingParams, load_model
-from nanolab.engine.block_manager import BlockManager
-from nanolab.engine.buckets import DecodeBuckets
-from nanolab.engine.kv_cache import KVCache
-from nanolab.engine.plan import check_plan_addressing
-from nanolab.lab import (
-    appended_cells,
-    bench_buckets,
-    bucket_table,
-    chapter_run,
-    check_rebuild_bounded,
-    engine_greedy,
-    figure_path,
-    load_table,
-    padding_waste,
-    plot_capture_buckets,
-    random_prompts,
-    rebuild_cells,
-    run_capturebench,
-    save_figure,
-    save_table,
-    show,
-    step_breakdown,
-    table_label,
-    table_stems,
-    targets,
-    workspace_bytes,
-)
-
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-print(label.caption())
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## Day 51: a block table that lives on the device
@@ -91,32 +61,43 @@ print(label.caption())
 # are planned for up to 4,096 steps. Only planning runs here, no forward.
 
 # %%
-def measured_host_cells(steps: int, rows: int = 4, prompt: int = 16, block: int = 16) -> tuple[int, bool]:
+import pandas as pd
+
+from nanolab.engine.block_manager import BlockManager
+from nanolab.engine.kv_cache import KVCache
+
+
+def measured_host_cells(steps: int, rows: int = 4, prompt: int = 16, block: int = 16
+                        ) -> tuple[int, bool]:
     blocks = BlockManager(rows * ((prompt + steps) // block + 1), block, rows)
     cache = KVCache(blocks, num_layers=1, num_kv_heads=1, head_dim=4)
     table_rows = [blocks.open_row() for _ in range(rows)]
-    cache.plan_varlen(table_rows, [prompt] * rows)  # the prompts' blocks go up before the count starts
+    # the prompts' blocks go up before the count starts
+    cache.plan_varlen(table_rows, [prompt] * rows)
     before, addresses = cache.host_cells, set()
     for _ in range(steps):
         plan = cache.plan_decode(table_rows)
-        addresses.add((plan.write_slots.data_ptr(), plan.context_lens.data_ptr(), plan.block_table.data_ptr()))
+        addresses.add((plan.write_slots.data_ptr(), plan.context_lens.data_ptr(),
+                       plan.block_table.data_ptr()))
     return cache.host_cells - before, len(addresses) == 1
 
 
 records = []
 for steps in (8, 64, 512, 4096):
     cells, fixed = measured_host_cells(steps)
-    records.append({"steps": steps, "day 50 cells rebuilt": rebuild_cells(4, 16, steps),
-                    "day 51 cells written (measured)": cells, "cells appended": appended_cells(4, steps),
-                    "day 50 ratio": rebuild_cells(4, 16, steps) / appended_cells(4, steps),
-                    "day 51 ratio": cells / appended_cells(4, steps), "fixed addresses": fixed})
+    rebuilt, appended = lab.rebuild_cells(4, 16, steps), lab.appended_cells(4, steps)
+    records.append({"steps": steps, "day 50 cells rebuilt": rebuilt,
+                    "day 51 cells written (measured)": cells, "cells appended": appended,
+                    "day 50 ratio": rebuilt / appended, "day 51 ratio": cells / appended,
+                    "fixed addresses": fixed})
 rebuild = pd.DataFrame(records)
-save_table(rebuild, "day51_rebuild", label)
-show(rebuild)
+lab.save_table(rebuild, "day51_rebuild", label)
+lab.show(rebuild)
 
 for steps in (512, 4096):
     measured = rebuild.set_index("steps").loc[steps, "day 51 cells written (measured)"]
-    day51, day50 = check_rebuild_bounded(4, 16, steps, rebuilt=int(measured)), check_rebuild_bounded(4, 16, steps)
+    day51 = lab.check_rebuild_bounded(4, 16, steps, rebuilt=int(measured))
+    day50 = lab.check_rebuild_bounded(4, 16, steps)
     print(day51, day50, sep="\n")
     assert day51 and not day50
 assert rebuild["fixed addresses"].all()
@@ -138,19 +119,21 @@ assert rebuild["fixed addresses"].all()
 # one row and one token bigger than the bucket below.
 
 # %%
+from nanolab.engine.buckets import DecodeBuckets
+
 seed_list = DecodeBuckets.default()
-print(f"{len(seed_list.batch_sizes)} batch sizes x {len(seed_list.widths)} widths = {len(seed_list)} shapes; "
-      f"capture order starts {seed_list.shapes[:3]}")
+print(f"{len(seed_list.batch_sizes)} batch sizes x {len(seed_list.widths)} widths = "
+      f"{len(seed_list)} shapes; capture order starts {seed_list.shapes[:3]}")
 assert len(seed_list) == 36 and seed_list.shapes[0] == (32, 8192)
-waste = bucket_table(seed_list)
-save_table(waste, "day52_buckets", label)
-show(waste.pivot(index="batch", columns="width", values="worst waste").round(3))
+waste = lab.bucket_table(seed_list)
+lab.save_table(waste, "day52_buckets", label)
+lab.show(waste.pivot(index="batch", columns="width", values="worst waste").round(3))
 for rows, ctx in ((3, 300), (17, 2049), (1, 8192), (33, 100)):
     shape = seed_list.lookup(rows, ctx)
     if shape is None:
         print(f"{rows} rows x {ctx} tokens: outside the list, runs eagerly")
     else:
-        w = padding_waste(seed_list, rows, ctx)
+        w = lab.padding_waste(seed_list, rows, ctx)
         print(f"{rows} rows x {ctx} tokens -> bucket {shape}: {w.padded_rows} padded rows, "
               f"{w.waste_share:.0%} of the read rectangle is padding")
 
@@ -160,8 +143,11 @@ for rows, ctx in ((3, 300), (17, 2049), (1, 8192), (33, 100)):
 # so the largest bucket sizes the graphs' pool.
 
 # %%
-for rows, width in ((32, 8192), (64, 4096), (1, 256)):
-    print(f"{rows:>3} rows x {width:>5}: score rectangle {workspace_bytes(rows, 32, width) / 1e6:7.1f} MB at 32 heads")
+shapes = [(32, 8192), (64, 4096), (1, 256)]
+rectangles = pd.DataFrame(shapes, columns=["rows", "width"])
+rectangles["score rectangle at 32 heads (MB)"] = [lab.workspace_bytes(r, 32, w) / 1e6
+                                                  for r, w in shapes]
+lab.show(rectangles.round(1))
 
 # %% [markdown]
 # ### Padding changes no token
@@ -171,9 +157,14 @@ for rows, width in ((32, 8192), (64, 4096), (1, 256)):
 # engine with buckets decodes the same greedy tokens as the engine without them.
 
 # %%
+import torch
+
+from nanolab import Engine, SamplingParams, load_model
+from nanolab.engine.plan import check_plan_addressing
+
 model = load_model(path, dtype=DTYPE, device=DEVICE)
 buckets = DecodeBuckets.default(8, 512, min_width=64)
-prompts = random_prompts(3, 40, model.config.vocab_size, seed=2).tolist()
+prompts = lab.random_prompts(3, 40, model.config.vocab_size, seed=2).tolist()
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -181,7 +172,8 @@ bucketed = Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, read="r
 seqs = [bucketed.add_request(p, params) for p in prompts]
 bucketed.step()  # the prefill
 plan, _ = bucketed.runner.plan_step(seqs)
-print(f"a live batch of {len(seqs)} rows x {plan.max_ctx} tokens runs as bucket ({plan.batch_size}, {plan.width})")
+print(f"a live batch of {len(seqs)} rows x {plan.max_ctx} tokens "
+      f"runs as bucket ({plan.batch_size}, {plan.width})")
 gate = check_plan_addressing(bucketed.kv_cache, plan)
 print(gate)
 assert gate and plan.padding_rows == 1 and plan.write_slots[-1] == -1
@@ -189,12 +181,14 @@ bucketed.abort_request(seqs[0].request_id)  # the step was planned and not run; 
 for s in seqs[1:]:
     bucketed.abort_request(s.request_id)
 
-with_buckets = engine_greedy(Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, read="reference"),
-                             prompts, params.max_tokens)
-without = engine_greedy(Engine(model, num_blocks=64, max_num_seqs=8, read="reference"), prompts, params.max_tokens)
+engine_args = dict(num_blocks=64, max_num_seqs=8, read="reference")
+new_tokens = params.max_tokens
+with_buckets = lab.engine_greedy(Engine(model, buckets=buckets, **engine_args), prompts, new_tokens)
+without = lab.engine_greedy(Engine(model, **engine_args), prompts, new_tokens)
 same = with_buckets == without
 print(f"{MODEL}, {DTYPE}: greedy tokens with buckets equal those without: {same}")
-if DTYPE == torch.float32:  # in bf16 a padded matmul can round differently, and random weights have near-ties
+# in bf16 a padded matmul can round differently, and random weights have near-ties
+if DTYPE == torch.float32:
     assert same
 
 # %% [markdown]
@@ -229,22 +223,27 @@ if DTYPE == torch.float32:  # in bf16 a padded matmul can round differently, and
 
 # %%
 if ON_GPU:
-    llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, read="reference")  # Day 56's warm-up, with its progress bar
+    from nanolab import LLM
+
+    # Day 56's warm-up, with its progress bar
+    llm = LLM(MODEL, device=DEVICE, dtype=DTYPE, read="reference")
     print(llm.engine.capture_report)
     del llm
-    bench = run_capturebench(path, DTYPE)
+    bench = lab.run_capturebench(path, DTYPE)
     tables = bench.tables("day54")
     for stem, table in tables.items():
-        save_table(table, stem, label)
-        tables[stem] = load_table(stem, label.device_slug)  # as saved: labelled on every row
+        lab.save_table(table, stem, label)
+        tables[stem] = lab.load_table(stem, label.device_slug)  # as saved: labelled on every row
 else:
-    tables = {stem: load_table(stem, "h200") for stem in table_stems("day54")}
-    assert all(t is not None for t in tables.values()), "the committed H200 tables are missing from data/"
+    tables = {stem: lab.load_table(stem, "h200") for stem in lab.table_stems("day54")}
+    missing = [stem for stem, t in tables.items() if t is None]
+    assert not missing, f"the committed H200 tables are missing from data/: {missing}"
 steps, capture, agreement, profile = tables.values()
-# The bench's HF arm (key "hf-static") is transformers' eager path: name it so in every table and legend.
+# The bench's HF arm (key "hf-static") is transformers' eager path: name it so in every table and
+# legend.
 steps = steps.replace({"arm": {"hf-static": "HF static, eager (disable_compile=True)"}})
-measured = table_label(steps)
-print(f"the tables below were measured on: {measured.caption()}")
+measured = lab.table_label(steps)
+print("the tables below were measured on:\n  " + measured.caption().replace("; ", ";\n  "))
 if not ON_GPU:
     print("(this run is on a CPU: they are the committed H200 results, not remeasured here)")
 
@@ -252,10 +251,11 @@ if not ON_GPU:
 # ### The pool, with and without sharing
 
 # %%
-show(capture.drop(columns=[c for c in capture.columns if c in measured.as_columns()]).round(2))
+lab.show(capture.drop(columns=[c for c in capture.columns if c in measured.as_columns()]).round(2))
 eager_pools = capture[capture.forward == "eager"].set_index("pool").pool_mib
-print(f"one shared pool holds {eager_pools['shared']:.0f} MiB against {eager_pools['one per graph']:.0f} MiB for a "
-      f"pool per graph: {eager_pools['one per graph'] / eager_pools['shared']:.1f}x less")
+print(f"one shared pool holds {eager_pools['shared']:.0f} MiB against "
+      f"{eager_pools['one per graph']:.0f} MiB for a pool per graph: "
+      f"{eager_pools['one per graph'] / eager_pools['shared']:.1f}x less")
 assert eager_pools["shared"] < eager_pools["one per graph"]
 
 # %% [markdown]
@@ -276,22 +276,25 @@ assert eager_pools["shared"] < eager_pools["one per graph"]
 # fp32.
 
 # %%
-show(agreement.drop(columns=[c for c in agreement.columns if c in measured.as_columns()]))
+lab.show(agreement.drop(columns=[c for c in agreement.columns if c in measured.as_columns()]))
 assert (agreement["rows equal, graphs vs same shapes eager"] == agreement["rows"]).all()
 
 # %% [markdown]
 # ### Step time
 
 # %%
-cols = ["arm", "batch", "context", "ms_per_step", "tokens_per_s", "floor_ms", "x_floor", "speedup_vs_hf_static"]
-show(steps[cols].pivot_table(index=["context", "batch"], columns="arm", values="ms_per_step").round(3))
+import textwrap
+
+lab.show(steps.pivot_table(index=["context", "batch"], columns="arm", values="ms_per_step")
+         .round(3))
 # Day 61's floor bench: gpt-fast and HF's default (compiled) static path beside HF's eager path and
 # nanolab, every arm timed from outside as whole generate calls (257 new tokens minus 1, over 256).
-floor = load_table("day61_floor", "h200")
+floor = lab.load_table("day61_floor", "h200")
 gpt_fast_b1 = floor[(floor.arm == "gpt-fast") & (floor.batch == 1)].iloc[0]
-print(f"gpt-fast, batch 1: {gpt_fast_b1.ms_per_step:.3f} ms a step, Day 61's floor bench ({gpt_fast_b1.date}), "
-      "not this bench's run")
-print("\n".join(targets(steps, gpt_fast_b1.ms_per_step)))
+print(f"gpt-fast, batch 1: {gpt_fast_b1.ms_per_step:.3f} ms a step, "
+      f"Day 61's floor bench ({gpt_fast_b1.date}), not this bench's run")
+for line in lab.targets(steps, gpt_fast_b1.ms_per_step):
+    print(textwrap.fill(line, 100, subsequent_indent="  "))
 
 # %% [markdown]
 # HF's eager rows and the eager nanolab rows are launch-bound: their step time is mostly the host
@@ -309,14 +312,15 @@ print("\n".join(targets(steps, gpt_fast_b1.ms_per_step)))
 # ratios, not a gate.
 
 # %%
-print(f"Day 61's floor bench: {table_label(floor).caption()}")
+print("Day 61's floor bench:\n  " + lab.table_label(floor).caption().replace("; ", ";\n  "))
 print(f"its nanolab arm, the engine of that day: {floor[floor.arm == 'nanolab'].label.iloc[0]}")
 ours = floor[floor.arm == "nanolab"].set_index(["batch", "context"]).ms_per_step
-for peer in ("hf-default", "hf-eager"):
-    for r in floor[floor.arm == peer].itertuples():
-        print(f"batch {r.batch}, context {r.context}: nanolab {ours[r.batch, r.context]:.3f} ms a step against "
-              f"{r.label} {r.ms_per_step:.3f} ms: {r.nanolab_speedup:.2f}x "
-              f"(target 3x {'met' if r.nanolab_speedup >= 3 else 'missed'})")
+lab.show(pd.DataFrame([{"batch": r.batch, "context": r.context,
+                        "nanolab ms": ours[r.batch, r.context], "peer": r.label,
+                        "peer ms": r.ms_per_step, "nanolab speedup": r.nanolab_speedup,
+                        "target 3x": "met" if r.nanolab_speedup >= 3 else "missed"}
+                       for peer in ("hf-default", "hf-eager")
+                       for r in floor[floor.arm == peer].itertuples()]).round(3))
 
 # %% [markdown]
 # ### Where a step goes
@@ -328,22 +332,33 @@ for peer in ("hf-default", "hf-eager"):
 # copy bandwidth measured in the same run.
 
 # %%
-corners = [(int(steps.batch.min()), int(steps.context.min())), (int(steps.batch.max()), int(steps.context.max()))]
-breakdowns = {corner: step_breakdown(steps, profile, *corner) for corner in corners}
+corners = [(int(steps.batch.min()), int(steps.context.min())),
+           (int(steps.batch.max()), int(steps.context.max()))]
+breakdowns = {corner: lab.step_breakdown(steps, profile, *corner) for corner in corners}
 for (batch, context), table in breakdowns.items():
     print(f"batch {batch}, context {context}:")
-    show(table.drop(columns=["batch", "context"]).round(3))
+    lab.show(table.drop(columns=["batch", "context"]).round(3))
     kernels = profile[(profile.batch == batch) & (profile.context == context)]
     best = kernels[kernels.arm == table.arm.iloc[-1]]
-    show(best[["kernel", "calls", "us_per_step", "share"]].head(8).round(3))
+    lab.show(best[["kernel", "calls", "us_per_step", "share"]].head(8).round(3))
 breakdown = breakdowns[corners[0]]
 
 # %%
-measured_list = bench_buckets(steps.batch.unique(), steps.context.unique())  # the list the bench captured
-fig = plot_capture_buckets(measured_list, bucket_table(measured_list), capture, steps, breakdown)
-if ON_GPU or not figure_path("day54_capture_buckets", measured.device_slug).exists():
-    save_figure(fig, "day54_capture_buckets", measured)  # drawn from, and labelled with, the measured tables
-show(fig)
+# the list the bench captured
+measured_list = lab.bench_buckets(steps.batch.unique(), steps.context.unique())
+fig = lab.plot_capture_buckets(measured_list, lab.bucket_table(measured_list), capture, steps,
+                               breakdown)
+if ON_GPU or not lab.figure_path("day54_capture_buckets", measured.device_slug).exists():
+    # drawn from, and labelled with, the measured tables
+    lab.save_figure(fig, "day54_capture_buckets", measured)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 54.1: Top left, the capture list in capture order with each bucket's worst padding
+# share; top middle, the graphs' memory pool with one pool per graph and with one shared pool;
+# top right, where a batch-1 graphed step's time goes, against the floor and the target. Bottom,
+# ms per decode step against batch for every arm: look at how far the graphed lines fall below
+# the eager ones, and how far they still sit above the floor.*
 
 # %% [markdown]
 # ## What the targets say, and why
@@ -368,15 +383,19 @@ show(fig)
 #   building that rectangle.
 
 # %%
-small = breakdowns[corners[0]].set_index("arm").iloc[-1]  # the best arm: graphs over the compiled forward
+# the best arm: graphs over the compiled forward
+small = breakdowns[corners[0]].set_index("arm").iloc[-1]
 large = breakdowns[corners[1]].set_index("arm").loc["nanolab graphs"]
-print(f"batch {corners[0][0]}, context {corners[0][1]}, best graphed arm: {small.step_ms:.2f} ms a step, of which "
-      f"matmuls {small.gpu_matmul_ms:.2f} ms (weights at {small.floor_ms / small.gpu_matmul_ms:.0%} of the copy "
-      f"bandwidth), other kernels {small.gpu_other_ms:.2f} ms, host {small.host_ms:.2f} ms; target 0.9 ms")
+print(f"batch {corners[0][0]}, context {corners[0][1]}, best graphed arm: "
+      f"{small.step_ms:.2f} ms a step (target 0.9 ms), of which\n"
+      f"  matmuls {small.gpu_matmul_ms:.2f} ms "
+      f"(weights at {small.floor_ms / small.gpu_matmul_ms:.0%} of the copy bandwidth),\n"
+      f"  other kernels {small.gpu_other_ms:.2f} ms, host {small.host_ms:.2f} ms")
 read = profile[(profile.batch == corners[1][0]) & (profile.context == corners[1][1]) &
                (profile.arm == "nanolab graphs")].head(2)
-print(f"batch {corners[1][0]}, context {corners[1][1]}, graphs: the two largest kernels are "
-      + " and ".join(f"{k.split('<')[0].split('(')[0]} ({share:.0%})" for k, share in zip(read.kernel, read.share,
-                                                                                       strict=True))
-      + f"; matmuls are {large.gpu_matmul_ms:.2f} of {large.step_ms:.2f} ms")
+largest = [f"{k.split('<')[0].split('(')[0]} ({share:.0%})"
+           for k, share in zip(read.kernel, read.share, strict=True)]
+print(f"batch {corners[1][0]}, context {corners[1][1]}, graphs: the two largest kernels are\n  "
+      + " and ".join(largest)
+      + f";\n  matmuls are {large.gpu_matmul_ms:.2f} of {large.step_ms:.2f} ms")
 

@@ -54,37 +54,13 @@
 # capture bucket that holds them, never at the bucket of the batch it used to be.
 
 # %%
-import pandas as pd
+import nanolab.lab as lab
 
-from nanolab import ModelConfig
-from nanolab.lab import (
-    SLOS,
-    WORKLOADS,
-    Workload,
-    capture_batch_sizes,
-    chapter_run,
-    check_compaction,
-    check_requests,
-    figure_path,
-    graphbench_ratios,
-    graphbench_stems,
-    load_table,
-    plot_graphbench,
-    plot_row_compaction,
-    request_plan,
-    run_graphbench,
-    save_figure,
-    save_table,
-    show,
-    table_label,
-)
-from nanolab.lab.graphbench import SEED_RATES
-
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-ARMS = ("graphs", "eager") if ON_GPU else ("eager",)  # a CPU has no CUDA graphs: the eager arm alone
-BATCH_SIZES = capture_batch_sizes(64)
-print(label.caption())
+ARMS = ("graphs", "eager") if ON_GPU else ("eager",)  # a CPU has no CUDA graphs: eager alone
+BATCH_SIZES = lab.capture_batch_sizes(64)
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## The workload and the SLO
@@ -104,23 +80,33 @@ print(label.caption())
 # arrive together leave at very different times, and that is what row compaction has to handle.
 
 # %%
-for kind in ("cuda", "cpu"):
-    w, s = WORKLOADS[kind], SLOS[kind]
-    print(f"{kind}: prompts U{list(w.prompt_len)}, outputs U{list(w.output_len)} tokens; "
-          f"{w.duration_s:g} s a rate, {w.min_requests} to {w.max_requests} requests; "
-          f"SLO TTFT <= {s.ttft_ms:g} ms, TPOT <= {s.tpot_ms:g} ms")
+import pandas as pd
 
-# On the GPU the chapter's own run is short (the full one is the CLI's, below); on a CPU it is the CPU workload.
-WORKLOAD = Workload((64, 512), (32, 256), duration_s=3.0, min_requests=8, max_requests=64) if ON_GPU \
-    else WORKLOADS["cpu"]
-SLO_HERE = SLOS[DEVICE.type]
+from nanolab import ModelConfig
+from nanolab.lab.graphbench import SEED_RATES
+
+workloads = []
+for kind in ("cuda", "cpu"):
+    w, s = lab.WORKLOADS[kind], lab.SLOS[kind]
+    workloads.append({"device": kind, "prompt tokens": f"U{list(w.prompt_len)}",
+                      "output tokens": f"U{list(w.output_len)}", "s a rate": w.duration_s,
+                      "requests": f"{w.min_requests} to {w.max_requests}",
+                      "TTFT at most (ms)": s.ttft_ms, "TPOT at most (ms)": s.tpot_ms})
+lab.show(pd.DataFrame(workloads))
+
+# On the GPU the chapter's own run is short (the full one is the CLI's, below); on a CPU it is the
+# CPU workload.
+WORKLOAD = lab.Workload((64, 512), (32, 256), duration_s=3.0, min_requests=8, max_requests=64) \
+    if ON_GPU else lab.WORKLOADS["cpu"]
+SLO_HERE = lab.SLOS[DEVICE.type]
 vocab = ModelConfig.from_dir(path).vocab_size
-plans = {rate: request_plan(rate, WORKLOAD.requests_at(rate), vocab, WORKLOAD, seed=0) for rate in SEED_RATES}
+plans = {rate: lab.request_plan(rate, WORKLOAD.requests_at(rate), vocab, WORKLOAD, seed=0)
+         for rate in SEED_RATES}
 plan_table = pd.DataFrame([{
     "rate": rate, "requests": len(p), "arrivals over (s)": p[-1].arrival_s,
     "mean prompt": sum(len(r.prompt_token_ids) for r in p) / len(p),
     "mean output": sum(r.max_tokens for r in p) / len(p)} for rate, p in plans.items()])
-show(plan_table.round(2))
+lab.show(plan_table.round(2))
 
 # %% [markdown]
 # A handful of Poisson arrivals is lumpy. At 2 requests/s the few requests may land over 2 s or
@@ -136,15 +122,25 @@ show(plan_table.round(2))
 # the batch each rate ran at.
 
 # %%
-live = run_graphbench(MODEL, DEVICE.type, arms=ARMS, rates=SEED_RATES, max_rate=max(SEED_RATES), workload=WORKLOAD,
-                      slo=SLO_HERE, warmup=2 if not ON_GPU else 8, offline_steps=32 if ON_GPU else 8,
-                      offline_repeats=3 if ON_GPU else 1)
+import textwrap
+
+
+def log(message: str) -> None:
+    """The bench's progress lines, wrapped at 100 characters."""
+    for line in message.splitlines():
+        print(textwrap.fill(line, 100, subsequent_indent="    "))
+
+
+live = lab.run_graphbench(MODEL, DEVICE.type, arms=ARMS, rates=SEED_RATES, max_rate=max(SEED_RATES),
+                          workload=WORKLOAD, slo=SLO_HERE, warmup=2 if not ON_GPU else 8,
+                          offline_steps=32 if ON_GPU else 8, offline_repeats=3 if ON_GPU else 1,
+                          log=log)
 for stem, table in live.tables("day58_live").items():
-    save_table(table, stem, label)
-COLUMNS = ["arm", "rate", "completed", "chunk_shortfall", "offered_req_s", "sustained_req_s", "saturated",
-           "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "output_throughput", "goodput", "median_rows",
-           "step_batch", "server_step_p50_ms"]
-show(live.rates[COLUMNS].round(2))
+    lab.save_table(table, stem, label)
+COLUMNS = ["arm", "rate", "completed", "chunk_shortfall", "offered_req_s", "sustained_req_s",
+           "saturated", "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
+           "output_throughput", "goodput", "median_rows", "step_batch", "server_step_p50_ms"]
+lab.show(live.rates[COLUMNS].round(2))
 
 # %% [markdown]
 # These gates hold on any machine, and the notebook asserts them. Every request completes, its
@@ -154,12 +150,12 @@ show(live.rates[COLUMNS].round(2))
 # themselves, and there is no padding.
 
 # %%
-gates = [check_requests(live.rates)]
+gates = [lab.check_requests(live.rates)]
 for arm in ARMS:
     steps = live.steps[live.steps.arm == arm]
-    gates.append(check_compaction(steps, BATCH_SIZES, expect_graphs=ON_GPU and arm == "graphs"))
+    gates.append(lab.check_compaction(steps, BATCH_SIZES, expect_graphs=ON_GPU and arm == "graphs"))
 for gate in gates:
-    print(gate)
+    print(textwrap.fill(str(gate), 100, subsequent_indent="  "))
     assert gate, gate
 
 # %% [markdown]
@@ -174,20 +170,32 @@ for gate in gates:
 
 # %%
 decode = live.steps[live.steps.phase == "decode"]
-show(decode.groupby(["arm", "rows", "batch", "graph"], as_index=False).agg(steps=("steps", "sum"),
-                                                                           ms_p50=("ms_p50", "median")).round(2))
-fig = plot_row_compaction(live.trace, BATCH_SIZES)
-save_figure(fig, "day58_live_row_compaction", label)
-show(fig)
+lab.show(decode.groupby(["arm", "rows", "batch", "graph"], as_index=False)
+         .agg(steps=("steps", "sum"), ms_p50=("ms_p50", "median")).round(2))
+fig = lab.plot_row_compaction(live.trace, BATCH_SIZES)
+lab.save_figure(fig, "day58_live_row_compaction", label)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 58.1: The live rows (blue) and the batch each step ran at (red) over the last stretch of
+# the busiest sustained rate, with prefill steps as ticks on the zero line; below, each decode
+# step's padding share. Look for the batch stepping down as requests finish between prefills.*
 
 # %%
-fig = plot_graphbench(live.rates)
-save_figure(fig, "day58_live_graphbench", label)
-show(fig)
-live_ratios = graphbench_ratios(live.rates, live.offline)
-show(live.offline.round(3))
-for row in live_ratios.itertuples():
-    print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}); {row.detail}")
+fig = lab.plot_graphbench(live.rates)
+lab.save_figure(fig, "day58_live_graphbench", label)
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 58.2: This run's ITL at p50 (solid) and p99 (dashed), and its output-token throughput
+# beside the offered token rate, against the offered request rate. A hollow marker is a saturated
+# rate, where throughput falls away from the offered line.*
+
+# %%
+live_ratios = lab.graphbench_ratios(live.rates, live.offline)
+lab.show(live.offline.round(3))
+with pd.option_context("display.max_colwidth", None):  # the detail column in full
+    lab.show(live_ratios.drop(columns="met").round(2))  # reported, not asserted
 
 # %% [markdown]
 # On a two-core CPU these ratios mostly describe the CPU, and are reported, not asserted. The
@@ -209,16 +217,16 @@ for row in live_ratios.itertuples():
 # numbers, labelled with the machine and date of the run.
 
 # %%
-h200 = {stem: load_table(stem, "h200") for stem in graphbench_stems("day58")}
+h200 = {stem: lab.load_table(stem, "h200") for stem in lab.graphbench_stems("day58")}
 HAVE_H200 = all(t is not None for t in h200.values())
 if HAVE_H200:
     rates, steps, trace, offline = h200.values()
-    measured = table_label(rates)
-    print(f"measured on: {measured.caption()}")
-    show(rates.pivot_table(index="rate", columns="arm", values=["itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
-                                                                "ttft_p50_ms"]).round(2))
-    show(rates.pivot_table(index="rate", columns="arm", values=["request_throughput", "output_throughput",
-                                                                "goodput", "saturated"]).round(2))
+    measured = lab.table_label(rates)
+    print("measured on:", measured.caption().replace("; ", ";\n  "))
+    latency = ["itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms"]
+    lab.show(rates.pivot_table(index="rate", columns="arm", values=latency).round(2))
+    throughput = ["request_throughput", "output_throughput", "goodput", "saturated"]
+    lab.show(rates.pivot_table(index="rate", columns="arm", values=throughput).round(2))
 else:
     print("no committed H200 run in data/ yet: it comes from "
           "`python -m nanolab graphbench --device cuda --model llama-3.2-1b` on an H200")
@@ -230,25 +238,43 @@ else:
 
 # %%
 if HAVE_H200:
-    h200_gates = [check_requests(rates)]
-    h200_buckets = capture_batch_sizes(int(rates.max_num_seqs.iloc[0]))
+    h200_gates = [lab.check_requests(rates)]
+    h200_buckets = lab.capture_batch_sizes(int(rates.max_num_seqs.iloc[0]))
     for arm in rates.arm.unique():
-        h200_gates.append(check_compaction(steps[steps.arm == arm], h200_buckets, expect_graphs=arm == "graphs"))
+        h200_gates.append(lab.check_compaction(steps[steps.arm == arm], h200_buckets,
+                                               expect_graphs=arm == "graphs"))
     for gate in h200_gates:
-        print(gate)
+        print(textwrap.fill(str(gate), 100, subsequent_indent="  "))
         assert gate, gate
     graphed = steps[(steps.arm == "graphs") & (steps.phase == "decode")]
     by_rows = graphed.groupby(["rows", "batch"], as_index=False).agg(steps=("steps", "sum"))
     by_rows["padding_share"] = (by_rows.batch - by_rows.rows) / by_rows.batch
-    show(by_rows.round(3))
-    fig = plot_graphbench(rates)
-    if ON_GPU or not figure_path("day58_graphbench", "h200").exists():
-        save_figure(fig, "day58_graphbench", measured)  # drawn from, and labelled with, the measured tables
-    show(fig)
-    fig = plot_row_compaction(trace, h200_buckets)
-    if ON_GPU or not figure_path("day58_row_compaction", "h200").exists():
-        save_figure(fig, "day58_row_compaction", measured)
-    show(fig)
+    lab.show(by_rows.round(3))
+
+# %%
+if HAVE_H200:
+    fig = lab.plot_graphbench(rates)
+    if ON_GPU or not lab.figure_path("day58_graphbench", "h200").exists():
+        # drawn from, and labelled with, the measured tables
+        lab.save_figure(fig, "day58_graphbench", measured)
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 58.3: The H200 run's ITL at p50 (solid) and p99 (dashed), and its output-token
+# throughput, against the offered rate, graphs (blue) beside eager (grey). Compare the two arms'
+# p50 lines at the seed's low rates, and see where each arm's markers turn hollow as it saturates.*
+
+# %%
+if HAVE_H200:
+    fig = lab.plot_row_compaction(trace, h200_buckets)
+    if ON_GPU or not lab.figure_path("day58_row_compaction", "h200").exists():
+        lab.save_figure(fig, "day58_row_compaction", measured)
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 58.4: One window of steps from each arm of the H200 run: live rows (blue) and the batch
+# run (red) above, the padding share below. With graphs the red line steps between capture
+# buckets above the blue one; eagerly the two lines coincide and nothing is padded.*
 
 # %% [markdown]
 # ## The three ratios, against their aims
@@ -267,10 +293,10 @@ if HAVE_H200:
 # 3. **The tail at the highest sustainable rate.** ITL p99 over p50 should be at most 3x. The gaps
 #    in the tail are the decode steps that waited behind a prefill. Prefill runs outside the
 #    capture list, eagerly, so each stall costs a whole eager forward. Once more than about 1 in
-#    100 decode steps waits behind a prefill, p99 lands on one of those stalls. The detail line gives their
+#    100 decode steps waits behind a prefill, p99 lands on one of those stalls. The detail column gives their
 #    count and their median time from the step log.
 
-# The detail of each overhead line splits it at the server's own median step, which comes from
+# The detail of each overhead row splits it at the server's own median step, which comes from
 # the step log. The first part is how much slower the engine step runs inside the server than
 # alone. The second is what the path from a finished step to the client adds on top of that.
 #
@@ -288,10 +314,9 @@ if HAVE_H200:
 
 # %%
 if HAVE_H200:
-    ratios = graphbench_ratios(rates, offline)
-    for row in ratios.itertuples():
-        print(f"{row.ratio} [{row.arm}, {row.rate:g} req/s]: {row.value:.2f} (aim {row.aim}: "
-              f"{'met' if row.met else 'missed'}); {row.detail}")
+    ratios = lab.graphbench_ratios(rates, offline)
+    with pd.option_context("display.max_colwidth", None):  # the detail column in full
+        lab.show(ratios.assign(met=ratios.met.map({True: "met", False: "missed"})).round(2))
 else:
     print("(the ratios need the committed H200 tables; the CPU's own are in the live table above)")
 
@@ -303,5 +328,5 @@ else:
 #   asserted the gates that hold anywhere: every request completes, token counts match, servers
 #   exit cleanly, and each decode step runs at the smallest bucket that holds its live rows.
 # - Graphs against eager, and the server's overhead, are read off the H200 tables as ratios. Each
-#   line above names its aim and the rates where it was met. The tail ratio depends on how long a
+#   row above names its aim and the rates where it was met. The tail ratio depends on how long a
 #   prefill stalls the running decodes, and chunked prefill is the usual answer to it.

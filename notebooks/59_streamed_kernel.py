@@ -32,47 +32,11 @@
 # device timings runs in CI.
 
 # %%
-import pandas as pd
-import torch
+import nanolab.lab as lab
 
-from nanolab import Engine, load_model
-from nanolab.engine.buckets import DecodeBuckets
-from nanolab.kernels.paged_attention import choose_variant, paged_attention, tile_lanes
-from nanolab.kernels.reference import reference_read
-from nanolab.lab import (
-    SEED_STREAMBENCH,
-    chapter_run,
-    engine_greedy,
-    figure_path,
-    kernel_agreement,
-    launch_rule,
-    load_table,
-    mapping_read,
-    plot_launch_sweep,
-    plot_streamed_engine,
-    plot_streamed_read,
-    random_prompts,
-    read_batch,
-    render_streambench,
-    run_capturebench,
-    run_label,
-    run_streambench,
-    save_figure,
-    save_table,
-    show,
-    spread_lengths,
-    streambench_table,
-    streamed_work,
-    streamed_workspace_bytes,
-    table_label,
-    table_stems,
-    time_engine,
-    workspace_bytes,
-)
-
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-print(label.caption())
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## What each read holds
@@ -84,11 +48,12 @@ print(label.caption())
 # that arithmetic (`nanolab.lab.costs`), and it must match the seed's print exactly.
 
 # %%
-table = streambench_table()
-save_table(table, "day59_streambench_host", label)
-print(render_streambench(table))
-assert render_streambench(table) == SEED_STREAMBENCH
-assert workspace_bytes(256, 32, 8192) / streamed_workspace_bytes(256, 32, 128) == 64
+table = lab.streambench_table()
+lab.save_table(table, "day59_streambench_host", label)
+lab.show(table.round({"rectangle MB": 1, "tile MB": 2, "walks": 2}))
+# printed as the seed printed it, the table matches the seed's print character for character
+assert lab.render_streambench(table) == lab.SEED_STREAMBENCH
+assert lab.workspace_bytes(256, 32, 8192) / lab.streamed_workspace_bytes(256, 32, 128) == 64
 
 # %% [markdown]
 # The uniform rows stay in the table. Their walk saving is exactly 1.00x, and that is the point:
@@ -103,23 +68,31 @@ assert workspace_bytes(256, 32, 8192) / streamed_workspace_bytes(256, 32, 128) =
 # `choose_variant` picks and for each of the others.
 
 # %%
+import pandas as pd
+import torch
+
+from nanolab.kernels.paged_attention import choose_variant
+
 HEADS, KV_HEADS, HEAD_DIM, TILE = 32, 8, 64, 128
 kernel_dtype = torch.float32 if not ON_GPU else torch.bfloat16
-batches = {"uniform": [300, 300, 300], "ragged": [700, 40, 260, 129], "long tail": spread_lengths(8, 512, "long tail")}
+read_args = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
+                 device=DEVICE)
+batches = {"uniform": [300, 300, 300], "ragged": [700, 40, 260, 129],
+           "long tail": lab.spread_lengths(8, 512, "long tail")}
 agreement = []
 for name, lengths in batches.items():
-    b = read_batch(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype, device=DEVICE)
+    b = lab.read_batch(lengths, **read_args)
     auto = choose_variant(len(lengths), HEADS, KV_HEADS, max(lengths), block=TILE)
     for variant in ("head", "gqa", "split"):
-        a = kernel_agreement(name, b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                             variant=variant, block=TILE)
+        a = lab.kernel_agreement(name, b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
+                                 b.positions, variant=variant, block=TILE)
         if variant == auto:
             print(a.line, f"({variant}, chosen)")
-        agreement.append({"batch": name, "rows": len(lengths), "variant": variant, "chosen": variant == auto,
-                          "worst": a.worst})
+        agreement.append({"batch": name, "rows": len(lengths), "variant": variant,
+                          "chosen": variant == auto, "worst": a.worst})
 agreement = pd.DataFrame(agreement)
-save_table(agreement, "day59_agreement", label)
-show(agreement.pivot(index="batch", columns="variant", values="worst"))
+lab.save_table(agreement, "day59_agreement", label)
+lab.show(agreement.pivot(index="batch", columns="variant", values="worst"))
 assert (agreement.worst < (1e-5 if kernel_dtype == torch.float32 else 2e-2)).all()
 
 # %% [markdown]
@@ -132,23 +105,28 @@ assert (agreement.worst < (1e-5 if kernel_dtype == torch.float32 else 2e-2)).all
 # equals the clean answer.
 
 # %%
-b = read_batch(batches["ragged"], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
-               device=DEVICE)
-clean = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, validated=True)
+from nanolab.kernels.paged_attention import paged_attention
+from nanolab.kernels.reference import reference_read
+
+b = lab.read_batch(batches["ragged"], **read_args)
+clean = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                       validated=True)
 live = set(b.slot_mapping[b.slot_mapping >= 0].tolist())
 dead = [s for s in range(b.k_pool.shape[0]) if s not in live]
 b.k_pool[dead], b.v_pool[dead] = float("nan"), float("nan")
-oracle = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, validated=True)
-kernel = mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, block=TILE,
-                      variant="gqa")
-table_read = paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16, b.context_lens, b.positions,
-                             block=TILE, variant="gqa")
+oracle = reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                        validated=True)
+kernel = lab.mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
+                          block=TILE, variant="gqa")
+table_read = paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
+                             b.context_lens, b.positions, block=TILE, variant="gqa")
 short = b.context_lens < b.context_lens.max()
-print(f"reference: {int(oracle.isnan().any(dim=(1, 2, 3)).sum())} of {len(short)} rows NaN; "
-      f"kernel: {int(kernel.isnan().any(dim=(1, 2, 3)).sum())}; table-addressed kernel: "
-      f"{int(table_read.isnan().any(dim=(1, 2, 3)).sum())}")
+nan_rows = lambda out: int(out.isnan().any(dim=(1, 2, 3)).sum())
+print(f"reference: {nan_rows(oracle)} of {len(short)} rows NaN; kernel: {nan_rows(kernel)}; "
+      f"table-addressed kernel: {nan_rows(table_read)}")
 assert oracle[short].isnan().all() and kernel.isfinite().all() and table_read.isfinite().all()
-tolerance = dict(rtol=1e-5, atol=1e-5) if kernel_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+tolerance = dict(rtol=1e-5, atol=1e-5) if kernel_dtype == torch.float32 else \
+    dict(rtol=2e-2, atol=2e-2)
 torch.testing.assert_close(kernel, clean, **tolerance)
 torch.testing.assert_close(table_read, clean, **tolerance)
 
@@ -161,15 +139,17 @@ torch.testing.assert_close(table_read, clean, **tolerance)
 # the rectangle scores 128.
 
 # %%
-lengths = spread_lengths(8, 2048, "long tail")
-b = read_batch(lengths, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype, device=DEVICE)
+from nanolab.kernels.paged_attention import tile_lanes
+
+lengths = lab.spread_lengths(8, 2048, "long tail")
+b = lab.read_batch(lengths, **read_args)
 counts = torch.zeros(len(lengths), dtype=torch.int32, device=DEVICE)
-mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, block=TILE, variant="gqa",
-             tile_counts=counts)
-work = streamed_work(lengths, TILE)
+lab.mapping_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions, block=TILE,
+                 variant="gqa", tile_counts=counts)
+work = lab.streamed_work(lengths, TILE)
 walked = int(counts.sum()) // tile_lanes("gqa", HEADS, KV_HEADS)
-print(f"the loop walked {walked} tiles; streamed_work says {work.walked}; the rectangle scores {work.rect_tiles} "
-      f"({work.ragged_saving:.2f}x)")
+print(f"the loop walked {walked} tiles; streamed_work says {work.walked}; "
+      f"the rectangle scores {work.rect_tiles} ({work.ragged_saving:.2f}x)")
 assert walked == work.walked == 30 and work.rect_tiles == 128
 
 # %% [markdown]
@@ -183,15 +163,19 @@ assert walked == work.walked == 30 and work.rect_tiles == 128
 # either read.
 
 # %%
+from nanolab import Engine, load_model
+
 model = load_model(path, dtype=DTYPE, device=DEVICE)
-prompts = random_prompts(3, 24, model.config.vocab_size, seed=3).tolist()
+prompts = lab.random_prompts(3, 24, model.config.vocab_size, seed=3).tolist()
 
 # fp32 keeps rounding out of the question; on a GPU the chapter's bf16 model is loaded again in fp32
-exact_model = model if DTYPE == torch.float32 else load_model(path, dtype=torch.float32, device=DEVICE)
+exact_model = model if DTYPE == torch.float32 else \
+    load_model(path, dtype=torch.float32, device=DEVICE)
 for m in dict.fromkeys((exact_model, model)):
     dtype = next(m.parameters()).dtype
-    same = engine_greedy(Engine(m, num_blocks=32, read="streamed"), prompts, 6) == engine_greedy(
-        Engine(m, num_blocks=32, read="reference"), prompts, 6)
+    greedy = {read: lab.engine_greedy(Engine(m, num_blocks=32, read=read), prompts, 6)
+              for read in ("streamed", "reference")}
+    same = greedy["streamed"] == greedy["reference"]
     print(f"{MODEL}, {dtype}: the streamed read decodes the reference's greedy tokens: {same}")
     if dtype == torch.float32:
         assert same
@@ -206,18 +190,17 @@ del exact_model
 # difference can be read as rounding rather than as a wrong answer.
 
 # %%
-b = read_batch(batches["ragged"], heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=kernel_dtype,
-               device=DEVICE)
-exact = reference_read(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping, b.context_lens,
-                       b.positions, validated=True)
-reads = {"reference": reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens, b.positions,
-                                     validated=True),
-         "streamed (table)": paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows, 16,
-                                             b.context_lens, b.positions, block=TILE)}
+b = lab.read_batch(batches["ragged"], **read_args)
+exact = reference_read(b.q.double(), b.k_pool.double(), b.v_pool.double(), b.slot_mapping,
+                       b.context_lens, b.positions, validated=True)
+reads = {"reference": reference_read(b.q, b.k_pool, b.v_pool, b.slot_mapping, b.context_lens,
+                                     b.positions, validated=True),
+         "streamed (table)": paged_attention(b.q, b.k_pool, b.v_pool, b.block_table, b.table_rows,
+                                             16, b.context_lens, b.positions, block=TILE)}
 exactness = pd.DataFrame([{"read": name, "dtype": str(kernel_dtype).removeprefix("torch."),
                            "worst |read - exact|": float((out.double() - exact).abs().max())}
                           for name, out in reads.items()])
-show(exactness)
+lab.show(exactness)
 
 # %% [markdown]
 # ### The default, per device
@@ -231,10 +214,14 @@ show(exactness)
 steps = 3
 arms = {"reference": Engine(model, num_blocks=32, read="reference"),
         "streamed": Engine(model, num_blocks=32, read="streamed")}
-timing = pd.DataFrame([{"read": name, "ms_per_step": time_engine(engine, random_prompts(2, 24,
-                        model.config.vocab_size), steps, repeats=1).ms_per_step} for name, engine in arms.items()])
-save_table(timing, "day60_read_cost", label)
-show(timing)
+timing = []
+for name, engine in arms.items():
+    batch = lab.random_prompts(2, 24, model.config.vocab_size)
+    timed = lab.time_engine(engine, batch, steps, repeats=1)
+    timing.append({"read": name, "ms_per_step": timed.ms_per_step})
+timing = pd.DataFrame(timing)
+lab.save_table(timing, "day60_read_cost", label)
+lab.show(timing.round(2))
 
 # %% [markdown]
 # So on a CPU the reference stays the default. On a CUDA device the cache reads through the
@@ -250,11 +237,14 @@ show(timing)
 # its batch axis alone, so the seed's 36 shapes become 6. The pool no longer holds a rectangle.
 
 # %%
+from nanolab.engine.buckets import DecodeBuckets
+
 full, narrow = DecodeBuckets.default(), DecodeBuckets.default().without_width()
-print(f"capture list: {len(full)} shapes with the rectangle, {len(narrow)} without: {narrow.shapes}")
+print(f"capture list: {len(full)} shapes with the rectangle, {len(narrow)} without:\n"
+      f"  {narrow.shapes}")
 assert (len(full), len(narrow)) == (36, 6)
-print(f"largest bucket's scores: {workspace_bytes(32, 32, 8192) / 1e6:.1f} MB as a rectangle, "
-      f"{streamed_workspace_bytes(32, 32, TILE) / 1e6:.2f} MB as tiles")
+print(f"largest bucket's scores: {lab.workspace_bytes(32, 32, 8192) / 1e6:.1f} MB as a rectangle, "
+      f"{lab.streamed_workspace_bytes(32, 32, TILE) / 1e6:.2f} MB as tiles")
 
 # %% [markdown]
 # ## On the H200
@@ -268,26 +258,34 @@ print(f"largest bucket's scores: {workspace_bytes(32, 32, 8192) / 1e6:.1f} MB as
 # CUDA-graph replay after a write that evicts the L2, so the timing is GPU time alone.
 
 # %%
-sweep = load_table("day59_launch_sweep", "h200")
-assert sweep is not None, "data/day59_launch_sweep_h200.csv is missing (scripts/gpu_run.sh tune on a GPU)"
-print(f"measured on: {table_label(sweep).caption()}")
+sweep = lab.load_table("day59_launch_sweep", "h200")
+assert sweep is not None, \
+    "data/day59_launch_sweep_h200.csv is missing (scripts/gpu_run.sh tune on a GPU)"
+print("measured on:", lab.table_label(sweep).caption().replace(", bfloat16", ",\n  bfloat16")
+      .replace("; ", ";\n  "))
 print(f"{len(sweep)} launches over {sweep['shape'].nunique()} shapes")
-rule = launch_rule(sweep, HEADS, KV_HEADS).set_index("shape")  # the default launch, found in the sweep
+# the default launch, found in the sweep
+rule = lab.launch_rule(sweep, HEADS, KV_HEADS).set_index("shape")
 fastest = sweep.groupby(["shape", "variant"], sort=False).us.min().unstack()
-fastest["rule picks"] = [f"{r.variant} x{r.splits}" if r.variant == "split" else r.variant for r in rule.itertuples()]
+fastest["rule picks"] = [f"{r.variant} x{r.splits}" if r.variant == "split" else r.variant
+                         for r in rule.itertuples()]
 fastest["stages"] = rule.num_stages
 fastest["rule's us"] = rule.us
 fastest["of best"] = rule.of_best
-show(fastest.round(2))
+lab.show(fastest.round(2))
 assert (fastest["of best"] <= 1.12).all()
 
 # %%
-fig = plot_launch_sweep(sweep, rule)
-if ON_GPU or not figure_path("day59_launch_sweep", "h200").exists():
-    save_figure(fig, "day59_launch_sweep", table_label(sweep))
-show(fig)
+fig = lab.plot_launch_sweep(sweep, rule)
+if ON_GPU or not lab.figure_path("day59_launch_sweep", "h200").exists():
+    lab.save_figure(fig, "day59_launch_sweep", lab.table_label(sweep))
+lab.show(fig)
 
 # %% [markdown]
+# *Figure 59.1: Left, the fastest time found for each swept shape at each number of split shares;
+# right, each shape's time at each pipeline depth over its fastest depth. Rings mark what the rule
+# picks: look at how the small batches fall as their walks are shared out.*
+#
 # Three things are plain in the sweep.
 #
 # - **"head" loses everywhere.** Comparing each variant's best setting, it is 3.2x to 4.3x slower
@@ -318,15 +316,19 @@ show(fig)
 
 # %%
 if ON_GPU:
-    measured = run_streambench()
-    save_table(measured, "day59_streambench", run_label(DEVICE, "decode read, 32/8 heads, head_dim 64",
-                                                        torch.bfloat16, weights="synthesized random"))
-measured = load_table("day59_streambench", "h200")
-assert measured is not None, "data/day59_streambench_h200.csv is missing (scripts/gpu_run.sh stream on a GPU)"
-print(f"measured on: {table_label(measured).caption()}")
-show(measured.pivot(index="shape", columns="arm", values="us").round(1))
-show(measured.pivot(index="shape", columns="arm", values="tb_s").round(2))
-assert (measured[measured.arm != "sdpa"].max_err < 2e-2).all()  # every arm answers the reference's question
+    measured = lab.run_streambench()
+    read_label = lab.run_label(DEVICE, "decode read, 32/8 heads, head_dim 64", torch.bfloat16,
+                               weights="synthesized random")
+    lab.save_table(measured, "day59_streambench", read_label)
+measured = lab.load_table("day59_streambench", "h200")
+assert measured is not None, \
+    "data/day59_streambench_h200.csv is missing (scripts/gpu_run.sh stream on a GPU)"
+print("measured on:", lab.table_label(measured).caption().replace(", bfloat16", ",\n  bfloat16")
+      .replace("; ", ";\n  "))
+lab.show(measured.pivot(index="shape", columns="arm", values="us").round(1))
+lab.show(measured.pivot(index="shape", columns="arm", values="tb_s").round(2))
+# every arm answers the reference's question
+assert (measured[measured.arm != "sdpa"].max_err < 2e-2).all()
 
 # %% [markdown]
 # The issue's targets, as ratios (they are printed, not asserted: a timing is not a test):
@@ -335,24 +337,32 @@ assert (measured[measured.arm != "sdpa"].max_err < 2e-2).all()  # every arm answ
 by = measured.set_index(["shape", "arm"])
 big, small = by.loc["64 x 8192"], by.loc["8 x 2048"]
 print(f"64 x 8192: the table read takes {big.us['table']:.0f} us at {big.tb_s['table']:.2f} TB/s "
-      f"(target 3.0 TB/s: {big.tb_s['table'] / 3.0:.2f}x); SDPA flash on a contiguous cache takes "
-      f"{big.us['sdpa']:.0f} us ({big.us['sdpa'] / big.us['table']:.2f}x the table read's time); "
-      f"the rectangle takes {big.us['reference']:.0f} us ({big.x_reference['table']:.1f}x, target 20x)")
+      f"(target 3.0 TB/s: {big.tb_s['table'] / 3.0:.2f}x);\n"
+      f"  SDPA flash on a contiguous cache takes {big.us['sdpa']:.0f} us "
+      f"({big.us['sdpa'] / big.us['table']:.2f}x the table read's time);\n"
+      f"  the rectangle takes {big.us['reference']:.0f} us "
+      f"({big.x_reference['table']:.1f}x, target 20x)")
 needed = big.kv_bytes["table"] / (big.us["reference"] / 20) / 1e6
-print(f"  20x the rectangle would need {needed:.1f} TB/s; the H200's HBM peaks at 4.8 TB/s (NVIDIA's specification)")
+print(f"  20x the rectangle would need {needed:.1f} TB/s;\n"
+      "  the H200's HBM peaks at 4.8 TB/s (NVIDIA's specification)")
 print(f"8 x 2048: the table read takes {small.us['table']:.1f} us (target 25 us: "
       f"{25 / small.us['table']:.2f}x)")
 tail = by.loc["long tail 64 x 8192"]
-print(f"long tail 64 x 8192: {tail.us['table']:.0f} us against the rectangle's {tail.us['reference']:.0f} us "
-      f"({tail.x_reference['table']:.1f}x); SDPA, which has no lengths, reads the whole rectangle in "
-      f"{tail.us['sdpa']:.0f} us")
+print(f"long tail 64 x 8192: {tail.us['table']:.0f} us against the rectangle's "
+      f"{tail.us['reference']:.0f} us ({tail.x_reference['table']:.1f}x);\n"
+      f"  SDPA, which has no lengths, reads the whole rectangle in {tail.us['sdpa']:.0f} us")
 
 # %%
-fig = plot_streamed_read(table, spread_lengths(8, 2048, "long tail"), measured=measured)
-save_figure(fig, "day59_streamed_read", label)
-show(fig)
+fig = lab.plot_streamed_read(table, lab.spread_lengths(8, 2048, "long tail"), measured=measured)
+lab.save_figure(fig, "day59_streamed_read", label)
+lab.show(fig)
 
 # %% [markdown]
+# *Figure 59.2: Top, the rectangle the reference scores for a long-tail batch beside the little
+# that one streamed program holds; bottom left, the tiles each row's program walks against the
+# rectangle's; bottom right, the host arithmetic and the read measured on the H200. Compare the
+# blue walked tiles with the red padding the rectangle scores as well.*
+#
 # The 20x target against the rectangle cannot be met on this card, and the cell above shows why.
 # Replayed from a graph, the reference is a handful of large, well-fed kernels (a gather, two
 # batched matmuls, a softmax). At 64 x 8,192 it is only about 12x slower than a read at 3.8 TB/s,
@@ -370,34 +380,44 @@ show(fig)
 
 # %%
 if ON_GPU:
-    bench = run_capturebench(path, DTYPE, compile=False, streamed=True, progress=False)
+    bench = lab.run_capturebench(path, DTYPE, compile=False, streamed=True, progress=False)
     for stem, frame in bench.tables("day60").items():
-        save_table(frame, stem, label)
-steps, capture, agreement, profile = (load_table(stem, "h200") for stem in table_stems("day60"))
-assert steps is not None, "data/day60_decode_h200.csv is missing (scripts/gpu_run.sh capture with --streamed)"
-print(f"measured on: {table_label(steps).caption()}")
+        lab.save_table(frame, stem, label)
+steps, capture, agreement, profile = (lab.load_table(stem, "h200")
+                                      for stem in lab.table_stems("day60"))
+assert steps is not None, \
+    "data/day60_decode_h200.csv is missing (scripts/gpu_run.sh capture with --streamed)"
+print("measured on:", lab.table_label(steps).caption().replace("; ", ";\n  "))
 REFERENCE, STREAMED = "nanolab graphs", "nanolab graphs, streamed read"
 per_step = steps.pivot_table(index="batch", columns=["context", "arm"], values="ms_per_step")
-ratio = pd.concat({c: per_step[c][REFERENCE] / per_step[c][STREAMED] for c in sorted(steps.context.unique())},
-                  axis=1)
-show(per_step.round(3))
+ratio = pd.concat({c: per_step[c][REFERENCE] / per_step[c][STREAMED]
+                   for c in sorted(steps.context.unique())}, axis=1)
+lab.show(per_step.round(3))
 print("reference step time / streamed step time, by batch (columns: context):")
-show(ratio.round(2))
+lab.show(ratio.round(2))
 
 # %%
 print(f"the streamed step against the reference's, graphs on both: {ratio.min().min():.2f}x to "
-      f"{ratio.max().max():.2f}x faster; slower at {int((ratio < 1).sum().sum())} of {ratio.size} points")
-eager_cost = load_table("day60_read_cost", "h200")
+      f"{ratio.max().max():.2f}x faster;\n"
+      f"  slower at {int((ratio < 1).sum().sum())} of {ratio.size} points")
+eager_cost = lab.load_table("day60_read_cost", "h200")
 if eager_cost is not None:
     cost = eager_cost.set_index("read").ms_per_step
-    print(f"eager, no graphs ({table_label(eager_cost).device}): {cost['reference']:.2f} ms a step through the "
-          f"reference, {cost['streamed']:.2f} through the kernel")
+    cost_label = lab.table_label(eager_cost)
+    print(f"eager, no graphs ({cost_label.device}, {cost_label.date}):\n"
+          f"  {cost['reference']:.2f} ms a step through the reference, "
+          f"{cost['streamed']:.2f} through the kernel")
 
 # %%
-fig = plot_streamed_engine(steps, REFERENCE, STREAMED)
-if ON_GPU or not figure_path("day60_streamed_engine", "h200").exists():
-    save_figure(fig, "day60_streamed_engine", table_label(steps))
-show(fig)
+fig = lab.plot_streamed_engine(steps, REFERENCE, STREAMED)
+if ON_GPU or not lab.figure_path("day60_streamed_engine", "h200").exists():
+    lab.save_figure(fig, "day60_streamed_engine", lab.table_label(steps))
+lab.show(fig)
+
+# %% [markdown]
+# *Figure 59.3: Left, ms per decode step against batch with graphs over the reference read (blue)
+# and over the streamed read (red), at each context, with the floor in black. Right, the reference
+# step's time over the streamed step's: the gap grows with batch, most at the longer context.*
 
 # %% [markdown]
 # ### The capture list and the tokens
@@ -406,13 +426,14 @@ show(fig)
 # (batch, width). The pool no longer holds a rectangle either:
 
 # %%
-show(capture.drop(columns=[c for c in capture.columns if c in table_label(capture).as_columns()]).round(2))
+label_columns = lab.table_label(capture).as_columns()
+lab.show(capture.drop(columns=[c for c in capture.columns if c in label_columns]).round(2))
 pools = capture.set_index("forward")
+shared = capture[capture["pool"] == "shared"]
 print(f"the streamed list: {int(pools.shapes['eager, streamed read'])} graphs in "
       f"{pools.pool_mib['eager, streamed read']:.0f} MiB; the rectangle's shared pool: "
-      f"{int(capture[capture['pool'] == 'shared'].shapes.iloc[0])} graphs in "
-      f"{capture[capture['pool'] == 'shared'].pool_mib.iloc[0]:.0f} MiB")
-show(agreement.drop(columns=[c for c in agreement.columns if c in table_label(agreement).as_columns()]))
+      f"{int(shared.shapes.iloc[0])} graphs in {shared.pool_mib.iloc[0]:.0f} MiB")
+lab.show(agreement.drop(columns=[c for c in agreement.columns if c in label_columns]))
 
 # %% [markdown]
 # The agreement table is bf16 on random weights. Both the graphs over the reference read and the

@@ -36,32 +36,11 @@
 # the work runs, so neither may change a single token.
 
 # %%
-import pandas as pd
-import torch
+import nanolab.lab as lab
 
-from nanolab import PRESETS, Engine, SamplingParams, load_model
-from nanolab.lab import (
-    Gate,
-    best_of_sweep,
-    chapter_run,
-    check_requests,
-    figure_path,
-    load_table,
-    plot_chunked_itl,
-    plot_floor_roofline,
-    plot_lever_waterfall,
-    plot_projections,
-    save_figure,
-    save_table,
-    show,
-    table_label,
-)
-from nanolab.lab.floorbench import TTFT_TARGET
-from nanolab.model.tokenizer import Tokenizer
-
-DEVICE, MODEL, DTYPE, path, label = chapter_run(cpu_model="smollm2-135m")
+DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="smollm2-135m")
 ON_GPU = DEVICE.type == "cuda"
-print(label.caption())
+print(label.caption().replace("; ", ";\n"))
 
 # %% [markdown]
 # ## The H200 tables
@@ -73,17 +52,19 @@ print(label.caption())
 # Every row carries the label of the run that measured it.
 
 # %%
-STEMS = ("levers", "parts", "lever_agreement", "projections", "floor", "roofline", "ttft", "graphbench",
-         "fp32_agreement")
-h200 = {stem: load_table(f"day61_{stem}", "h200") for stem in STEMS}
+import pandas as pd
+
+STEMS = ("levers", "parts", "lever_agreement", "projections", "floor", "roofline", "ttft",
+         "graphbench", "fp32_agreement")
+h200 = {stem: lab.load_table(f"day61_{stem}", "h200") for stem in STEMS}
 missing = [f"data/day61_{stem}_h200.csv" for stem, table in h200.items() if table is None]
-assert set(missing) <= {"data/day61_projections_h200.csv"}, f"missing: {missing} (python -m nanolab levers and " \
-    "floorbench on an H200)"
-labels = pd.DataFrame([{"table": f"day61_{stem}", **table_label(t).as_columns()} for stem, t in h200.items()
-                       if t is not None])
-show(labels.drop(columns=["device_slug"]))
-measured = table_label(h200["levers"])
-print(f"measured on: {measured.caption()}")
+assert set(missing) <= {"data/day61_projections_h200.csv"}, \
+    f"missing: {missing} (python -m nanolab levers and floorbench on an H200)"
+labels = pd.DataFrame([{"table": f"day61_{stem}", **lab.table_label(t).as_columns()}
+                       for stem, t in h200.items() if t is not None])
+lab.show(labels.drop(columns=["device_slug"]))
+measured = lab.table_label(h200["levers"])
+print("measured on:", measured.caption().replace("; ", ";\n  "))
 
 # %% [markdown]
 # ## The floor
@@ -97,10 +78,12 @@ print(f"measured on: {measured.caption()}")
 roofline = h200["roofline"].sort_values(["context", "batch"]).reset_index(drop=True)
 first = roofline[(roofline.batch == 1) & (roofline.context == 128)].iloc[0]
 weights_ms = first.weight_bytes / (first.bandwidth_tb_s * 1e12) * 1e3
-print(f"weights: {first.weight_bytes / 1e9:.3f} GB; copy bandwidth: {first.bandwidth_tb_s:.2f} TB/s; "
-      f"the weights alone take {weights_ms:.3f} ms; floor at batch 1, context 128: {first.floor_ms:.3f} ms")
-show(roofline[["batch", "context", "kv_tokens", "weight_bytes", "kv_bytes", "step_bytes", "bandwidth_tb_s",
-               "floor_ms", "target_ms", "target_x_floor"]].round(3))
+print(f"weights: {first.weight_bytes / 1e9:.3f} GB; "
+      f"copy bandwidth: {first.bandwidth_tb_s:.2f} TB/s; "
+      f"the weights alone take {weights_ms:.3f} ms;\n"
+      f"floor at batch 1, context 128: {first.floor_ms:.3f} ms")
+lab.show(roofline[["batch", "context", "kv_tokens", "weight_bytes", "kv_bytes", "step_bytes",
+                   "bandwidth_tb_s", "floor_ms", "target_ms", "target_x_floor"]].round(3))
 
 # %% [markdown]
 # Each bench measures its own bandwidth, and the copy measures a little differently from one
@@ -110,8 +93,8 @@ show(roofline[["batch", "context", "kv_tokens", "weight_bytes", "kv_bytes", "ste
 # %%
 levers = h200["levers"]
 bw = {"levers": levers.bandwidth_tb_s.iloc[0], "floorbench": h200["floor"].bandwidth_tb_s.iloc[0]}
-print(", ".join(f"{name}: {v:.3f} TB/s" for name, v in bw.items()) +
-      f"; the levers' floor is {bw['floorbench'] / bw['levers']:.3f}x the floorbench's")
+print(", ".join(f"{name}: {v:.3f} TB/s" for name, v in bw.items())
+      + f"; the levers' floor is {bw['floorbench'] / bw['levers']:.3f}x the floorbench's")
 
 # %% [markdown]
 # ## Four arms, one lever added at a time
@@ -124,8 +107,9 @@ print(", ".join(f"{name}: {v:.3f} TB/s" for name, v in bw.items()) +
 # %%
 order = list(dict.fromkeys(levers.arm))
 step_ms = levers.pivot_table(index=["batch", "context"], columns="arm", values="ms_per_step")[order]
-show(step_ms.round(3))
-show(levers.pivot_table(index=["batch", "context"], columns="arm", values="x_floor")[order].round(2))
+lab.show(step_ms.round(3))
+lab.show(levers.pivot_table(index=["batch", "context"], columns="arm", values="x_floor")[order]
+         .round(2))
 
 # %% [markdown]
 # ### Where a batch-1 step's time goes
@@ -140,17 +124,18 @@ parts = h200["parts"]
 b1 = levers[(levers.batch == 1) & (levers.context == 128)].set_index("arm")
 floor_b1 = b1.floor_ms.iloc[0]
 target_b1 = float(roofline[(roofline.batch == 1) & (roofline.context == 128)].target_ms.iloc[0])
-by_part = parts.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
-show(by_part.sort_values(order[-1], ascending=False).round(3))  # 0: no kernel of that class ran
-fig = plot_lever_waterfall(parts, floor_b1, target_b1, replay_ms=b1.replay_ms.to_dict())
-if ON_GPU or not figure_path("day61_waterfall", "h200").exists():
-    save_figure(fig, "day61_waterfall", measured)
-show(fig)
+by_part = parts.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order]
+by_part = by_part.fillna(0.0)
+lab.show(by_part.sort_values(order[-1], ascending=False).round(3))  # 0: no kernel of that class ran
+fig = lab.plot_lever_waterfall(parts, floor_b1, target_b1, replay_ms=b1.replay_ms.to_dict())
+if ON_GPU or not lab.figure_path("day61_waterfall", "h200").exists():
+    lab.save_figure(fig, "day61_waterfall", measured)
+lab.show(fig)
 
 # %% [markdown]
-# *Read the bars from left to right. The red and orange blocks fold into the small gold block once
-# inductor fuses them, and the grey host block shrinks once asynchronous scheduling hides it. The
-# blue projections stay the same height throughout.*
+# *Figure 61.1: A batch-1 step of each arm by kernel class, read from left to right. The red and
+# orange blocks fold into the small gold block once inductor fuses them, the grey host block
+# shrinks once asynchronous scheduling hides it, and the blue projections keep their height.*
 #
 # ### Pinned step inputs: nothing, on its own
 #
@@ -166,10 +151,10 @@ show(fig)
 # %%
 anatomy = ["schedule_us", "plan_step_us", "replay_us", "sampler_us", "rest_us"]
 before, pinned = order[0], order[1]
-for col in ("ms_per_step", "replay_ms", "plan_step_us"):
-    ratio = (levers[levers.arm == pinned].set_index(["batch", "context"])[col]
-             / levers[levers.arm == before].set_index(["batch", "context"])[col])
-    print(f"{col}, pinned over before: " + ", ".join(f"{b}x{c}: {r:.2f}" for (b, c), r in ratio.items()))
+by_shape = {arm: levers[levers.arm == arm].set_index(["batch", "context"])
+            for arm in (before, pinned)}
+lab.show(pd.DataFrame({f"{col}, pinned over before": by_shape[pinned][col] / by_shape[before][col]
+                       for col in ("ms_per_step", "replay_ms", "plan_step_us")}).round(2))
 agreement = h200["lever_agreement"].set_index("arm")
 print(f"pinned against before: {agreement.loc[pinned, 'rows equal to the first arm']} of "
       f"{agreement.loc[pinned, 'rows']} rows equal, logits rel err "
@@ -191,13 +176,14 @@ print(f"pinned against before: {agreement.loc[pinned, 'rows equal to the first a
 # %%
 inductor = order[2]
 small = ["copies and indexing", "other elementwise", "norms", "fused by inductor"]
+host = by_part.loc["host (GPU idle)"]
 print(f"batch 1: copies, elementwise and norms {by_part.loc[small, pinned].sum():.3f} ms -> "
-      f"{by_part.loc[small, inductor].sum():.3f} ms; host (GPU idle) {by_part.loc['host (GPU idle)', pinned]:.3f} -> "
-      f"{by_part.loc['host (GPU idle)', inductor]:.3f} ms")
+      f"{by_part.loc[small, inductor].sum():.3f} ms;\n"
+      f"  host (GPU idle) {host[pinned]:.3f} -> {host[inductor]:.3f} ms")
 replay = levers.pivot_table(index=["batch", "context"], columns="arm", values="replay_ms")[order]
-show(replay.round(3))
-show(pd.DataFrame({"replay saved (ms)": replay[pinned] - replay[inductor],
-                   "step saved (ms)": step_ms[pinned] - step_ms[inductor]}).round(3))
+lab.show(replay.round(3))
+lab.show(pd.DataFrame({"replay saved (ms)": replay[pinned] - replay[inductor],
+                       "step saved (ms)": step_ms[pinned] - step_ms[inductor]}).round(3))
 
 # %% [markdown]
 # ### Asynchronous scheduling: the host goes under the GPU
@@ -218,14 +204,14 @@ show(pd.DataFrame({"replay saved (ms)": replay[pinned] - replay[inductor],
 # %%
 overlapped = order[3]
 kernels_ms = by_part[overlapped].drop("host (GPU idle)").sum()
-print(f"batch 1: host (GPU idle) {by_part.loc['host (GPU idle)', inductor]:.3f} ms -> "
-      f"{by_part.loc['host (GPU idle)', overlapped]:.3f} ms, of which {b1.replay_ms[overlapped] - kernels_ms:.3f} ms "
-      "are gaps between kernels inside the replay")
+print(f"batch 1: host (GPU idle) {host[inductor]:.3f} ms -> {host[overlapped]:.3f} ms, of which "
+      f"{b1.replay_ms[overlapped] - kernels_ms:.3f} ms\n"
+      "  are gaps between kernels inside the replay")
 last = levers[levers.arm == overlapped].set_index(["batch", "context"])
-show(pd.DataFrame({"step ms": last.ms_per_step, "replay ms": last.replay_ms,
-                   "step / replay": last.ms_per_step / last.replay_ms,
-                   "host work ms": last[anatomy].sum(axis=1) / 1000}).round(3))
-show(levers.set_index(["arm", "batch", "context"])[anatomy].round(1).loc[order])
+lab.show(pd.DataFrame({"step ms": last.ms_per_step, "replay ms": last.replay_ms,
+                       "step / replay": last.ms_per_step / last.replay_ms,
+                       "host work ms": last[anatomy].sum(axis=1) / 1000}).round(3))
+lab.show(levers.set_index(["arm", "batch", "context"])[anatomy].round(1).loc[order])
 
 # %% [markdown]
 # ## What is left: the projections
@@ -237,10 +223,11 @@ show(levers.set_index(["arm", "batch", "context"])[anatomy].round(1).loc[order])
 # %%
 gpu_ms = b1.replay_ms[overlapped]
 proj_ms = by_part.loc["projections", overlapped]
-print(f"batch 1 after the levers: step {b1.ms_per_step[overlapped]:.3f} ms, replay {gpu_ms:.3f} ms, of which "
-      f"projections {proj_ms:.3f} ms ({proj_ms / gpu_ms:.0%}); the weights at the copy bandwidth: "
-      f"{weights_ms:.3f} ms; the projections stream them at "
-      f"{first.weight_bytes / (proj_ms * 1e-3) / 1e12:.2f} TB/s ({weights_ms / proj_ms:.0%} of the copy's rate)")
+print(f"batch 1 after the levers: step {b1.ms_per_step[overlapped]:.3f} ms, "
+      f"replay {gpu_ms:.3f} ms, of which projections {proj_ms:.3f} ms ({proj_ms / gpu_ms:.0%});\n"
+      f"  the weights at the copy bandwidth: {weights_ms:.3f} ms; the projections stream them at "
+      f"{first.weight_bytes / (proj_ms * 1e-3) / 1e12:.2f} TB/s\n"
+      f"  ({weights_ms / proj_ms:.0%} of the copy's rate)")
 
 # %% [markdown]
 # ### A Triton GEMV, measured and not kept
@@ -254,28 +241,32 @@ print(f"batch 1 after the levers: step {b1.ms_per_step[overlapped]:.3f} ms, repl
 # the step. cuBLAS's kernels inside the graph run back to back.
 
 # %%
+from nanolab import PRESETS
+
 projections = h200["projections"]
 if projections is not None:
-    print(f"measured on: {table_label(projections).caption()}")
-    best = best_of_sweep(projections)
-    show(best.round(3))
-    layers = PRESETS[measured.model].num_hidden_layers  # each projection once a layer, the head once a step
+    print("measured on:", lab.table_label(projections).caption().replace("; ", ";\n  "))
+    best = lab.best_of_sweep(projections)
+    lab.show(best.round(3))
+    # each projection once a layer, the head once a step
+    layers = PRESETS[measured.model].num_hidden_layers
     calls = best.projection.map(lambda p: 1 if p == "lm_head" else layers)
     weighted = best[["cublas", "gemv", "best gemv"]].mul(calls, axis=0).assign(rows=best.rows)
     totals = weighted[weighted.rows.isin((1, 16))].groupby("rows").sum() / 1000
     print("every projection of one step, timed alone and summed (ms):")
-    show(totals.round(3))
-    fig = plot_projections(projections)
-    if ON_GPU or not figure_path("day61_projections", "h200").exists():
-        save_figure(fig, "day61_projections", table_label(projections))
-    show(fig)
+    lab.show(totals.round(3))
+    fig = lab.plot_projections(projections)
+    if ON_GPU or not lab.figure_path("day61_projections", "h200").exists():
+        lab.save_figure(fig, "day61_projections", lab.table_label(projections))
+    lab.show(fig)
 else:
-    print("data/day61_projections_h200.csv is not committed: `python -m nanolab levers --only projections` on an "
-          "H200 makes it")
+    print("data/day61_projections_h200.csv is not committed: "
+          "`python -m nanolab levers --only projections` on an H200 makes it")
 
 # %% [markdown]
-# *Each bar is a projection's time alone over cuBLAS's. The orange bars, the GEMV's default tiles,
-# lose on the small projections. The red bars, the best tiling of the sweep, land on cuBLAS's line.*
+# *Figure 61.2: Each bar is a projection's time alone over cuBLAS's, so 1 is a tie. The orange
+# bars, the GEMV with its default tiles, lose on the small projections; the red bars, the best
+# tiling of the sweep, land on cuBLAS's line.*
 #
 # With the best of its sweep the GEMV ties cuBLAS, winning slightly on some shapes and losing
 # slightly on others. With its default tiles it loses on most of them. A kernel that at best
@@ -295,20 +286,22 @@ else:
 # run put it beside the asynchronous arm, at 1, 8 and 16 rows.
 
 # %%
-fused = {stem: load_table(f"day61_fused_{stem}", "h200") for stem in ("levers", "parts")}
+fused = {stem: lab.load_table(f"day61_fused_{stem}", "h200") for stem in ("levers", "parts")}
 if fused["levers"] is not None:
     fl = fused["levers"]
-    print(f"measured on: {table_label(fl).caption()}")
+    print("measured on:", lab.table_label(fl).caption().replace("; ", ";\n  "))
     f_order = list(dict.fromkeys(fl.arm))
-    show(fl.pivot_table(index="batch", columns="arm", values="replay_ms")[f_order].round(3))
-    f_parts = fused["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[f_order]
-    show(f_parts.fillna(0.0).round(3))
-    one = fl[fl.batch == 1].set_index("arm")
-    print(f"batch 1 replay: {one.replay_ms[f_order[0]]:.3f} ms compiled, {one.replay_ms[f_order[1]]:.3f} ms fused, "
-          f"{one.replay_ms[f_order[2]]:.3f} ms fused with PDL")
+    lab.show(fl.pivot_table(index="batch", columns="arm", values="replay_ms")[f_order].round(3))
+    f_parts = fused["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")
+    f_parts = f_parts[f_order]
+    lab.show(f_parts.fillna(0.0).round(3))
+    one = fl[fl.batch == 1].set_index("arm").replay_ms
+    print(f"batch 1 replay: {one[f_order[0]]:.3f} ms compiled, {one[f_order[1]]:.3f} ms fused, "
+          f"{one[f_order[2]]:.3f} ms fused with PDL")
 else:
-    print("data/day61_fused_levers_h200.csv is not committed: `python -m nanolab levers --only levers --arms 3,4,5 "
-          "--shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
+    print("data/day61_fused_levers_h200.csv is not committed:\n"
+          "  `python -m nanolab levers --only levers --arms 3,4,5\n"
+          "  --shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
 
 # %% [markdown]
 # The small kernels did go, and PDL did shorten the replay of the fused step. But the fused step
@@ -351,13 +344,14 @@ if fused["parts"] is not None:
 floor = h200["floor"]
 runs = floor.groupby("run").agg(arms=("arm", lambda a: ", ".join(dict.fromkeys(a))),
                                 batches=("batch", lambda b: ", ".join(map(str, sorted(set(b))))))
-show(runs)
+lab.show(runs)
 stamps = pd.to_datetime(pd.Series(runs.index))
-print(f"{len(runs)} processes on an {measured.device}, started " + ", ".join(
-    f"{(t - stamps.min()).total_seconds() / 60:.0f}" for t in sorted(stamps)) + " minutes after the first")
+print(f"{len(runs)} processes on an {measured.device}, started "
+      + ", ".join(f"{(t - stamps.min()).total_seconds() / 60:.0f}" for t in sorted(stamps))
+      + " minutes after the first")
 notes = floor.dropna(subset=["note"]).drop_duplicates("arm")
 for row in notes.itertuples():
-    print(f"{row.label}: {row.note}")
+    print(f"{row.label}:\n  {row.note}")
 
 # %% [markdown]
 # The rows came from three processes. HF's eager arm ran first; the compiled peers ran in a second
@@ -373,35 +367,38 @@ side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms
 side = side[list(dict.fromkeys(floor.label))]
 side["floor"] = roofline.set_index(["batch", "context"]).floor_ms
 side["target"] = roofline.set_index(["batch", "context"]).target_ms
-show(side.round(3))
-show(floor.pivot_table(index=["batch", "context"], columns="label", values="x_floor")[side.columns[:-2]].round(2))
+lab.show(side.round(3))
+lab.show(floor.pivot_table(index=["batch", "context"], columns="label", values="x_floor")
+         [side.columns[:-2]].round(2))
 
 # %%
-fig = plot_floor_roofline(floor, roofline)
-if ON_GPU or not figure_path("day61_roofline", "h200").exists():
-    save_figure(fig, "day61_roofline", table_label(floor))
-show(fig)
+fig = lab.plot_floor_roofline(floor, roofline)
+if ON_GPU or not lab.figure_path("day61_roofline", "h200").exists():
+    lab.save_figure(fig, "day61_roofline", lab.table_label(floor))
+lab.show(fig)
 
 # %% [markdown]
-# *Follow the blue line against the black dashed floor and the red targets: it sits under every
-# peer at every batch, and keeps a nearly constant distance above the floor.*
+# *Figure 61.3: ms per decode step, and the same over the floor, against batch for every arm of
+# the floor bench. Follow the blue line against the black dashed floor and the red targets: it
+# sits under every peer at every batch, at a nearly constant distance above the floor.*
 #
 # The issue set its targets in milliseconds, one per shape. They are printed here as measured over
 # target, so 1 or less meets the target. Nothing asserts a time.
 
 # %%
 ours = floor[floor.arm == "nanolab"].set_index(["batch", "context"])
-for (b, c), row in ours.iterrows():
-    verdict = "met" if row.ms_per_step <= row.target_ms else "missed"
-    print(f"batch {b}, context {c}: {row.ms_per_step:.3f} ms / target {row.target_ms:.2f} ms = "
-          f"{row.ms_per_step / row.target_ms:.2f} ({verdict}); {row.x_floor:.2f}x the floor")
+lab.show(pd.DataFrame({"ms": ours.ms_per_step, "target ms": ours.target_ms,
+                       "ms / target": ours.ms_per_step / ours.target_ms,
+                       "target": (ours.ms_per_step <= ours.target_ms)
+                       .map({True: "met", False: "missed"}),
+                       "x floor": ours.x_floor}).round(3))
 stretch = roofline.dropna(subset=["stretch_ms"])
 for row in stretch.itertuples():
     print(f"stretch at batch {row.batch}, context {row.context}: {row.stretch_ms:.2f} ms "
           f"({ours.loc[(row.batch, row.context)].ms_per_step / row.stretch_ms:.2f}x)")
 peers = floor[floor.arm != "nanolab"].set_index(["batch", "context"])
-for (b, c), row in peers.iterrows():
-    print(f"batch {b}, context {c}: {row.label} takes {row.nanolab_speedup:.2f}x nanolab's step")
+lab.show(peers.pivot_table(index=["batch", "context"], columns="label", values="nanolab_speedup")
+         .add_suffix(" / nanolab's step").round(2))
 
 # %% [markdown]
 # ## Time to first token
@@ -413,15 +410,19 @@ for (b, c), row in peers.iterrows():
 # HF's default path's.
 
 # %%
+from nanolab.lab.floorbench import TTFT_TARGET
+
 ttft = h200["ttft"]
-show(ttft.pivot_table(index=["batch", "prompt_len"], columns="label", values="ttft_ms").round(2))
+lab.show(ttft.pivot_table(index=["batch", "prompt_len"], columns="label", values="ttft_ms")
+         .round(2))
 cases = ttft.groupby(["batch", "prompt_len"]).arm.apply(set)
 for (b, n), arms in cases.items():
     absent = [a for a in dict.fromkeys(ttft.arm) if a not in arms]
     if absent:
         print(f"{b} x {n} tokens: no row for {', '.join(absent)}")
 t = ttft.set_index(["arm", "batch"]).ttft_ms
-ratio, eager_ratio = t[("hf-default", 1)] / t[("nanolab", 1)], t[("hf-eager", 1)] / t[("nanolab", 1)]
+ratio = t[("hf-default", 1)] / t[("nanolab", 1)]
+eager_ratio = t[("hf-eager", 1)] / t[("nanolab", 1)]
 print(f"batch 1: HF default / nanolab = {ratio:.2f}x (target {TTFT_TARGET:g}x: "
       f"{'met' if ratio >= TTFT_TARGET else 'missed'}); HF eager / nanolab = {eager_ratio:.2f}x")
 print(f"batch 8: HF eager / nanolab = {t[('hf-eager', 8)] / t[('nanolab', 8)]:.2f}x")
@@ -448,34 +449,44 @@ print(f"batch 8: HF eager / nanolab = {t[('hf-eager', 8)] / t[('nanolab', 8)]:.2
 # prefill on (`graphs-chunked`) and off (`graphs-whole`), on Day 58's workload.
 
 # %%
+import textwrap
+
 gb = h200["graphbench"]
-print(f"measured on: {table_label(gb).caption()}")
-gate = check_requests(gb)
-print(gate)
+print("measured on:", lab.table_label(gb).caption().replace("; ", ";\n  "))
+gate = lab.check_requests(gb)
+print(textwrap.fill(str(gate), 100, subsequent_indent="  "))
 assert gate, gate
-cols = ["arm", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms", "decode_steps",
-        "prefill_steps", "prefill_p50_ms", "mixed_steps", "mixed_p50_ms", "server_step_p50_ms"]
-show(gb[cols].round(2))
+cols = ["arm", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms",
+        "decode_steps", "prefill_steps", "prefill_p50_ms", "mixed_steps", "mixed_p50_ms",
+        "server_step_p50_ms"]
+lab.show(gb[cols].round(2))
 
 # %%
-fig = plot_chunked_itl(gb)
-if ON_GPU or not figure_path("day61_chunked_itl", "h200").exists():
-    save_figure(fig, "day61_chunked_itl", table_label(gb))
-show(fig)
+fig = lab.plot_chunked_itl(gb)
+if ON_GPU or not lab.figure_path("day61_chunked_itl", "h200").exists():
+    lab.save_figure(fig, "day61_chunked_itl", lab.table_label(gb))
+lab.show(fig)
 
 # %% [markdown]
-# *Compare the p99 bars at each rate: chunking cuts the tail, and the cut is larger at 32 req/s.
-# Both arms are still far above the black ticks that mark the aim.*
+# *Figure 61.4: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
+# at each offered rate. Compare the p99 bars at each rate: chunking cuts the tail, and cuts it
+# more at the higher rate, yet both arms stay far above the black ticks that mark the aim.*
 
 # %%
 by = gb.set_index(["arm", "rate"])
+chunking = []
 for rate in sorted(gb.rate.unique()):
     whole, chunked = by.loc[("graphs-whole", rate)], by.loc[("graphs-chunked", rate)]
-    print(f"{rate:g} req/s: ITL p99 {whole.itl_p99_ms:.1f} -> {chunked.itl_p99_ms:.1f} ms, "
-          f"p50 {whole.itl_p50_ms:.2f} -> {chunked.itl_p50_ms:.2f} ms; p99/p50 chunked "
-          f"{chunked.itl_p99_ms / chunked.itl_p50_ms:.1f} (aim <= 3); {int(chunked.mixed_steps)} mixed steps, "
-          f"median {chunked.mixed_p50_ms:.1f} ms ({chunked.mixed_p50_ms / chunked.server_step_p50_ms:.1f}x a decode "
-          "step)")
+    chunking.append({"rate (req/s)": rate,
+                     "ITL p99 whole (ms)": whole.itl_p99_ms,
+                     "ITL p99 chunked (ms)": chunked.itl_p99_ms,
+                     "ITL p50 whole (ms)": whole.itl_p50_ms,
+                     "ITL p50 chunked (ms)": chunked.itl_p50_ms,
+                     "p99 / p50 chunked (aim <= 3)": chunked.itl_p99_ms / chunked.itl_p50_ms,
+                     "mixed steps": int(chunked.mixed_steps),
+                     "mixed step p50 (ms)": chunked.mixed_p50_ms,
+                     "mixed step / decode step": chunked.mixed_p50_ms / chunked.server_step_p50_ms})
+lab.show(pd.DataFrame(chunking).round(2))
 
 # %% [markdown]
 # Chunking cut the tail and left the median alone, as predicted. The aim is still missed, and
@@ -493,8 +504,8 @@ for rate in sorted(gb.rate.unique()):
 # measure that separates a rounding difference from a wrong answer.
 
 # %%
-show(h200["fp32_agreement"].drop(columns=list(measured.as_columns())).round(4))
-show(h200["lever_agreement"].drop(columns=list(measured.as_columns())).round(4))
+lab.show(h200["fp32_agreement"].drop(columns=list(measured.as_columns())).round(4))
+lab.show(h200["lever_agreement"].drop(columns=list(measured.as_columns())).round(4))
 
 # %% [markdown]
 # Compiled bf16 is no further from fp32 than eager bf16. The pinned arm decodes exactly what the
@@ -516,22 +527,30 @@ show(h200["lever_agreement"].drop(columns=list(measured.as_columns())).round(4))
 # stop at EOS, so a stop token that arrives while a step is in flight is part of the check.
 
 # %%
+import torch
+
+from nanolab import Engine, SamplingParams, load_model
+from nanolab.model.tokenizer import Tokenizer
+
 BUDGET = 16
 model = load_model(path, dtype=torch.float32, device=DEVICE)
 tokenizer = Tokenizer.from_dir(path)
 texts = ["The capital of France is", "def fibonacci(n):",
          "A paged KV cache keeps every request's keys and values in fixed-size blocks, so that",
-         "Three facts about the Moon: it is about a quarter of the Earth's width, it always shows us one face, and"]
+         "Three facts about the Moon: it is about a quarter of the Earth's width, "
+         "it always shows us one face, and"]
 prompts = [tokenizer.encode(t) for t in texts]
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 9, 12, 14)]
 if tokenizer.chat_template is not None:
-    prompts.append(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    turn = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts.append(tokenizer.encode_chat(turn))
     params.append(SamplingParams(temperature=0, max_tokens=24))
 ARMS = {"synchronous, whole prompts": dict(enable_chunked_prefill=False),
         "asynchronous scheduling": dict(enable_chunked_prefill=False, async_scheduling=True),
         f"chunked prefill, {BUDGET}-token budget": dict(max_num_batched_tokens=BUDGET),
         "both": dict(max_num_batched_tokens=BUDGET, async_scheduling=True)}
-print(f"prompt lengths {[len(p) for p in prompts]}, new tokens at most {[p.max_tokens for p in params]}")
+print(f"prompt lengths {[len(p) for p in prompts]}, "
+      f"new tokens at most {[p.max_tokens for p in params]}")
 
 
 def decode(engine: Engine) -> tuple[list, pd.DataFrame]:
@@ -548,29 +567,33 @@ def decode(engine: Engine) -> tuple[list, pd.DataFrame]:
 
 decoded = {arm: decode(Engine(model, num_blocks=64, **kw)) for arm, kw in ARMS.items()}
 reference, _ = decoded["synchronous, whole prompts"]
-show(pd.DataFrame({"prompt tokens": [len(p) for p in prompts], "new tokens": [len(t) for t, _ in reference],
-                   "finish": [f for _, f in reference],
-                   "completion": [tokenizer.decode(t) for t, _ in reference]}))
+lab.show(pd.DataFrame({"prompt tokens": [len(p) for p in prompts],
+                       "new tokens": [len(t) for t, _ in reference],
+                       "finish": [f for _, f in reference],
+                       "completion": [tokenizer.decode(t) for t, _ in reference]}))
 
 # %%
 gates, rows = [], []
 for arm, kw in list(ARMS.items())[1:]:
     outcome, steps = decoded[arm]
-    numbers = {"requests": len(outcome), "equal": sum(a == b for a, b in zip(outcome, reference, strict=True)),
+    numbers = {"requests": len(outcome),
+               "equal": sum(a == b for a, b in zip(outcome, reference, strict=True)),
                "steps": len(steps), "steps left in flight": int(steps.in_flight.sum()),
-               "mixed steps": int((steps.phase == "mixed").sum()), "most tokens a step": int(steps.tokens.max())}
+               "mixed steps": int((steps.phase == "mixed").sum()),
+               "most tokens a step": int(steps.tokens.max())}
     passed = numbers["equal"] == numbers["requests"]
     if kw.get("async_scheduling"):
         passed &= numbers["steps left in flight"] > 0
     if kw.get("enable_chunked_prefill", True):
         passed &= numbers["mixed steps"] > 0 and numbers["most tokens a step"] <= BUDGET
-    gates.append(Gate(f"{arm}: the synchronous whole-prompt engine's greedy tokens", passed, numbers))
+    gates.append(lab.Gate(f"{arm}: the synchronous whole-prompt engine's greedy tokens", passed,
+                          numbers))
     rows.append({"arm": arm, **numbers, "passed": passed})
 parity = pd.DataFrame(rows)
-save_table(parity, "day61_parity", label)
-show(parity)
+lab.save_table(parity, "day61_parity", label)
+lab.show(parity)
 for gate in gates:
-    print(gate)
+    print(textwrap.fill(str(gate), 100, subsequent_indent="  "))
     assert gate, gate
 
 # %% [markdown]
