@@ -247,9 +247,13 @@ if HAVE_H200:
         print(textwrap.fill(str(gate), 100, subsequent_indent="  "))
         assert gate, gate
     graphed = steps[(steps.arm == "graphs") & (steps.phase == "decode")]
-    by_rows = graphed.groupby(["rows", "batch"], as_index=False).agg(steps=("steps", "sum"))
-    by_rows["padding_share"] = (by_rows.batch - by_rows.rows) / by_rows.batch
-    lab.show(by_rows.round(3))
+    # One row per capture bucket: the live row counts it served, its steps, and the share of its
+    # rows that were padding, weighted by steps.
+    padded = graphed.assign(pad=(graphed.batch - graphed.rows) * graphed.steps, held=graphed.batch * graphed.steps)
+    by_bucket = padded.groupby("batch").agg(rows_min=("rows", "min"), rows_max=("rows", "max"),
+                                            steps=("steps", "sum"), pad=("pad", "sum"), held=("held", "sum"))
+    by_bucket["padding_share"] = by_bucket.pad / by_bucket.held
+    lab.show(by_bucket.drop(columns=["pad", "held"]).round(3))
 
 # %%
 if HAVE_H200:
