@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
 from test_cache_properties import check_drained
+from test_compile_decode import Counting
 
 from nanolab import Engine, SamplingParams, load_model
 from nanolab.kernels import INTERPRETED
@@ -20,20 +21,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 DEVICE = "cpu" if INTERPRETED else "cuda"  # Triton runs CPU tensors only in its interpreter
 
 
-class Fallback:
-    """Counts the steps FusedDecode hands on."""
-
-    def __init__(self, model) -> None:
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-
 def run(sharp, *, max_rows=MAX_ROWS, cuda_graphs=False, pdl=None, max_tokens=7):
     model = load_model(sharp.path, dtype=torch.float32, device=DEVICE, prepack=False)
-    fallback = Fallback(model)
+    fallback = Counting(model)  # counts the steps FusedDecode hands on
     forward = FusedDecode(model, fallback, max_rows=max_rows, pdl=pdl)
     engine = Engine(model, num_blocks=64, block_size=4, read="streamed", forward=forward, cuda_graphs=cuda_graphs,
                     progress=False)

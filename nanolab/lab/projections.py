@@ -108,6 +108,24 @@ def _project(x_ptr, g_ptr, w_ptr, rows, m, mmask, stride_xm, stride_wn, eps, k_s
 
 
 @triton.jit
+def _stream_rows(x_ptr, g_ptr, w_ptr, rows, M, stride_xm, stride_wn, eps, k_start, k_stop, K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                 DOT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+                 LINES: tl.constexpr):
+    """Every kernel's body: prefetch this program's weight rows (before the PDL wait: weights do
+    not depend on the step), wait, `_project`, then release the next kernel. Returns the [BLOCK_M,
+    ROWS] fp32 product, the activation rows m and their mask."""
+    _prefetch(w_ptr, rows, stride_wn, K, LINE, LINES, PREFETCH)
+    dependent_launch(PDL)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    acc = _project(x_ptr, g_ptr, w_ptr, rows, m, mmask, stride_xm, stride_wn, eps, k_start, k_stop, K, BLOCK_M,
+                   ROWS, BLOCK_K, NORM, DOT)
+    release_dependents(PDL)  # the weight is read: the next kernel may start prefetching its own
+    return acc, m, mmask
+
+
+@triton.jit
 def _pairs(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
     """[BLOCK_M, 2 * HALF] with the two members of each pair interleaved -> the two halves."""
     return tl.split(tl.reshape(acc, [BLOCK_M, HALF, 2]))
@@ -130,13 +148,8 @@ def _norm_qkv_rope(h_ptr, g_ptr, w_ptr, inv_freq_ptr, pos_ptr, slots_ptr, q_ptr,
     jmask = j < HALF
     first = head * D + tl.minimum(j, HALF - 1).to(tl.int64)  # dims past HALF reread the last, unstored
     rows = tl.interleave(first, first + HALF)  # j0, j0 + D/2, j0 + 1, j0 + 1 + D/2, ...
-    _prefetch(w_ptr, rows, stride_wn, K, LINE, LINES, PREFETCH)
-    dependent_launch(PDL)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    acc = _project(h_ptr, g_ptr, w_ptr, rows, m, mmask, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M, 2 * BLOCK_H,
-                   BLOCK_K, True, DOT)
-    release_dependents(PDL)  # the weight is read: the next kernel may start prefetching its own
+    acc, m, mmask = _stream_rows(h_ptr, g_ptr, w_ptr, rows, M, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M,
+                                 2 * BLOCK_H, BLOCK_K, True, DOT, PDL, PREFETCH, LINE, LINES)
     a, b = _pairs(acc, BLOCK_M, BLOCK_H)  # dims j and j + D/2, [BLOCK_M, BLOCK_H] each
     if head < HEADS + KV_HEADS:  # q and k rotate; v does not
         pos = tl.load(pos_ptr + m, mask=mmask, other=0).to(tl.float32)
@@ -173,13 +186,8 @@ def _gemv_add(a_ptr, w_ptr, h_ptr, M, N, stride_am, stride_wn, stride_hm,
     k_stop = tl.minimum(k_start + per_split, K)
     nmask = n < N
     rows = tl.minimum(n, N - 1).to(tl.int64)
-    _prefetch(w_ptr, rows, stride_wn, K, LINE, LINES, PREFETCH)
-    dependent_launch(PDL)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    acc = _project(a_ptr, a_ptr, w_ptr, rows, m, mmask, stride_am, stride_wn, 0.0, k_start, k_stop, K, BLOCK_M,
-                   BLOCK_N, BLOCK_K, False, DOT)
-    release_dependents(PDL)  # the weight is read: the next kernel may start prefetching its own
+    acc, m, mmask = _stream_rows(a_ptr, a_ptr, w_ptr, rows, M, stride_am, stride_wn, 0.0, k_start, k_stop, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, False, DOT, PDL, PREFETCH, LINE, LINES)
     out = h_ptr + m[:, None] * stride_hm + n[None, :]
     mask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
@@ -200,13 +208,8 @@ def _norm_gate_up(h_ptr, g_ptr, w_ptr, out_ptr, M, eps, stride_hm, stride_wn, st
     nmask = n < I
     gate_rows = tl.minimum(n, I - 1).to(tl.int64)
     rows = tl.interleave(gate_rows, gate_rows + I)  # gate n0, up n0, gate n0 + 1, ...
-    _prefetch(w_ptr, rows, stride_wn, K, LINE, LINES, PREFETCH)
-    dependent_launch(PDL)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    acc = _project(h_ptr, g_ptr, w_ptr, rows, m, mmask, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M, 2 * BLOCK_N,
-                   BLOCK_K, True, DOT)
-    release_dependents(PDL)  # the weight is read: the next kernel may start prefetching its own
+    acc, m, mmask = _stream_rows(h_ptr, g_ptr, w_ptr, rows, M, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M,
+                                 2 * BLOCK_N, BLOCK_K, True, DOT, PDL, PREFETCH, LINE, LINES)
     gate, up = _pairs(acc, BLOCK_M, BLOCK_N)
     act = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], act.to(out_ptr.dtype.element_ty),
@@ -222,13 +225,8 @@ def _norm_head(h_ptr, g_ptr, w_ptr, out_ptr, M, N, eps, stride_hm, stride_wn, st
     last program's rows past N read row N - 1 and are not stored."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(n, N - 1).to(tl.int64)
-    _prefetch(w_ptr, rows, stride_wn, K, LINE, LINES, PREFETCH)
-    dependent_launch(PDL)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    acc = _project(h_ptr, g_ptr, w_ptr, rows, m, mmask, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                   True, DOT)
-    release_dependents(PDL)  # the weight is read: the next kernel may start prefetching its own
+    acc, m, mmask = _stream_rows(h_ptr, g_ptr, w_ptr, rows, M, stride_hm, stride_wn, eps, 0, K, K, BLOCK_M,
+                                 BLOCK_N, BLOCK_K, True, DOT, PDL, PREFETCH, LINE, LINES)
     tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc, mask=mmask[:, None] & (n < N)[None, :])
 
 
