@@ -49,8 +49,8 @@ def test_the_sharp_model_depends_on_what_the_decode_step_reads(sharp_model, monk
                                    prompts(320), params)
     real = CacheView.read
 
-    def zero_decode_read(self, layer, q, positions):
-        out = real(self, layer, q, positions)
+    def zero_decode_read(self, layer, q, positions, *own_kv):
+        out = real(self, layer, q, positions, *own_kv)
         return torch.zeros_like(out) if isinstance(self.plan, DecodePlan) else out
 
     monkeypatch.setattr(CacheView, "read", zero_decode_read)

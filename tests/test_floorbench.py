@@ -21,6 +21,7 @@ from nanolab.lab.floorbench import (
     Arm,
     FloorBench,
     Shape,
+    cpu_target_line,
     decode_row,
     decode_shapes,
     floor_columns,
@@ -90,9 +91,9 @@ def test_shapes_decode_near_their_context():
         decode_shapes([], 128, [(4, 100)], 256)
 
 
-def _bench(ms: dict[str, float], bandwidth: float = 4e12) -> FloorBench:
+def _bench(ms: dict[str, float], bandwidth: float = 4e12, targets: bool = True) -> FloorBench:
     shapes = [Shape(1, 128, 128), Shape(8, 128, 128)]
-    roofline = roofline_table(PRESETS["llama-3.2-1b"], shapes, 256, torch.bfloat16, bandwidth)
+    roofline = roofline_table(PRESETS["llama-3.2-1b"], shapes, 256, torch.bfloat16, bandwidth, targets)
     rows = []
     for arm, base in ms.items():
         for s in shapes:
@@ -296,3 +297,15 @@ def test_gpt_fast_refuses_shapes_it_cannot_hold():
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)
     with pytest.raises(ValueError, match="heads x head_dim == hidden"):
         model_args(import_gpt_fast(GPT_FAST), wide)
+
+
+def test_a_cpu_run_has_no_h200_targets_and_states_the_cpu_one_against_its_floor():
+    # 30 GB/s: the floor of batch 1 is (weights + 256 tokens of K/V) / bandwidth, about 82.7 ms.
+    bench = _bench({"nanolab": 100.0, "hf-default": 150.0}, bandwidth=30e9, targets=False)
+    floor1 = (2_471_628_800 + 256 * 32768) / 30e9 * 1000
+    assert bench.roofline.target_ms.isna().all() and bench.roofline.stretch_ms.isna().all()
+    assert "target" not in ratio_lines(bench)[0]
+    line = cpu_target_line(bench)
+    assert "nanolab 1.50x as fast as HF's default path (target 2.0x)" in line
+    assert f"2.0x would be 75.0 ms a step, {75.0 / floor1:.2f}x the floor" in line
+    assert cpu_target_line(_bench({"nanolab": 1.0}, targets=False)) is None

@@ -1,6 +1,6 @@
-"""A prefill's kernels besides the matmuls and the read: the in-place rotary embedding and SwiGLU
-(`kernels.elementwise`, which the model calls eagerly on a GPU) against the torch ops they
-replace. On a CPU the Triton kernels run in the interpreter."""
+"""A forward's kernels besides the matmuls and the read: the in-place rotary embedding, the
+rotation with the K/V write, and SwiGLU (`kernels.elementwise`, which the model calls on a GPU)
+against the torch ops they replace. On a CPU the Triton kernels run in the interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.elementwise import rope_, silu_mul
+from nanolab.kernels.elementwise import rope_, rope_write, silu_mul
 from nanolab.model.layers import rope_cos_sin
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -41,3 +41,41 @@ def test_silu_mul_is_swiglu():
     x = torch.randn(3, 5, 2 * 1100, device=DEVICE)  # 1,100 columns: two tiles, the second ragged
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (6, 1, 64), (3, 3, 16)])
+def test_rope_write_rotates_q_and_k_and_writes_k_and_v_at_their_slots(heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    tokens, slots_total = 7, 40
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=DEVICE)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
+    positions = torch.tensor([[3, 9, 0, 17, 30, 5, 11]], device=DEVICE)
+    cos, sin = rope_cos_sin(positions, inv_freq, qkv.dtype)  # [1, tokens, 1, head_dim]
+    cos, sin = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
+    # Two tokens write the sink (slot -1, the last), as a padded decode row does; the rest are scattered.
+    slots = torch.tensor([12, 3, -1, 25, 0, -1, 31], device=DEVICE)
+    k_pool = torch.randn(slots_total, kv_heads, head_dim, device=DEVICE)
+    v_pool = torch.randn(slots_total, kv_heads, head_dim, device=DEVICE)
+    k_expected, v_expected = k_pool.clone(), v_pool.clone()
+    rotated = rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
+    real = slots >= 0
+    k_expected[slots[real]] = rotated[real, heads:]
+    v_expected[slots[real]] = qkv[real, heads + kv_heads:]
+
+    q = rope_write(qkv, cos, sin, k_pool, v_pool, slots, heads)
+
+    torch.testing.assert_close(q, rotated[:, :heads], atol=1e-5, rtol=1e-5)
+    keep = torch.ones(slots_total, dtype=torch.bool, device=DEVICE)
+    keep[-1] = False  # the sink holds whichever padding token wrote last
+    torch.testing.assert_close(k_pool[keep], k_expected[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_pool[keep], v_expected[keep], atol=1e-5, rtol=1e-5)
+    sink_writers = rotated[~real, heads:]  # [2, kv_heads, head_dim]: the padding tokens' k
+    assert any(torch.allclose(k_pool[-1], k, atol=1e-5) for k in sink_writers), "slot -1 must be the pool's last"
+
+
+def test_rope_write_names_a_qkv_that_does_not_split_into_heads():
+    qkv = torch.zeros(2, 7, 8, device=DEVICE)
+    pool = torch.zeros(4, 2, 8, device=DEVICE)
+    cos = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="query heads"):
+        rope_write(qkv, cos, cos, pool, pool, torch.zeros(2, dtype=torch.int64, device=DEVICE), 4)

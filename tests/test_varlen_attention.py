@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolab.engine.block_manager import cdiv
-from nanolab.kernels.varlen_attention import varlen_attention, varlen_reference
+from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 4  # the cache's block_size
@@ -126,3 +126,28 @@ def test_kernel_equals_reference_on_random_segments(segments, shape, seed):
     ref = varlen_reference(**case)
     assert not ref.isnan().any()
     torch.testing.assert_close(varlen_attention(**case, max_query_len=max_q, **TILES), ref, rtol=1e-5, atol=1e-5)
+
+
+def write_slots(case) -> torch.Tensor:
+    """Each query's own slot: where a varlen step wrote its K/V."""
+    table, starts, pos = case["block_table"], case["query_start_loc"].tolist(), case["positions"]
+    segment = torch.repeat_interleave(torch.arange(len(starts) - 1, device=pos.device),
+                                      torch.tensor(starts, device=pos.device).diff())
+    return table[segment, pos // PAGE].long() * PAGE + pos % PAGE
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prompt_attention_of_whole_prompts_equals_naive(shape):
+    heads, kv_heads, d = SHAPES[shape]
+    prompts = [(0, 9), (0, 1), (0, 23), (0, 4)]
+    case, _ = varlen_case(prompts, heads, kv_heads, d)
+    slots = write_slots(case)  # the forward's own K/V: what it wrote at these slots
+    out = prompt_attention(case["q"], case["k_pool"][slots], case["v_pool"][slots], tuple(n for _, n in prompts))
+    torch.testing.assert_close(out.double().cpu(), naive(case), atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_attention_refuses_lengths_that_do_not_cover_the_queries():
+    case, _ = varlen_case([(0, 5), (0, 3)], 4, 2, 16)
+    with pytest.raises(ValueError, match="query_lens"):
+        slots = write_slots(case)
+        prompt_attention(case["q"], case["k_pool"][slots], case["v_pool"][slots], (5, 2))

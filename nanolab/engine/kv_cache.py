@@ -22,12 +22,16 @@ import torch
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.plan import DecodePlan, VarlenPlan
 from nanolab.kernels import INTERPRETED
+from nanolab.kernels.elementwise import rope_write, rope_write_op
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.kernels.reference import attention_mask_bias, reference_read
-from nanolab.kernels.varlen_attention import varlen_attention, varlen_reference
+from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_reference
 
 SINK = -1  # the pool slot past the last block
 READS = ("streamed", "reference")
+# A varlen step of whole prompts reads through `prompt_attention` (torch's fused attention) instead
+# of the streamed kernel; the lab turns it off to measure the kernel alone.
+PROMPTS_BY_SDPA = True
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
@@ -273,6 +277,28 @@ class CacheView:
         self.cache.k_pools[layer][slots] = k.reshape(-1, *k.shape[2:])
         self.cache.v_pools[layer][slots] = v.reshape(-1, *v.shape[2:])
 
-    def read(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Attention of q [rows, T, heads, head_dim] over layer `layer` -> [rows, T, heads, head_dim]."""
+    def write_rotated(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      heads: int) -> torch.Tensor:
+        """qkv [rows, T, heads + 2 kv_heads, head_dim], cos and sin [rows, T, 1, head_dim]: q and k
+        rotated, k and v written to the plan's write slots, in one kernel (`rope_write`) -> q
+        [rows, T, heads, head_dim]. Eagerly, k is rotated in place in qkv too, so qkv's K/V heads
+        are this forward's K/V as written; compiling, one operator inductor does not trace, which
+        leaves qkv as it was."""
+        rows, t, total, d = qkv.shape
+        args = (qkv.view(rows * t, total, d), cos.reshape(rows * t, d), sin.reshape(rows * t, d),
+                self.cache.k_pools[layer], self.cache.v_pools[layer], self.plan.write_slots.reshape(-1), heads)
+        if torch.compiler.is_compiling():
+            return rope_write_op(*args).view(rows, t, heads, d)
+        return rope_write(*args, k_in_place=True).view(rows, t, heads, d)
+
+    def read(self, layer: int, q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor | None = None,
+             v: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [rows, T, heads, head_dim] over layer `layer` -> [rows, T, heads, head_dim].
+        k, v [rows, T, kv_heads, head_dim], this forward's own K/V as written, let a streamed
+        varlen step of whole prompts skip the pools: each prompt attends over its own keys alone,
+        through torch's fused attention (`prompt_attention`)."""
+        plan = self.plan
+        if (k is not None and PROMPTS_BY_SDPA and self.cache.read == "streamed" and isinstance(plan, VarlenPlan)
+                and plan.whole_prompts):
+            return prompt_attention(q[0], k[0], v[0], plan.query_lens)[None]
         return self.reader(self, layer, q, positions)

@@ -64,6 +64,11 @@ class VarlenPlan:
         return max(self.query_lens)
 
     @property
+    def whole_prompts(self) -> bool:
+        """Whether every segment is a prompt from position 0: no row held a token before this forward."""
+        return self.planned_lens == self.query_lens
+
+    @property
     def host_query_start_loc(self) -> list[int]:
         return list(itertools.accumulate(self.query_lens, initial=0))
 

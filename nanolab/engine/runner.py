@@ -23,11 +23,12 @@ from nanolab.model.llama import LlamaModel
 
 
 def compile_decode(model: LlamaModel) -> Callable:
-    """`model` compiled by inductor, for decode steps: inductor fuses the norms, residual adds, rotary
-    embedding, K/V writes and activations between the projections into a few kernels a layer,
-    while the projections stay cuBLAS's (or `kernels.gemv`) and the streamed read stays one opaque
-    op (`paged_attention_op`). The batch is symbolic, so the capture buckets share one graph;
-    dynamo specialises batch 1 by itself. Compiling happens on the first call."""
+    """`model` compiled by inductor, for decode steps: inductor fuses the norms and residual adds
+    and the activations between the projections into a few kernels a layer, while the projections
+    stay cuBLAS's, and the rotation with the K/V write (`kernels.elementwise.rope_write_op`) and
+    the streamed read (`paged_attention_op`) stay one opaque op each. The batch is symbolic, so the
+    capture buckets share one graph; dynamo specialises batch 1 by itself. Compiling happens on
+    the first call."""
     return torch.compile(model, dynamic=True, fullgraph=True)
 
 

@@ -52,6 +52,7 @@ TARGETS_MS = {(1, 128): 1.00, (8, 128): 1.10, (32, 128): 1.30, (64, 128): 1.50, 
 STRETCH_MS = {(1, 128): 0.80}
 TTFT_CASES = ((1, 2048), (8, 1024))  # (batch, prompt_len)
 TTFT_TARGET = 1.5  # nanolab's TTFT speedup over HF's default path at batch 1
+CPU_TARGET = 2.0  # on a CPU (2 cores, SmolLM2, fp32): nanolab's speedup over HF at batch 1
 STEMS = ("day61_floor", "day61_roofline", "day61_ttft")
 ROOFLINE_SHOWN = ("batch", "context", "kv_tokens", "step_bytes", "bandwidth_tb_s", "floor_ms", "target_ms",
                   "stretch_ms", "target_x_floor")
@@ -282,20 +283,22 @@ class FloorBench:
         return dict(zip(STEMS, (self.decode, self.roofline, self.ttft), strict=True))
 
 
-def roofline_table(config, shapes: list[Shape], steps: int, dtype: torch.dtype, bandwidth: float) -> pd.DataFrame:
+def roofline_table(config, shapes: list[Shape], steps: int, dtype: torch.dtype, bandwidth: float,
+                   targets: bool = True) -> pd.DataFrame:
     """One row per shape: the bytes a step must read, the floor they set at `bandwidth` (bytes/s),
-    issue 13's target and how far above the floor it lies."""
+    issue 13's target and how far above the floor it lies. The targets are the H200's: `targets`
+    False (any other device) leaves them NaN."""
     records = []
     for s in shapes:
         kv = s.kv_tokens(steps)
         total = step_read_bytes(config, s.batch, kv, dtype)
         floor = total / bandwidth * 1000
-        target = TARGETS_MS.get((s.batch, s.context), float("nan"))
+        target = TARGETS_MS.get((s.batch, s.context), float("nan")) if targets else float("nan")
         records.append({"batch": s.batch, "context": s.context, "prompt_len": s.prompt_len, "kv_tokens": kv,
                         "weight_bytes": total - kv_read_bytes(config, s.batch, kv, dtype),
                         "kv_bytes": kv_read_bytes(config, s.batch, kv, dtype), "step_bytes": total,
                         "bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor, "target_ms": target,
-                        "stretch_ms": STRETCH_MS.get((s.batch, s.context), float("nan")),
+                        "stretch_ms": STRETCH_MS.get((s.batch, s.context), float("nan")) if targets else NAN,
                         "target_x_floor": target / floor})
     return pd.DataFrame(records)
 
@@ -368,7 +371,7 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
     run = datetime.now(timezone.utc).isoformat(timespec="milliseconds")  # which rows shared this process
     if bandwidth is None:
         bandwidth = copy_bandwidth(device, nbytes=1 << 30 if device.type == "cuda" else 1 << 26)
-    roofline = roofline_table(config, shapes, steps, llm.dtype, bandwidth)
+    roofline = roofline_table(config, shapes, steps, llm.dtype, bandwidth, targets=llm.device.type == "cuda")
     hf = []  # transformers' model, loaded once for both HF arms
 
     def setup(name: str) -> Arm:
@@ -460,6 +463,20 @@ def ratio_lines(bench: FloorBench) -> list[str]:
     return lines
 
 
+def cpu_target_line(bench: FloorBench) -> str | None:
+    """Issue 13's CPU target at batch 1 (nanolab CPU_TARGET times as fast as HF's default path),
+    and where that time lies against this machine's bandwidth floor; None without both rows."""
+    d, r = bench.decode, bench.roofline
+    one = d[(d.batch == 1) & (d.context == PROMPT_LEN)].set_index("arm").ms_per_step
+    floor = r[(r.batch == 1) & (r.context == PROMPT_LEN)].floor_ms
+    if not {"nanolab", "hf-default"} <= set(one.index) or floor.empty:
+        return None
+    wanted = one["hf-default"] / CPU_TARGET
+    return (f"CPU target at batch 1: nanolab {one['hf-default'] / one['nanolab']:.2f}x as fast as HF's default path "
+            f"(target {CPU_TARGET}x). {CPU_TARGET}x would be {wanted:.1f} ms a step, {wanted / floor.iloc[0]:.2f}x "
+            f"the floor of reading every weight once at this machine's measured bandwidth")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.2-1b")
     parser.add_argument("--device", default=None)
@@ -534,6 +551,8 @@ def main(args: argparse.Namespace) -> int:
     if "gpt-fast" not in arms:
         print("gpt-fast: not run (no --gpt-fast PATH)")
     print("\n".join(ratio_lines(bench)))
+    if llm.device.type != "cuda" and (line := cpu_target_line(bench)):
+        print(line)
     print(label.caption())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -86,7 +86,9 @@ class UnplannedView:
         self.kv.k_pools[layer].index_copy_(0, step.slots, k[:, 0])
         self.kv.v_pools[layer].index_copy_(0, step.slots, v[:, 0])
 
-    def read(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def read(self, layer: int, q: torch.Tensor, positions: torch.Tensor, k: torch.Tensor | None = None,
+             v: torch.Tensor | None = None) -> torch.Tensor:
+        """`CacheView.read`'s signature; this forward's k and v are already in the pools, read from there."""
         step = self._step
         if step is None or step.next_layer != layer + 1:
             raise RuntimeError(f"layer {layer} read before writing this forward's K/V")

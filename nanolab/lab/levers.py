@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import statistics
 import time
@@ -24,7 +25,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from nanolab import Engine, load_model
+from nanolab import Engine, SamplingParams, load_model
 from nanolab.engine import kv_cache as kv_cache_module
 from nanolab.engine import llm_engine as engine_module
 from nanolab.engine import runner as runner_module
@@ -35,7 +36,8 @@ from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
 from nanolab.lab.projections import FusedDecode
 from nanolab.lab.reference import engine_greedy
-from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us
+from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us, wall_s
+from nanolab.model import attention as attention_module
 from nanolab.model.config import ModelConfig
 from nanolab.progress import progress_bar
 
@@ -48,15 +50,19 @@ class Lever:
     async_scheduling: bool = False  # launch step t + 1 before reading back step t (`Engine`)
     fused: bool = False  # up to 16 rows, the fused projections (`runner.FusedDecode`), the compiled step past that
     pdl: bool = False  # the fused step's kernels launched as programmatic dependents (`kernels.pdl`)
+    rope_write: bool = False  # q's and k's rotation and the K/V write in one kernel (`CacheView.write_rotated`)
 
 
-# Cumulative: each arm keeps every lever before it. The Triton GEMV is measured alone against
-# cuBLAS (`projection_table`) and, as it does not beat it, never enters the engine.
+# Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The fused projections
+# (and PDL over them) branch off "+ async scheduling", as they were measured. The Triton GEMV is
+# measured alone against cuBLAS (`projection_table`) and, as it does not beat it, never enters
+# the engine.
 ARMS = (
     Lever("graphs (before)", pinned=False),
     Lever("+ pinned step inputs"),
     Lever("+ inductor", compile=True),
     Lever("+ async scheduling", compile=True, async_scheduling=True),
+    Lever("+ one rope and K/V write kernel", compile=True, async_scheduling=True, rope_write=True),
     Lever("+ fused projections", compile=True, async_scheduling=True, fused=True),
     Lever("+ PDL", compile=True, async_scheduling=True, fused=True, pdl=True),
 )
@@ -68,19 +74,24 @@ def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def staging(pinned: bool):
+def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
-    arm before that lever, copied from pageable memory, each copy a round trip the host waits on."""
+    arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
+    with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), and with or
+    without torch's fused attention for whole prompts (`kv_cache.PROMPTS_BY_SDPA`). Build the
+    engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
-    saved = [m.stage for m in modules]
+    saved = [m.stage for m in modules], attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA
     if not pinned:
         for m in modules:
             m.stage = _pageable
+    attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA = rope_write, prompts_by_sdpa
     try:
         yield
     finally:
-        for m, fn in zip(modules, saved, strict=True):
+        for m, fn in zip(modules, saved[0], strict=True):
             m.stage = fn
+        attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA = saved[1:]
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
@@ -234,7 +245,7 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
     for lever in progress_bar(arms, desc="levers", enabled=progress):
-        with staging(lever.pinned):
+        with staging(lever.pinned, lever.rope_write):
             engine, build_s = lever_engine(model, lever, **kw)
             for batch, context in shapes:
                 prompts = random_prompts(batch, context - steps, config.vocab_size)
@@ -261,6 +272,58 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     return {"day61_levers": pd.DataFrame(records), "day61_parts": pd.concat(parts, ignore_index=True),
             "day61_lever_agreement": pd.DataFrame(agreement),
             "day61_lever_profile": pd.concat(profiles, ignore_index=True)}
+
+
+PREFILL_ARMS = (  # (name, rope_write, prompts_by_sdpa), cumulative
+    ("streamed varlen read", False, False),
+    ("+ one rope and K/V write kernel", True, False),
+    ("+ fused attention for whole prompts", True, True),
+)
+
+
+def prefill_levers(model_path, dtype=torch.bfloat16, cases=((1, 2048), (8, 1024)), repeats: int = 5,
+                   progress: bool = True) -> pd.DataFrame:
+    """Table `day61_prefill_levers`: ms to the first token of `batch` prompts of `prompt_len` tokens
+    (one eager varlen forward and its sampling, whole prompts), with each prefill lever added in
+    turn, the median of `repeats` after one warm-up; and how far each arm's first logits are from
+    the first arm's."""
+    device = torch.device("cuda")
+    model = load_model(model_path, dtype=dtype, device=device)
+    vocab = model.config.vocab_size
+    rows = max(b for b, _ in cases)
+    num_blocks = rows * (cdiv(max(n for _, n in cases) + 1, 16) + 1) + 16
+    records, first = [], {}
+    for name, rope_write, by_sdpa in progress_bar(PREFILL_ARMS, desc="prefill levers", enabled=progress):
+        with staging(True, rope_write, by_sdpa):
+            engine = Engine(model, cuda_graphs=False, read="streamed", progress=False, num_blocks=num_blocks,
+                            async_scheduling=False,
+                            block_size=16, max_num_seqs=rows, enable_chunked_prefill=False)
+            for batch, prompt_len in cases:
+                prompts = random_prompts(batch, prompt_len, vocab)
+                run = functools.partial(prefill, engine, prompts, 1)
+                times = [wall_s(run, device) for _ in range(repeats + 1)][1:]
+                drain(engine)
+                logits = decode_logits_of_prompts(engine, prompts[:1].tolist())
+                ref = first.setdefault((batch, prompt_len), logits)
+                records.append({"arm": name, "batch": batch, "prompt_len": prompt_len,
+                                "ttft_ms": 1000 * statistics.median(times),
+                                "logits rel err to the first arm": float((logits - ref).norm() / ref.norm())})
+            del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return pd.DataFrame(records)
+
+
+def decode_logits_of_prompts(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
+    """[rows, vocab] fp32 logits of `prompts`' prefill step, read back synchronously."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    logits = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.logits is not None:
+                logits.setdefault(o.seq.request_id, o.logits.clone())
+    return torch.stack([logits[s.request_id] for s in seqs])
 
 
 def projection_shapes(config) -> dict[str, tuple[int, int]]:
@@ -323,7 +386,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("levers", "projections", "agreement"), default=None)
+    parser.add_argument("--only", choices=("levers", "projections", "agreement", "prefill"), default=None)
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
     parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
                         "32@128, 64@128, 32@2048)")
@@ -363,6 +426,10 @@ def main(args: argparse.Namespace) -> int:
     if args.only == "agreement":
         keep({"day61_fp32_agreement": fp32_agreement(path)})
         print(tables[f"{args.stem}_fp32_agreement"].to_string(index=False))
+        return 0
+    if args.only == "prefill":
+        keep({"day61_prefill_levers": prefill_levers(path, dtype)})
+        print(tables[f"{args.stem}_prefill_levers"].to_string(index=False))
         return 0
     if args.only != "levers":
         keep({"day61_projections": projection_table(ModelConfig.from_dir(path), dtype)})

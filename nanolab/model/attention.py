@@ -10,8 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanolab.kernels import INTERPRETED
 from nanolab.model.config import ModelConfig
 from nanolab.model.layers import Linear, apply_rope
+
+# On a GPU, q's and k's rotation and the K/V write are one kernel (`CacheView.write_rotated`);
+# the lab turns it off to measure the forward without it.
+FUSED_ROPE_WRITE = True
 
 
 class Attention(nn.Module):
@@ -28,10 +33,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
         rows, t, _ = x.shape
         qkv = self.qkv_proj(x).view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
-        # Rotate q and k in one call: they are the first heads + kv_heads of the fused output.
-        qk = apply_rope(qkv[:, :, : self.heads + self.kv_heads], cos, sin)
-        q, k = qk.split((self.heads, self.kv_heads), dim=2)
-        v = qkv[:, :, self.heads + self.kv_heads :]
-        cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
-        out = cache.read(self.layer, q, positions)  # [rows, T, heads, head_dim]
+        if FUSED_ROPE_WRITE and qkv.is_cuda and not INTERPRETED:
+            q = cache.write_rotated(self.layer, qkv, cos, sin, self.heads)
+            # Eagerly, qkv's K/V heads now hold what was written; compiled (decode), nothing reads them.
+            k, v = (None, None) if torch.compiler.is_compiling() else qkv[:, :, self.heads:].split(self.kv_heads, dim=2)
+        else:
+            # Rotate q and k in one call: they are the first heads + kv_heads of the fused output.
+            qk = apply_rope(qkv[:, :, : self.heads + self.kv_heads], cos, sin)
+            q, k = qk.split((self.heads, self.kv_heads), dim=2)
+            v = qkv[:, :, self.heads + self.kv_heads :]
+            cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
+        out = cache.read(self.layer, q, positions, k, v)  # [rows, T, heads, head_dim]
         return self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))

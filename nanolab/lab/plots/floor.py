@@ -6,6 +6,7 @@ each once, where it calls `show`, and not again at the end of the cell."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -63,7 +64,7 @@ def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
                   lw=1.6, label="the graph's replay alone (GPU time)")
     ax.axhline(floor_ms, color="k", ls="--", lw=1, label=f"floor: the bytes a step must read ({floor_ms:.2f} ms)")
     ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
-    ax.set_xticks(x, arms)
+    ax.set_xticks(x, [textwrap.fill(a, 16) for a in arms])  # five arms or more: wrapped, not overlapping
     ax.set_ylim(0, bottom.max() * 1.12)
     ax.set_ylabel("ms per decode step")
     ax.set_title("one decode step, lever by lever (each arm keeps the levers to its left)", fontsize=10)
