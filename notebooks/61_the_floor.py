@@ -335,7 +335,7 @@ if fused["levers"] is not None:
           f"{one[f_order[2]]:.3f} ms fused with PDL")
 else:
     print("data/day61_fused_levers_h200.csv is not committed:\n"
-          "  `python -m nanolab levers --only levers --arms 3,4,5\n"
+          "  `python -m nanolab levers --only levers --arms 3,5,6\n"
           "  --shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
 
 # %% [markdown]
@@ -388,10 +388,12 @@ for row in notes.itertuples():
     print(f"{row.label}:\n  {row.note}")
 
 # %% [markdown]
-# The rows came from three processes. nanolab, gpt-fast and HF's default path ran in the last two,
-# a minute apart on one machine, so the comparison that matters is made on one card. HF's eager
-# arm ran hours earlier, on an H200 of the same kind; at ten times nanolab's step, a few percent
-# between two cards does not move its place. The floorbench saves its tables after every row, and
+# The rows came from four processes. nanolab, gpt-fast and HF's default path ran in two of them,
+# a minute apart on one machine. Half an hour later, on a second H200 of the same kind, one more
+# process measured nanolab and HF's default path again at batch 1, together with every TTFT row but
+# HF eager's; nanolab's batch-1 step came out within a few microseconds of its first run. HF's
+# eager arm ran hours earlier, on another H200 of the kind; at ten times nanolab's step, a few
+# percent between two cards does not move its place. The floorbench saves its tables after every row, and
 # `--append` keeps the rows of arms a later process did not run. Each process measured its own
 # bandwidth, so each row's `x_floor` is over its own floor, and the floor column beside the times
 # is the latest process's.
