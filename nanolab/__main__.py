@@ -52,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     streamed = False
     try:
@@ -67,6 +67,8 @@ def _generate(args: argparse.Namespace) -> int:
         if isinstance(e, RuntimeError):  # the stream's request failed while running: not bad input
             return _error(e, code=1)
         raise
+    finally:
+        llm.close()  # a tensor-parallel group's workers
     sys.stdout.write("\n")
     return 0
 
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="a stop string; repeat for several")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
     gen.set_defaults(run=_generate)
 
     weights = sub.add_parser("weights", help="prepare a preset's weights (convert or synthesize) and print the folder")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,10 +18,12 @@ import torch
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.kv_cache import READS, kv_bytes_per_block
 from nanolab.engine.llm_engine import Engine, check_int
-from nanolab.engine.runner import compile_decode
+from nanolab.engine.parallel import LeaderRunner, Workers, WorkerSpec
+from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.sequence import Sequence
 from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
+from nanolab.model.parallel import check_shardable
 from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.progress import progress_bar
@@ -116,7 +119,8 @@ class LLM:
                  max_model_len: int | None = None, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
                  compile: bool | None = None, async_scheduling: bool | None = None,
-                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048) -> None:
+                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048,
+                 tensor_parallel_size: int = 1) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
         capture list is warmed here, with a progress bar. `compile` captures the decode step compiled
         by inductor (`runner.compile_decode`; about a minute at start for Llama-3.2-1B on the H200)
@@ -125,6 +129,10 @@ class LLM:
         "streamed", "reference", or "auto" (streamed on CUDA). `enable_chunked_prefill` and
         `max_num_batched_tokens` are the engine's step budget (`Engine`). The pool is `num_blocks`
         blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
+        `tensor_parallel_size` > 1 shards the model over that many processes on this host, one
+        per GPU on CUDA (`engine.parallel`): this process is rank 0 and runs the engine, the others
+        follow its steps. Each rank captures its own CUDA graphs, the collectives inside them; for
+        now without compile or asynchronous scheduling. `close()` ends the workers.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -136,6 +144,7 @@ class LLM:
         check_int("num_blocks", num_blocks, optional=True)
         check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("tensor_parallel_size", tensor_parallel_size)
         if not isinstance(enable_chunked_prefill, bool):
             raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         if not isinstance(enforce_eager, bool):
@@ -151,6 +160,17 @@ class LLM:
         self.model_name = model
         self.path = resolve_weights(model)
         c = ModelConfig.from_dir(self.path)
+        check_shardable(c, tensor_parallel_size)
+        if tensor_parallel_size > 1 and device.type == "cuda":
+            # The NCCL path (graphs captured on every rank) hung in its first test on two H200s and
+            # is not yet found; a group of gloo ranks on the CPU is what is tested and served.
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on {device}: tensor parallelism runs on "
+                             f"the CPU (gloo) for now; its NCCL path is not yet working")
+        if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s), one per rank")
+        if tensor_parallel_size > 1 and device.type == "cuda" and device.index not in (None, 0):
+            raise ValueError(f"device={device}: a tensor-parallel group puts rank r on cuda:r, rank 0 on cuda:0")
         per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         if num_blocks is None and kv_cache_bytes is not None:
             if kv_cache_bytes < per_block:
@@ -158,27 +178,58 @@ class LLM:
                                  f"is {per_block} bytes for this model")
             num_blocks = kv_cache_bytes // per_block
         self.tokenizer = Tokenizer.from_dir(self.path)
+        self.tensor_parallel_size = tensor_parallel_size
         graphs = device.type == "cuda" and not enforce_eager
-        self.compiled = graphs if compile is None else compile
+        parallel = tensor_parallel_size > 1
+        self.compiled = graphs and not parallel if compile is None else compile
+        for name, value in (("compile", self.compiled), ("async_scheduling", async_scheduling)):
+            if parallel and value:
+                raise ValueError(f"{name}=True: not yet with tensor_parallel_size > 1 (its ranks replay eager graphs)")
         # oneDNN's prepacked matmuls (the CPU's default) are opaque to dynamo: a compiled model keeps plain weights.
-        self.model = load_model(self.path, dtype=self.dtype, device=device, prepack=False if self.compiled else None)
-        if num_blocks is None:
-            # On CUDA the default budget is a share of what the weights left free.
-            num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
-        if max_model_len is None:
-            # As vLLM does, the context is what the pool can hold: a request that could grow past
-            # the pool is refused, so a larger context would refuse every request without max_tokens.
-            max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
-        self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
-                             read=read, forward=compile_decode(self.model) if self.compiled else None,
-                             async_scheduling=graphs if async_scheduling is None else async_scheduling,
-                             enable_chunked_prefill=enable_chunked_prefill,
-                             max_num_batched_tokens=max_num_batched_tokens)
+        prepack = False if self.compiled else None
+        self.workers, runner = None, ModelRunner
+        if tensor_parallel_size > 1:  # the workers load their shards while this process loads its own
+            self.workers = Workers(tensor_parallel_size, WorkerSpec(str(self.path), self.dtype, device.type,
+                                                                    block_size, max_num_seqs, read, prepack, graphs))
+            runner = functools.partial(LeaderRunner, workers=self.workers)
+        try:
+            self.model = load_model(self.path, dtype=self.dtype, device=device, prepack=prepack,
+                                    tp=self.workers.tp if self.workers else None)
+            if num_blocks is None:
+                # On CUDA the default budget is a share of what the weights left free.
+                num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
+            if max_model_len is None:
+                # As vLLM does, the context is what the pool can hold: a request that could grow past
+                # the pool is refused, so a larger context would refuse every request without max_tokens.
+                max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
+            if self.workers:
+                self.workers.size_caches(num_blocks, max_model_len)
+            self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
+                                 read=read, forward=compile_decode(self.model) if self.compiled else None,
+                                 async_scheduling=(graphs and not parallel) if async_scheduling is None
+                                 else async_scheduling,
+                                 enable_chunked_prefill=enable_chunked_prefill,
+                                 max_num_batched_tokens=max_num_batched_tokens, runner=runner)
+        except BaseException:
+            if self.workers is not None:  # they wait on this process: send them home before raising
+                self.workers.close()
+            raise
 
     @property
     def config(self):
         return self.model.config
+
+    def close(self) -> None:
+        """End a tensor-parallel group's worker processes (nothing to do at tensor_parallel_size 1).
+        The LLM cannot generate after it. Safe to call twice; `with LLM(...) as llm:` calls it."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def weights_kind(self) -> str:

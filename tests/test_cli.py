@@ -125,6 +125,9 @@ class FakeLLM:
         yield "partial"
         raise self.error
 
+    def close(self) -> None:  # `generate` ends a tensor-parallel group's workers whatever happened
+        self.closed = True
+
 
 @pytest.mark.parametrize("error,code,line", [(KeyboardInterrupt(), 130, None),
                                              (RuntimeError("the forward failed:\nboom"), 1,

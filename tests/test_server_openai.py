@@ -181,3 +181,19 @@ def test_a_dead_engine_process_is_reported():
     assert refused.value.status_code == 503
     assert server.stop() == 1
     assert "error: nanolab stopped after the engine died" in server.log
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_same_text_through_the_socket_at_tensor_parallel_size_2():
+    """Two gloo ranks behind the server: the engine core process starts its worker and the text
+    is one process's; SIGTERM sends the worker home and the server still exits cleanly."""
+    want_prompts, want_chats = expected("reference", 8, PROMPTS[:2], CHATS[:1])
+    server = Server("--read", "reference", "--tensor-parallel-size", "2")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            texts = [pool.submit(complete, server.client, p, s, 8) for p, s in zip(PROMPTS[:2], (True, False))]
+            reply = pool.submit(chat, server.client, CHATS[0], True, 8)
+            assert [t.result() for t in texts] == want_prompts and reply.result() == want_chats[0]
+    finally:
+        assert_clean_exit(server)

@@ -158,10 +158,11 @@ class EngineCore:
             self.abort(rid)
 
     def close(self) -> tuple[int, int]:
-        """Flush the step log; return (free blocks, all blocks)."""
+        """Flush the step log, release the engine's workers if it has any; return (free blocks, all blocks)."""
         if self._log is not None:
             self._log.close()
         blocks = self.engine.block_manager
+        self.engine.close()
         return blocks.allocator.num_free, blocks.num_blocks
 
     def run(self, receive: Callable[[bool], tuple | None], send: Callable[[tuple], None]) -> None:

@@ -168,7 +168,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs)
         self.limits = RequestLimits(self.config.vocab_size, self.max_model_len, num_blocks, block_size)
         self.kv_cache = KVCache(self.block_manager, num_layers=self.config.num_hidden_layers,
-                                num_kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
+                                num_kv_heads=model.num_kv_heads, head_dim=self.config.head_dim,
                                 max_model_len=self.max_model_len, dtype=self.dtype, device=self.device, read=read)
         budget = max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, budget, enable_chunked_prefill)
@@ -222,6 +222,11 @@ class Engine:
     def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
         self.limits.check(prompt, params)
+
+    def close(self) -> None:
+        """Release what the engine started outside this process (a tensor-parallel group's
+        workers, `ModelRunner.close`). The engine cannot step after it."""
+        self.runner.close()
 
     def abort_request(self, request_id: int) -> None:
         seq = self.requests.pop(request_id, None)

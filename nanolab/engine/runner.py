@@ -53,6 +53,16 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
 
+    def close(self) -> None:
+        """Release what the runner started besides this process's memory: nothing here; a
+        tensor-parallel leader's workers (`engine.parallel.LeaderRunner`)."""
+
+    def planned(self, kind: str, seqs: list[Sequence], ids, counts: list[int] | None, sampled: list[bool] | None
+                ) -> None:
+        """Called between a step's plan and its forward: "varlen" with the host ids, the counts and
+        which rows are sampled, or "decode" with its ids [batch, 1] (host, or still being sampled on
+        the device). Nothing here; a tensor-parallel leader tells its workers (`engine.parallel`)."""
+
     @torch.inference_mode()
     def run_varlen(self, seqs: list[Sequence], num_scheduled_tokens: list[int], num_computed_tokens: list[int],
                    sampled: list[bool]) -> torch.Tensor:
@@ -63,6 +73,7 @@ class ModelRunner:
         plan = self.kv_cache.plan_varlen([s.row for s in seqs], num_scheduled_tokens, sampled)
         ids = [t for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)
                for t in s.token_ids[a:a + n]]
+        self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
         ids = torch.tensor([ids], dtype=torch.int64)  # [1, num_tokens]
         view = self.kv_cache.view(plan)
         return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
@@ -87,6 +98,7 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
         """One new token's logits for every sequence -> [rows, vocab] fp32. `ids` as `plan_step`."""
         plan, ids = self.plan_step(seqs, ids)
+        self.planned("decode", seqs, ids, None, None)
         if self.graphs is not None:
             shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:

@@ -13,6 +13,7 @@ from torch import nn
 from nanolab.kernels import INTERPRETED
 from nanolab.model.config import ModelConfig
 from nanolab.model.layers import Linear, apply_rope
+from nanolab.model.parallel import TensorParallel
 
 # On a GPU, q's and k's rotation and the K/V write are one kernel (`CacheView.write_rotated`);
 # the lab turns it off to measure the forward without it.
@@ -20,11 +21,14 @@ FUSED_ROPE_WRITE = True
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        self.tp = tp
+        # Under tensor parallelism, this rank's KV heads and the query heads that read them.
+        q0, q1 = tp.q_heads(config) if tp else (0, config.num_attention_heads)
+        k0, k1 = tp.kv_heads(config) if tp else (0, config.num_key_value_heads)
+        self.heads, self.kv_heads = q1 - q0, k1 - k0
         self.head_dim = config.head_dim
         # q, k and v fused into one matmul: [(heads + 2 * kv_heads) * head_dim, hidden]
         self.qkv_proj = Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim)
@@ -44,4 +48,5 @@ class Attention(nn.Module):
             v = qkv[:, :, self.heads + self.kv_heads :]
             cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
         out = cache.read(self.layer, q, positions, k, v)  # [rows, T, heads, head_dim]
-        return self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
+        out = self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
+        return self.tp.all_reduce(out) if self.tp else out  # row-parallel: the ranks' partial sums

@@ -13,6 +13,7 @@ from torch import nn
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_, silu_mul
 from nanolab.model.config import ModelConfig
+from nanolab.model.parallel import TensorParallel
 
 
 class Linear(nn.Linear):
@@ -95,15 +96,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
+        a, b = tp.intermediate(config) if tp else (0, config.intermediate_size)  # this rank's share
         # gate and up fused: [2 * intermediate, hidden]
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * (b - a))
+        self.down_proj = Linear(b - a, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if eager_on_gpu(gate_up):
-            return self.down_proj(silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(out) if self.tp else out  # row-parallel: the ranks' partial sums

@@ -14,16 +14,17 @@ from torch import nn
 from nanolab.model.attention import Attention
 from nanolab.model.config import ModelConfig
 from nanolab.model.layers import MLP, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
+from nanolab.model.parallel import TensorParallel, check_shardable, shard_state
 from nanolab.model.weights import load_checkpoint
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, cos, sin, positions, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
@@ -31,13 +32,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
+        """`tp` makes this rank's shard of the model (`model.parallel`): its heads, its intermediate
+        share and its vocabulary rows, with the collectives that join them; `config` stays the
+        whole model's."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.tp = tp
+        k0, k1 = tp.kv_heads(config) if tp else (0, config.num_key_value_heads)
+        self.num_kv_heads = k1 - k0  # the KV heads this rank's cache holds
+        self.vocab_start, vocab_stop = tp.vocab(config) if tp else (0, config.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_stop - self.vocab_start, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, vocab_stop - self.vocab_start)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -51,13 +59,23 @@ class LlamaModel(nn.Module):
         each sampled segment of a varlen step) and returns logits [n, vocab]; None returns every
         position, [rows, T, vocab]. Logits are fp32 whatever the model's dtype.
         """
-        x = self.embed_tokens(input_ids)  # [rows, T, hidden]
+        x = self.embed(input_ids)  # [rows, T, hidden]
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, positions, cache)
         if logits_index is not None:
             x = x.flatten(0, 1)[logits_index]  # [n, hidden]: only the sampled tokens reach the head
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x)).float()
+        return self.tp.gather_vocab(logits, self.config.vocab_size) if self.tp else logits
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; a shard looks up its own vocabulary rows, zeros elsewhere, and sums."""
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine[..., None]
+        return self.tp.all_reduce(x)
 
 
 def _fuse(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -83,17 +101,20 @@ def _fuse(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torc
     return out
 
 
-def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu", prepack: bool | None = None
-               ) -> LlamaModel:
+def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu", prepack: bool | None = None,
+               tp: TensorParallel | None = None) -> LlamaModel:
     """Build the model on the meta device and fill it straight from the checkpoint, so a
-    model is never initialised twice.
+    model is never initialised twice. `tp`: this rank's shard only (`parallel.shard_state`).
 
     `prepack` (default: on for fp32 on the CPU, where oneDNN is available) routes every matmul
     through oneDNN with prepacked weights; see `layers.Linear`."""
     config = ModelConfig.from_dir(path)
     state = _fuse(load_checkpoint(path, config, dtype=dtype, device=device), config)
+    if tp is not None:
+        check_shardable(config, tp.world_size)
+        state = shard_state(state, config, tp)
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, tp)
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -289,6 +289,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                         help="read each decode step back before launching the next (default: overlapped with graphs)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over this many processes (one per GPU on CUDA), rank 0 coordinating")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="a token budget per step, decode rows first and prompts in chunks "
@@ -328,7 +330,8 @@ async def serve(args: argparse.Namespace) -> int:
                                 enforce_eager=args.enforce_eager, read=args.read, compile=args.compile,
                                 async_scheduling=args.async_scheduling,
                                 enable_chunked_prefill=args.enable_chunked_prefill,
-                                max_num_batched_tokens=args.max_num_batched_tokens)
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                tensor_parallel_size=args.tensor_parallel_size)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
     serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)

@@ -1,0 +1,258 @@
+"""Tensor-parallel execution: one process per rank, rank 0 coordinating. Issue 15.
+
+Rank 0 is the caller's process and runs the whole engine (scheduler, sampler, the API) over its
+shard of the model (`model.parallel`). Every other rank is a worker process that holds its own
+shard, its own share of the KV cache (its KV heads) and a `ModelRunner`, and runs the forward
+rank 0 tells it to, in step with it: the collectives inside the forward meet rank 0's.
+
+Between each step's plan and its forward, rank 0's `LeaderRunner` broadcasts a `StepCall` over a
+gloo group (host objects): the runner method, the rows with their block lists as rank 0's block
+manager left them, and the token ids (a decode step's ids still on the device go by a device
+broadcast instead, so asynchronous scheduling never waits for them). A worker's
+`FollowerBlockManager` allocates nothing: it adopts those tables and takes each new block from the
+call, so the worker's plan is rank 0's and nothing is decided twice.
+
+The group is initialised the standard way (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+as torchrun sets it; `start_workers` sets it for the workers it spawns on this host.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from nanolab.engine.block_manager import BlockManager, BlockTable, cdiv
+from nanolab.engine.kv_cache import KVCache
+from nanolab.engine.runner import ModelRunner
+from nanolab.model.parallel import TensorParallel
+
+WORKER_ENTRY = "from nanolab.engine.parallel import worker_main; worker_main()"
+# Kept off in every process this module starts, as the device notes require of NCCL over NVLink.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass
+class StepCall:
+    """One forward for the workers: `kind` "varlen" or "decode"; per row, its blocks after rank 0
+    planned the step and its token count before; the host ids ("varlen": each row's fed tokens;
+    "decode": each row's last token, or None when they follow by device broadcast, `device_ids` rows)."""
+
+    kind: str
+    rows: list[int]
+    blocks: list[list[int]]
+    tokens_before: list[int]
+    ids: list[list[int]] | None = None
+    counts: list[int] | None = None
+    sampled: list[bool] | None = None
+    device_ids: int = 0
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its rank: the weights, the cache's block size and rows, and how
+    to run. The pool's size follows once rank 0 has measured what its shard left free."""
+
+    path: str
+    dtype: torch.dtype
+    device_type: str
+    block_size: int
+    max_num_seqs: int
+    read: str
+    prepack: bool | None = None
+    cuda_graphs: bool = False  # captured on every rank in the same order, so their collectives pair up
+
+
+class FollowerBlockManager(BlockManager):
+    """A worker's block manager. It never chooses a block: `adopt` sets each row of a call to rank
+    0's table before the step, and `grow` appends the blocks rank 0 gave the step."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int) -> None:
+        super().__init__(num_blocks, block_size, max_rows)
+        self._given: dict[tuple[int, int], int] = {}
+
+    def adopt(self, call: StepCall) -> None:
+        for row, blocks, before in zip(call.rows, call.blocks, call.tokens_before, strict=True):
+            table = BlockTable(self.block_size)
+            kept = cdiv(before, self.block_size)
+            table.blocks, table.num_tokens = list(blocks[:kept]), before
+            self.tables[row] = table
+            self._given.update({(row, col): b for col, b in enumerate(blocks) if col >= kept})
+
+    def grow(self, rows, new_tokens) -> None:
+        for row, n in zip(rows, new_tokens, strict=True):
+            table = self.table(row)
+            for _ in range(table.blocks_needed(n)):
+                col = len(table.blocks)
+                block = self._given.pop((row, col))  # KeyError: rank 0 sent no block for this cell
+                self._new[row, col] = block
+                table.blocks.append(block)
+            table.num_tokens += n
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: before each forward, the workers hear what to run (`StepCall`); `close`
+    sends them home."""
+
+    def __init__(self, *args, workers: Workers, **kwargs) -> None:
+        self.workers, self.channel = workers, workers.channel
+        super().__init__(*args, **kwargs)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    def planned(self, kind, seqs, ids, counts, sampled) -> None:
+        rows = [s.row for s in seqs]
+        tables = [self.kv_cache.blocks.table(r) for r in rows]
+        fed = counts if kind == "varlen" else [1] * len(rows)
+        call = StepCall(kind, rows, [list(t.blocks) for t in tables],
+                        [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled)
+        if kind == "varlen":
+            starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+            call.ids = [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+            self.channel.send(call)
+        elif ids.device.type == "cpu":
+            call.ids = [[int(t)] for t in ids[: len(rows), 0]]
+            self.channel.send(call)
+        else:  # still being sampled on the device: the workers take them from a device broadcast
+            call.device_ids = len(rows)
+            self.channel.send(call)
+            self.channel.send_ids(ids[: len(rows)].reshape(-1, 1))
+
+
+class Channel:
+    """Rank 0 to the workers: host objects over a gloo group, ids over the device group."""
+
+    def __init__(self, cpu_group, device: torch.device) -> None:
+        self.cpu_group, self.device = cpu_group, device
+
+    def send(self, call) -> None:
+        dist.broadcast_object_list([call], src=0, group=self.cpu_group)
+
+    def receive(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def send_ids(self, ids: torch.Tensor) -> None:
+        dist.broadcast(ids.contiguous(), src=0)
+
+    def receive_ids(self, rows: int) -> torch.Tensor:
+        ids = torch.empty((rows, 1), dtype=torch.int64, device=self.device)
+        dist.broadcast(ids, src=0)
+        return ids
+
+
+def follow(runner: ModelRunner, channel: Channel) -> None:
+    """A worker's loop: run each forward rank 0 sends, until it sends None."""
+    blocks = runner.kv_cache.blocks
+    while (call := channel.receive()) is not None:
+        blocks.adopt(call)
+        if call.kind == "varlen":
+            seqs = [SimpleNamespace(row=r, token_ids=ids) for r, ids in zip(call.rows, call.ids, strict=True)]
+            runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled)
+        else:
+            seqs = [SimpleNamespace(row=r, output_token_ids=ids or [0])
+                    for r, ids in zip(call.rows, call.ids or [None] * len(call.rows), strict=True)]
+            runner.decode(seqs, channel.receive_ids(call.device_ids) if call.device_ids else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def join_group(rank: int, world_size: int, device_type: str) -> tuple[TensorParallel, Channel]:
+    """This process's rank in the group `env://` describes, and the channel from rank 0."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    device = rank_device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device_type), init_method="env://", rank=rank, world_size=world_size)
+    cpu_group = dist.new_group(backend="gloo") if device_type == "cuda" else None
+    # One collective now, eagerly: NCCL sets its communicator up on the first one, which must not
+    # be inside a graph capture.
+    dist.all_reduce(torch.zeros(1, device=device))
+    return TensorParallel(rank, world_size), Channel(cpu_group, device)
+
+
+def worker_main() -> None:
+    """A worker process's entry: its rank and spec arrive pickled on stdin (`Workers`)."""
+    from nanolab.model.llama import load_model
+
+    rank, world_size, spec = pickle.load(sys.stdin.buffer)
+    tp, channel = join_group(rank, world_size, spec.device_type)
+    try:
+        model = load_model(spec.path, dtype=spec.dtype, device=channel.device, prepack=spec.prepack, tp=tp)
+        sizes = channel.receive()  # `Workers.size_caches`, or None: rank 0 failed before it got there
+        if sizes is None:
+            return
+        num_blocks, max_model_len = sizes
+        blocks = FollowerBlockManager(num_blocks, spec.block_size, spec.max_num_seqs)
+        kv_cache = KVCache(blocks, num_layers=model.config.num_hidden_layers, num_kv_heads=model.num_kv_heads,
+                           head_dim=model.config.head_dim, max_model_len=max_model_len, dtype=spec.dtype,
+                           device=channel.device, read=spec.read)
+        follow(ModelRunner(model, kv_cache, cuda_graphs=spec.cuda_graphs, progress=False), channel)
+    finally:
+        dist.destroy_process_group()
+
+
+class Workers:
+    """The worker processes of a tensor-parallel group on this host, rank 0 being this process:
+    started as fresh interpreters (not multiprocessing children, so a daemonic process such as the
+    server's engine core can start them too), joined over `env://`; `close` sends them home. A
+    worker whose rank 0 dies leaves at its next collective, which fails."""
+
+    def __init__(self, world_size: int, spec: WorkerSpec) -> None:
+        self.world_size = world_size
+        group_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+                     **NCCL_ENV}
+        package_root = str(Path(__file__).resolve().parents[2])  # the folder holding nanolab/
+        path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self.processes = []
+        for rank in range(1, world_size):
+            env = {**os.environ, **group_env, "RANK": str(rank), "PYTHONPATH": path}
+            p = subprocess.Popen([sys.executable, "-c", WORKER_ENTRY], stdin=subprocess.PIPE, env=env)
+            pickle.dump((rank, world_size, spec), p.stdin)
+            p.stdin.close()
+            self.processes.append(p)
+        os.environ.update(group_env, RANK="0")
+        self.tp, self.channel = join_group(0, world_size, spec.device_type)
+        self.closed = False
+
+    def size_caches(self, num_blocks: int, max_model_len: int) -> None:
+        """Every worker's pool: as many blocks as rank 0's (each holds its own KV heads' share)."""
+        self.channel.send((num_blocks, max_model_len))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Tell every worker to stop, wait for them, and leave the group. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.channel.send(None)
+        finally:
+            for p in self.processes:
+                try:
+                    p.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            dist.destroy_process_group()
