@@ -7,6 +7,8 @@ The groups are real: `LLM(tensor_parallel_size=2)` spawns a worker process that 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -113,6 +115,40 @@ def test_two_gloo_ranks_decode_what_one_process_decodes(preset):
     assert two_tokens == one_tokens
     for a, b in zip(two_logits, one_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_forward_that_fails_on_rank_0_ends_the_group_instead_of_hanging():
+    """Rank 0's forward raises after its step went out, so the worker waits in a collective rank 0
+    never joins: the request fails with the reason, the worker is ended, and every later request
+    fails at once, naming why, instead of hanging. (The requests run in a thread: if this breaks,
+    the test ends the worker and fails rather than hang the suite.)"""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2) as llm:
+        assert llm.generate(["a b c"], params)[0].error is None
+        real = llm.model.lm_head.forward
+
+        def broken(x):  # after every all-reduce of the layers: the worker waits in the head's all-gather
+            raise RuntimeError("injected")
+
+        def requests() -> list:
+            llm.model.lm_head.forward = broken
+            first = llm.generate(["d e f"], params)[0]
+            llm.model.lm_head.forward = real
+            return [first, llm.generate(["g h i"], params)[0]]
+
+        box = []
+        run = threading.Thread(target=lambda: box.extend(requests()), daemon=True)
+        run.start()
+        run.join(120)
+        if run.is_alive():
+            for p in llm.workers.processes:
+                p.kill()
+            llm.workers.closed = True
+            pytest.fail("a failed forward on rank 0 left the group hanging")
+        first, later = box
+        assert "injected" in first.error
+        assert "the tensor-parallel group has ended" in later.error and "injected" in later.error
+        assert all(p.poll() is not None for p in llm.workers.processes), "the worker was left running"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -18,6 +18,7 @@ as torchrun sets it; `start_workers` sets it for the workers it spawns on this h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -108,6 +109,27 @@ class LeaderRunner(ModelRunner):
 
     def close(self) -> None:
         self.workers.close()
+
+    def run_varlen(self, *args, **kwargs) -> torch.Tensor:
+        with self._group_or_abort():
+            return super().run_varlen(*args, **kwargs)
+
+    def decode(self, *args, **kwargs) -> torch.Tensor:
+        with self._group_or_abort():
+            return super().decode(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _group_or_abort(self):
+        """A forward that fails on rank 0 after its call went out leaves the workers inside a
+        collective rank 0 will never join: the group is ended (`Workers.abort`), so every later
+        step fails at once with the reason instead of hanging."""
+        if self.workers.broken:
+            raise RuntimeError(f"the tensor-parallel group has ended: {self.workers.broken}")
+        try:
+            yield
+        except Exception as e:
+            self.workers.abort(f"rank 0's forward failed ({type(e).__name__}: {e})")
+            raise
 
     def planned(self, kind, seqs, ids, counts, sampled) -> None:
         rows = [s.row for s in seqs]
@@ -237,10 +259,23 @@ class Workers:
         os.environ.update(group_env, RANK="0")
         self.tp, self.channel = join_group(0, world_size, spec.device_type)
         self.closed = False
+        self.broken: str | None = None  # why the group ended, once it has
 
     def size_caches(self, num_blocks: int, max_model_len: int) -> None:
         """Every worker's pool: as many blocks as rank 0's (each holds its own KV heads' share)."""
         self.channel.send((num_blocks, max_model_len))
+
+    def abort(self, reason: str) -> None:
+        """End the group without the workers' help (they may be waiting inside a collective): kill
+        them and leave the group."""
+        self.broken = reason
+        if self.closed:
+            return
+        self.closed = True
+        for p in self.processes:
+            p.kill()
+            p.wait()
+        dist.destroy_process_group()
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell every worker to stop, wait for them, and leave the group. Safe to call twice."""
