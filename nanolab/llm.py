@@ -129,10 +129,10 @@ class LLM:
         "streamed", "reference", or "auto" (streamed on CUDA). `enable_chunked_prefill` and
         `max_num_batched_tokens` are the engine's step budget (`Engine`). The pool is `num_blocks`
         blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
-        `tensor_parallel_size` > 1 shards the model over that many processes on this host, one
-        per GPU on CUDA (`engine.parallel`): this process is rank 0 and runs the engine, the others
-        follow its steps. Each rank captures its own CUDA graphs, the collectives inside them; for
-        now without compile or asynchronous scheduling. `close()` ends the workers.
+        `tensor_parallel_size` > 1 shards the model over that many processes on this host
+        (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its
+        steps, without compile or asynchronous scheduling. For now only on the CPU (gloo): on CUDA
+        it is refused until its NCCL path works. `close()` ends the workers.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -161,16 +161,16 @@ class LLM:
         self.path = resolve_weights(model)
         c = ModelConfig.from_dir(self.path)
         check_shardable(c, tensor_parallel_size)
-        if tensor_parallel_size > 1 and device.type == "cuda":
-            # The NCCL path (graphs captured on every rank) hung in its first test on two H200s and
-            # is not yet found; a group of gloo ranks on the CPU is what is tested and served.
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on {device}: tensor parallelism runs on "
-                             f"the CPU (gloo) for now; its NCCL path is not yet working")
         if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s), one per rank")
         if tensor_parallel_size > 1 and device.type == "cuda" and device.index not in (None, 0):
             raise ValueError(f"device={device}: a tensor-parallel group puts rank r on cuda:r, rank 0 on cuda:0")
+        if tensor_parallel_size > 1 and device.type == "cuda":
+            # The NCCL path (graphs captured on every rank) hung in its first test on two H200s and
+            # is not yet found; a group of gloo ranks on the CPU is what is tested and served.
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on {device}: tensor parallelism runs on "
+                             f"the CPU (gloo) for now; its NCCL path is not yet working")
         per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         if num_blocks is None and kv_cache_bytes is not None:
             if kv_cache_bytes < per_block:

@@ -125,10 +125,14 @@ class BlockManager:
         for row, n in zip(rows, new_tokens, strict=True):
             table = self.table(row)
             for _ in range(table.blocks_needed(n)):
-                block = self.allocator.allocate()
+                block = self._take_block(row, len(table.blocks))
                 self._new[row, len(table.blocks)] = block
                 table.blocks.append(block)
             table.num_tokens += n
+
+    def _take_block(self, row: int, column: int) -> int:
+        """The block for a row's new table cell: the allocator's next free one."""
+        return self.allocator.allocate()
 
     def take_new_entries(self) -> dict[tuple[int, int], int]:
         """The (row, column) -> block entries gained since the last call. A dict, so a row freed and

@@ -13,12 +13,13 @@ broadcast instead, so asynchronous scheduling never waits for them). A worker's
 call, so the worker's plan is rank 0's and nothing is decided twice.
 
 The group is initialised the standard way (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-as torchrun sets it; `start_workers` sets it for the workers it spawns on this host.
+as torchrun sets it; `Workers` sets it for the workers it starts on this host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import socket
@@ -74,7 +75,7 @@ class WorkerSpec:
 
 class FollowerBlockManager(BlockManager):
     """A worker's block manager. It never chooses a block: `adopt` sets each row of a call to rank
-    0's table before the step, and `grow` appends the blocks rank 0 gave the step."""
+    0's table before the step, and `grow` takes each new cell's block from what rank 0 gave the step."""
 
     def __init__(self, num_blocks: int, block_size: int, max_rows: int) -> None:
         super().__init__(num_blocks, block_size, max_rows)
@@ -88,15 +89,8 @@ class FollowerBlockManager(BlockManager):
             self.tables[row] = table
             self._given.update({(row, col): b for col, b in enumerate(blocks) if col >= kept})
 
-    def grow(self, rows, new_tokens) -> None:
-        for row, n in zip(rows, new_tokens, strict=True):
-            table = self.table(row)
-            for _ in range(table.blocks_needed(n)):
-                col = len(table.blocks)
-                block = self._given.pop((row, col))  # KeyError: rank 0 sent no block for this cell
-                self._new[row, col] = block
-                table.blocks.append(block)
-            table.num_tokens += n
+    def _take_block(self, row: int, column: int) -> int:
+        return self._given.pop((row, column))  # KeyError: rank 0 sent no block for this cell
 
 
 class LeaderRunner(ModelRunner):
@@ -137,16 +131,16 @@ class LeaderRunner(ModelRunner):
         fed = counts if kind == "varlen" else [1] * len(rows)
         call = StepCall(kind, rows, [list(t.blocks) for t in tables],
                         [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled)
+        on_device = kind == "decode" and ids.device.type != "cpu"
         if kind == "varlen":
-            starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
-            call.ids = [ids[a:b] for a, b in zip(starts, starts[1:], strict=False)]
-            self.channel.send(call)
-        elif ids.device.type == "cpu":
-            call.ids = [[int(t)] for t in ids[: len(rows), 0]]
-            self.channel.send(call)
-        else:  # still being sampled on the device: the workers take them from a device broadcast
+            starts = list(itertools.accumulate(counts, initial=0))
+            call.ids = [ids[a:b] for a, b in itertools.pairwise(starts)]
+        elif on_device:  # still being sampled on the device: the workers take them from a device broadcast
             call.device_ids = len(rows)
-            self.channel.send(call)
+        else:
+            call.ids = [[int(t)] for t in ids[: len(rows), 0]]
+        self.channel.send(call)
+        if on_device:
             self.channel.send_ids(ids[: len(rows)].reshape(-1, 1))
 
 
