@@ -2,6 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -357,6 +362,37 @@ else:
 # %%
 print(", ".join(f"{arm}: {by_part.loc['sampling', arm] * 1000:.1f} us" for arm in order)
       + " of sampling a step")
+
+# %% [markdown]
+# ### Inductor's own matmul templates at batch 1, measured and not kept
+#
+# A third try asked inductor to choose. With `max_autotune_gemm`, inductor times each matmul of a
+# graph as cuBLAS and as each of its Triton matmul templates, and keeps the fastest; a template can
+# also carry the norm or the activation next to it. The batch-1 step gets a graph of its own in
+# any case, so `levers.autotuned_batch_1` compiles that one with autotuning and leaves the other
+# batches' graph as it was. The prediction was a faster batch 1 and an unchanged batch 8.
+
+# %%
+autotune = {stem: lab.load_table(f"day61_autotune_{stem}", "h200") for stem in ("levers", "parts")}
+if autotune["levers"] is not None:
+    al = autotune["levers"]
+    print("measured on:", lab.table_label(al).caption().replace("; ", ";\n  "))
+    a_order = list(dict.fromkeys(al.arm))
+    lab.show(al.pivot_table(index="batch", columns="arm", values="ms_per_step")[a_order].round(3))
+    a_parts = autotune["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[a_order]
+    lab.show(a_parts.round(3))
+else:
+    print("data/day61_autotune_levers_h200.csv is not committed:\n"
+          "  `python -m nanolab levers --only levers --arms 4,5 --shapes 1@128,8@128\n"
+          "  --stem day61_autotune` on an H200 makes it")
+
+# %% [markdown]
+# Batch 8 did not move, as predicted, but batch 1 got slower, not faster. The profile shows where:
+# the templates inductor chose run the projections about a third slower than cuBLAS did, and
+# down, at about 1.5 TB/s, is the worst. The likely reason is how inductor chose: it times each
+# candidate alone, many times over on the same inputs, so every weight but gate/up's (67 MB) can
+# stay in the 60 MB L2 between runs, while inside the step each weight comes from HBM once. This
+# run did not test that. The engine keeps cuBLAS, and the arm stays in the lab.
 
 # %% [markdown]
 # ## Against the peers

@@ -51,10 +51,11 @@ class Lever:
     fused: bool = False  # up to 16 rows, the fused projections (`runner.FusedDecode`), the compiled step past that
     pdl: bool = False  # the fused step's kernels launched as programmatic dependents (`kernels.pdl`)
     rope_write: bool = False  # q's and k's rotation and the K/V write in one kernel (`CacheView.write_rotated`)
+    autotune: bool = False  # batch 1 through its own graph, projections autotuned at M = 1 (`autotuned_batch_1`)
 
 
-# Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The fused projections
-# (and PDL over them) branch off "+ async scheduling", as they were measured. The Triton GEMV is
+# Cumulative up to "+ autotuned batch-1 projections": each arm keeps every lever before it. The fused
+# projections (and PDL over them) branch off "+ async scheduling", as they were measured. The Triton GEMV is
 # measured alone against cuBLAS (`projection_table`) and, as it does not beat it, never enters
 # the engine.
 ARMS = (
@@ -63,6 +64,7 @@ ARMS = (
     Lever("+ inductor", compile=True),
     Lever("+ async scheduling", compile=True, async_scheduling=True),
     Lever("+ one rope and K/V write kernel", compile=True, async_scheduling=True, rope_write=True),
+    Lever("+ autotuned batch-1 projections", compile=True, async_scheduling=True, rope_write=True, autotune=True),
     Lever("+ fused projections", compile=True, async_scheduling=True, fused=True),
     Lever("+ PDL", compile=True, async_scheduling=True, fused=True, pdl=True),
 )
@@ -95,7 +97,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True)
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
-    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "_gemv", "_sum_splits", "_norm_qkv_rope",
+    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "triton_tem", "_gemv", "_sum_splits", "_norm_qkv_rope",
                      "_norm_gate_up", "_norm_head")),
     ("attention read", ("_paged_decode", "_merge_splits")),
     ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
@@ -113,10 +115,30 @@ def kernel_class(name: str) -> str:
     return "other elementwise"
 
 
+# Inductor's options for `autotuned_batch_1`'s graph: each projection timed at M = 1 as cuBLAS and as
+# inductor's Triton matmul templates, the faster kept.
+AUTOTUNE_BATCH_1 = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+
+
+def autotuned_batch_1(model) -> Callable:
+    """The compiled step (`runner.compile_decode`) for every batch but 1, which goes through a
+    second compiled graph whose projections inductor autotuned at M = 1. Measured on the H200
+    and not kept (`day61_autotune_levers`): the batch-1 step went from 1.13 to 1.42 ms, since the
+    templates it picked, timed alone with their weights warm in L2, read them slower than cuBLAS
+    inside the step."""
+    batched = compile_decode(model)
+    single = torch.compile(model, dynamic=True, fullgraph=True, options=AUTOTUNE_BATCH_1)
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        return (single if ids.shape[0] == 1 else batched)(ids, positions, cache=cache)  # ids [batch, 1]
+
+    return forward
+
+
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
     start = time.perf_counter()
-    forward = compile_decode(model) if lever.compile else None
+    forward = (autotuned_batch_1 if lever.autotune else compile_decode)(model) if lever.compile else None
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
