@@ -8,6 +8,7 @@ The groups are real: `LLM(tensor_parallel_size=2)` spawns a worker process that 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -149,6 +150,38 @@ def test_a_forward_that_fails_on_rank_0_ends_the_group_instead_of_hanging():
         assert "injected" in first.error
         assert "the tensor-parallel group has ended" in later.error and "injected" in later.error
         assert all(p.poll() is not None for p in llm.workers.processes), "the worker was left running"
+
+
+def test_a_worker_that_exits_fails_the_next_request_and_every_later_one():
+    """A worker killed between requests: rank 0's next step finds its pipe broken, so that request
+    fails naming the worker and its exit code, and every later one fails at once for the same
+    reason; nothing hangs and no block is left allocated."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2) as llm:
+        assert llm.generate(["a b c"], params)[0].error is None
+        worker = llm.workers.processes[0]
+        worker.kill()
+        worker.wait()
+        first, later = (llm.generate([p], params)[0] for p in ("d e f", "g h i"))
+        assert "worker has exited: rank 1 (exit code -9)" in first.error
+        assert "the tensor-parallel group has ended" in later.error and "rank 1" in later.error
+        assert llm.engine.block_manager.allocator.num_used == 0
+
+
+def test_an_idle_worker_outlasts_the_groups_timeout(monkeypatch):
+    """A worker waits for the next step on its pipe, which has no timeout, so a server idle for
+    longer than the group's collective timeout (30 minutes by default on gloo) still serves; here
+    the timeout is 3 s and the group idles for 6."""
+    from nanolab.engine import parallel
+
+    monkeypatch.setattr(parallel, "GROUP_TIMEOUT_S", 3.0)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2) as llm:
+        before = llm.generate(["a b c"], params)[0]
+        time.sleep(6)
+        after = llm.generate(["a b c"], params)[0]
+        assert after.error is None and after.token_ids == before.token_ids
+        assert llm.workers.exited() == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

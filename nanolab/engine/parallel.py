@@ -5,27 +5,33 @@ shard of the model (`model.parallel`). Every other rank is a worker process that
 shard, its own share of the KV cache (its KV heads) and a `ModelRunner`, and runs the forward
 rank 0 tells it to, in step with it: the collectives inside the forward meet rank 0's.
 
-Between each step's plan and its forward, rank 0's `LeaderRunner` broadcasts a `StepCall` over a
-gloo group (host objects): the runner method, the rows with their block lists as rank 0's block
-manager left them, and the token ids (a decode step's ids still on the device go by a device
-broadcast instead, so asynchronous scheduling never waits for them). A worker's
+Between each step's plan and its forward, rank 0's `LeaderRunner` sends a `StepCall` down each
+worker's stdin pipe (`Channel`): the runner method, the rows with their block lists as rank 0's
+block manager left them, and the token ids (a decode step's ids still on the device go by a
+device broadcast instead, so asynchronous scheduling never waits for them). A pipe has no timeout,
+so a worker waits for the next step as long as the server stays idle, and it ends when the pipe
+does: rank 0 gone is end of file, a worker gone is a broken pipe at rank 0's next send. A worker's
 `FollowerBlockManager` allocates nothing: it adopts those tables and takes each new block from the
 call, so the worker's plan is rank 0's and nothing is decided twice.
 
-The group is initialised the standard way (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-as torchrun sets it; `Workers` sets it for the workers it starts on this host.
+The process group is initialised the standard way (`env://`: MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE), as torchrun sets it; `Workers` sets it for the workers it starts on this host. The
+pipes are what ties the workers to this host: ranks on other hosts would need the calls carried
+over a socket instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import itertools
 import os
 import pickle
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,9 +46,11 @@ from nanolab.model.parallel import TensorParallel
 WORKER_ENTRY = "from nanolab.engine.parallel import worker_main; worker_main()"
 # Kept off in every process this module starts, as the device notes require of NCCL over NVLink.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# The group's collective timeout in seconds where a `WorkerSpec` names none; None: torch's defaults.
+GROUP_TIMEOUT_S: float | None = None
 
 
-@dataclass
+@dataclasses.dataclass
 class StepCall:
     """One forward for the workers: `kind` "varlen" or "decode"; per row, its blocks after rank 0
     planned the step and its token count before; the host ids ("varlen": each row's fed tokens;
@@ -58,7 +66,7 @@ class StepCall:
     device_ids: int = 0
 
 
-@dataclass
+@dataclasses.dataclass
 class WorkerSpec:
     """What a worker needs to build its rank: the weights, the cache's block size and rows, and how
     to run. The pool's size follows once rank 0 has measured what its shard left free."""
@@ -71,6 +79,7 @@ class WorkerSpec:
     read: str
     prepack: bool | None = None
     cuda_graphs: bool = False  # captured on every rank in the same order, so their collectives pair up
+    timeout_s: float | None = None  # the group's collective timeout (`join_group`)
 
 
 class FollowerBlockManager(BlockManager):
@@ -122,7 +131,13 @@ class LeaderRunner(ModelRunner):
         try:
             yield
         except Exception as e:
-            self.workers.abort(f"rank 0's forward failed ({type(e).__name__}: {e})")
+            # A worker that exited shows as a broken pipe, or as a collective failing on rank 0.
+            gone = self.workers.exited(wait_s=5.0 if isinstance(e, WorkerExited) else 0.5)
+            why = (f"a worker has exited: {', '.join(gone)}" if gone
+                   else f"rank 0's forward failed ({type(e).__name__}: {e})")
+            self.workers.abort(why)
+            if gone:
+                raise RuntimeError(f"the tensor-parallel group has ended: {why}") from e
             raise
 
     def planned(self, kind, seqs, ids, counts, sampled) -> None:
@@ -145,18 +160,29 @@ class LeaderRunner(ModelRunner):
 
 
 class Channel:
-    """Rank 0 to the workers: host objects over a gloo group, ids over the device group."""
+    """Rank 0 to the workers: host objects pickled down each worker's stdin pipe (`writers`, at rank
+    0) or read from this worker's (`reader`), and ids still on the device broadcast over the device
+    group."""
 
-    def __init__(self, cpu_group, device: torch.device) -> None:
-        self.cpu_group, self.device = cpu_group, device
+    def __init__(self, device: torch.device, writers=(), reader=None) -> None:
+        self.device, self.writers, self.reader = device, list(writers), reader
 
     def send(self, call) -> None:
-        dist.broadcast_object_list([call], src=0, group=self.cpu_group)
+        """To every worker; a worker that has exited raises `WorkerExited`."""
+        data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, pipe in enumerate(self.writers, start=1):
+            try:
+                pipe.write(data)
+                pipe.flush()
+            except (BrokenPipeError, ValueError) as e:  # ValueError: the pipe was closed
+                raise WorkerExited(rank) from e
 
     def receive(self):
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        """The next object from rank 0, or None when rank 0 is gone (end of the pipe)."""
+        try:
+            return pickle.load(self.reader)
+        except EOFError:
+            return None
 
     def send_ids(self, ids: torch.Tensor) -> None:
         dist.broadcast(ids.contiguous(), src=0)
@@ -165,6 +191,12 @@ class Channel:
         ids = torch.empty((rows, 1), dtype=torch.int64, device=self.device)
         dist.broadcast(ids, src=0)
         return ids
+
+
+class WorkerExited(RuntimeError):
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"tensor-parallel worker rank {rank} has exited")
+        self.rank = rank
 
 
 def follow(runner: ModelRunner, channel: Channel) -> None:
@@ -195,27 +227,32 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def join_group(rank: int, world_size: int, device_type: str) -> tuple[TensorParallel, Channel]:
-    """This process's rank in the group `env://` describes, and the channel from rank 0."""
+def join_group(rank: int, world_size: int, device_type: str, timeout_s: float | None = None) -> TensorParallel:
+    """This process's rank in the group `env://` describes. `timeout_s` bounds a collective a
+    peer never joins (None: torch's defaults); waiting for the next step is not one."""
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
     device = rank_device(device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device_type), init_method="env://", rank=rank, world_size=world_size)
-    cpu_group = dist.new_group(backend="gloo") if device_type == "cuda" else None
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend_for(device_type), init_method="env://", rank=rank, world_size=world_size,
+                            **timeout)
     # One collective now, eagerly: NCCL sets its communicator up on the first one, which must not
     # be inside a graph capture.
     dist.all_reduce(torch.zeros(1, device=device))
-    return TensorParallel(rank, world_size), Channel(cpu_group, device)
+    return TensorParallel(rank, world_size)
 
 
 def worker_main() -> None:
-    """A worker process's entry: its rank and spec arrive pickled on stdin (`Workers`)."""
+    """A worker process's entry: its rank and spec arrive pickled on stdin (`Workers`), and then
+    rank 0's calls, until None or the end of the pipe."""
     from nanolab.model.llama import load_model
 
-    rank, world_size, spec = pickle.load(sys.stdin.buffer)
-    tp, channel = join_group(rank, world_size, spec.device_type)
+    stdin = sys.stdin.buffer
+    rank, world_size, spec = pickle.load(stdin)
+    tp = join_group(rank, world_size, spec.device_type, spec.timeout_s)
+    channel = Channel(rank_device(spec.device_type, rank), reader=stdin)
     try:
         model = load_model(spec.path, dtype=spec.dtype, device=channel.device, prepack=spec.prepack, tp=tp)
         sizes = channel.receive()  # `Workers.size_caches`, or None: rank 0 failed before it got there
@@ -234,11 +271,14 @@ def worker_main() -> None:
 class Workers:
     """The worker processes of a tensor-parallel group on this host, rank 0 being this process:
     started as fresh interpreters (not multiprocessing children, so a daemonic process such as the
-    server's engine core can start them too), joined over `env://`; `close` sends them home. A
-    worker whose rank 0 dies leaves at its next collective, which fails."""
+    server's engine core can start them too), joined over `env://`, and fed through their stdin
+    pipes (`Channel`); `close` sends them home. A worker whose rank 0 dies reads the end of its
+    pipe and leaves."""
 
     def __init__(self, world_size: int, spec: WorkerSpec) -> None:
         self.world_size = world_size
+        if spec.timeout_s is None:
+            spec = dataclasses.replace(spec, timeout_s=GROUP_TIMEOUT_S)
         group_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                      **NCCL_ENV}
         package_root = str(Path(__file__).resolve().parents[2])  # the folder holding nanolab/
@@ -248,16 +288,32 @@ class Workers:
             env = {**os.environ, **group_env, "RANK": str(rank), "PYTHONPATH": path}
             p = subprocess.Popen([sys.executable, "-c", WORKER_ENTRY], stdin=subprocess.PIPE, env=env)
             pickle.dump((rank, world_size, spec), p.stdin)
-            p.stdin.close()
+            p.stdin.flush()
             self.processes.append(p)
-        os.environ.update(group_env, RANK="0")
-        self.tp, self.channel = join_group(0, world_size, spec.device_type)
         self.closed = False
         self.broken: str | None = None  # why the group ended, once it has
+        os.environ.update(group_env, RANK="0")
+        try:
+            self.tp = join_group(0, world_size, spec.device_type, spec.timeout_s)
+        except BaseException:
+            self._end()
+            raise
+        self.channel = Channel(rank_device(spec.device_type, 0), writers=[p.stdin for p in self.processes])
 
     def size_caches(self, num_blocks: int, max_model_len: int) -> None:
         """Every worker's pool: as many blocks as rank 0's (each holds its own KV heads' share)."""
         self.channel.send((num_blocks, max_model_len))
+
+    def exited(self, wait_s: float = 0.0) -> list[str]:
+        """The workers that have exited, as "rank r (exit code c)", after up to `wait_s` seconds for
+        one to finish exiting."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [f"rank {rank} (exit code {p.returncode})"
+                    for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.05)
 
     def abort(self, reason: str) -> None:
         """End the group without the workers' help (they may be waiting inside a collective): kill
@@ -266,10 +322,15 @@ class Workers:
         if self.closed:
             return
         self.closed = True
+        self._end()
+        dist.destroy_process_group()
+
+    def _end(self) -> None:
         for p in self.processes:
             p.kill()
             p.wait()
-        dist.destroy_process_group()
+            with contextlib.suppress(OSError):  # a broken pipe still holding a call's bytes
+                p.stdin.close()
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell every worker to stop, wait for them, and leave the group. Safe to call twice."""
@@ -277,11 +338,15 @@ class Workers:
             return
         self.closed = True
         try:
-            self.channel.send(None)
+            with contextlib.suppress(WorkerExited):
+                self.channel.send(None)
         finally:
             for p in self.processes:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
                 try:
                     p.wait(timeout)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
             dist.destroy_process_group()
