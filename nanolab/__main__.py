@@ -1,6 +1,6 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
-`capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`.
+`capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`.
 
 Engine core (before Day 49). Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -34,6 +34,8 @@ LAZY_COMMANDS = {
                "the decode step with each speed lever added in turn, by kernel class (CUDA)"),
     "floorbench": ("nanolab.lab.floorbench", "lab",
                    "decode ms/step against the bandwidth floor: nanolab, HF (compiled and eager), gpt-fast (Day 61)"),
+    "tpbench": ("nanolab.lab.tpbench", "lab",
+                "decode ms/step at tensor-parallel sizes 1 and 2, with the NCCL time per step (CUDA)"),
 }
 
 # Errors that mean the input was bad, not that nanolab is broken: reported in one line, exit 2.

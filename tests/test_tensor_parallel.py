@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import needs_smollm2
 
 from nanolab import LLM, SamplingParams
 from nanolab.engine.parallel import FollowerBlockManager, StepCall
@@ -30,7 +31,7 @@ def test_split_is_contiguous_covers_everything_and_is_as_even_as_it_can_be(n, wo
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("smollm2-135m", marks=needs_smollm2)])
 def test_the_shards_put_back_together_are_the_model(preset):
     """Every rank's slice, laid side by side along the split axis, is the whole weight: q/k/v by
     head (SmolLM2's 3 KV heads go 2 and 1, with 6 and 3 query heads), gate/up by intermediate
@@ -102,7 +103,7 @@ def _greedy(llm: LLM, new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     return tokens, logits
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("smollm2-135m", marks=needs_smollm2)])
 def test_two_gloo_ranks_decode_what_one_process_decodes(preset):
     """fp32 on the CPU: greedy tokens equal, and the prefill logits within float rounding of the
     all-reduce's different order of additions. SmolLM2's real weights make the tokens depend on
@@ -182,6 +183,34 @@ def test_an_idle_worker_outlasts_the_groups_timeout(monkeypatch):
         after = llm.generate(["a b c"], params)[0]
         assert after.error is None and after.token_ids == before.token_ids
         assert llm.workers.exited() == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_collectives_are_captured_and_replayed_in_decode_graphs_on_one_rank(monkeypatch):
+    """A group of one NCCL rank: every decode graph captures the model's all-reduces and its
+    head's all-gather, and replays them. Over one rank they change nothing, so the greedy tokens
+    equal the same graphed engine's without a group. This is the capture mechanics two GPUs rely
+    on, checked where one GPU is all there is."""
+    import torch.distributed as dist
+
+    from nanolab import Engine, load_model
+    from nanolab.engine.parallel import free_port, join_group
+    from nanolab.lab.reference import engine_greedy
+
+    path = resolve_weights("tiny")
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23]]
+    kw = dict(num_blocks=64, block_size=4, cuda_graphs=True, progress=False)
+    alone = engine_greedy(Engine(load_model(path, dtype=torch.float32, device="cuda"), **kw), prompts, 8)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    tp = join_group(0, 1, "cuda")
+    try:
+        model = load_model(path, dtype=torch.float32, device="cuda", tp=tp)
+        engine = Engine(model, **kw)
+        assert engine.runner.graphs is not None and len(engine.runner.graphs.graphs) > 1
+        assert engine_greedy(engine, prompts, 8) == alone
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

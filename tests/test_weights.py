@@ -41,7 +41,8 @@ def test_resolve_tiny_synthesizes_into_cache_once(cache: Path) -> None:
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert resolve_weights("tiny") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert weights_info(path) == {"synthesized": True, "seed": 0, "preset": "tiny", "dtype": "float32"}
+    assert weights_info(path) == {"synthesized": True, "seed": 0, "preset": "tiny", "dtype": "float32",
+                                  "generated_on": "cpu"}
 
 
 def test_resolve_rejects_unknown_name_and_bad_paths(cache: Path, tmp_path: Path) -> None:

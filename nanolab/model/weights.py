@@ -89,12 +89,14 @@ def _plan_shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
 
 def synthesize_weights(config: ModelConfig, out_dir: Path | str, *, dtype: torch.dtype = torch.bfloat16,
                        seed: int = 0, shard_bytes: int = 2**31, progress: bool = True,
-                       preset: str | None = None) -> Path:
+                       preset: str | None = None, device: str | torch.device = "cpu") -> Path:
     """Write a Hugging Face-layout folder with random weights for `config`: normal(0, 0.02)
     matrices, unit norms, a byte-level tokenizer and a `nanolab.json` marker.
 
-    Tensors are generated one at a time from one seeded generator, and only one shard is held in
-    memory, so an 8B model (16 GB in bf16) needs about `shard_bytes` of RAM."""
+    Tensors are generated one at a time from one seeded generator on `device` (a GPU draws an 8B
+    model's numbers in seconds, a CPU core in minutes; the same seed gives different numbers on
+    each, and the marker records which), and only one shard is held in memory, so an 8B model
+    (16 GB in bf16) needs about `shard_bytes` of RAM."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = config.to_hf()
@@ -109,7 +111,8 @@ def synthesize_weights(config: ModelConfig, out_dir: Path | str, *, dtype: torch
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
 
-    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
     desc = f"synthesizing {preset or out_dir.name}"
     bar = progress_bar(total=len(shapes), desc=desc, unit="tensor", enabled=progress)
     for file, names in zip(files, shards, strict=True):
@@ -118,7 +121,8 @@ def synthesize_weights(config: ModelConfig, out_dir: Path | str, *, dtype: torch
             if len(shapes[name]) == 1:
                 tensors[name] = torch.ones(shapes[name], dtype=dtype)
             else:
-                tensors[name] = torch.empty(shapes[name], dtype=dtype).normal_(0.0, 0.02, generator=gen)
+                drawn = torch.empty(shapes[name], dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                tensors[name] = drawn.cpu()
             bar.update()
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         del tensors
@@ -129,7 +133,8 @@ def synthesize_weights(config: ModelConfig, out_dir: Path | str, *, dtype: torch
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
     write_byte_tokenizer(out_dir, config.vocab_size, config.max_position_embeddings)
-    marker = {"synthesized": True, "seed": seed, "preset": preset, "dtype": raw["torch_dtype"]}
+    marker = {"synthesized": True, "seed": seed, "preset": preset, "dtype": raw["torch_dtype"],
+              "generated_on": device.type}
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir
 
@@ -239,8 +244,11 @@ def resolve_weights(name_or_path: str | Path, *, synthesize: bool = True, progre
             text, target,
         )
     dtype = torch.float32 if text == "tiny" else torch.bfloat16
+    # tiny's numbers are the same on every machine (tests compare against them); a larger preset's
+    # are drawn on the GPU where there is one.
+    device = "cuda" if text != "tiny" and torch.cuda.is_available() else "cpu"
     return _prepare(target, lambda out: synthesize_weights(PRESETS[text], out, dtype=dtype,
-                                                           progress=progress, preset=text))
+                                                           progress=progress, preset=text, device=device))
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -1,0 +1,207 @@
+"""Tensor parallelism measured: one model's decode step at TP = 1 and TP = 2 on the GPUs of one
+host, side by side. Issue 15's chapter.
+
+Each arm is an `LLM` with `tensor_parallel_size` ranks, timed from outside as the floorbench times
+nanolab (`floorbench.nanolab_generate`, `timing.time_generate`: 257 new tokens minus 1, over 256,
+medians of interleaved pairs). Every arm runs CUDA graphs without inductor or asynchronous
+scheduling, since a tensor-parallel group has neither yet; the `tp1-default` arm adds TP = 1 with
+both (the engine's default on one GPU) beside them, labelled. A step's floor is what one GPU must
+read: its shard of the weights and its KV heads' share of the history, over the copy bandwidth
+measured in the same run; `x_floor` is ms/step over it. A profile of graphed steps on rank 0
+gives the NCCL kernels' time per step: the all-reduces and the head's all-gather, including any
+wait for the other rank. Issue 15's target prints as a ratio; nothing asserts a time.
+
+    python -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+
+import pandas as pd
+import torch
+
+from nanolab import LLM
+from nanolab.lab.costs import kv_read_bytes, weight_bytes
+from nanolab.lab.floorbench import nanolab_generate, parse_batches
+from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
+from nanolab.progress import progress_bar
+
+MODELS = ("llama-3.2-1b", "llama-3.1-8b")
+BATCHES = (1, 8, 32)
+PROMPT_LEN = 128
+STEPS = 256
+ARMS = ("tp1", "tp2", "tp1-default")
+TARGET = ("llama-3.1-8b", 1, 1.5)  # (model, batch, TP = 2's speedup over TP = 1)
+PROFILE_STEPS = 32
+NAN = float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    tensor_parallel_size: int
+    default_path: bool = False  # inductor and asynchronous scheduling on, as `LLM` has them on one GPU
+
+    def label(self) -> str:
+        how = "graphs, inductor, async scheduling" if self.default_path else "graphs, eager step"
+        return f"TP={self.tensor_parallel_size} ({how})"
+
+    def build(self, model: str, rows: int, device=None) -> LLM:
+        extra = {} if self.default_path else {"compile": False, "async_scheduling": False}
+        return LLM(model, device=device, max_num_seqs=rows, enable_chunked_prefill=False,
+                   tensor_parallel_size=self.tensor_parallel_size, **extra)
+
+
+def arm(name: str) -> Arm:
+    if name not in ARMS:
+        raise ValueError(f"--arms: {name!r} is not one of {', '.join(ARMS)}")
+    return Arm(name, int(name[2]), name.endswith("default"))
+
+
+def nccl_us_per_step(llm: LLM, batch: int, steps: int = PROFILE_STEPS) -> tuple[float, int]:
+    """Rank 0's NCCL kernel time (us) and launches per decode step, from a profile of one generate
+    of `steps` tokens at `batch` less one of 1 token (the prefill and first token cancel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = nanolab_generate(llm, random_prompts(batch, PROMPT_LEN, llm.config.vocab_size, seed=2))
+
+    def nccl(new: int) -> tuple[float, int]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(new)
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.key.lower()]
+        return sum(e.self_device_time_total for e in events), sum(e.count for e in events)
+
+    run(1 + steps)  # warm
+    (long_us, long_n), (short_us, short_n) = nccl(1 + steps), nccl(1)
+    return (long_us - short_us) / steps, round((long_n - short_n) / steps)
+
+
+def measure(llm: LLM, arm: Arm, model: str, batch: int, steps: int, repeats: int, bandwidth: float,
+            profile: bool) -> dict:
+    config = llm.config
+    world = arm.tensor_parallel_size
+    shard = weight_bytes(llm.model)  # rank 0's shard: the largest, where a split is uneven
+    kv = kv_read_bytes(config, batch, PROMPT_LEN + steps // 2, llm.dtype) * llm.model.num_kv_heads \
+        // config.num_key_value_heads
+    floor_ms = (shard + kv) / bandwidth * 1000
+    run = nanolab_generate(llm, random_prompts(batch, PROMPT_LEN, config.vocab_size))
+    run(1 + steps)  # warm
+    ms = time_generate(run, steps, repeats, device=llm.device, warmup=1)
+    nccl_us, nccl_calls = nccl_us_per_step(llm, batch) if profile and world > 1 else (NAN, 0)
+    return {"model": model, "arm": arm.name, "label": arm.label(), "tp": world, "batch": batch,
+            "context": PROMPT_LEN, "steps": steps, "ms_per_step": ms, "tokens_per_s": 1000 * batch / ms,
+            "shard_gb": shard / 1e9, "bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_ms,
+            "x_floor": ms / floor_ms, "nccl_us_per_step": nccl_us, "nccl_calls_per_step": nccl_calls,
+            "nccl_share": nccl_us / 1000 / ms, "weights": llm.weights_kind, "error": ""}
+
+
+def run_tpbench(models=MODELS, arms=ARMS, batches=BATCHES, steps: int = STEPS, repeats: int = 3,
+                profile: bool = True, on_row=None, device: str = "cuda") -> pd.DataFrame:
+    """One row per model, arm and batch; an arm that fails (OOM, a missing GPU) records its error
+    in its rows and the bench goes on. The profile runs on CUDA only; `device="cpu"` runs the
+    arms as gloo groups (a check of the bench, not a measurement of NCCL)."""
+    device = torch.device(device)
+    profile = profile and device.type == "cuda"
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for model in models:
+        for a in map(arm, arms):
+            start = time.perf_counter()
+            try:
+                llm = a.build(model, max(batches), device)
+            except Exception as e:
+                rows += [{"model": model, "arm": a.name, "label": a.label(), "tp": a.tensor_parallel_size,
+                          "batch": b, "error": f"{type(e).__name__}: {e}"[:300]} for b in batches]
+                continue
+            build_s = time.perf_counter() - start
+            try:
+                for b in progress_bar(batches, desc=f"{model} {a.name}", unit="batch", enabled=on_row is not None):
+                    try:
+                        row = measure(llm, a, model, b, steps, repeats, bandwidth, profile)
+                    except Exception as e:
+                        row = {"model": model, "arm": a.name, "label": a.label(), "tp": a.tensor_parallel_size,
+                               "batch": b, "error": f"{type(e).__name__}: {e}"[:300]}
+                    rows.append({**row, "build_s": build_s})
+                    if on_row is not None:
+                        on_row(pd.DataFrame(rows))
+            finally:
+                llm.close()
+                del llm
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def speedups(df: pd.DataFrame) -> pd.DataFrame:
+    """TP = 1's ms/step over TP = 2's, by model and batch (both with graphs and an eager step)."""
+    ok = df[df.error.fillna("") == ""]
+    table = ok.pivot_table(index=["model", "batch"], columns="arm", values="ms_per_step")
+    if {"tp1", "tp2"} <= set(table.columns):
+        table["tp2_speedup"] = table.tp1 / table.tp2
+    return table.reset_index()
+
+
+def target_line(df: pd.DataFrame) -> str | None:
+    model, batch, target = TARGET
+    s = speedups(df)
+    row = s[(s.model == model) & (s.batch == batch)]
+    if row.empty or "tp2_speedup" not in row:
+        return None
+    x = float(row.tp2_speedup.iloc[0])
+    return (f"{model} at batch {batch}: TP=2 is {x:.2f}x TP=1 (target {target}x: "
+            f"{'met' if x >= target else 'missed'}, {x / target:.2f} of it)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--arms", default="tp1,tp2", help=f"comma-separated, from {', '.join(ARMS)}")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-profile", action="store_true", help="skip the NCCL profile")
+
+
+def main(args: argparse.Namespace) -> int:
+    from nanolab.lab.report import run_label, save_table
+    from nanolab.model.weights import resolve_weights, weights_kind
+
+    if not torch.cuda.is_available():
+        raise ValueError("tpbench: needs CUDA devices (tensor parallelism over NCCL)")
+    models = [m for m in args.models.split(",") if m]
+    arms = [a for a in args.arms.split(",") if a]
+    for a in arms:
+        arm(a)
+    batches = parse_batches(args.batches)
+    gpus = max(arm(a).tensor_parallel_size for a in arms)
+    if gpus > torch.cuda.device_count():
+        raise ValueError(f"--arms: {gpus} GPUs needed, this machine has {torch.cuda.device_count()}")
+    paths = {m: resolve_weights(m) for m in models}  # synthesized up front, with a progress bar
+    kinds = {weights_kind(p) for p in paths.values()}  # each row carries its own model's
+    base = run_label(torch.device("cuda"), ",".join(models), torch.bfloat16,
+                     weights=kinds.pop() if len(kinds) == 1 else "synthesized random")
+    label = base if gpus == 1 else dataclasses.replace(
+        base, device=f"{gpus} x {base.device}", device_slug=f"{base.device_slug}x{gpus}")
+
+    def save(df: pd.DataFrame):
+        return save_table(df, "day62_tp", label)  # the rows' own model and weights columns are kept
+
+    df = run_tpbench(models, arms, batches, args.steps, args.repeats, not args.no_profile, on_row=save)
+    path = save(df)
+    fmt = {"float_format": lambda x: f"{x:.3f}", "index": False}
+    shown = [c for c in ("model", "label", "batch", "ms_per_step", "floor_ms", "x_floor", "nccl_us_per_step",
+                         "nccl_calls_per_step", "build_s", "error") if c in df]
+    print(df[shown].to_string(**fmt))
+    print(speedups(df).to_string(**fmt))
+    if line := target_line(df):
+        print(line)
+    print(label.caption())
+    print(f"wrote {path}")
+    return 0
