@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import itertools
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -249,6 +251,8 @@ def worker_main() -> None:
     rank 0's calls, until None or the end of the pipe."""
     from nanolab.model.llama import load_model
 
+    faulthandler.enable()  # a crash prints its traceback; SIGUSR1 prints where every thread is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stdin = sys.stdin.buffer
     rank, world_size, spec = pickle.load(stdin)
     tp = join_group(rank, world_size, spec.device_type, spec.timeout_s)

@@ -12,6 +12,7 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
 - `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
 - `levers`, `floorbench`, `gemv`, `projections`: Day 61's levers, the peers, and what was not kept
+- `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
 - `results`: the front page's figure and the results page, from the committed tables
 """
 
@@ -33,7 +34,8 @@ _EXPORTS = {
     "nanolab.lab.history": ["unplanned_runner"],
     "nanolab.lab.plots": ["plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
                           "plot_decode_speed", "plot_floor_roofline", "plot_launch_sweep", "plot_lever_waterfall",
-                          "plot_projections", "plot_streamed_engine", "plot_streamed_read"],
+                          "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",
+                          "plot_tp_steps"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
@@ -43,6 +45,8 @@ _EXPORTS = {
                            "load_table", "run_label", "save_figure", "save_table", "show", "table_label"],
     "nanolab.lab.streambench": ["kernel_agreement", "launch_rule", "mapping_read", "read_batch", "run_streambench"],
     "nanolab.lab.timing": ["drain", "prefill", "random_prompts", "time_engine", "timed_steps"],
+    "nanolab.lab.tpbench": ["collectives_per_step", "group_agreement", "predicted_steps", "speedups",
+                            "target_line"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

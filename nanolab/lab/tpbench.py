@@ -24,7 +24,7 @@ import time
 import pandas as pd
 import torch
 
-from nanolab import LLM
+from nanolab import LLM, SamplingParams
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.floorbench import nanolab_generate, parse_batches
 from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
@@ -158,6 +158,94 @@ def target_line(df: pd.DataFrame) -> str | None:
     x = float(row.tp2_speedup.iloc[0])
     return (f"{model} at batch {batch}: TP=2 is {x:.2f}x TP=1 (target {target}x: "
             f"{'met' if x >= target else 'missed'}, {x / target:.2f} of it)")
+
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Three facts about the Moon: it is")
+
+
+def greedy_and_logits(llm: LLM, prompts=PROMPTS, new_tokens: int = 16) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of `prompts` through `llm.generate`, and each prompt's prefill logits [vocab]
+    read from the engine's step outputs."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(list(prompts), params, use_tqdm=False)]
+    logits = []
+    for prompt in prompts:
+        seq = llm.engine.add_request(llm.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=1))
+        while llm.engine.has_unfinished_requests():
+            logits += [out.logits.float().cpu().clone() for out in llm.engine.step()
+                       if out.seq is seq and out.logits is not None]
+    return tokens, logits
+
+
+def group_agreement(model: str, world: int = 2, prompts=PROMPTS, new_tokens: int = 16, **llm_kwargs) -> pd.DataFrame:
+    """One row per prompt: a TP = `world` group's greedy tokens and prefill logits against one
+    process's, on the same weights (`llm_kwargs` go to both `LLM`s)."""
+    one = LLM(model, **llm_kwargs)
+    one_tokens, one_logits = greedy_and_logits(one, prompts, new_tokens)
+    del one
+    with LLM(model, tensor_parallel_size=world, **llm_kwargs) as group:
+        tokens, logits = greedy_and_logits(group, prompts, new_tokens)
+        shard = weight_bytes(group.model)
+    rows = []
+    for prompt, a, b, la, lb in zip(prompts, tokens, one_tokens, logits, one_logits, strict=True):
+        parted = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        rows.append({"prompt": prompt, "tp": world, "new_tokens": new_tokens, "tokens_equal": a == b,
+                     "first_difference": -1 if parted is None else parted,
+                     "logits_max_abs_diff": float((la - lb).abs().max()),
+                     "logits_rel_err": float((la - lb).norm() / lb.norm()), "rank0_shard_gb": shard / 1e9})
+    return pd.DataFrame(rows)
+
+
+# What the arithmetic assumes of each link: the time of one small all-reduce between two GPUs, and
+# the bandwidth a large one gets. NVLink's latency is the 3 to 6 us measured on H100 and H200
+# machines (shared/REFERENCES.md); the two network rows are orders of magnitude for two hosts, not
+# measurements.
+LINKS = (("NVLink, one host", 5.0, 400.0), ("InfiniBand 400 Gb/s, two hosts", 20.0, 50.0),
+         ("Ethernet 100 Gb/s, two hosts", 50.0, 12.5))
+
+
+def collectives_per_step(config) -> dict[str, int]:
+    """A tensor-parallel decode step's collectives: an all-reduce after o and after down in every
+    layer, one for the vocab-parallel embedding, and the head's all-gather."""
+    return {"all_reduce": 2 * config.num_hidden_layers + 1, "all_gather": 1}
+
+
+def paper_configs() -> dict:
+    """The arithmetic's models: the two presets, and Llama-3.1-70B's shapes (no preset: at 141 GB
+    in bf16 it fits no single H200)."""
+    from nanolab.model.config import PRESETS
+
+    eight = PRESETS["llama-3.1-8b"]
+    seventy = dataclasses.replace(eight, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64)
+    return {"llama-3.2-1b": PRESETS["llama-3.2-1b"], "llama-3.1-8b": eight, "llama-3.1-70b": seventy}
+
+
+def predicted_steps(models=("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"), batches=(1, 32), world: int = 2,
+                    bandwidth_tb_s: float = 4.2, links=LINKS, dtype=torch.bfloat16) -> pd.DataFrame:
+    """On paper: each model's decode step at TP = 1 (its weights over `bandwidth_tb_s`) and at TP =
+    `world` (each GPU's shard, plus the step's collectives over each link: a latency per call and
+    the bytes over the link's bandwidth), with the speedup. History reads are left out: at a short
+    context they are a small part of a step at these batches."""
+    configs = paper_configs()
+    rows = []
+    for name in models:
+        config = configs[name]
+        weights = config.num_parameters() * dtype.itemsize
+        calls = collectives_per_step(config)
+        for batch in batches:
+            one = weights / (bandwidth_tb_s * 1e12) * 1e3
+            shard = weights / world / (bandwidth_tb_s * 1e12) * 1e3
+            reduce_bytes = batch * config.hidden_size * dtype.itemsize  # each all-reduce's message
+            gather_bytes = batch * config.vocab_size * 4 * (world - 1) / world  # fp32 logits from the others
+            for link, latency_us, gb_s in links:
+                ring = 2 * (world - 1) / world  # bytes each GPU sends in a ring all-reduce, per byte reduced
+                comm = (calls["all_reduce"] * (latency_us * 1e-3 + ring * reduce_bytes / (gb_s * 1e9) * 1e3)
+                        + latency_us * 1e-3 + gather_bytes / (gb_s * 1e9) * 1e3)
+                rows.append({"model": name, "batch": batch, "link": link, "weights_gb": weights / 1e9,
+                             "tp1_ms": one, "tp2_weights_ms": shard, "tp2_collectives_ms": comm,
+                             "tp2_ms": shard + comm, "speedup": one / (shard + comm)})
+    return pd.DataFrame(rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
