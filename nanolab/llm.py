@@ -131,8 +131,9 @@ class LLM:
         blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
         `tensor_parallel_size` > 1 shards the model over that many processes on this host
         (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its
-        steps, without compile or asynchronous scheduling. For now only on the CPU (gloo): on CUDA
-        it is refused until its NCCL path works. `close()` ends the workers.
+        steps, every rank compiled when `compile` is on, without asynchronous scheduling. For now
+        only on the CPU (gloo): on CUDA it is refused until its NCCL path works. `close()` ends the
+        workers.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -181,16 +182,17 @@ class LLM:
         self.tensor_parallel_size = tensor_parallel_size
         graphs = device.type == "cuda" and not enforce_eager
         parallel = tensor_parallel_size > 1
-        self.compiled = graphs and not parallel if compile is None else compile
-        for name, value in (("compile", self.compiled), ("async_scheduling", async_scheduling)):
-            if parallel and value:
-                raise ValueError(f"{name}=True: not yet with tensor_parallel_size > 1 (its ranks replay eager graphs)")
+        self.compiled = graphs if compile is None else compile
+        if parallel and async_scheduling:
+            raise ValueError("async_scheduling=True: not yet with tensor_parallel_size > 1 (each step's ids go to "
+                             "the workers from the host)")
         # oneDNN's prepacked matmuls (the CPU's default) are opaque to dynamo: a compiled model keeps plain weights.
         prepack = False if self.compiled else None
         self.workers, runner = None, ModelRunner
         if tensor_parallel_size > 1:  # the workers load their shards while this process loads its own
             self.workers = Workers(tensor_parallel_size, WorkerSpec(str(self.path), self.dtype, device.type,
-                                                                    block_size, max_num_seqs, read, prepack, graphs))
+                                                                    block_size, max_num_seqs, read, prepack, graphs,
+                                                                    self.compiled))
             runner = functools.partial(LeaderRunner, workers=self.workers)
         try:
             self.model = load_model(self.path, dtype=self.dtype, device=device, prepack=prepack,

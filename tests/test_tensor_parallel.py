@@ -119,6 +119,28 @@ def test_two_gloo_ranks_decode_what_one_process_decodes(preset):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def _step_logits(llm: LLM, prompt: str, new: int) -> torch.Tensor:
+    """Every step's logits of one greedy request, prefill and decode, [new, vocab]."""
+    seq = llm.engine.add_request(llm.tokenizer.encode(prompt),
+                                 SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    rows = []
+    while llm.engine.has_unfinished_requests():
+        rows += [out.logits.clone() for out in llm.engine.step() if out.seq is seq and out.logits is not None]
+    return torch.stack(rows)
+
+
+def test_two_gloo_ranks_with_inductor_decode_what_one_eager_process_decodes():
+    """`compile=True` compiles every rank's decode step (dynamo turns the in-place all-reduce and
+    all-gather into traceable collectives): each decode step's logits equal one eager process's
+    within float rounding."""
+    kw = dict(device="cpu", dtype="float32", num_blocks=64)
+    one = _step_logits(LLM("tiny", **kw), PROMPTS[0], 6)
+    with LLM("tiny", tensor_parallel_size=2, compile=True, **kw) as two:
+        assert two.compiled and two.engine.runner.forward is not two.model
+        got = _step_logits(two, PROMPTS[0], 6)
+    torch.testing.assert_close(got, one, atol=1e-4, rtol=1e-4)
+
+
 def test_a_forward_that_fails_on_rank_0_ends_the_group_instead_of_hanging():
     """Rank 0's forward raises after its step went out, so the worker waits in a collective rank 0
     never joins: the request fails with the reason, the worker is ended, and every later request

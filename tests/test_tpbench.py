@@ -25,10 +25,14 @@ def test_the_bench_runs_tp1_and_tp2_and_tabulates_the_speedup():
 def test_the_target_line_reads_the_8b_rows():
     df = pd.DataFrame({"model": ["llama-3.1-8b"] * 2, "arm": ["tp1", "tp2"], "batch": [1, 1],
                        "ms_per_step": [4.0, 2.5], "error": ["", ""]})
-    assert tpbench.target_line(df) == ("llama-3.1-8b at batch 1: TP=2 is 1.60x TP=1 (target 1.5x: met, "
-                                       "1.07 of it)")
+    assert tpbench.target_line(df) == ("llama-3.1-8b at batch 1 (eager step): TP=2 is 1.60x TP=1 "
+                                       "(target 1.5x: met, 1.07 of it)")
+    inductor = pd.concat([df, df.assign(arm=df.arm + "-inductor", ms_per_step=[3.0, 1.5])])
+    assert tpbench.target_line(inductor).startswith("llama-3.1-8b at batch 1 (inductor): TP=2 is 2.00x TP=1")
 
 
 def test_an_unknown_arm_is_refused_by_name():
-    with pytest.raises(ValueError, match="--arms: 'tp3'"):
-        tpbench.arm("tp3")
+    with pytest.raises(ValueError, match="--arms: 'tp2-fast'"):
+        tpbench.arm("tp2-fast")
+    assert tpbench.arm("tp2-inductor") == tpbench.Arm("tp2-inductor", 2, compile=True)
+    assert tpbench.arm("tp1-default").label() == "TP=1 (graphs, inductor, async scheduling)"

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from nanolab.engine.block_manager import BlockManager, BlockTable, cdiv
 from nanolab.engine.kv_cache import KVCache
-from nanolab.engine.runner import ModelRunner
+from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.model.parallel import TensorParallel
 
 WORKER_ENTRY = "from nanolab.engine.parallel import worker_main; worker_main()"
@@ -81,6 +81,7 @@ class WorkerSpec:
     read: str
     prepack: bool | None = None
     cuda_graphs: bool = False  # captured on every rank in the same order, so their collectives pair up
+    compile: bool = False  # decode steps through inductor (`runner.compile_decode`), as rank 0's
     timeout_s: float | None = None  # the group's collective timeout (`join_group`)
 
 
@@ -267,7 +268,8 @@ def worker_main() -> None:
         kv_cache = KVCache(blocks, num_layers=model.config.num_hidden_layers, num_kv_heads=model.num_kv_heads,
                            head_dim=model.config.head_dim, max_model_len=max_model_len, dtype=spec.dtype,
                            device=channel.device, read=spec.read)
-        follow(ModelRunner(model, kv_cache, cuda_graphs=spec.cuda_graphs, progress=False), channel)
+        forward = compile_decode(model) if spec.compile else None
+        follow(ModelRunner(model, kv_cache, forward=forward, cuda_graphs=spec.cuda_graphs, progress=False), channel)
     finally:
         dist.destroy_process_group()
 
