@@ -16,6 +16,7 @@ from conftest import needs_smollm2
 
 from nanolab import LLM, SamplingParams
 from nanolab.engine.parallel import FollowerBlockManager, StepCall
+from nanolab.lab.tpbench import PROMPTS, greedy_and_logits
 from nanolab.model.config import PRESETS
 from nanolab.model.llama import _fuse
 from nanolab.model.parallel import TensorParallel, check_shardable, shard_state, split
@@ -86,21 +87,8 @@ def test_a_follower_takes_rank_0s_blocks_and_chooses_none():
         blocks.grow([1], [4])  # a cell rank 0 sent no block for
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three facts about the Moon: it is"]
-
-
 def _greedy(llm: LLM, new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of PROMPTS through `llm.generate`, and each prompt's prefill logits from the engine."""
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    logits = []
-    for prompt in PROMPTS:
-        seq = llm.engine.add_request(llm.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=1))
-        while llm.engine.has_unfinished_requests():
-            for out in llm.engine.step():
-                if out.seq is seq and out.logits is not None:
-                    logits.append(out.logits.clone())
-    return tokens, logits
+    return greedy_and_logits(llm, PROMPTS, new)
 
 
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("smollm2-135m", marks=needs_smollm2)])
