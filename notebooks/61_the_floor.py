@@ -340,7 +340,7 @@ if fused["levers"] is not None:
           f"{one[f_order[2]]:.3f} ms fused with PDL")
 else:
     print("data/day61_fused_levers_h200.csv is not committed:\n"
-          "  `python -m nanolab levers --only levers --arms 3,5,6\n"
+          "  `python -m nanolab levers --only levers --arms 3,7,8\n"
           "  --shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
 
 # %% [markdown]

@@ -88,3 +88,27 @@ def test_compiled_graphs_with_async_scheduling_on_cuda(sharp_gqa24):
     expected = [s.output_token_ids for s in eager]
     assert [s.output_token_ids for s in synced] == expected
     assert [s.output_token_ids for s in overlapped] == expected
+
+
+@needs_cuda
+def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
+    """On CUDA a lone request's steps go through `DecodeForward.single`, compiled with
+    coordinate-descent tuning (its projections become Triton reductions), and a batch's through
+    `batched`; both give the reference's logits in fp32. On the CPU there is one graph."""
+    assert not compile_decode(plain(sharp_gqa24)).tune_batch_1
+    torch._dynamo.reset()
+    model = plain(sharp_gqa24, "cuda")
+    forward = compile_decode(model)
+    assert forward.tune_batch_1 and forward.single is not forward.batched
+    forward.single, forward.batched = Counting(forward.single), Counting(forward.batched)
+    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=forward, cuda_graphs=True)
+    assert forward.single.calls and forward.batched.calls, "capture did not build both graphs"
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    logits, on_step = logit_recorder()
+    alone = engine.add_requests(PROMPTS[:1], [params])
+    run_until_done(engine, on_step=on_step)
+    together = engine.add_requests(PROMPTS[1:], [params] * 2)
+    run_until_done(engine, on_step=on_step)
+    assert_logits_match_reference(sharp_gqa24, alone + together, {k: [r.cpu() for r in v] for k, v in logits.items()},
+                                  atol=1e-3, rtol=1e-3)
+    check_drained(engine.kv_cache, engine.scheduler)

@@ -52,10 +52,12 @@ class Lever:
     pdl: bool = False  # the fused step's kernels launched as programmatic dependents (`kernels.pdl`)
     rope_write: bool = False  # q's and k's rotation and the K/V write in one kernel (`CacheView.write_rotated`)
     autotune: bool = False  # batch 1 through its own graph, projections autotuned at M = 1 (`autotuned_batch_1`)
+    tune_batch_1: bool = False  # batch 1's graph with coordinate-descent tuning (`runner.BATCH_1_OPTIONS`)
 
 
-# Cumulative up to "+ autotuned batch-1 projections": each arm keeps every lever before it. The fused
-# projections (and PDL over them) branch off "+ async scheduling", as they were measured. The Triton GEMV is
+# Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
+# batch-1 arms each branch off that one, and the fused projections (and PDL over them) off
+# "+ async scheduling", as they were measured. The Triton GEMV is
 # measured alone against cuBLAS (`projection_table`) and, as it does not beat it, never enters
 # the engine.
 ARMS = (
@@ -65,6 +67,7 @@ ARMS = (
     Lever("+ async scheduling", compile=True, async_scheduling=True),
     Lever("+ one rope and K/V write kernel", compile=True, async_scheduling=True, rope_write=True),
     Lever("+ autotuned batch-1 projections", compile=True, async_scheduling=True, rope_write=True, autotune=True),
+    Lever("+ tuned batch-1 reductions", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True),
     Lever("+ fused projections", compile=True, async_scheduling=True, fused=True),
     Lever("+ PDL", compile=True, async_scheduling=True, fused=True, pdl=True),
 )
@@ -97,7 +100,10 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True)
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
-    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "triton_tem", "_gemv", "_sum_splits", "_norm_qkv_rope",
+    # "_mm": inductor's kernels that hold a matmul (a tuned batch-1 reduction, with its norm or
+    # activation fused in) are named after it.
+    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "triton_tem", "_mm", "_gemv", "_sum_splits",
+                     "_norm_qkv_rope",
                      "_norm_gate_up", "_norm_head")),
     ("attention read", ("_paged_decode", "_merge_splits")),
     ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
@@ -126,7 +132,7 @@ def autotuned_batch_1(model) -> Callable:
     and not kept (`day61_autotune_levers`): the batch-1 step went from 1.13 to 1.42 ms, since the
     templates it picked, timed alone with their weights warm in L2, read them slower than cuBLAS
     inside the step."""
-    batched = compile_decode(model)
+    batched = compile_decode(model, tune_batch_1=False)
     single = torch.compile(model, dynamic=True, fullgraph=True, options=AUTOTUNE_BATCH_1)
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
@@ -138,7 +144,9 @@ def autotuned_batch_1(model) -> Callable:
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
     start = time.perf_counter()
-    forward = (autotuned_batch_1 if lever.autotune else compile_decode)(model) if lever.compile else None
+    forward = None
+    if lever.compile:
+        forward = autotuned_batch_1(model) if lever.autotune else compile_decode(model, lever.tune_batch_1)
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
