@@ -395,6 +395,45 @@ else:
 # run did not test that. The engine keeps cuBLAS, and the arm stays in the lab.
 
 # %% [markdown]
+# ### Batch 1 with tuned reductions, kept
+#
+# gpt-fast compiles with inductor's coordinate-descent tuning on, and inductor's source says why:
+# with it on, a matmul of one row is lowered to a multiply and a sum, a Triton reduction that
+# inductor fuses with its neighbours and tunes for the shape. Its comment says its matrix-vector
+# products reach peak bandwidth only that way. `runner.DecodeForward` now compiles the batch-1
+# graph with `coordinate_descent_tuning` (`BATCH_1_OPTIONS`) and leaves the batched graph as it
+# was. The prediction was a shorter batch-1 step, for one of two reasons: reductions that stream
+# the weights faster than cuBLAS, or fewer kernels, since each norm and activation can then fold
+# into the projection next to it. Batch 8 should not move.
+
+# %%
+batch1 = {stem: lab.load_table(f"day61_batch1_{stem}", "h200") for stem in ("levers", "parts")}
+if batch1["levers"] is not None:
+    bl = batch1["levers"]
+    print("measured on:", lab.table_label(bl).caption().replace("; ", ";\n  "))
+    b_order = list(dict.fromkeys(bl.arm))
+    lab.show(bl.pivot_table(index="batch", columns="arm", values="ms_per_step")[b_order].round(3))
+    b_parts = batch1["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[b_order]
+    lab.show(b_parts.fillna(0.0).round(3))
+    b1_steps = bl[bl.batch == 1].set_index("arm").ms_per_step
+    print(f"batch 1: {b1_steps[b_order[0]]:.3f} -> {b1_steps[b_order[1]]:.3f} ms "
+          f"({1 - b1_steps[b_order[1]] / b1_steps[b_order[0]]:.1%} shorter); GPU kernels "
+          f"{b_parts[b_order[0]].drop('host (GPU idle)').sum():.3f} -> "
+          f"{b_parts[b_order[1]].drop('host (GPU idle)').sum():.3f} ms")
+else:
+    print("data/day61_batch1_levers_h200.csv is not committed:\n"
+          "  `python -m nanolab levers --only levers --arms 4,6 --shapes 1@128,8@128\n"
+          "  --stem day61_batch1` on an H200 makes it")
+
+# %% [markdown]
+# The step got shorter and batch 8 did not move, but the first reason was wrong. The reductions
+# read the weights a little slower than cuBLAS: the projections class grew. What shrank was
+# everything between the projections. The norms and inductor's separate fused kernels are almost
+# gone, folded into the projection after them, and with them went their launches and the gaps
+# between kernels inside the graph. That shows as the host-and-gaps part halving. The engine keeps
+# the lever: it compiles one graph more at start, at batch 1 only.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -424,15 +463,17 @@ for row in notes.itertuples():
     print(f"{row.label}:\n  {row.note}")
 
 # %% [markdown]
-# The rows came from four processes. nanolab, gpt-fast and HF's default path ran in two of them,
-# a minute apart on one machine. Half an hour later, on a second H200 of the same kind, one more
-# process measured nanolab and HF's default path again at batch 1, together with every TTFT row but
-# HF eager's; nanolab's batch-1 step came out within a few microseconds of its first run. HF's
-# eager arm ran hours earlier, on another H200 of the kind; at ten times nanolab's step, a few
-# percent between two cards does not move its place. The floorbench saves its tables after every row, and
-# `--append` keeps the rows of arms a later process did not run. Each process measured its own
-# bandwidth, so each row's `x_floor` is over its own floor, and the floor column beside the times
-# is the latest process's.
+# The rows came from four processes. gpt-fast and HF's default path at batch 8 ran in one, a
+# minute after a nanolab run on the same machine; nanolab's rows from that run have since been
+# replaced, and at the time its step was 1.113 ms at batch 1 and 1.207 at batch 8, ahead of
+# gpt-fast's there too. Half an hour later, on a second H200 of the same kind, one process measured
+# HF's default path at batch 1 again, with every TTFT row but HF eager's. nanolab's decode rows are
+# the current engine's, with the tuned batch-1 graph, from one process the next day. HF's eager arm
+# ran hours before the others, on another H200 of the kind; at ten times nanolab's step, a few
+# percent between two cards does not move its place. The floorbench saves its tables after every
+# row, and `--append` keeps the rows of arms a later process did not run. Each process measured its
+# own bandwidth, so each row's `x_floor` is over its own floor, and the floor column beside the
+# times is the latest process's.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
@@ -709,8 +750,11 @@ for gate in gates:
 # - **Fused projections with PDL** removed the small kernels and shortened their own replay, but
 #   read the big matrices too slowly to beat the compiled step; they stay in the lab. The
 #   **two-pass argmax** from the same run took the greedy pick from 27 us a step to 3, and stays.
-# - **Against the peers**, nanolab's step is the fastest measured at every batch, gpt-fast's
-#   included in the same run, at a nearly constant multiple of the floor. Of the step
+# - **Inductor's matmul templates** at batch 1 were chosen by timings that are not the step's, and
+#   made it slower. **Tuned reductions** at batch 1 made it shorter, by folding the norms into the
+#   projections rather than by reading faster, and stay.
+# - **Against the peers**, nanolab's step is the fastest measured at every batch, and was in the
+#   run beside gpt-fast's too, at a nearly constant multiple of the floor. Of the step
 #   targets it meets those at batch 64 and at context 2,048; the printed ratios say by how much
 #   it misses the ones at batches 1, 8 and 32.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused

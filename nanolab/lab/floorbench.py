@@ -160,12 +160,14 @@ def nanolab_generate(llm: LLM, prompts: torch.Tensor) -> Callable[[int], object]
 
 
 def nanolab_label(llm: LLM) -> str:
-    """What ran: graphs or eager, inductor's step or the model's, overlapped steps or not, the read.
-    (The tables of 2026-11-30 were measured before the label named compile and async scheduling;
-    their nanolab rows ran with both, the defaults with graphs.)"""
+    """What ran: graphs or eager, inductor's step or the model's (batch 1 tuned or not), overlapped
+    steps or not, the read. (The tables of 2026-11-30 were measured before the label named compile
+    and async scheduling, and those of 2026-12-01 before it named the tuned batch 1; their nanolab
+    rows ran with each, the defaults with graphs.)"""
     engine = llm.engine
     parts = ["graphs" if engine.runner.graphs is not None else "eager"]
     parts += ["inductor"] if getattr(llm, "compiled", False) else []
+    parts += ["tuned batch 1"] if getattr(engine.runner.forward, "tune_batch_1", False) else []
     parts += ["async scheduling"] if engine.async_scheduling else []
     return f"nanolab ({', '.join(parts)}, {engine.kv_cache.read} read)"
 
