@@ -22,9 +22,10 @@ from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
 
 # Inductor's options for the batch-1 graph. With coordinate-descent tuning on, inductor lowers a
-# matmul of one row into a multiply and a sum (its own comment: its matrix-vector products reach
-# peak bandwidth only so), a Triton reduction it fuses with the norm before it and tunes for its
-# shape. On the H200 that streamed Llama-3.2-1B's projections faster than cuBLAS did (Day 61).
+# matmul of one row into a multiply and a sum, a Triton reduction that it tunes for its shape and
+# fuses with the norm or activation beside it. On the H200 the reductions read Llama-3.2-1B's
+# weights a little slower than cuBLAS, but the step lost its separate norm kernels and the gaps
+# around them, and got shorter (Day 61).
 BATCH_1_OPTIONS = {"coordinate_descent_tuning": True}
 
 
@@ -35,8 +36,9 @@ class DecodeForward:
     stay one opaque op each. Two compiled graphs of one model: every batch but 1 goes through
     `batched`, whose batch is symbolic, so the capture buckets share it and its projections are
     cuBLAS's; batch 1 goes through `single`, compiled with `BATCH_1_OPTIONS` when `tune_batch_1`
-    (its projections become tuned Triton reductions; compiling it takes about a minute longer for
-    Llama-3.2-1B). Compiling happens on the first call of each."""
+    (its projections become tuned Triton reductions with the norms folded in; compiling it tunes
+    every kernel, which adds tens of seconds at start for Llama-3.2-1B). Compiling happens on the
+    first call of each."""
 
     def __init__(self, model: LlamaModel, tune_batch_1: bool) -> None:
         self.batched = torch.compile(model, dynamic=True, fullgraph=True)
