@@ -3,15 +3,16 @@ host, side by side. Issue 15's chapter.
 
 Each arm is an `LLM` with `tensor_parallel_size` ranks, timed from outside as the floorbench times
 nanolab (`floorbench.nanolab_generate`, `timing.time_generate`: 257 new tokens minus 1, over 256,
-medians of interleaved pairs). Every arm runs CUDA graphs without inductor or asynchronous
-scheduling, since a tensor-parallel group has neither yet; the `tp1-default` arm adds TP = 1 with
-both (the engine's default on one GPU) beside them, labelled. A step's floor is what one GPU must
+medians of interleaved pairs). Every arm runs CUDA graphs, over the eager step (`tpN`) or over
+inductor's (`tpN-inductor`), without asynchronous scheduling, which a tensor-parallel group does
+not have yet; the `tp1-default` arm adds TP = 1 with it (the engine's default on one GPU) beside
+them, labelled. A step's floor is what one GPU must
 read: its shard of the weights and its KV heads' share of the history, over the copy bandwidth
 measured in the same run; `x_floor` is ms/step over it. A profile of graphed steps on rank 0
 gives the NCCL kernels' time per step: the all-reduces and the head's all-gather, including any
 wait for the other rank. Issue 15's target prints as a ratio; nothing asserts a time.
 
-    python -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b
+    python -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b --arms tp1-inductor,tp2-inductor
 """
 
 from __future__ import annotations
