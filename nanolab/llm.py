@@ -131,9 +131,9 @@ class LLM:
         blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
         `tensor_parallel_size` > 1 shards the model over that many processes on this host
         (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its
-        steps, every rank compiled when `compile` is on, without asynchronous scheduling. For now
-        only on the CPU (gloo): on CUDA it is refused until its NCCL path works. `close()` ends the
-        workers.
+        steps, every rank compiled when `compile` is on, and with asynchronous scheduling as one
+        process has it. For now only on the CPU (gloo): on CUDA it is refused until its NCCL path
+        has run on two GPUs. `close()` ends the workers.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -181,11 +181,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.path)
         self.tensor_parallel_size = tensor_parallel_size
         graphs = device.type == "cuda" and not enforce_eager
-        parallel = tensor_parallel_size > 1
         self.compiled = graphs if compile is None else compile
-        if parallel and async_scheduling:
-            raise ValueError("async_scheduling=True: not yet with tensor_parallel_size > 1 (each step's ids go to "
-                             "the workers from the host)")
         # oneDNN's prepacked matmuls (the CPU's default) are opaque to dynamo: a compiled model keeps plain weights.
         prepack = False if self.compiled else None
         self.workers, runner = None, ModelRunner
@@ -209,8 +205,7 @@ class LLM:
             self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
                                  read=read, forward=compile_decode(self.model) if self.compiled else None,
-                                 async_scheduling=(graphs and not parallel) if async_scheduling is None
-                                 else async_scheduling,
+                                 async_scheduling=graphs if async_scheduling is None else async_scheduling,
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_num_batched_tokens=max_num_batched_tokens, runner=runner)
         except BaseException:

@@ -122,9 +122,9 @@ print(f"gate: {int(agreement.tokens_equal.sum())} of {len(agreement)} prompts' g
 #
 # `python -m nanolab tpbench` times each model's decode step at TP = 1 and TP = 2 from outside, as
 # the floorbench times nanolab: 257 new tokens minus 1, over 256. Every arm runs CUDA graphs, over
-# the eager step (`tp1`, `tp2`) or over inductor's (`tp1-inductor`, `tp2-inductor`); a
-# tensor-parallel group has no asynchronous scheduling yet, so neither size gets it. The
-# floor of a step is now per GPU: its shard of the weights and its heads' share of the history,
+# the eager step (`tp1`, `tp2`), over inductor's (`tp1-inductor`, `tp2-inductor`), or over
+# inductor's with asynchronous scheduling, the engine's defaults (`tp1-default`, `tp2-default`).
+# The floor of a step is now per GPU: its shard of the weights and its heads' share of the history,
 # over the copy bandwidth. A profile of rank 0 gives the time its NCCL kernels took per step. That
 # time includes any wait for the other rank, so it bounds the communication from above.
 #

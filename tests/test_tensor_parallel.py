@@ -132,6 +132,23 @@ def test_two_gloo_ranks_with_inductor_decode_what_one_eager_process_decodes():
     torch.testing.assert_close(got, one, atol=1e-4, rtol=1e-4)
 
 
+def test_two_gloo_ranks_with_asynchronous_scheduling_decode_what_one_process_decodes():
+    """Asynchronous scheduling under TP: rank 0 launches decode step t + 1 before it reads step t
+    back, and each step's ids reach the worker by a broadcast over the group, never through the
+    host. fp32: every greedy token equals one synchronous process's. A worker reads its ids only
+    in its share of the embedding, so the model is tiny, whose random tokens land in both ranks'
+    halves of the vocabulary (SmolLM2's English stays mostly in rank 0's)."""
+    kw = dict(device="cpu", dtype="float32", num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = [o.token_ids for o in LLM("tiny", **kw).generate(PROMPTS, params)]
+    vocab = LLM("tiny", **kw).config.vocab_size
+    assert any(t >= vocab // 2 for row in one for t in row), "no token in the worker's half of the vocabulary"
+    with LLM("tiny", tensor_parallel_size=2, async_scheduling=True, **kw) as two:
+        assert two.engine.async_scheduling
+        got = [o.token_ids for o in two.generate(PROMPTS, params)]
+    assert got == one
+
+
 def test_a_forward_that_fails_on_rank_0_ends_the_group_instead_of_hanging():
     """Rank 0's forward raises after its step went out, so the worker waits in a collective rank 0
     never joins: the request fails with the reason, the worker is ended, and every later request

@@ -7,8 +7,8 @@ rank 0 tells it to, in step with it: the collectives inside the forward meet ran
 
 Between each step's plan and its forward, rank 0's `LeaderRunner` sends a `StepCall` down each
 worker's stdin pipe (`Channel`): the runner method, the rows with their block lists as rank 0's
-block manager left them, and the token ids (a decode step's ids still on the device go by a
-device broadcast instead, so asynchronous scheduling never waits for them). A pipe has no timeout,
+block manager left them, and a varlen step's token ids. A decode step's ids go by a broadcast over
+the group instead, queued on the stream, so asynchronous scheduling never waits for them. A pipe has no timeout,
 so a worker waits for the next step as long as the server stays idle, and it ends when the pipe
 does: rank 0 gone is end of file, a worker gone is a broken pipe at rank 0's next send. A worker's
 `FollowerBlockManager` allocates nothing: it adopts those tables and takes each new block from the
@@ -55,8 +55,8 @@ GROUP_TIMEOUT_S: float | None = None
 @dataclasses.dataclass
 class StepCall:
     """One forward for the workers: `kind` "varlen" or "decode"; per row, its blocks after rank 0
-    planned the step and its token count before; the host ids ("varlen": each row's fed tokens;
-    "decode": each row's last token, or None when they follow by device broadcast, `device_ids` rows)."""
+    planned the step and its token count before; a varlen step's ids (each row's fed tokens). A
+    decode step's ids follow by a broadcast over the group (`Channel.send_ids`)."""
 
     kind: str
     rows: list[int]
@@ -65,7 +65,6 @@ class StepCall:
     ids: list[list[int]] | None = None
     counts: list[int] | None = None
     sampled: list[bool] | None = None
-    device_ids: int = 0
 
 
 @dataclasses.dataclass
@@ -149,16 +148,11 @@ class LeaderRunner(ModelRunner):
         fed = counts if kind == "varlen" else [1] * len(rows)
         call = StepCall(kind, rows, [list(t.blocks) for t in tables],
                         [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled)
-        on_device = kind == "decode" and ids.device.type != "cpu"
         if kind == "varlen":
             starts = list(itertools.accumulate(counts, initial=0))
             call.ids = [ids[a:b] for a, b in itertools.pairwise(starts)]
-        elif on_device:  # still being sampled on the device: the workers take them from a device broadcast
-            call.device_ids = len(rows)
-        else:
-            call.ids = [[int(t)] for t in ids[: len(rows), 0]]
         self.channel.send(call)
-        if on_device:
+        if kind == "decode":  # a tensor, on CUDA perhaps still being sampled: never read on the host here
             self.channel.send_ids(ids[: len(rows)].reshape(-1, 1))
 
 
@@ -188,7 +182,8 @@ class Channel:
             return None
 
     def send_ids(self, ids: torch.Tensor) -> None:
-        dist.broadcast(ids.contiguous(), src=0)
+        """A decode step's ids [rows, 1] to every rank, queued on the stream like the step itself."""
+        dist.broadcast(ids.to(torch.int64).contiguous(), src=0)
 
     def receive_ids(self, rows: int) -> torch.Tensor:
         ids = torch.empty((rows, 1), dtype=torch.int64, device=self.device)
@@ -211,9 +206,8 @@ def follow(runner: ModelRunner, channel: Channel) -> None:
             seqs = [SimpleNamespace(row=r, token_ids=ids) for r, ids in zip(call.rows, call.ids, strict=True)]
             runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled)
         else:
-            seqs = [SimpleNamespace(row=r, output_token_ids=ids or [0])
-                    for r, ids in zip(call.rows, call.ids or [None] * len(call.rows), strict=True)]
-            runner.decode(seqs, channel.receive_ids(call.device_ids) if call.device_ids else None)
+            seqs = [SimpleNamespace(row=r) for r in call.rows]
+            runner.decode(seqs, channel.receive_ids(len(seqs)))
 
 
 def free_port() -> int:
