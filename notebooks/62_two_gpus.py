@@ -33,9 +33,12 @@
 #   and runs the whole engine: the scheduler, the block manager, sampling, the API. Each worker holds
 #   its shard, its share of the cache and a `ModelRunner`, and runs the forward rank 0 tells it to.
 #   Nothing is decided twice. Rank 0 plans each step, then sends a `StepCall` down each worker's
-#   stdin pipe with the rows, their block tables as rank 0 left them, and the token ids. The
-#   worker's `FollowerBlockManager` adopts those tables and never allocates a block, so both ranks
-#   write the same slots. Each rank captures its own CUDA graphs, with the collectives inside them.
+#   stdin pipe with the rows, their block tables as rank 0 left them, and a prompt step's token
+#   ids. A decode step's ids follow by a broadcast over the group, queued on the GPU's stream, so
+#   rank 0 can launch the next step before the last one's tokens reach the host (asynchronous
+#   scheduling). The worker's `FollowerBlockManager` adopts those tables and never allocates a
+#   block, so both ranks write the same slots. Each rank compiles its own decode step and captures
+#   its own CUDA graphs, with the collectives inside them.
 
 # %%
 import dataclasses
