@@ -8,9 +8,10 @@ rank 0 tells it to, in step with it: the collectives inside the forward meet ran
 Between each step's plan and its forward, rank 0's `LeaderRunner` sends a `StepCall` down each
 worker's stdin pipe (`Channel`): the runner method, the rows with their block lists as rank 0's
 block manager left them, and a varlen step's token ids. A decode step's ids go by a broadcast over
-the group instead, queued on the stream, so asynchronous scheduling never waits for them. A pipe has no timeout,
-so a worker waits for the next step as long as the server stays idle, and it ends when the pipe
-does: rank 0 gone is end of file, a worker gone is a broken pipe at rank 0's next send. A worker's
+the group instead, queued on the stream, so asynchronous scheduling never waits for them. A pipe
+has no timeout, so a worker waits for the next step as long as the server stays idle, and it ends
+when the pipe does: rank 0 gone is end of file, a worker gone is a broken pipe at rank 0's next
+send. A worker's
 `FollowerBlockManager` allocates nothing: it adopts those tables and takes each new block from the
 call, so the worker's plan is rank 0's and nothing is decided twice.
 
@@ -158,8 +159,7 @@ class LeaderRunner(ModelRunner):
 
 class Channel:
     """Rank 0 to the workers: host objects pickled down each worker's stdin pipe (`writers`, at rank
-    0) or read from this worker's (`reader`), and ids still on the device broadcast over the device
-    group."""
+    0) or read from this worker's (`reader`), and a decode step's ids broadcast over the group."""
 
     def __init__(self, device: torch.device, writers=(), reader=None) -> None:
         self.device, self.writers, self.reader = device, list(writers), reader
@@ -192,6 +192,8 @@ class Channel:
 
 
 class WorkerExited(RuntimeError):
+    """Rank 0 found a worker's pipe broken: the worker has exited."""
+
     def __init__(self, rank: int) -> None:
         super().__init__(f"tensor-parallel worker rank {rank} has exited")
         self.rank = rank
