@@ -35,7 +35,11 @@
 # - **one kernel for the rotation and the K/V write**: inductor leaves q's rotation, k's rotation
 #   with its cache write, and v's cache write as three kernels a layer. `kernels.elementwise`
 #   does all three in one (`CacheView.write_rotated`).
-# - **a Triton GEMV for the projections**: measured alone against cuBLAS, and not kept.
+# - **a Triton GEMV for the projections**: measured alone against cuBLAS, and not kept; nor were
+#   fused projections with programmatic dependent launch, or inductor's own matmul templates.
+# - **batch 1 with tuned reductions**: the batch-1 graph compiled with inductor's
+#   coordinate-descent tuning, which turns each one-row projection into a Triton reduction with
+#   the norm before it folded in (`runner.DecodeForward`).
 #
 # Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
 # compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
