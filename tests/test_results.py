@@ -41,3 +41,16 @@ def test_the_headline_figure_draws_every_arm_and_the_floor():
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert len(labels) == floor.arm.nunique() + 1 and any("floor" in t for t in labels)
     assert isinstance(floor, pd.DataFrame)
+
+
+def test_a_headline_over_one_models_rows_takes_that_models_label():
+    """day62_tp holds two models' rows: the 8B headline reads the 8B rows and names the 8B model,
+    and a filter that matches nothing is reported."""
+    table, _ = headline_table("h200", tuple(h for h in HEADLINES if h.stem == "day62_tp"))
+    tp = load_table("day62_tp", "h200")
+    ours = tp[(tp.model == "llama-3.1-8b") & (tp.arm == "tp1") & (tp.batch == 1)].iloc[0]
+    assert table.iloc[0].value.startswith(f"{ours.ms_per_step:.3f} ms")
+    assert table.iloc[0].model.startswith("llama-3.1-8b")
+    nowhere = Headline("62_two_gpus", "day62_tp", "a model not run", lambda t: "x", where=(("model", "nope"),))
+    table, missing = headline_table("h200", (nowhere,))
+    assert table.empty and "no rows where" in missing[0]

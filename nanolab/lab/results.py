@@ -23,6 +23,7 @@ CHAPTERS = {
     "58_graphbench": "Day 58: graphbench, the server under load",
     "59_streamed_kernel": "Days 59 and 60: the streamed kernel",
     "61_the_floor": "Day 61: the floor",
+    "62_two_gpus": "Day 62: two GPUs",
 }
 
 
@@ -32,6 +33,7 @@ class Headline:
     stem: str  # the table, data/<stem>_<slug>.csv
     result: str  # what the number is
     value: Callable[[pd.DataFrame], str]  # the number, formatted, computed from the table
+    where: tuple[tuple[str, object], ...] = ()  # the rows it reads, where a table holds several models' runs
 
 
 def _at(df: pd.DataFrame, **where) -> pd.Series:
@@ -108,6 +110,10 @@ HEADLINES = (
              "time to first token, one 2,048-token prompt; HF's default path over nanolab",
              lambda t: (f"{_ms(_at(t, arm='nanolab', batch=1).ttft_ms)}, "
                         f"{_at(t, arm='hf-default', batch=1).nanolab_speedup:.2f}x")),
+    Headline("62_two_gpus", "day62_tp",
+             "Llama-3.1-8B's decode step on one GPU at batch 1 (graphs, eager step), and over its floor",
+             lambda t: (lambda r: f"{_ms(r.ms_per_step)}, {r.x_floor:.2f}x the floor")(_at(t, arm="tp1", batch=1)),
+             where=(("model", "llama-3.1-8b"),)),
 )
 
 
@@ -120,6 +126,11 @@ def headline_table(slug: str = "h200", headlines=HEADLINES) -> tuple[pd.DataFram
         source = f"data/{h.stem}_{slug}.csv"
         if table is None:
             missing.append(source)
+            continue
+        for column, wanted in h.where:
+            table = table[table[column] == wanted] if column in table else table.iloc[:0]
+        if table.empty:
+            missing.append(f"{source} (no rows where {dict(h.where)})")
             continue
         try:
             value = h.value(table)
