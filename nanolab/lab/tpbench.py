@@ -99,14 +99,19 @@ def measure(llm: LLM, arm: Arm, model: str, batch: int, steps: int, repeats: int
         // config.num_key_value_heads
     floor_ms = (shard + kv) / bandwidth * 1000
     run = nanolab_generate(llm, random_prompts(batch, PROMPT_LEN, config.vocab_size))
-    run(1 + steps)  # warm
-    ms = time_generate(run, steps, repeats, device=llm.device, warmup=1)
+    ms = time_generate(run, steps, repeats, device=llm.device, warmup=2)
     nccl_us, nccl_calls = nccl_us_per_step(llm, batch) if profile and world > 1 else (NAN, 0)
     return {"model": model, "arm": arm.name, "label": arm.label(), "tp": world, "batch": batch,
             "context": PROMPT_LEN, "steps": steps, "ms_per_step": ms, "tokens_per_s": 1000 * batch / ms,
             "shard_gb": shard / 1e9, "bandwidth_tb_s": bandwidth / 1e12, "floor_ms": floor_ms,
             "x_floor": ms / floor_ms, "nccl_us_per_step": nccl_us, "nccl_calls_per_step": nccl_calls,
             "nccl_share": nccl_us / 1000 / ms, "weights": llm.weights_kind, "error": ""}
+
+
+def failed_row(model: str, a: Arm, batch: int, e: Exception) -> dict:
+    """The row of an arm that raised (building its `LLM`, or at one batch): the bench goes on."""
+    return {"model": model, "arm": a.name, "label": a.label(), "tp": a.tensor_parallel_size, "batch": batch,
+            "error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def run_tpbench(models=MODELS, arms=ARMS, batches=BATCHES, steps: int = STEPS, repeats: int = 3,
@@ -124,8 +129,7 @@ def run_tpbench(models=MODELS, arms=ARMS, batches=BATCHES, steps: int = STEPS, r
             try:
                 llm = a.build(model, max(batches), device)
             except Exception as e:
-                rows += [{"model": model, "arm": a.name, "label": a.label(), "tp": a.tensor_parallel_size,
-                          "batch": b, "error": f"{type(e).__name__}: {e}"[:300]} for b in batches]
+                rows += [failed_row(model, a, b, e) for b in batches]
                 continue
             build_s = time.perf_counter() - start
             try:
@@ -133,8 +137,7 @@ def run_tpbench(models=MODELS, arms=ARMS, batches=BATCHES, steps: int = STEPS, r
                     try:
                         row = measure(llm, a, model, b, steps, repeats, bandwidth, profile)
                     except Exception as e:
-                        row = {"model": model, "arm": a.name, "label": a.label(), "tp": a.tensor_parallel_size,
-                               "batch": b, "error": f"{type(e).__name__}: {e}"[:300]}
+                        row = failed_row(model, a, b, e)
                     rows.append({**row, "build_s": build_s})
                     if on_row is not None:
                         on_row(pd.DataFrame(rows))
@@ -211,9 +214,9 @@ def group_agreement(model: str, world: int = 2, prompts=PROMPTS, new_tokens: int
 
 
 # What the arithmetic assumes of each link: the time of one small all-reduce between two GPUs, and
-# the bandwidth a large one gets. NVLink's latency is the 3 to 6 us measured on H100 and H200
-# machines (shared/REFERENCES.md); the two network rows are orders of magnitude for two hosts, not
-# measurements.
+# the bandwidth a large one gets. NVLink's 5 us sits in the 3 to 6 us that small all-reduces are
+# commonly reported to take on H100 and H200 machines; none of the three rows was measured here,
+# and the two network rows are orders of magnitude for two hosts.
 LINKS = (("NVLink, one host", 5.0, 400.0), ("InfiniBand 400 Gb/s, two hosts", 20.0, 50.0),
          ("Ethernet 100 Gb/s, two hosts", 50.0, 12.5))
 
@@ -279,10 +282,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("tpbench: needs CUDA devices (tensor parallelism over NCCL)")
     models = [m for m in args.models.split(",") if m]
     arms = [a for a in args.arms.split(",") if a]
-    for a in arms:
-        arm(a)
+    if not arms:
+        raise ValueError(f"--arms {args.arms!r}: name at least one of {', '.join(ARMS)}")
     batches = parse_batches(args.batches)
-    gpus = max(arm(a).tensor_parallel_size for a in arms)
+    gpus = max(arm(a).tensor_parallel_size for a in arms)  # refuses an unknown arm by name
     if gpus > torch.cuda.device_count():
         raise ValueError(f"--arms: {gpus} GPUs needed, this machine has {torch.cuda.device_count()}")
     paths = {m: resolve_weights(m) for m in models}  # synthesized up front, with a progress bar
