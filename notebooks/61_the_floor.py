@@ -330,22 +330,13 @@ else:
 # run put it beside the asynchronous arm, at 1, 8 and 16 rows.
 
 # %%
-fused = {stem: lab.load_table(f"day61_fused_{stem}", "h200") for stem in ("levers", "parts")}
-if fused["levers"] is not None:
-    fl = fused["levers"]
-    print("measured on:", lab.table_label(fl).caption().replace("; ", ";\n  "))
-    f_order = list(dict.fromkeys(fl.arm))
-    lab.show(fl.pivot_table(index="batch", columns="arm", values="replay_ms")[f_order].round(3))
-    f_parts = fused["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")
-    f_parts = f_parts[f_order]
-    lab.show(f_parts.fillna(0.0).round(3))
+fused = lab.show_lever_run("day61_fused", "replay_ms", "python -m nanolab levers --only levers --arms 3,7,8 "
+                          "--shapes 1@128,8@128,16@128 --stem day61_fused")
+if fused is not None:
+    fl, _, f_order = fused
     one = fl[fl.batch == 1].set_index("arm").replay_ms
     print(f"batch 1 replay: {one[f_order[0]]:.3f} ms compiled, {one[f_order[1]]:.3f} ms fused, "
           f"{one[f_order[2]]:.3f} ms fused with PDL")
-else:
-    print("data/day61_fused_levers_h200.csv is not committed:\n"
-          "  `python -m nanolab levers --only levers --arms 3,7,8\n"
-          "  --shapes 1@128,8@128,16@128 --stem day61_fused` on an H200 makes it")
 
 # %% [markdown]
 # The small kernels did go, and PDL did shorten the replay of the fused step. But the fused step
@@ -377,18 +368,8 @@ print(", ".join(f"{arm}: {by_part.loc['sampling', arm] * 1000:.1f} us" for arm i
 # batches' graph as it was. The prediction was a faster batch 1 and an unchanged batch 8.
 
 # %%
-autotune = {stem: lab.load_table(f"day61_autotune_{stem}", "h200") for stem in ("levers", "parts")}
-if autotune["levers"] is not None:
-    al = autotune["levers"]
-    print("measured on:", lab.table_label(al).caption().replace("; ", ";\n  "))
-    a_order = list(dict.fromkeys(al.arm))
-    lab.show(al.pivot_table(index="batch", columns="arm", values="ms_per_step")[a_order].round(3))
-    a_parts = autotune["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[a_order]
-    lab.show(a_parts.round(3))
-else:
-    print("data/day61_autotune_levers_h200.csv is not committed:\n"
-          "  `python -m nanolab levers --only levers --arms 4,5 --shapes 1@128,8@128\n"
-          "  --stem day61_autotune` on an H200 makes it")
+lab.show_lever_run("day61_autotune", "ms_per_step", "python -m nanolab levers --only levers --arms 4,5 "
+                   "--shapes 1@128,8@128 --stem day61_autotune")
 
 # %% [markdown]
 # Batch 8 did not move, as predicted, but batch 1 got slower, not faster. The profile shows where:
@@ -411,23 +392,15 @@ else:
 # into the projection next to it. Batch 8 should not move.
 
 # %%
-batch1 = {stem: lab.load_table(f"day61_batch1_{stem}", "h200") for stem in ("levers", "parts")}
-if batch1["levers"] is not None:
-    bl = batch1["levers"]
-    print("measured on:", lab.table_label(bl).caption().replace("; ", ";\n  "))
-    b_order = list(dict.fromkeys(bl.arm))
-    lab.show(bl.pivot_table(index="batch", columns="arm", values="ms_per_step")[b_order].round(3))
-    b_parts = batch1["parts"].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[b_order]
-    lab.show(b_parts.fillna(0.0).round(3))
+batch1 = lab.show_lever_run("day61_batch1", "ms_per_step", "python -m nanolab levers --only levers --arms 4,6 "
+                           "--shapes 1@128,8@128 --stem day61_batch1")
+if batch1 is not None:
+    bl, b_parts, b_order = batch1
     b1_steps = bl[bl.batch == 1].set_index("arm").ms_per_step
     print(f"batch 1: {b1_steps[b_order[0]]:.3f} -> {b1_steps[b_order[1]]:.3f} ms "
           f"({1 - b1_steps[b_order[1]] / b1_steps[b_order[0]]:.1%} shorter); GPU kernels "
           f"{b_parts[b_order[0]].drop('host (GPU idle)').sum():.3f} -> "
           f"{b_parts[b_order[1]].drop('host (GPU idle)').sum():.3f} ms")
-else:
-    print("data/day61_batch1_levers_h200.csv is not committed:\n"
-          "  `python -m nanolab levers --only levers --arms 4,6 --shapes 1@128,8@128\n"
-          "  --stem day61_batch1` on an H200 makes it")
 
 # %% [markdown]
 # The step got shorter and batch 8 did not move, but the first reason was wrong. The reductions

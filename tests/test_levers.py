@@ -80,3 +80,13 @@ def test_staging_switch_restores_the_engine():
         assert all(m.stage(t, torch.device("cuda")) is t for m in modules)  # no pinning: the host tensor as is
         raise RuntimeError("an arm failed")
     assert [m.stage for m in modules] == pinned
+
+
+def test_a_committed_lever_run_is_shown_and_a_missing_one_says_how_to_make_it(capsys):
+    from nanolab.lab.levers import show_lever_run
+
+    levers, parts, order = show_lever_run("day61_batch1", "ms_per_step", "make it")
+    assert order == list(dict.fromkeys(levers.arm)) and list(parts.columns) == order
+    assert not parts.isna().any().any()
+    assert show_lever_run("day99_nothing", "ms_per_step", "python -m nanolab levers --stem day99_nothing") is None
+    assert "`python -m nanolab levers --stem day99_nothing` on an H200 makes it" in capsys.readouterr().out

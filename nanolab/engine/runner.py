@@ -35,16 +35,20 @@ class DecodeForward:
     K/V write (`kernels.elementwise.rope_write_op`) and the streamed read (`paged_attention_op`)
     stay one opaque op each. Two compiled graphs of one model: every batch but 1 goes through
     `batched`, whose batch is symbolic, so the capture buckets share it and its projections are
-    cuBLAS's; batch 1 goes through `single`, compiled with `BATCH_1_OPTIONS` when `tune_batch_1`
-    (its projections become tuned Triton reductions with the norms folded in; compiling it tunes
-    every kernel, which adds tens of seconds at start for Llama-3.2-1B). Compiling happens on the
-    first call of each."""
+    cuBLAS's; batch 1 goes through `single`, compiled with inductor's `batch_1_options` when given
+    (the engine's are `BATCH_1_OPTIONS`: its projections become tuned Triton reductions with the
+    norms folded in, and tuning every kernel adds tens of seconds at start for Llama-3.2-1B), else
+    batch 1 shares `batched`. Compiling happens on the first call of each."""
 
-    def __init__(self, model: LlamaModel, tune_batch_1: bool) -> None:
+    def __init__(self, model: LlamaModel, batch_1_options: dict | None = None) -> None:
         self.batched = torch.compile(model, dynamic=True, fullgraph=True)
-        self.single = (torch.compile(model, dynamic=True, fullgraph=True, options=BATCH_1_OPTIONS)
-                       if tune_batch_1 else self.batched)
-        self.tune_batch_1 = tune_batch_1
+        self.single = (self.batched if batch_1_options is None else
+                       torch.compile(model, dynamic=True, fullgraph=True, options=batch_1_options))
+        self.batch_1_options = batch_1_options
+
+    @property
+    def tune_batch_1(self) -> bool:
+        return self.batch_1_options == BATCH_1_OPTIONS
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # ids [batch, tokens]: the batch is a Python int here, so a graph captures one branch.
@@ -52,11 +56,12 @@ class DecodeForward:
 
 
 def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None) -> DecodeForward:
-    """`model` compiled for decode steps (`DecodeForward`). `tune_batch_1` defaults to on for a
-    model on CUDA; inductor lowers a one-row matmul this way on accelerators only."""
+    """`model` compiled for decode steps (`DecodeForward`), batch 1 with `BATCH_1_OPTIONS` when
+    `tune_batch_1`: by default for a model on CUDA, since inductor lowers a one-row matmul that way
+    on accelerators only."""
     if tune_batch_1 is None:
         tune_batch_1 = next(model.parameters()).device.type == "cuda"
-    return DecodeForward(model, tune_batch_1)
+    return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None)
 
 
 class ModelRunner:

@@ -32,6 +32,7 @@ _EXPORTS = {
                                "check_requests", "graphbench_ratios", "graphbench_stems", "request_plan",
                                "run_graphbench", "serving_metrics"],
     "nanolab.lab.history": ["unplanned_runner"],
+    "nanolab.lab.levers": ["show_lever_run"],
     "nanolab.lab.plots": ["plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
                           "plot_decode_speed", "plot_floor_roofline", "plot_launch_sweep", "plot_lever_waterfall",
                           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",

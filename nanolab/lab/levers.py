@@ -30,7 +30,7 @@ from nanolab.engine import kv_cache as kv_cache_module
 from nanolab.engine import llm_engine as engine_module
 from nanolab.engine import runner as runner_module
 from nanolab.engine.block_manager import cdiv
-from nanolab.engine.runner import compile_decode
+from nanolab.engine.runner import DecodeForward, compile_decode
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
@@ -126,19 +126,13 @@ def kernel_class(name: str) -> str:
 AUTOTUNE_BATCH_1 = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
 
 
-def autotuned_batch_1(model) -> Callable:
-    """The compiled step (`runner.compile_decode`) for every batch but 1, which goes through a
-    second compiled graph whose projections inductor autotuned at M = 1. Measured on the H200
-    and not kept (`day61_autotune_levers`): the batch-1 step went from 1.13 to 1.42 ms, since the
-    templates it picked, timed alone with their weights warm in L2, read them slower than cuBLAS
-    inside the step."""
-    batched = compile_decode(model, tune_batch_1=False)
-    single = torch.compile(model, dynamic=True, fullgraph=True, options=AUTOTUNE_BATCH_1)
-
-    def forward(ids: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        return (single if ids.shape[0] == 1 else batched)(ids, positions, cache=cache)  # ids [batch, 1]
-
-    return forward
+def autotuned_batch_1(model) -> DecodeForward:
+    """The compiled step (`runner.DecodeForward`) with batch 1's graph compiled with
+    `AUTOTUNE_BATCH_1` instead: its projections autotuned at M = 1. Measured on the H200 and not
+    kept (`day61_autotune_levers`): the batch-1 step went from 1.13 to 1.42 ms, since the templates
+    it picked, timed alone with their weights warm in L2, read them slower than cuBLAS inside the
+    step."""
+    return DecodeForward(model, AUTOTUNE_BATCH_1)
 
 
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
@@ -255,6 +249,26 @@ def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
     rows = [{"part": cls, "ms": ms} for cls, ms in by_class.items()]
     rows.append({"part": "host (GPU idle)", "ms": ms_per_step - by_class.sum()})
     return pd.DataFrame(rows)
+
+
+def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
+                   ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]] | None:
+    """A partial levers run committed under `stem` (`levers --stem STEM`), shown as a chapter shows
+    it: its label, `values` by batch and arm, and its batch-1 parts by arm (a part an arm lacks is
+    0). Returns (levers table, parts by arm, arms in run order), or None with how to make it
+    (`command`) when data/ lacks it."""
+    from nanolab.lab.report import load_table, show, table_label
+
+    levers, parts = (load_table(f"{stem}_{name}", slug) for name in ("levers", "parts"))
+    if levers is None or parts is None:
+        print(f"data/{stem}_levers_{slug}.csv is not committed:\n  `{command}` on an H200 makes it")
+        return None
+    print("measured on:", table_label(levers).caption().replace("; ", ";\n  "))
+    order = list(dict.fromkeys(levers.arm))
+    show(levers.pivot_table(index="batch", columns="arm", values=values)[order].round(3))
+    by_arm = parts.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
+    show(by_arm.round(3))
+    return levers, by_arm, order
 
 
 def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32, 128), (64, 128), (32, 2048)),
