@@ -40,6 +40,11 @@
 # - **batch 1 with tuned reductions**: the batch-1 graph compiled with inductor's
 #   coordinate-descent tuning, which turns each one-row projection into a Triton reduction with
 #   the norm before it folded in (`runner.DecodeForward`).
+# - **the read's shares folded in one kernel**, **its empty shares skipped**, and **PDL in the
+#   compiled step**: measured and not kept. Measuring them showed how far the tuning of one
+#   compile lands from another's.
+# - **the LM head back on cuBLAS**: the one projection whose tuned reduction varied most between
+#   compiles, now left to cuBLAS.
 #
 # Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
 # compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
@@ -411,6 +416,119 @@ if batch1 is not None:
 # the lever: it compiles one graph more at start, at batch 1 only.
 
 # %% [markdown]
+# ### The read's shares: folded in one kernel, or the empty ones skipped, measured and not kept
+#
+# At batch 1 and at batch 8 the streamed read cuts each row's walk into 16 shares, chosen for the
+# table's capacity rather than this step's context, and a second kernel (`_merge_splits`) folds
+# the shares into the output. That is two launches a layer. With `paged_attention.FOLD_SHARES`,
+# each share takes a ticket when its partial is written, and the program that takes the last
+# ticket folds all of them itself. The prediction was the merge kernel's 21 to 28 us a step gone
+# at batch 1 and at batch 8, and with it 16 gaps. The run compiled one engine per arm, in one
+# process, and profiled batches 1, 8 and 32.
+
+# %%
+step = lab.show_lever_run("day61_step", "ms_per_step", "python -m nanolab levers --only levers --arms 6,9,10 "
+                          "--profile 1@128,8@128,32@128 --stem day61_step")
+if step is not None:
+    step_parts = lab.load_table("day61_step_parts", "h200")
+    read = step_parts[step_parts.part == "attention read"].pivot_table(index="batch", columns="arm", values="ms")
+    lab.show(read[step[2]].add_suffix(": attention read, ms").round(3))
+
+# %% [markdown]
+# The read got slower at every batch. The merge kernel went, but the read's own kernel grew by
+# more than the merge had cost. A merge kernel runs one program per (row, query head), all at
+# once. The fold runs in one program per (row, KV head), and only after the slowest share of that
+# row has finished. So the fold's loads wait behind the whole walk instead of overlapping it. The
+# switch stays in the kernel, off, for the lab to measure.
+#
+# At context 128 a row has one tile of 128 keys, so 15 of its 16 shares walk nothing, yet each
+# writes a partial of 16 heads by 64 floats, and the merge reads them all. At batch 8 that is
+# 4 MB written and read back per layer for nothing. The next lever
+# (`paged_attention.SKIP_EMPTY_SHARES`) masks an empty share's stores off, and the merge reads only
+# the shares a row has. It was measured later in the day, in its own process, against the step
+# with the LM head on cuBLAS (kept below). The prediction was a shorter read at batches 8 and 32,
+# where the empty shares are most of the grid.
+
+# %%
+skip = lab.show_lever_run("day61_skip", "replay_ms", "python -m nanolab levers --only levers --arms 11,13 "
+                          "--profile 1@128,8@128,32@128 --stem day61_skip")
+if skip is not None:
+    skip_profile = lab.load_table("day61_skip_lever_profile", "h200")
+    lab.show(skip_profile[skip_profile.kernel.isin(["_paged_decode_group", "_merge_splits"])]
+             .pivot_table(index=["batch", "kernel"], columns="arm", values="us_per_step")[skip[2]].round(1))
+
+# %% [markdown]
+# The prediction was wrong. The read's own kernel took the same time with the stores masked off,
+# so writing the empty partials was never what cost: 1,024 programs a layer at batch 8, each
+# finding its row's length and loading its queries, is. The merge got slower, since each of its
+# programs now loads its row's length before it can load anything else. The switch stays off.
+#
+# The run's third arm added PDL to the compiled step on top of the fold, and at batch 1 it was the
+# fastest arm of the three by far. Its profile says why, and it is not PDL. The LM head's
+# reduction took about 115 us a step there, and about 215 in the two arms before. Every arm
+# compiles its own batch-1 graph, and inductor tunes that graph's kernels afresh each time.
+
+# %% [markdown]
+# ### The tuning's spread, and the LM head back on cuBLAS, kept
+#
+# Coordinate-descent tuning walks each kernel's launch settings one step at a time and keeps any
+# step that times 0.1% faster. Where it stops depends on where it started and on the noise of
+# each timing, so two compiles of one graph can keep different settings. `levers --only spread`
+# measures that spread. It compiles each arm's batch-1 engine afresh several times, with
+# inductor's caches off, and times and profiles each compile. Trials alternate between arms, so
+# drift on the card falls on every arm. Two runs, on two H200s of the kind:
+#
+# - the engine's step against the same with PDL in the compiled step (inductor's
+#   `triton.enable_pdl` and the engine's ops as programmatic dependents);
+# - the step with the LM head left to cuBLAS (`layers.Linear.opaque`, one `linear_op` that
+#   inductor does not lower), the same with the down projection too, and the engine's step again.
+
+# %%
+spread_runs = [lab.load_table(stem, "h200") for stem in ("day61_tuning_spread", "day61_opaque_tuning_spread")]
+spread_profiles = [lab.load_table(stem, "h200") for stem in ("day61_spread_profile", "day61_opaque_spread_profile")]
+if any(t is None for t in spread_runs + spread_profiles):
+    print("the tuning-spread tables are not committed:\n  `python -m nanolab levers --only spread --trials 3` "
+          "and `--only spread --trials 3 --arms 11,12,6 --stem day61_opaque` on an H200 make them")
+else:
+    spread = pd.concat(spread_runs, ignore_index=True)
+    head = pd.concat([lab.once_a_step(p) for p in spread_profiles], ignore_index=True)
+    summary = spread.groupby("arm", sort=False).ms_per_step.agg(["count", "min", "median", "max"])
+    summary = summary.join(head.groupby("arm").us_per_step.agg(["min", "max"]).add_prefix("LM head us, "))
+    lab.show(summary.round(3))
+    fig = lab.plot_tuning_spread(spread, head, target_ms=1.0)
+    if ON_GPU or not lab.figure_path("day61_tuning_spread", "h200").exists():
+        lab.save_figure(fig, "day61_tuning_spread", lab.table_label(spread_runs[0]))
+    lab.show(fig)
+    tuned = spread[spread.arm == "+ tuned batch-1 reductions"].ms_per_step
+    cublas_head = spread[spread.arm == "+ cuBLAS LM head"].ms_per_step
+    print(f"tuned step over {len(tuned)} compiles: {tuned.min():.3f} to {tuned.max():.3f} ms, median "
+          f"{tuned.median():.3f}; with the LM head on cuBLAS ({len(cublas_head)} compiles): median "
+          f"{cublas_head.median():.3f} ms, {tuned.median() / cublas_head.median():.2f}x shorter")
+
+# %% [markdown]
+# *Figure 61.3: left, the batch-1 step of each arm, one dot per fresh compile and a bar at the
+# median, against the target. Right, the LM head of the same compiles: inductor's tuned reduction
+# as dots, cuBLAS as squares. Follow the dots: the same code lands anywhere in a band wider than
+# the gap to the target.*
+#
+# - **The spread is the tuning's.** One code, compiled six times, ran its batch-1 step anywhere in
+#   a band of about 0.19 ms. The last stop's batch-1 row (1.073 ms) was one draw from this band,
+#   near its bottom.
+# - **PDL does not pay.** Its median sits with the engine's. What looked like PDL's gain in the
+#   lever run was the tuning's draw.
+# - **The LM head is the worst draw.** Its reduction read the 525 MB head in 125 to 328 us
+#   across compiles, and cuBLAS read it in about 120 us in every compile that used it. The engine
+#   now leaves the LM head to cuBLAS whenever it tunes the batch-1 graph
+#   (`runner.compile_decode`). The final norm goes back to being a kernel of its own, a few
+#   microseconds.
+# - **The down projection on cuBLAS does not pay.** Its SwiGLU can no longer fold into it, and
+#   its median was no better. It stays tuned.
+#
+# What is left of the band comes from the down, q/k/v and o reductions, whose tuning still varies.
+# A batch-1 step from one process is one draw. The floor table's row below is one too, and the
+# median above is the fairer number.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -445,7 +563,8 @@ for row in notes.itertuples():
 # replaced, and at the time its step was 1.113 ms at batch 1 and 1.207 at batch 8, ahead of
 # gpt-fast's there too. Half an hour later, on a second H200 of the same kind, one process measured
 # HF's default path at batch 1 again, with every TTFT row but HF eager's. nanolab's decode rows are
-# the current engine's, with the tuned batch-1 graph, from one process the next day. HF's eager arm
+# the current engine's, with the tuned batch-1 graph and the LM head on cuBLAS, from one process
+# the next day; its batch-1 row is one draw of the tuning's spread above. HF's eager arm
 # ran hours before the others, on another H200 of the kind; at ten times nanolab's step, a few
 # percent between two cards does not move its place. The floorbench saves its tables after every
 # row, and `--append` keeps the rows of arms a later process did not run. Each process measured its
@@ -468,7 +587,7 @@ if ON_GPU or not lab.figure_path("day61_roofline", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.3: ms per decode step, and the same over the floor, against batch for every arm of
+# *Figure 61.4: ms per decode step, and the same over the floor, against batch for every arm of
 # the floor bench. Follow the blue line against the black dashed floor and the red targets: it
 # sits under every peer at every batch, at a nearly constant distance above the floor.*
 #
@@ -583,7 +702,7 @@ if ON_GPU or not lab.figure_path("day61_chunked_itl", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.4: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
+# *Figure 61.5: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
 # at each offered rate. Compare the p99 bars at each rate: chunking cuts the tail, and cuts it
 # more at the higher rate, yet both arms stay far above the black ticks that mark the aim.*
 
@@ -730,6 +849,14 @@ for gate in gates:
 # - **Inductor's matmul templates** at batch 1 were chosen by timings that are not the step's, and
 #   made it slower. **Tuned reductions** at batch 1 made it shorter, by folding the norms into the
 #   projections rather than by reading faster, and stay.
+# - **Folding the read's shares in its own kernel** made the read slower: the fold waits behind
+#   the slowest share, where the merge kernel it replaced ran wide. **Skipping the empty shares**
+#   left the read's kernel as it was: at a short context its cost is the grid, not the partials.
+#   **PDL in the compiled step** did not move the median of fresh compiles.
+# - **The tuning is a draw.** One batch-1 graph, compiled afresh, ran anywhere in a band of about
+#   0.19 ms, wider than its distance to the target. The LM head was the worst of it and is back on
+#   cuBLAS, which took the median step down by about 0.08 ms. Taming the rest of the band (the
+#   down, q/k/v and o reductions) is the next lever for batch 1.
 # - **Against the peers**, nanolab's step is the fastest measured at every batch, and was in the
 #   run beside gpt-fast's too, at a nearly constant multiple of the floor. Of the step
 #   targets it meets those at batch 64 and at context 2,048; the printed ratios say by how much

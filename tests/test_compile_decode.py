@@ -13,6 +13,8 @@ from nanolab import Engine, SamplingParams, load_model
 from nanolab.engine.runner import compile_decode
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
+from nanolab.lab.levers import opaque_projections
+from nanolab.model.layers import linear_op
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 
@@ -47,6 +49,28 @@ def test_compiled_decode_matches_the_reference(sharp_gqa24, read):
     assert forward.calls >= 6, "the decode steps did not go through the compiled forward"
     assert_logits_match_reference(sharp_gqa24, seqs, logits)
     check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_opaque_projections_compile_to_the_reference(sharp_gqa24):
+    """The LM head and down projections marked opaque (`Linear.opaque`) reach the compiled graph as
+    `linear_op` calls, and the decode logits still equal the reference's."""
+    torch._dynamo.reset()
+    model = plain(sharp_gqa24)
+    opaque_projections(model, ("lm_head", "down"))
+    forward = compile_decode(model)
+    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+    logits, on_step = logit_recorder()
+    with torch._inductor.utils.fresh_cache():
+        _, code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)
+    assert sum("nanolab.linear" in c for c in code) >= 1, "no compiled graph called the opaque projection"
+    assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    x, w = torch.randn(3, 24), torch.randn(7, 24)
+    torch.testing.assert_close(linear_op(x, w), x @ w.T)
+    torch.library.opcheck(linear_op, (x, w))
+    with pytest.raises(ValueError, match="opaque: unknown projections"):
+        opaque_projections(model, ("qkv",))
 
 
 def test_the_read_op_is_the_kernel():

@@ -10,6 +10,7 @@ import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.patches import Rectangle
 
+from nanolab.lab.levers import once_a_step
 from nanolab.lab.plots.floor import (
     PARTS,
     best_of_sweep,
@@ -17,6 +18,7 @@ from nanolab.lab.plots.floor import (
     plot_floor_roofline,
     plot_lever_waterfall,
     plot_projections,
+    plot_tuning_spread,
 )
 
 
@@ -148,3 +150,29 @@ def test_the_figures_stay_out_of_pyplot():
     plot_floor_roofline(floor, roofline)
     plot_projections(projections())
     assert set(plt.get_fignums()) == before
+
+
+def test_tuning_spread_marks_each_compile_and_the_lm_head_it_ran():
+    """One dot per compile and a median bar per arm; the LM head is the longest kernel launched
+    once a step, drawn as a square when cuBLAS ran it and a dot when inductor's reduction did."""
+    spread = pd.DataFrame({"arm": ["tuned", "tuned", "tuned", "cublas head", "cublas head"],
+                           "trial": [0, 1, 2, 0, 1], "ms_per_step": [1.0, 1.2, 1.1, 1.05, 1.04]})
+    rows = []
+    for arm, trial, head_kernel, head_us in [("tuned", 0, "triton_red_fused_mm_19", 300.0),
+                                              ("tuned", 1, "triton_red_fused_mm_19", 150.0),
+                                              ("tuned", 2, "triton_red_fused_mm_19", 200.0),
+                                              ("cublas head", 0, "nvjet_sm90_256x8", 120.0),
+                                              ("cublas head", 1, "nvjet_sm90_256x8", 121.0)]:
+        rows += [(arm, trial, head_kernel, 32, head_us), (arm, trial, "_chunk_max", 32, 2.0),
+                 (arm, trial, "triton_red_fused_mm_silu_6", 512, 400.0)]  # longer, but once a layer
+    profile = pd.DataFrame(rows, columns=["arm", "trial", "kernel", "calls", "us_per_step"])
+    head = once_a_step(profile)
+    assert head.us_per_step.tolist() == [120.0, 121.0, 300.0, 150.0, 200.0]
+    fig = plot_tuning_spread(spread, head, target_ms=1.0)
+    step_ax, head_ax = fig.axes
+    dots = [ln for ln in step_ax.get_lines() if ln.get_marker() == "o"]
+    assert sorted(np.concatenate([ln.get_ydata() for ln in dots]).tolist()) == sorted(spread.ms_per_step)
+    assert sorted(seg[0][1] for seg in step_ax.collections[0].get_segments()) == [1.1]  # tuned's median
+    squares = np.concatenate([ln.get_ydata() for ln in head_ax.get_lines() if ln.get_marker() == "s"])
+    assert sorted(squares.tolist()) == [120.0, 121.0]
+    assert 1.0 in hline_ys(step_ax)

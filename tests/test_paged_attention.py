@@ -13,6 +13,7 @@ import torch
 from conftest import make_cache
 
 from nanolab.engine.block_manager import cdiv
+from nanolab.kernels import paged_attention as paged_attention_module
 from nanolab.kernels.paged_attention import (
     VARIANTS,
     choose_launch,
@@ -158,6 +159,46 @@ def test_tiles_walked_equal_streamed_work(variant):
     assert counts.tolist() == [lanes * cdiv(n, BLOCK) for n in plan.context_lens.tolist()]
     assert int(counts.sum()) // lanes == work.walked == 11
     assert work.rect_tiles == 32
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded in the read", "merge kernel"])
+def test_every_share_is_folded_once_by_the_last(fold, monkeypatch):
+    """Four shares that each walk keys of their own, folded by the last share to finish (or by
+    `_merge_splits`): equal to the reference on two batches in turn, and every ticket back at 0
+    after each read (a graph replays the same launch). The interpreter runs programs one at a
+    time, so the race the ticket orders is met only on a GPU, where the reads repeat 50 times."""
+    monkeypatch.setattr(paged_attention_module, "FOLD_SHARES", fold)
+    for seed in (0, 1) if DEVICE == "cpu" else range(50):
+        cache, plan, q, _ = _decode_batch([63, 50, 47], 4, 2, seed=seed)  # 4, 4 and 3 tiles of 16
+        got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
+                           plan.positions, block=BLOCK, variant="split", splits=4)
+        torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
+        for held in paged_attention_module._TICKETS.values():
+            assert not held[-1].any()
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["empty shares skipped", "every share written"])
+def test_empty_shares_write_nothing_and_the_merge_reads_none(skip, monkeypatch):
+    """Rows of 4, 1 and 2 tiles read in 4 shares, with the partials NaN until written: with
+    `SKIP_EMPTY_SHARES` a share past its row's tiles leaves its partials NaN and the merge never
+    reads them; without, every share writes. Either way the output is the reference's."""
+    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
+    made = []
+
+    def poisoned(*shape_and_device):
+        made.append(tuple(t.fill_(float("nan")) for t in paged_attention_module_partials(*shape_and_device)))
+        return made[-1]
+
+    paged_attention_module_partials = paged_attention_module._partials
+    monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
+    cache, plan, q, _ = _decode_batch([63, 5, 20], 4, 2)  # 64, 6 and 21 keys: 4, 1 and 2 tiles of 16
+    got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
+                       plan.positions, block=BLOCK, variant="split", splits=4)
+    torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
+    (_, m, _), = made
+    written = ~m.isnan().all(dim=1)  # [rows, shares]: a share writes its m for every head it reads
+    assert written.tolist() == ([[True] * 4, [True] + [False] * 3, [True, True, False, False]] if skip
+                                else [[True] * 4] * 3)
 
 
 def _refusal_cases(cache, plan, q):

@@ -25,8 +25,12 @@ from nanolab.model.llama import LlamaModel
 # matmul of one row into a multiply and a sum, a Triton reduction that it tunes for its shape and
 # fuses with the norm or activation beside it. On the H200 the reductions read Llama-3.2-1B's
 # weights a little slower than cuBLAS, but the step lost its separate norm kernels and the gaps
-# around them, and got shorter (Day 61).
+# around them, and got shorter (Day 61). The tuning starts afresh with each process, and what it
+# settles on varies: compiled six times, the same step took 1.02 to 1.21 ms.
 BATCH_1_OPTIONS = {"coordinate_descent_tuning": True}
+# Inductor's option that launches each of its Triton kernels as a programmatic dependent of the one
+# before (Hopper's PDL): it waits in-kernel before its first read of what an earlier kernel wrote.
+PDL_OPTIONS = {"triton.enable_pdl": True}
 
 
 class DecodeForward:
@@ -38,13 +42,20 @@ class DecodeForward:
     cuBLAS's; batch 1 goes through `single`, compiled with inductor's `batch_1_options` when given
     (the engine's are `BATCH_1_OPTIONS`: its projections become tuned Triton reductions with the
     norms folded in, and tuning every kernel adds tens of seconds at start for Llama-3.2-1B), else
-    batch 1 shares `batched`. Compiling happens on the first call of each."""
+    batch 1 shares `batched`. With `opaque_head`, the LM head stays cuBLAS's in both graphs
+    (`layers.Linear.opaque`): set on the model, so it holds for every compile of it after. With
+    `pdl`, both graphs' Triton kernels are launched as programmatic dependents (`PDL_OPTIONS`); the
+    engine's own ops follow `kernels.pdl.OPS_PDL`. Compiling happens on the first call of each."""
 
-    def __init__(self, model: LlamaModel, batch_1_options: dict | None = None) -> None:
-        self.batched = torch.compile(model, dynamic=True, fullgraph=True)
+    def __init__(self, model: LlamaModel, batch_1_options: dict | None = None, pdl: bool = False,
+                 opaque_head: bool = False) -> None:
+        model.lm_head.opaque = opaque_head
+        extra = PDL_OPTIONS if pdl else {}
+        self.batched = torch.compile(model, dynamic=True, fullgraph=True, options=dict(extra) or None)
         self.single = (self.batched if batch_1_options is None else
-                       torch.compile(model, dynamic=True, fullgraph=True, options=batch_1_options))
+                       torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
         self.batch_1_options = batch_1_options
+        self.pdl = pdl
 
     @property
     def tune_batch_1(self) -> bool:
@@ -55,13 +66,15 @@ class DecodeForward:
         return (self.single if ids.shape[0] == 1 else self.batched)(ids, positions, cache=cache)
 
 
-def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None) -> DecodeForward:
+def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: bool = False) -> DecodeForward:
     """`model` compiled for decode steps (`DecodeForward`), batch 1 with `BATCH_1_OPTIONS` when
     `tune_batch_1`: by default for a model on CUDA, since inductor lowers a one-row matmul that way
-    on accelerators only."""
+    on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
+    each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
+    every time (Day 61). `pdl` as `DecodeForward`'s."""
     if tune_batch_1 is None:
         tune_batch_1 = next(model.parameters()).device.type == "cuda"
-    return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None)
+    return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1)
 
 
 class ModelRunner:

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
+
 BLOCK_T = 16  # tokens a program
 
 
@@ -55,12 +57,14 @@ def _silu_mul(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
 @triton.jit
 def _rope_write(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, heads, kv_heads, n_slots,
                 stride_t, stride_h, stride_ct, stride_st, stride_qt, stride_qh, stride_ps, stride_ph,
-                HALF: tl.constexpr, H2: tl.constexpr, HP: tl.constexpr, K_IN_PLACE: tl.constexpr):
+                HALF: tl.constexpr, H2: tl.constexpr, HP: tl.constexpr, K_IN_PLACE: tl.constexpr,
+                PDL: tl.constexpr = False):
     """One program: one token's fused q/k/v heads [heads + 2 kv_heads, 2 HALF]. The first
     heads + kv_heads are rotated in halves, q goes to q_ptr [tokens, heads, 2 HALF], k and v to
     their pools [n_slots, kv_heads, 2 HALF] at the token's slot, a negative one counted from the
     end as torch's indexing does (a padded decode row writes the sink, -1). K_IN_PLACE: k rotated
-    back into qkv too."""
+    back into qkv too. PDL: launched as a programmatic dependent, it waits for the kernel before."""
+    dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, HP)[:, None]  # [HP, 1]: the head of each row of the tile
     j = tl.arange(0, H2)[None, :]  # [1, H2]: the column within a half
@@ -93,13 +97,14 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, heads
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               slots: torch.Tensor, heads: int, k_in_place: bool = False) -> torch.Tensor:
+               slots: torch.Tensor, heads: int, k_in_place: bool = False, pdl: bool = False) -> torch.Tensor:
     """qkv [tokens, heads + 2 kv_heads, head_dim] (q, k, v heads in that order), cos and sin
     [tokens, head_dim] (their halves equal), slots [tokens] int64 -> q rotated [tokens, heads,
     head_dim], with k rotated into k_pool and v into v_pool [pool slots, kv_heads, head_dim] at
     each token's slot (negative slots count from the end, as in `pool[slots] = k`). One kernel:
     `Attention`'s rotation and `CacheView.write` together. `k_in_place` also leaves k rotated in
-    qkv, where a read of whole prompts takes it (`CacheView.read`) instead of gathering it back."""
+    qkv, where a read of whole prompts takes it (`CacheView.read`) instead of gathering it back.
+    `pdl` launches the kernel as a programmatic dependent of the one before (`kernels.pdl`)."""
     tokens, total, d = qkv.shape
     kv_heads = (total - heads) // 2
     if heads < 1 or kv_heads < 1 or total != heads + 2 * kv_heads or d % 2:
@@ -118,7 +123,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
         _rope_write[(tokens,)](qkv, cos, sin, slots, q, k_pool, v_pool, heads, kv_heads, k_pool.shape[0], qkv.stride(0),
                                qkv.stride(1), cos.stride(0), slots.stride(0), q.stride(0), q.stride(1),
                                k_pool.stride(0), k_pool.stride(1), HALF=d // 2, H2=triton.next_power_of_2(d // 2),
-                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place)
+                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place, PDL=pdl,
+                               **({"launch_pdl": True} if pdl else {}))
     return q
 
 
@@ -126,8 +132,9 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 def rope_write_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   slots: torch.Tensor, heads: int) -> torch.Tensor:
     """`rope_write` as one operator with its pool writes declared: what a compiled forward calls, so
-    inductor launches the one kernel instead of tracing three of its own."""
-    return rope_write(qkv, cos, sin, k_pool, v_pool, slots, heads)
+    inductor launches the one kernel instead of tracing three of its own; a programmatic dependent
+    where `kernels.pdl.ops_pdl` says so."""
+    return rope_write(qkv, cos, sin, k_pool, v_pool, slots, heads, pdl=ops_pdl(qkv.device))
 
 
 @rope_write_op.register_fake

@@ -30,13 +30,21 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.pdl import dependent_launch
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
 
 VARIANTS = ("head", "gqa", "split")
 # Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
 # 128-key tiles and 4 warps at every shape; the pipeline depth is `choose_stages`'.
 BLOCK = 128
 NUM_WARPS = 4
+# With more than one share a row, `_merge_splits` folds the shares in a second kernel. With
+# FOLD_SHARES the last share to finish folds them in the read's own kernel (`_fold_shares`)
+# instead; the lab turns it on to measure it. On the H200 it made the read slower (Day 61).
+FOLD_SHARES = False
+# With SKIP_EMPTY_SHARES a share past its row's last tile writes no partials and the merge reads
+# only the live ones; the lab turns it on to measure it. On the H200 the read's kernel took as long
+# and the merge, which then reads each row's length first, got longer (Day 61).
+SKIP_EMPTY_SHARES = False
 
 
 @triton.jit
@@ -138,16 +146,23 @@ def _paged_decode_head(
 
 @triton.jit
 def _paged_decode_group(
-    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, ticket_ptr, tiles_ptr,
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
+    FOLD: tl.constexpr, SKIP_EMPTY: tl.constexpr,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
-    loaded once for all of them. With SPLITS == 1 the output is written normalised; otherwise the
-    program writes its partial acc with its m and l, and `_merge_splits` folds the shares."""
+    loaded once for all of them. With SPLITS == 1 the output is written normalised. Otherwise the
+    program writes its partial acc with its m and l; with FOLD, it then takes a ticket for its
+    (row, KV head), and the program that takes the last one folds every share's partials into the
+    output (`_fold_shares`) and puts the ticket back to 0; without, `_merge_splits` folds them.
+    With SKIP_EMPTY (and not FOLD), a share past the row's last tile writes nothing: the split
+    count is the table capacity's, so at a short context most shares are empty, and
+    `_merge_splits` reads only the shares a row has (`_live_shares`). Share 0 always writes, so a
+    row with no key still reads zeros."""
     dependent_launch(PDL)
     r = tl.program_id(0)
     kv = tl.program_id(1)
@@ -163,9 +178,14 @@ def _paged_decode_group(
         q = q.to(tl.float32)
     ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
     n_tiles = tl.cdiv(ctx, BLOCK)
-    per_split = tl.cdiv(n_tiles, SPLITS)
+    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
     first = sp * per_split
     last = tl.minimum(first + per_split, n_tiles)
+    if SKIP_EMPTY and not FOLD:
+        # Live: a share that starts before the row's last tile, a row without keys counting as one
+        # tile (its share 0 writes the zeros it reads). An empty share's stores are masked off.
+        gmask = g < tl.where(first < tl.maximum(n_tiles, 1), GROUP, 0)
+        qmask = gmask[:, None] & dmask[None, :]
     m = tl.full([G], float("-inf"), tl.float32)
     l = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
@@ -182,26 +202,72 @@ def _paged_decode_group(
         tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        # partials: out [rows, heads, SPLITS, D] fp32, m and l [rows, heads, SPLITS]
-        part = (r * GROUP * tl.num_programs(1) + heads) * SPLITS + sp
-        tl.store(out_ptr + part[:, None] * D + d[None, :], acc, mask=qmask)
+        # partials: acc [rows, heads, SPLITS, D] fp32, m and l [rows, heads, SPLITS]
+        first_part = (r * GROUP * tl.num_programs(1) + heads) * SPLITS  # [G]: share 0 of each head
+        part = first_part + sp
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=qmask)
         tl.store(m_ptr + part, m, mask=gmask)
         tl.store(l_ptr + part, l, mask=gmask)
+        if FOLD:
+            # Every thread's partial stores are issued before the ticket, whose release (gpu scope)
+            # publishes them; the last taker's acquire makes every share's visible to it.
+            tl.debug_barrier()
+            ticket = ticket_ptr + r * tl.num_programs(1) + kv
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLITS - 1:
+                out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS, D)
+                tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=qmask)
+                tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     if COUNT:
         tl.atomic_add(tiles_ptr + r, walked)
 
 
 @triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, heads, head_dim, stride_or, stride_oh,
-                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS: tl.constexpr, D: tl.constexpr):
+    """The normalised output [G, D] of the query heads whose share-0 partials sit at first_part [G]:
+    each share's acc weighted by exp(m - max m), over the shares' weighted l. An empty share has
+    m = -inf and l = acc = 0, so its weight is exactly 0; a row with no live key reads zeros.
+    Loads go to L2 (".cg"): the other shares' partials were written by other SMs."""
+    top = tl.load(m_ptr + first_part, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        top = tl.maximum(top, tl.load(m_ptr + first_part + s, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros(top.shape, tl.float32)
+    out = tl.zeros(qmask.shape, tl.float32)
+    for s in tl.static_range(SPLITS):
+        weight = tl.exp(tl.load(m_ptr + first_part + s, mask=gmask, other=float("-inf"), cache_modifier=".cg") - top)
+        total += weight * tl.load(l_ptr + first_part + s, mask=gmask, other=0.0, cache_modifier=".cg")
+        part = tl.load(acc_ptr + (first_part + s)[:, None] * D + d[None, :], mask=qmask, other=0.0,
+                       cache_modifier=".cg")
+        out += weight[:, None] * part
+    return out / tl.where(total == 0.0, 1.0, total)[:, None]
+
+
+@triton.jit
+def _live_shares(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """How many of row r's SPLITS shares are live, at least 1: `_paged_decode_group` gives each
+    share max(cdiv(tiles, SPLITS), 1) tiles, so the shares past cdiv(tiles, that) hold none."""
+    n_tiles = tl.cdiv(_row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS), BLOCK)
+    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
+    return tl.maximum(tl.cdiv(n_tiles, per_split), 1)
+
+
+@triton.jit
+def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr, pos_ptr, stride_pr, heads, head_dim, stride_or, stride_oh,
+                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                  HAS_POS: tl.constexpr, SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr):
     """Fold the split partials of one (row, query head): acc [rows, heads, SPLITS, D] fp32, m and
     l [rows, heads, SPLITS]. An empty share has m = -inf and l = acc = 0, so its weight
-    exp(m - max) is exactly 0; a row with no live key at all reads zeros."""
+    exp(m - max) is exactly 0; a row with no live key at all reads zeros. With SKIP_EMPTY only the
+    row's live shares (`_live_shares`) are read, as the empty ones wrote nothing."""
     dependent_launch(PDL)
     i = tl.program_id(0)  # row * heads + head
     sp = tl.arange(0, S)
     d = tl.arange(0, D)
     smask = sp < SPLITS
+    if SKIP_EMPTY:
+        smask = sp < _live_shares(lens_ptr, pos_ptr, i // heads, stride_pr, HAS_POS, BLOCK, SPLITS)
     m = tl.load(m_ptr + i * SPLITS + sp, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + i * SPLITS + sp, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + (i * SPLITS + sp[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
@@ -399,21 +465,46 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     n_splits = launch.splits
     meta = dict(GROUP=group, G=_pow2(group, 16), BLOCK=block, D=D, PAGE=page, HAS_POS=has_pos,
                 DOT=_dot_mode(k_pool.dtype), COUNT=count, **tuning)
-    if n_splits == 1:
+    if n_splits == 1:  # out stands in for the partials and tickets it never touches
         _paged_decode_group[(rows, kv_heads, 1)](
-            q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, out, out, tiles, *strides, scale, d,
-            SPLITS=1, **meta)
+            q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, out, out, out, out, tiles, *strides,
+            scale, d, SPLITS=1, FOLD=False, SKIP_EMPTY=False, **meta)
         return out[:, None]
-    acc = torch.empty((rows, heads, n_splits, D), dtype=torch.float32, device=q.device)
-    m = torch.empty((rows, heads, n_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    acc, m, l = _partials(rows, heads, n_splits, D, q.device)
+    fold, skip = FOLD_SHARES, SKIP_EMPTY_SHARES
+    tickets = _tickets(q.device, rows * kv_heads) if fold else m
     _paged_decode_group[(rows, kv_heads, n_splits)](
-        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, acc, m, l, tiles, *strides, scale, d,
-        SPLITS=n_splits, **meta)
-    _merge_splits[(rows * heads,)](acc, m, l, out, heads, d, out.stride(0), out.stride(1),
-                                   SPLITS=n_splits, S=_pow2(n_splits), D=D, PDL=pdl,
-                                   **({"launch_pdl": True} if pdl else {}))
+        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l, tickets, tiles, *strides,
+        scale, d, SPLITS=n_splits, FOLD=fold, SKIP_EMPTY=skip, **meta)
+    if not fold:
+        _merge_splits[(rows * heads,)](acc, m, l, out, context_lens, pos, pos.stride(0), heads, d, out.stride(0),
+                                       out.stride(1), SPLITS=n_splits, S=_pow2(n_splits), D=D, BLOCK=block,
+                                       HAS_POS=has_pos, SKIP_EMPTY=skip, PDL=pdl,
+                                       **({"launch_pdl": True} if pdl else {}))
     return out[:, None]
+
+
+def _partials(rows: int, heads: int, splits: int, d: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split read's partials, uninitialised: acc [rows, heads, splits, d], m and l [rows, heads,
+    splits], all fp32."""
+    m = torch.empty((rows, heads, splits), dtype=torch.float32, device=device)
+    return torch.empty((rows, heads, splits, d), dtype=torch.float32, device=device), m, torch.empty_like(m)
+
+
+# Per device, every ticket buffer handed out, newest last. None is ever dropped: a captured graph
+# keeps the address it was captured with.
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 tickets on `device`, all 0 between launches (the folding program puts its
+    ticket back), one per (row, KV head) of a split read. Reads run one at a time on the device's
+    stream, so they share the buffer."""
+    held = _TICKETS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -432,8 +523,10 @@ def paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
                        block_size: int) -> torch.Tensor:
     """`paged_attention` with the default launch, as one opaque operator: what a compiled forward
     calls, so dynamo records the read as a single node instead of tracing its launch logic, and
-    inductor fuses the work around it. The launch is still chosen from the shapes alone."""
-    return paged_attention(q, k_pool, v_pool, block_table, table_rows, block_size, context_lens, positions)
+    inductor fuses the work around it. The launch is still chosen from the shapes alone, and is a
+    programmatic dependent where `kernels.pdl.ops_pdl` says so."""
+    return paged_attention(q, k_pool, v_pool, block_table, table_rows, block_size, context_lens, positions,
+                           pdl=ops_pdl(q.device))
 
 
 @paged_attention_op.register_fake

@@ -16,6 +16,11 @@ from triton import jit
 
 from nanolab.kernels import INTERPRETED
 
+# Whether the engine's own decode kernels (the streamed read, the rotation with the K/V write)
+# launch as programmatic dependents wherever `supports_pdl`; `runner.DecodeForward(pdl=True)`
+# turns on inductor's PDL to match. Off by default; the lab turns it on to measure it.
+OPS_PDL = False
+
 
 @jit
 def dependent_launch(PDL: tl.constexpr):
@@ -31,6 +36,11 @@ def release_dependents(PDL: tl.constexpr):
     A kernel that never calls it releases the next one as its programs exit."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def ops_pdl(device: torch.device) -> bool:
+    """Whether an op of the engine launches on `device` as a programmatic dependent (`OPS_PDL`)."""
+    return OPS_PDL and supports_pdl(device)
 
 
 def supports_pdl(device: torch.device | str) -> bool:

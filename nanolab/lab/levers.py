@@ -31,6 +31,8 @@ from nanolab.engine import llm_engine as engine_module
 from nanolab.engine import runner as runner_module
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import DecodeForward, compile_decode
+from nanolab.kernels import paged_attention as paged_attention_module
+from nanolab.kernels import pdl as pdl_module
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
@@ -53,13 +55,18 @@ class Lever:
     rope_write: bool = False  # q's and k's rotation and the K/V write in one kernel (`CacheView.write_rotated`)
     autotune: bool = False  # batch 1 through its own graph, projections autotuned at M = 1 (`autotuned_batch_1`)
     tune_batch_1: bool = False  # batch 1's graph with coordinate-descent tuning (`runner.BATCH_1_OPTIONS`)
+    fold_shares: bool = False  # a split read's shares folded in its own kernel (`paged_attention.FOLD_SHARES`)
+    step_pdl: bool = False  # the compiled step's kernels launched as programmatic dependents (`runner.PDL_OPTIONS`)
+    opaque: tuple[str, ...] = ()  # projections inductor leaves to cuBLAS (`layers.Linear.opaque`): "lm_head", "down"
+    skip_empty: bool = False  # a split read's empty shares write nothing (`paged_attention.SKIP_EMPTY_SHARES`)
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
 # batch-1 arms each branch off that one, and the fused projections (and PDL over them) off
-# "+ async scheduling", as they were measured. The Triton GEMV is
-# measured alone against cuBLAS (`projection_table`) and, as it does not beat it, never enters
-# the engine.
+# "+ async scheduling", as they were measured. The shares folded, PDL in the compiled step and the
+# cuBLAS projections each branch off the tuned batch 1; the empty shares skipped off the cuBLAS LM
+# head. The Triton GEMV is measured alone against cuBLAS (`projection_table`) and, as it does not
+# beat it, never enters the engine.
 ARMS = (
     Lever("graphs (before)", pinned=False),
     Lever("+ pinned step inputs"),
@@ -70,6 +77,16 @@ ARMS = (
     Lever("+ tuned batch-1 reductions", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True),
     Lever("+ fused projections", compile=True, async_scheduling=True, fused=True),
     Lever("+ PDL", compile=True, async_scheduling=True, fused=True, pdl=True),
+    Lever("+ shares folded in the read", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          fold_shares=True),
+    Lever("+ PDL in the compiled step", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          step_pdl=True),
+    Lever("+ cuBLAS LM head", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          opaque=("lm_head",)),
+    Lever("+ cuBLAS LM head and down", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          opaque=("lm_head", "down")),
+    Lever("+ empty shares skipped", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          opaque=("lm_head",), skip_empty=True),
 )
 DEFAULT_ARMS = ARMS
 
@@ -79,24 +96,34 @@ def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True):
+def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True, fold_shares: bool = False,
+            ops_pdl: bool = False, skip_empty: bool = False):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
-    with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), and with or
-    without torch's fused attention for whole prompts (`kv_cache.PROMPTS_BY_SDPA`). Build the
-    engine inside: a compiled step keeps the choices it was traced with."""
+    with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
+    without torch's fused attention for whole prompts (`kv_cache.PROMPTS_BY_SDPA`), with a split
+    read's shares folded in its own kernel or by a second one (`paged_attention.FOLD_SHARES`), its
+    empty shares skipped or written (`paged_attention.SKIP_EMPTY_SHARES`), and with or without the
+    engine's ops launched as programmatic dependents (`kernels.pdl.OPS_PDL`).
+    Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
-    saved = [m.stage for m in modules], attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA
+    switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
+                (kv_cache_module, "PROMPTS_BY_SDPA", prompts_by_sdpa),
+                (paged_attention_module, "FOLD_SHARES", fold_shares), (pdl_module, "OPS_PDL", ops_pdl),
+                (paged_attention_module, "SKIP_EMPTY_SHARES", skip_empty))
+    saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
     if not pinned:
         for m in modules:
             m.stage = _pageable
-    attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA = rope_write, prompts_by_sdpa
+    for m, name, value in switches:
+        setattr(m, name, value)
     try:
         yield
     finally:
         for m, fn in zip(modules, saved[0], strict=True):
             m.stage = fn
-        attention_module.FUSED_ROPE_WRITE, kv_cache_module.PROMPTS_BY_SDPA = saved[1:]
+        for (m, name, _), value in zip(switches, saved[1], strict=True):
+            setattr(m, name, value)
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
@@ -135,12 +162,27 @@ def autotuned_batch_1(model) -> DecodeForward:
     return DecodeForward(model, AUTOTUNE_BATCH_1)
 
 
+def opaque_projections(model, names: tuple[str, ...]) -> None:
+    """Mark the projections `names` ("lm_head", "down") opaque to inductor (`layers.Linear.opaque`),
+    and every other not."""
+    unknown = set(names) - {"lm_head", "down"}
+    if unknown:
+        raise ValueError(f"opaque: unknown projections {sorted(unknown)}; known: lm_head, down")
+    model.lm_head.opaque = "lm_head" in names
+    for layer in model.layers:
+        layer.mlp.down_proj.opaque = "down" in names
+
+
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
-    """A graphed engine with `lever`'s settings, and the seconds building it took (compile included)."""
+    """A graphed engine with `lever`'s settings, and the seconds building it took (compile included).
+    Marks the model's projections as the lever says (`opaque_projections`), over what
+    `compile_decode` marks."""
     start = time.perf_counter()
     forward = None
     if lever.compile:
-        forward = autotuned_batch_1(model) if lever.autotune else compile_decode(model, lever.tune_batch_1)
+        forward = (autotuned_batch_1(model) if lever.autotune else
+                   compile_decode(model, lever.tune_batch_1, pdl=lever.step_pdl))
+    opaque_projections(model, lever.opaque)  # compiling happens at the first call, in the engine's capture
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
@@ -254,9 +296,9 @@ def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
 def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
                    ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]] | None:
     """A partial levers run committed under `stem` (`levers --stem STEM`), shown as a chapter shows
-    it: its label, `values` by batch and arm, and its batch-1 parts by arm (a part an arm lacks is
-    0). Returns (levers table, parts by arm, arms in run order), or None with how to make it
-    (`command`) when data/ lacks it."""
+    it: its label, `values` by batch and arm, and the parts by arm of each profiled batch (a part
+    an arm lacks is 0). Returns (levers table, batch 1's parts by arm, arms in run order), or None
+    with how to make it (`command`) when data/ lacks it."""
     from nanolab.lab.report import load_table, show, table_label
 
     levers, parts = (load_table(f"{stem}_{name}", slug) for name in ("levers", "parts"))
@@ -266,18 +308,24 @@ def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
     print("measured on:", table_label(levers).caption().replace("; ", ";\n  "))
     order = list(dict.fromkeys(levers.arm))
     show(levers.pivot_table(index="batch", columns="arm", values=values)[order].round(3))
-    by_arm = parts.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
-    show(by_arm.round(3))
-    return levers, by_arm, order
+    by_batch = {b: p.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
+                for b, p in parts.groupby("batch")}
+    for b, by_arm in by_batch.items():
+        if len(by_batch) > 1:
+            print(f"batch {b}, ms per step by part:")
+        show(by_arm.round(3))
+    return levers, by_batch[1], order
 
 
 def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32, 128), (64, 128), (32, 2048)),
-               arms=DEFAULT_ARMS, steps: int = 32, repeats: int = 3, profile_shape=(1, 128), block_size: int = 16,
-               progress: bool = True) -> dict[str, pd.DataFrame]:
+               arms=DEFAULT_ARMS, steps: int = 32, repeats: int = 3, profile_shapes=((1, 128),), block_size: int = 16,
+               progress: bool = True, checkpoint: Callable[[dict[str, pd.DataFrame]], None] | None = None
+               ) -> dict[str, pd.DataFrame]:
     """Tables `day61_levers` (arm, batch, context, ms_per_step, floor_ms, x_floor, build_s, the step's
-    anatomy and its replay alone), `day61_parts` (arm, part, ms at `profile_shape`),
+    anatomy and its replay alone), `day61_parts` (arm, part, ms at each of `profile_shapes`),
     `day61_lever_profile` (its kernels) and `day61_lever_agreement` (greedy tokens and first-step
-    logits of each arm against the first)."""
+    logits of each arm against the first). `checkpoint`, when given, gets the tables so far after
+    each arm, so a run cut short keeps its finished arms."""
     device = torch.device("cuda")
     model = load_model(model_path, dtype=dtype, device=device)
     config = model.config
@@ -289,7 +337,8 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
     for lever in progress_bar(arms, desc="levers", enabled=progress):
-        with staging(lever.pinned, lever.rope_write):
+        with staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
+                    skip_empty=lever.skip_empty):
             engine, build_s = lever_engine(model, lever, **kw)
             for batch, context in shapes:
                 prompts = random_prompts(batch, context - steps, config.vocab_size)
@@ -300,7 +349,7 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
                                 "x_floor": timing.ms_per_step / floor, "build_s": build_s,
                                 "bandwidth_tb_s": bandwidth / 1e12, **step_anatomy(engine, prompts, steps),
                                 "replay_ms": replay_ms(engine, batch)})
-                if (batch, context) == tuple(profile_shape):
+                if (batch, context) in set(map(tuple, profile_shapes)):
                     profile = _profile(engine, prompts, steps, lever.name).assign(batch=batch, context=context)
                     profiles.append(profile)
                     parts.append(breakdown(profile, timing.ms_per_step).assign(arm=lever.name, batch=batch,
@@ -313,9 +362,67 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    return {"day61_levers": pd.DataFrame(records), "day61_parts": pd.concat(parts, ignore_index=True),
-            "day61_lever_agreement": pd.DataFrame(agreement),
-            "day61_lever_profile": pd.concat(profiles, ignore_index=True)}
+        if checkpoint is not None:
+            checkpoint(_lever_tables(records, parts, agreement, profiles))
+    return _lever_tables(records, parts, agreement, profiles)
+
+
+def _lever_tables(records, parts, agreement, profiles) -> dict[str, pd.DataFrame]:
+    tables = {"day61_levers": pd.DataFrame(records), "day61_lever_agreement": pd.DataFrame(agreement)}
+    if parts:
+        tables["day61_parts"] = pd.concat(parts, ignore_index=True)
+        tables["day61_lever_profile"] = pd.concat(profiles, ignore_index=True)
+    return tables
+
+
+# The batch-1 arms `tuning_spread` compiles afresh: the engine's step, and it with PDL.
+SPREAD_ARMS = (ARMS[6], ARMS[10])
+
+
+def tuning_spread(model_path, dtype=torch.bfloat16, arms=SPREAD_ARMS, trials: int = 3, steps: int = 32,
+                  repeats: int = 3, context: int = 128, progress: bool = True,
+                  checkpoint: Callable[[dict[str, pd.DataFrame]], None] | None = None) -> dict[str, pd.DataFrame]:
+    """Tables `day61_tuning_spread` (arm, trial, ms_per_step, replay_ms, build_s at batch 1) and
+    `day61_spread_profile` (each trial's kernels): every arm's batch-1 engine built `trials` times
+    with inductor's caches off, so coordinate descent tunes each kernel anew, and timed as
+    `run_levers` times a step. The spread between trials of one arm is the tuning's, not the code's.
+    Arms alternate trial by trial, so drift on the card falls on both."""
+    device = torch.device("cuda")
+    model = load_model(model_path, dtype=dtype, device=device)
+    prompts = random_prompts(1, context - steps, model.config.vocab_size)
+    kw = dict(num_blocks=cdiv(context, 16) + 18, block_size=16, max_num_seqs=1)
+    records, profiles = [], []
+    jobs = [(trial, lever) for trial in range(trials) for lever in arms]
+    for trial, lever in progress_bar(jobs, desc="tuning spread", enabled=progress):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True), \
+                staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
+                        skip_empty=lever.skip_empty):
+            engine, build_s = lever_engine(model, lever, **kw)
+            timing = time_engine(engine, prompts, steps, repeats, lever.name)
+            records.append({"arm": lever.name, "trial": trial, "batch": 1, "context": context,
+                            "ms_per_step": timing.ms_per_step, "replay_ms": replay_ms(engine, 1), "build_s": build_s})
+            profiles.append(_profile(engine, prompts, steps, lever.name).assign(trial=trial, batch=1, context=context))
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(_spread_tables(records, profiles))
+    return _spread_tables(records, profiles)
+
+
+def once_a_step(profile: pd.DataFrame, steps: int = 32) -> pd.DataFrame:
+    """Per (arm, trial) of a `tuning_spread` profile, the longest kernel a step launches once: at
+    batch 1 the LM head, whose 525 MB (Llama-3.2-1B) dwarf the sampler's and the first norm's.
+    Columns arm, trial, kernel, us_per_step."""
+    once = profile[profile.calls == steps]
+    longest = once.loc[once.groupby(["arm", "trial"]).us_per_step.idxmax()]
+    return longest[["arm", "trial", "kernel", "us_per_step"]].reset_index(drop=True)
+
+
+def _spread_tables(records, profiles) -> dict[str, pd.DataFrame]:
+    return {"day61_tuning_spread": pd.DataFrame(records),
+            "day61_spread_profile": pd.concat(profiles, ignore_index=True)}
 
 
 PREFILL_ARMS = (  # (name, rope_write, prompts_by_sdpa), cumulative
@@ -430,22 +537,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("levers", "projections", "agreement", "prefill"), default=None)
+    parser.add_argument("--only", choices=("levers", "projections", "agreement", "prefill", "spread"), default=None)
+    parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
     parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
                         "32@128, 64@128, 32@2048)")
+    parser.add_argument("--profile", default="1@128", help="batch@context pairs to profile, comma-separated")
     parser.add_argument("--stem", default="day61", help="table names' prefix: a partial run under its own name "
                         "leaves the full tables as they are")
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
-    """"1@128,8@128" -> ((1, 128), (8, 128)); refuses anything else, naming --shapes."""
+def parse_shapes(text: str, flag: str = "--shapes") -> tuple[tuple[int, int], ...]:
+    """"1@128,8@128" -> ((1, 128), (8, 128)); refuses anything else, naming `flag`."""
     try:
         shapes = tuple(tuple(int(x) for x in part.split("@")) for part in text.split(","))
     except ValueError:
         shapes = ()
     if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise ValueError(f"--shapes: expected batch@context pairs such as 1@128,8@128, got {text!r}")
+        raise ValueError(f"{flag}: expected batch@context pairs such as 1@128,8@128, got {text!r}")
     return shapes
 
 
@@ -471,6 +580,16 @@ def main(args: argparse.Namespace) -> int:
         keep({"day61_fp32_agreement": fp32_agreement(path)})
         print(tables[f"{args.stem}_fp32_agreement"].to_string(index=False))
         return 0
+    if args.only == "spread":
+        if args.trials < 1:
+            raise ValueError(f"--trials must be at least 1, got {args.trials}")
+        arms = SPREAD_ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
+        keep(tuning_spread(path, dtype, arms=arms, trials=args.trials, steps=args.steps, repeats=args.repeats,
+                           checkpoint=keep))
+        spread = tables[f"{args.stem}_tuning_spread"]
+        print(spread.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print(spread.groupby("arm").ms_per_step.describe().to_string(float_format="{:.3f}".format))
+        return 0
     if args.only == "prefill":
         keep({"day61_prefill_levers": prefill_levers(path, dtype)})
         print(tables[f"{args.stem}_prefill_levers"].to_string(index=False))
@@ -480,7 +599,8 @@ def main(args: argparse.Namespace) -> int:
     if args.only != "projections":
         arms = DEFAULT_ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
         shapes = {} if args.shapes is None else {"shapes": parse_shapes(args.shapes)}
-        keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats, **shapes))
+        keep(run_levers(path, dtype, arms=arms, steps=args.steps, repeats=args.repeats,
+                        profile_shapes=parse_shapes(args.profile, "--profile"), checkpoint=keep, **shapes))
     fmt = dict(index=False, float_format=lambda x: f"{x:.3f}")
     if f"{args.stem}_projections" in tables:
         p = tables[f"{args.stem}_projections"]

@@ -16,19 +16,37 @@ from nanolab.model.config import ModelConfig
 from nanolab.model.parallel import TensorParallel
 
 
+@torch.library.custom_op("nanolab::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear` as one operator inductor does not look into: the matmul stays the library's
+    (cuBLAS on a GPU) at every batch, where inductor would lower a one-row matmul into a reduction
+    of its own and tune it."""
+    return F.linear(x, weight)
+
+
+@linear_op.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` without bias that can run through oneDNN on the CPU.
+    """`nn.Linear` without bias that can run through oneDNN on the CPU, or stay cuBLAS's under
+    inductor.
 
     After `prepack()`, the weight is also held reordered into oneDNN's blocked layout (the
     path inductor's CPU freezing takes) and the matmul goes through oneDNN. MKL's GEMV, which
     `F.linear` uses for a single decode row, keeps to one core; on the 2-core CPU machine the
     prepacked matmuls of SmolLM2's layers ran 1.6x faster at 1 row and 2.2x at 8. The packed
     copy doubles the weights' memory, which a CPU box has to spare.
+
+    With `opaque`, a compiled forward calls the matmul as one operator (`linear_op`), so inductor
+    neither lowers nor fuses it.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed: torch.Tensor | None = None
+        self.opaque = False
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
@@ -36,6 +54,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.opaque and torch.compiler.is_compiling():
+            return linear_op(x, self.weight)
         return F.linear(x, self.weight)
 
 

@@ -3,7 +3,13 @@ and measured tables."""
 
 from nanolab.lab.plots.capture import plot_capture_buckets
 from nanolab.lab.plots.engine import plot_block_tables, plot_decode_speed
-from nanolab.lab.plots.floor import plot_chunked_itl, plot_floor_roofline, plot_lever_waterfall, plot_projections
+from nanolab.lab.plots.floor import (
+    plot_chunked_itl,
+    plot_floor_roofline,
+    plot_lever_waterfall,
+    plot_projections,
+    plot_tuning_spread,
+)
 from nanolab.lab.plots.parallel import plot_paper_speedup, plot_tp_steps
 from nanolab.lab.plots.plan import plot_decode_plan
 from nanolab.lab.plots.results import plot_headline
@@ -11,4 +17,4 @@ from nanolab.lab.plots.streamed import plot_launch_sweep, plot_streamed_engine, 
 
 __all__ = ["plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan", "plot_decode_speed",
            "plot_floor_roofline", "plot_headline", "plot_launch_sweep", "plot_lever_waterfall", "plot_paper_speedup",
-           "plot_projections", "plot_streamed_engine", "plot_streamed_read", "plot_tp_steps"]
+           "plot_projections", "plot_streamed_engine", "plot_streamed_read", "plot_tp_steps", "plot_tuning_spread"]

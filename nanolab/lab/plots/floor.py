@@ -75,6 +75,37 @@ def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
     return fig
 
 
+def plot_tuning_spread(spread: pd.DataFrame, head: pd.DataFrame, target_ms: float) -> Figure:
+    """Two panels, one column per arm (in the order they appear in `spread`): each fresh compile's
+    batch-1 ms per step (columns arm, trial, ms_per_step), a bar at the median, the target dotted;
+    and each compile's LM head in us per step (`levers.once_a_step`'s columns), cuBLAS's kernels
+    (named nvjet) as squares, inductor's reductions as dots."""
+    arms = list(dict.fromkeys(spread.arm))
+    fig = Figure(figsize=(11, 4.4))
+    step_ax, head_ax = fig.subplots(1, 2)
+    for i, arm in enumerate(arms):
+        ms = spread[spread.arm == arm].ms_per_step
+        step_ax.plot(np.full(len(ms), i), ms, "o", color="C0", alpha=0.75)
+        step_ax.hlines(ms.median(), i - 0.25, i + 0.25, color="k", lw=2)
+        us = head[head.arm == arm]
+        cublas = us.kernel.str.contains("nvjet")
+        head_ax.plot(np.full(int(cublas.sum()), i), us[cublas].us_per_step, "s", color="0.35", alpha=0.8)
+        head_ax.plot(np.full(int((~cublas).sum()), i), us[~cublas].us_per_step, "o", color="C1", alpha=0.8)
+    step_ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
+    step_ax.set_ylabel("batch-1 ms per decode step")
+    step_ax.set_title("the same step, compiled afresh: one dot a compile, bar at the median", fontsize=9)
+    step_ax.legend(fontsize=8)
+    head_ax.set_ylabel("LM head, us per step")
+    head_ax.set_ylim(0, None)
+    head_ax.set_title("its LM head: cuBLAS (squares) or inductor's tuned reduction (dots)", fontsize=9)
+    for ax in (step_ax, head_ax):
+        ax.set_xticks(range(len(arms)), [textwrap.fill(a.removeprefix("+ "), 16) for a in arms], fontsize=8)
+        ax.set_xlim(-0.6, len(arms) - 0.4)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):
     """Two panels against batch, one line per arm of the floor bench (its `label`): ms per decode
     step, and the same over the floor. The shortest context is drawn as lines with the floor
