@@ -40,11 +40,12 @@
 # - **batch 1 with tuned reductions**: the batch-1 graph compiled with inductor's
 #   coordinate-descent tuning, which turns each one-row projection into a Triton reduction with
 #   the norm before it folded in (`runner.DecodeForward`).
-# - **the read's shares folded in one kernel**, **its empty shares skipped**, and **PDL in the
-#   compiled step**: measured and not kept. Measuring them showed how far the tuning of one
-#   compile lands from another's.
+# - **the read's shares folded in one kernel**, and **PDL in the compiled step**: measured and not
+#   kept. Measuring them showed how far the tuning of one compile lands from another's.
 # - **the LM head back on cuBLAS**: the one projection whose tuned reduction varied most between
 #   compiles, now left to cuBLAS.
+# - **empty shares return at once**: at a short context most of the read's split grid walks
+#   nothing, and those programs now end as soon as they know it.
 #
 # Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
 # compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
@@ -416,7 +417,7 @@ if batch1 is not None:
 # the lever: it compiles one graph more at start, at batch 1 only.
 
 # %% [markdown]
-# ### The read's shares: folded in one kernel, or the empty ones skipped, measured and not kept
+# ### The read's shares folded in one kernel, measured and not kept
 #
 # At batch 1 and at batch 8 the streamed read cuts each row's walk into 16 shares, chosen for the
 # table's capacity rather than this step's context, and a second kernel (`_merge_splits`) folds
@@ -440,28 +441,6 @@ if step is not None:
 # once. The fold runs in one program per (row, KV head), and only after the slowest share of that
 # row has finished. So the fold's loads wait behind the whole walk instead of overlapping it. The
 # switch stays in the kernel, off, for the lab to measure.
-#
-# At context 128 a row has one tile of 128 keys, so 15 of its 16 shares walk nothing, yet each
-# writes a partial of 16 heads by 64 floats, and the merge reads them all. At batch 8 that is
-# 4 MB written and read back per layer for nothing. The next lever
-# (`paged_attention.SKIP_EMPTY_SHARES`) masks an empty share's stores off, and the merge reads only
-# the shares a row has. It was measured later in the day, in its own process, against the step
-# with the LM head on cuBLAS (kept below). The prediction was a shorter read at batches 8 and 32,
-# where the empty shares are most of the grid.
-
-# %%
-skip = lab.show_lever_run("day61_skip", "replay_ms", "python -m nanolab levers --only levers --arms 11,13 "
-                          "--profile 1@128,8@128,32@128 --stem day61_skip")
-if skip is not None:
-    skip_profile = lab.load_table("day61_skip_lever_profile", "h200")
-    lab.show(skip_profile[skip_profile.kernel.isin(["_paged_decode_group", "_merge_splits"])]
-             .pivot_table(index=["batch", "kernel"], columns="arm", values="us_per_step")[skip[2]].round(1))
-
-# %% [markdown]
-# The prediction was wrong. The read's own kernel took the same time with the stores masked off,
-# so writing the empty partials was never what cost: 1,024 programs a layer at batch 8, each
-# finding its row's length and loading its queries, is. The merge got slower, since each of its
-# programs now loads its row's length before it can load anything else. The switch stays off.
 #
 # The run's third arm added PDL to the compiled step on top of the fold, and at batch 1 it was the
 # fastest arm of the three by far. Its profile says why, and it is not PDL. The LM head's
@@ -529,6 +508,39 @@ else:
 # median above is the fairer number.
 
 # %% [markdown]
+# ### Empty shares return at once, kept
+#
+# At context 128 a row has one tile of 128 keys, so 15 of its 16 shares walk nothing. Each still
+# loads its queries and writes a partial of 16 heads by 64 floats, and the merge reads them all.
+# At batch 8 that is 1,024 programs a layer, where one per KV head and row would do. With
+# `paged_attention.SKIP_EMPTY_SHARES` a share past its row's last tile returns as soon as it has
+# read the row's length, and the merge reads only the shares a row has. The prediction was a
+# shorter read at batches 8 and 32, where empty shares are most of the grid, and nothing at
+# context 2,048, where every share walks.
+#
+# A first version only masked the empty shares' stores off. Its read kernel took the same time
+# (117 us a step at batch 8 either way), which said the cost was the programs themselves, not
+# what they wrote; git history keeps that run. This version returns early. It was measured in its
+# own process against the step with the LM head on cuBLAS, both arms sharing one compile.
+
+# %%
+skip = lab.show_lever_run("day61_skip", "ms_per_step", "python -m nanolab levers --only levers --arms 11,13 "
+                          "--shapes 1@128,8@128,32@128,32@2048 --profile 8@128 --stem day61_skip")
+if skip is not None:
+    skip_profile = lab.load_table("day61_skip_lever_profile", "h200")
+    lab.show(skip_profile[skip_profile.kernel.isin(["_paged_decode_group", "_merge_splits"])]
+             .pivot_table(index=["batch", "kernel"], columns="arm", values="us_per_step")[skip[2]].round(1))
+
+# %% [markdown]
+# At batch 8 the read's kernel lost a third of its time, the merge gained a little (each of its
+# programs now loads its row's length before anything else), and the step got shorter by about
+# 2%; batch 32 by as much, and context 2,048 did not move. Batch 1 got slightly longer. Its grid is
+# 128 programs, under one per SM, so no live share ever waited behind an empty one, and the
+# merge's extra load was all that changed. The engine keeps the lever where the grid is more than
+# one program per SM, which leaves batch 1 as it was. The floor table below was measured before
+# this lever.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -564,7 +576,8 @@ for row in notes.itertuples():
 # gpt-fast's there too. Half an hour later, on a second H200 of the same kind, one process measured
 # HF's default path at batch 1 again, with every TTFT row but HF eager's. nanolab's decode rows are
 # the current engine's, with the tuned batch-1 graph and the LM head on cuBLAS, from one process
-# the next day; its batch-1 row is one draw of the tuning's spread above. HF's eager arm
+# the next day, before the empty-share lever; its batch-1 row is one draw of the tuning's spread
+# above. HF's eager arm
 # ran hours before the others, on another H200 of the kind; at ten times nanolab's step, a few
 # percent between two cards does not move its place. The floorbench saves its tables after every
 # row, and `--append` keeps the rows of arms a later process did not run. Each process measured its
@@ -877,9 +890,11 @@ else:
 #   made it slower. **Tuned reductions** at batch 1 made it shorter, by folding the norms into the
 #   projections rather than by reading faster, and stay.
 # - **Folding the read's shares in its own kernel** made the read slower: the fold waits behind
-#   the slowest share, where the merge kernel it replaced ran wide. **Skipping the empty shares**
-#   left the read's kernel as it was: at a short context its cost is the grid, not the partials.
-#   **PDL in the compiled step** did not move the median of fresh compiles.
+#   the slowest share, where the merge kernel it replaced ran wide. **PDL in the compiled step**
+#   did not move the median of fresh compiles.
+# - **Empty shares returning at once** took a third off the read at batch 8 and about 2% off the
+#   steps at batches 8 and 32. Masking their stores alone had changed nothing: the cost was the
+#   programs, not what they wrote.
 # - **The tuning is a draw.** One batch-1 graph, compiled afresh, ran anywhere in a band of about
 #   0.19 ms, wider than its distance to the target. The LM head was the worst of it and is back on
 #   cuBLAS, which took the median step down by about 0.08 ms. Taming the rest of the band (the

@@ -82,11 +82,25 @@ def test_staging_switch_restores_the_engine():
     assert [m.stage for m in modules] == pinned
 
 
+def parts_of(stem: str, batch: int, order: list[str]) -> pd.DataFrame:
+    from nanolab.lab.report import load_table
+
+    parts = load_table(f"{stem}_parts", "h200")
+    return (parts[parts.batch == batch].pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")
+            [order].fillna(0.0))
+
+
 def test_a_committed_lever_run_is_shown_and_a_missing_one_says_how_to_make_it(capsys):
     from nanolab.lab.levers import show_lever_run
 
     levers, parts, order = show_lever_run("day61_batch1", "ms_per_step", "make it")
     assert order == list(dict.fromkeys(levers.arm)) and list(parts.columns) == order
     assert not parts.isna().any().any()
+    # a run profiled at batches 1, 8 and 32 shows each, and returns batch 1's; one profiled at 8 alone, 8's
+    _, step_parts, step_order = show_lever_run("day61_step", "ms_per_step", "make it")
+    assert "batch 8, ms per step by part:" in capsys.readouterr().out
+    assert step_parts.equals(parts_of("day61_step", 1, step_order))
+    _, skip_parts, skip_order = show_lever_run("day61_skip", "ms_per_step", "make it")
+    assert skip_parts.equals(parts_of("day61_skip", 8, skip_order))
     assert show_lever_run("day99_nothing", "ms_per_step", "python -m nanolab levers --stem day99_nothing") is None
     assert "`python -m nanolab levers --stem day99_nothing` on an H200 makes it" in capsys.readouterr().out

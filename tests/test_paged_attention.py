@@ -179,9 +179,11 @@ def test_every_share_is_folded_once_by_the_last(fold, monkeypatch):
 
 @pytest.mark.parametrize("skip", [True, False], ids=["empty shares skipped", "every share written"])
 def test_empty_shares_write_nothing_and_the_merge_reads_none(skip, monkeypatch):
-    """Rows of 4, 1 and 2 tiles read in 4 shares, with the partials NaN until written: with
-    `SKIP_EMPTY_SHARES` a share past its row's tiles leaves its partials NaN and the merge never
-    reads them; without, every share writes. Either way the output is the reference's."""
+    """Rows of 4, 1 and 2 tiles read in 4 shares on a card of 8 SMs (24 programs), with the
+    partials NaN until written: with `SKIP_EMPTY_SHARES` a share past its row's tiles leaves its
+    partials NaN and the merge never reads them; without, every share writes. Either way the
+    output is the reference's. On 132 SMs the grid is under one program per SM, and every share
+    writes."""
     monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
     made = []
 
@@ -192,13 +194,15 @@ def test_empty_shares_write_nothing_and_the_merge_reads_none(skip, monkeypatch):
     paged_attention_module_partials = paged_attention_module._partials
     monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
     cache, plan, q, _ = _decode_batch([63, 5, 20], 4, 2)  # 64, 6 and 21 keys: 4, 1 and 2 tiles of 16
-    got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
-                       plan.positions, block=BLOCK, variant="split", splits=4)
-    torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
-    (_, m, _), = made
-    written = ~m.isnan().all(dim=1)  # [rows, shares]: a share writes its m for every head it reads
+    for num_sms in (8, 132):
+        got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
+                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=num_sms)
+        torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
+    (_, small_card, _), (_, large_card, _) = made
+    written = ~small_card.isnan().all(dim=1)  # [rows, shares]: a share writes its m for every head it reads
     assert written.tolist() == ([[True] * 4, [True] + [False] * 3, [True, True, False, False]] if skip
                                 else [[True] * 4] * 3)
+    assert not large_card.isnan().any()
 
 
 def _refusal_cases(cache, plan, q):

@@ -41,10 +41,13 @@ NUM_WARPS = 4
 # FOLD_SHARES the last share to finish folds them in the read's own kernel (`_fold_shares`)
 # instead; the lab turns it on to measure it. On the H200 it made the read slower (Day 61).
 FOLD_SHARES = False
-# With SKIP_EMPTY_SHARES a share past its row's last tile writes no partials and the merge reads
-# only the live ones; the lab turns it on to measure it. On the H200 the read's kernel took as long
-# and the merge, which then reads each row's length first, got longer (Day 61).
-SKIP_EMPTY_SHARES = False
+# A share past its row's last tile returns at once and the merge reads only the live ones, when the
+# grid is more than one program per SM: the split count is the table capacity's, so at a short
+# context most of a large grid is empty shares. On the H200 at context 128 that took the read of
+# batch 8 from 147 to 116 us a step; under one program per SM (batch 1) nothing waits on the
+# empty programs, and the merge's extra load of each row's length only cost (Day 61). The lab
+# turns it off to measure the read as it was.
+SKIP_EMPTY_SHARES = True
 
 
 @triton.jit
@@ -159,14 +162,24 @@ def _paged_decode_group(
     program writes its partial acc with its m and l; with FOLD, it then takes a ticket for its
     (row, KV head), and the program that takes the last one folds every share's partials into the
     output (`_fold_shares`) and puts the ticket back to 0; without, `_merge_splits` folds them.
-    With SKIP_EMPTY (and not FOLD), a share past the row's last tile writes nothing: the split
-    count is the table capacity's, so at a short context most shares are empty, and
-    `_merge_splits` reads only the shares a row has (`_live_shares`). Share 0 always writes, so a
-    row with no key still reads zeros."""
+    With SKIP_EMPTY (and not FOLD), a share past the row's last tile returns as soon as it has
+    read the row's length, and writes nothing: the split count is the table capacity's, so at a
+    short context most shares are empty, and `_merge_splits` reads only the shares a row has
+    (`_live_shares`). Share 0 always writes, so a row with no key still reads zeros."""
     dependent_launch(PDL)
     r = tl.program_id(0)
     kv = tl.program_id(1)
     sp = tl.program_id(2)
+    ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
+    n_tiles = tl.cdiv(ctx, BLOCK)
+    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
+    first = sp * per_split
+    last = tl.minimum(first + per_split, n_tiles)
+    if SKIP_EMPTY and not FOLD:
+        # Live: a share that starts before the row's last tile, a row without keys counting as one
+        # tile (its share 0 writes the zeros it reads).
+        if first >= tl.maximum(n_tiles, 1):
+            return
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = g < GROUP
@@ -176,16 +189,6 @@ def _paged_decode_group(
     q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     if DOT != 2:  # fp32 tiles; DOT == 2 keeps q, K and V in the pool's 16-bit dtype
         q = q.to(tl.float32)
-    ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
-    n_tiles = tl.cdiv(ctx, BLOCK)
-    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
-    first = sp * per_split
-    last = tl.minimum(first + per_split, n_tiles)
-    if SKIP_EMPTY and not FOLD:
-        # Live: a share that starts before the row's last tile, a row without keys counting as one
-        # tile (its share 0 writes the zeros it reads). An empty share's stores are masked off.
-        gmask = g < tl.where(first < tl.maximum(n_tiles, 1), GROUP, 0)
-        qmask = gmask[:, None] & dmask[None, :]
     m = tl.full([G], float("-inf"), tl.float32)
     l = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
@@ -471,7 +474,8 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
             scale, d, SPLITS=1, FOLD=False, SKIP_EMPTY=False, **meta)
         return out[:, None]
     acc, m, l = _partials(rows, heads, n_splits, D, q.device)
-    fold, skip = FOLD_SHARES, SKIP_EMPTY_SHARES
+    fold = FOLD_SHARES
+    skip = SKIP_EMPTY_SHARES and not fold and rows * kv_heads * n_splits > num_sms
     tickets = _tickets(q.device, rows * kv_heads) if fold else m
     _paged_decode_group[(rows, kv_heads, n_splits)](
         q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l, tickets, tiles, *strides,

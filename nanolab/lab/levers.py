@@ -97,7 +97,7 @@ def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True, fold_shares: bool = False,
-            ops_pdl: bool = False, skip_empty: bool = False):
+            ops_pdl: bool = False, skip_empty: bool = True):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
@@ -297,8 +297,8 @@ def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
                    ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]] | None:
     """A partial levers run committed under `stem` (`levers --stem STEM`), shown as a chapter shows
     it: its label, `values` by batch and arm, and the parts by arm of each profiled batch (a part
-    an arm lacks is 0). Returns (levers table, batch 1's parts by arm, arms in run order), or None
-    with how to make it (`command`) when data/ lacks it."""
+    an arm lacks is 0). Returns (levers table, the smallest profiled batch's parts by arm, arms in
+    run order), or None with how to make it (`command`) when data/ lacks it."""
     from nanolab.lab.report import load_table, show, table_label
 
     levers, parts = (load_table(f"{stem}_{name}", slug) for name in ("levers", "parts"))
@@ -314,7 +314,7 @@ def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
         if len(by_batch) > 1:
             print(f"batch {b}, ms per step by part:")
         show(by_arm.round(3))
-    return levers, by_batch[1], order
+    return levers, by_batch[min(by_batch)], order
 
 
 def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32, 128), (64, 128), (32, 2048)),
