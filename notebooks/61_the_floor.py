@@ -442,8 +442,9 @@ if step is not None:
 # row has finished. So the fold's loads wait behind the whole walk instead of overlapping it. The
 # switch stays in the kernel, off, for the lab to measure.
 #
-# The run's third arm added PDL to the compiled step on top of the fold, and at batch 1 it was the
-# fastest arm of the three by far. Its profile says why, and it is not PDL. The LM head's
+# The run's third arm added PDL to the compiled step on top of the fold (the lab's PDL arm has since
+# dropped the fold, as the next section measures it), and at batch 1 it was the fastest arm of the
+# three by far. Its profile says why, and it is not PDL. The LM head's
 # reduction took about 115 us a step there, and about 215 in the two arms before. Every arm
 # compiles its own batch-1 graph, and inductor tunes that graph's kernels afresh each time.
 
