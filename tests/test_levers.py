@@ -104,3 +104,20 @@ def test_a_committed_lever_run_is_shown_and_a_missing_one_says_how_to_make_it(ca
     assert skip_parts.equals(parts_of("day61_skip", 8, skip_order))
     assert show_lever_run("day99_nothing", "ms_per_step", "python -m nanolab levers --stem day99_nothing") is None
     assert "`python -m nanolab levers --stem day99_nothing` on an H200 makes it" in capsys.readouterr().out
+
+
+def test_the_default_arms_add_each_kept_lever_to_the_one_before_and_end_at_the_engine():
+    """`DEFAULT_ARMS` is a waterfall: each arm keeps every setting of the one before and changes
+    one lever, and the last is what the engine does by default."""
+    from dataclasses import asdict
+
+    from nanolab.kernels import paged_attention
+    from nanolab.lab.levers import DEFAULT_ARMS
+
+    for before, after in zip(DEFAULT_ARMS, DEFAULT_ARMS[1:]):
+        changed = {k for k, v in asdict(after).items() if k != "name" and asdict(before)[k] != v}
+        assert len(changed) == 1, f"{after.name}: {sorted(changed)}"
+    last = DEFAULT_ARMS[-1]
+    assert last.compile and last.async_scheduling and last.rope_write and last.tune_batch_1
+    assert last.opaque == ("lm_head",) and last.skip_empty == paged_attention.SKIP_EMPTY_SHARES
+    assert not (last.fold_shares or last.step_pdl or last.fused or last.autotune)

@@ -88,7 +88,9 @@ ARMS = (
     Lever("+ empty shares skipped", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
           opaque=("lm_head",), skip_empty=True),
 )
-DEFAULT_ARMS = ARMS
+# What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
+# last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
+DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13))
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -539,7 +541,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", choices=("levers", "projections", "agreement", "prefill", "spread"), default=None)
     parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
-    parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: all)")
+    parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
+                        "DEFAULT_ARMS)")
     parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
                         "32@128, 64@128, 32@2048)")
     parser.add_argument("--profile", default="1@128", help="batch@context pairs to profile, comma-separated")
