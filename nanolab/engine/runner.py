@@ -51,11 +51,10 @@ class DecodeForward:
                  opaque_head: bool = False) -> None:
         model.lm_head.opaque = opaque_head
         extra = PDL_OPTIONS if pdl else {}
-        self.batched = torch.compile(model, dynamic=True, fullgraph=True, options=dict(extra) or None)
+        self.batched = torch.compile(model, dynamic=True, fullgraph=True, options=extra or None)
         self.single = (self.batched if batch_1_options is None else
                        torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
         self.batch_1_options = batch_1_options
-        self.pdl = pdl
 
     @property
     def tune_batch_1(self) -> bool:

@@ -64,6 +64,13 @@ def _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _tiles_per_share(n_tiles, SPLITS: tl.constexpr):
+    """Tiles each of SPLITS shares walks of a row's n_tiles, at least 1: shares are contiguous and
+    the last ones may be short or empty. The read and the merge both count shares by it."""
+    return tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
+
+
+@triton.jit
 def _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr):
     """Keys row r reads: its context length, or fewer if its position says so (w <= position)."""
     ctx = tl.load(lens_ptr + r)
@@ -172,7 +179,7 @@ def _paged_decode_group(
     sp = tl.program_id(2)
     ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
     n_tiles = tl.cdiv(ctx, BLOCK)
-    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
+    per_split = _tiles_per_share(n_tiles, SPLITS)
     first = sp * per_split
     last = tl.minimum(first + per_split, n_tiles)
     if SKIP_EMPTY and not FOLD:
@@ -250,10 +257,9 @@ def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS: tl.
 def _live_shares(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr,
                  SPLITS: tl.constexpr):
     """How many of row r's SPLITS shares are live, at least 1: `_paged_decode_group` gives each
-    share max(cdiv(tiles, SPLITS), 1) tiles, so the shares past cdiv(tiles, that) hold none."""
+    share `_tiles_per_share` tiles, so the shares past cdiv(tiles, that) hold none."""
     n_tiles = tl.cdiv(_row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS), BLOCK)
-    per_split = tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
-    return tl.maximum(tl.cdiv(n_tiles, per_split), 1)
+    return tl.maximum(tl.cdiv(n_tiles, _tiles_per_share(n_tiles, SPLITS)), 1)
 
 
 @triton.jit

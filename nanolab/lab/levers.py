@@ -127,6 +127,12 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
         for (m, name, _), value in zip(switches, saved[1], strict=True):
             setattr(m, name, value)
 
+def lever_staging(lever: Lever):
+    """`staging` with every switch `lever` sets: what an engine built for that arm runs under."""
+    return staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
+                   skip_empty=lever.skip_empty)
+
+
 # Kernel classes of the waterfall, matched in order against a kernel's name.
 KERNEL_CLASSES = (
     # "_mm": inductor's kernels that hold a matmul (a tuned batch-1 reduction, with its norm or
@@ -339,8 +345,7 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
     for lever in progress_bar(arms, desc="levers", enabled=progress):
-        with staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
-                    skip_empty=lever.skip_empty):
+        with lever_staging(lever):
             engine, build_s = lever_engine(model, lever, **kw)
             for batch, context in shapes:
                 prompts = random_prompts(batch, context - steps, config.vocab_size)
@@ -398,8 +403,7 @@ def tuning_spread(model_path, dtype=torch.bfloat16, arms=SPREAD_ARMS, trials: in
     for trial, lever in progress_bar(jobs, desc="tuning spread", enabled=progress):
         torch._dynamo.reset()
         with torch._inductor.config.patch(force_disable_caches=True), \
-                staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
-                        skip_empty=lever.skip_empty):
+                lever_staging(lever):
             engine, build_s = lever_engine(model, lever, **kw)
             timing = time_engine(engine, prompts, steps, repeats, lever.name)
             records.append({"arm": lever.name, "trial": trial, "batch": 1, "context": context,
