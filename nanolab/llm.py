@@ -182,8 +182,7 @@ class LLM:
         self.tensor_parallel_size = tensor_parallel_size
         graphs = device.type == "cuda" and not enforce_eager
         self.compiled = graphs if compile is None else compile
-        # oneDNN's prepacked matmuls (the CPU's default) are opaque to dynamo: a compiled model keeps plain weights.
-        prepack = False if self.compiled else None
+        prepack = None  # oneDNN's prepacked matmuls: the default for fp32 on the CPU, compiled or not
         self.workers, runner = None, ModelRunner
         if tensor_parallel_size > 1:  # the workers load their shards while this process loads its own
             self.workers = Workers(tensor_parallel_size, WorkerSpec(str(self.path), self.dtype, device.type,

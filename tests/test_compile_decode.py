@@ -14,13 +14,14 @@ from nanolab.engine.runner import compile_decode
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.lab.levers import opaque_projections
-from nanolab.model.layers import linear_op
+from nanolab.model.layers import linear_op, packed_linear_op
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 
 
 def plain(sharp, device="cpu"):
-    """The sharp model without oneDNN's prepacked weights, which dynamo cannot trace."""
+    """The sharp model with plain weights, its matmuls `F.linear` (oneDNN's prepacked path has its
+    own test below)."""
     return load_model(sharp.path, dtype=torch.float32, device=device, prepack=False)
 
 
@@ -71,6 +72,29 @@ def test_opaque_projections_compile_to_the_reference(sharp_gqa24):
     torch.library.opcheck(linear_op, (x, w))
     with pytest.raises(ValueError, match="opaque: unknown projections"):
         opaque_projections(model, ("qkv",))
+
+
+def test_prepacked_matmuls_compile_to_the_reference(sharp_gqa24):
+    """With oneDNN's prepacked weights (the CPU's default), the compiled step calls each matmul as
+    `packed_linear_op`, which finds its module's packed weight by id, and the decode logits equal
+    the reference's."""
+    torch._dynamo.reset()
+    model = load_model(sharp_gqa24.path, dtype=torch.float32, device="cpu", prepack=True)
+    assert model.lm_head.packed is not None
+    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=compile_decode(model))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+    logits, on_step = logit_recorder()
+    with torch._inductor.utils.fresh_cache():
+        _, code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)
+    assert sum("packed_linear" in c for c in code) >= 1, "no compiled graph called the prepacked matmul"
+    assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    down = model.layers[0].mlp.down_proj
+    for rows in (1, 8):
+        x = torch.randn(rows, down.in_features)
+        torch.testing.assert_close(packed_linear_op(x, down.weight, down.pack_id), x @ down.weight.T)
+    with pytest.raises(RuntimeError, match="no prepacked weight for pack_id -5"):
+        packed_linear_op(x, down.weight, -5)
 
 
 def test_the_read_op_is_the_kernel():

@@ -31,6 +31,10 @@ BATCH_1_OPTIONS = {"coordinate_descent_tuning": True}
 # Inductor's option that launches each of its Triton kernels as a programmatic dependent of the one
 # before (Hopper's PDL): it waits in-kernel before its first read of what an earlier kernel wrote.
 PDL_OPTIONS = {"triton.enable_pdl": True}
+# On the CPU, inductor's wrapper (the code that calls each kernel and op in turn) in C++ rather
+# than Python: SmolLM2's compiled one-row step spent about 2.5 ms of 29 in the Python wrapper's
+# calls, and ran 27.4 ms with it in C++ (Day 61), for about 40 s more at start compiling it.
+CPU_OPTIONS = {"cpp_wrapper": True}
 
 
 class DecodeForward:
@@ -45,12 +49,13 @@ class DecodeForward:
     batch 1 shares `batched`. With `opaque_head`, the LM head stays cuBLAS's in both graphs
     (`layers.Linear.opaque`): set on the model, so it holds for every compile of it after. With
     `pdl`, both graphs' Triton kernels are launched as programmatic dependents (`PDL_OPTIONS`); the
-    engine's own ops follow `kernels.pdl.OPS_PDL`. Compiling happens on the first call of each."""
+    engine's own ops follow `kernels.pdl.OPS_PDL`. `options`: inductor's, for both graphs.
+    Compiling happens on the first call of each."""
 
     def __init__(self, model: LlamaModel, batch_1_options: dict | None = None, pdl: bool = False,
-                 opaque_head: bool = False) -> None:
+                 opaque_head: bool = False, options: dict | None = None) -> None:
         model.lm_head.opaque = opaque_head
-        extra = PDL_OPTIONS if pdl else {}
+        extra = {**(options or {}), **(PDL_OPTIONS if pdl else {})}
         self.batched = torch.compile(model, dynamic=True, fullgraph=True, options=extra or None)
         self.single = (self.batched if batch_1_options is None else
                        torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
@@ -70,10 +75,13 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     `tune_batch_1`: by default for a model on CUDA, since inductor lowers a one-row matmul that way
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
-    every time (Day 61). `pdl` as `DecodeForward`'s."""
+    every time (Day 61). `pdl` as `DecodeForward`'s. A model on the CPU compiles with
+    `CPU_OPTIONS`."""
+    device = next(model.parameters()).device.type
     if tune_batch_1 is None:
-        tune_batch_1 = next(model.parameters()).device.type == "cuda"
-    return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1)
+        tune_batch_1 = device == "cuda"
+    return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
+                         options=CPU_OPTIONS if device == "cpu" else None)
 
 
 class ModelRunner:

@@ -494,6 +494,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-fast", default=None, metavar="PATH", help="a gpt-fast checkout: adds its arm")
     parser.add_argument("--ttft", default=",".join(f"{b}x{n}" for b, n in TTFT_CASES),
                         help="BATCHxPROMPT_LEN cases for time to first token ('none' to skip)")
+    parser.add_argument("--compile", choices=("default", "on", "off"), default="default",
+                        help="nanolab's decode step compiled by inductor: the engine's default is on with graphs "
+                             "(CUDA) and off on the CPU")
     parser.add_argument("--append", action="store_true",
                         help="merge into the tables saved on this device: rows of arms and shapes not run now are kept")
 
@@ -525,7 +528,9 @@ def main(args: argparse.Namespace) -> int:
     # Whole prompts, as HF's and gpt-fast's generate prefill them: in a call of 257 tokens, no
     # request decodes beside another's prompt chunks, so the difference with the 1-token call is
     # decode steps alone, and TTFT is one varlen forward against HF's one forward.
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False)
+    compile = {"default": None, "on": True, "off": False}[args.compile]
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
+              compile=compile)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
 
     saved = [load_table(stem, label.device_slug) for stem in STEMS]

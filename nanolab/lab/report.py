@@ -128,9 +128,13 @@ def run_label(
 
 
 def table_label(df: pd.DataFrame) -> RunLabel:
-    """The label a saved table carries on its rows: where its numbers were measured."""
-    row = df.iloc[0]
-    return RunLabel(**{name: str(row[name]) for name in RunLabel.__dataclass_fields__})
+    """The label a saved table carries on its rows: where its numbers were measured. A table
+    whose rows came from several runs (`--append`) names each distinct value of a field, in row
+    order, so its caption says every date and version that produced it."""
+    def values(name: str) -> str:
+        return ", ".join(dict.fromkeys(df[name].astype(str)))
+
+    return RunLabel(**{name: values(name) for name in RunLabel.__dataclass_fields__})
 
 
 def chapter_target(cpu_model: str) -> tuple[torch.device, str, torch.dtype]:

@@ -4,7 +4,9 @@ SwiGLU `MLP`. Engine core (before Day 49).
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +31,49 @@ def _(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# Prepacked `Linear`s by `pack_id`, so a compiled graph can reach a module's oneDNN weight: the
+# blocked tensor is of a layout dynamo cannot fake, so `packed_linear_op` carries the plain weight
+# (for its shape) and the id, and looks the packed one up when it runs.
+_PACKED: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+_pack_ids = itertools.count()
+
+
+# Defined through `torch.library.Library` rather than `custom_op`, whose Python wrapper costs about
+# 7 us a call on the 2-core CPU: about 0.9 ms of SmolLM2's 121 matmuls a step.
+_lib = torch.library.Library("nanolab", "FRAGMENT")
+_lib.define("packed_linear(Tensor x, Tensor weight, int pack_id) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, pack_id: int) -> torch.Tensor:
+    """x [..., in] -> [..., out] through the oneDNN weight `Linear.prepack` made for `pack_id`."""
+    module = _PACKED.get(pack_id)
+    if module is None or module.packed is None:
+        raise RuntimeError(f"packed_linear: no prepacked weight for pack_id {pack_id} (was its model freed?)")
+    return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
+
+
+_lib.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("nanolab::packed_linear")
+def _(x, weight, pack_id):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+packed_linear_op = torch.ops.nanolab.packed_linear
+
+
 class Linear(nn.Linear):
     """`nn.Linear` without bias that can run through oneDNN on the CPU, or stay cuBLAS's under
     inductor.
 
     After `prepack()`, the weight is also held reordered into oneDNN's blocked layout (the
-    path inductor's CPU freezing takes) and the matmul goes through oneDNN. MKL's GEMV, which
-    `F.linear` uses for a single decode row, keeps to one core; on the 2-core CPU machine the
-    prepacked matmuls of SmolLM2's layers ran 1.6x faster at 1 row and 2.2x at 8. The packed
+    path inductor's CPU freezing takes) and the matmul goes through oneDNN, eagerly or as one
+    operator in a compiled graph (`packed_linear_op`). MKL's GEMV, which `F.linear` uses for a
+    single decode row, keeps to one core; on the 2-core CPU machine the prepacked matmuls of
+    SmolLM2's layers ran 1.6x faster at 1 row and 2.2x at 8. The weight is packed for any number
+    of rows: packed for exactly one, as it was before Day 61's measurement, the 8-row decode step
+    of SmolLM2 ran 1.4x slower (67.7 against 47.1 ms) and the one-row step 3% slower. The packed
     copy doubles the weights' memory, which a CPU box has to spare.
 
     With `opaque`, a compiled forward calls the matmul as one operator (`linear_op`), so inductor
@@ -46,13 +83,19 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed: torch.Tensor | None = None
+        self.pack_id = -1
         self.opaque = False
 
     def prepack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        if self.pack_id < 0:
+            self.pack_id = next(_pack_ids)
+            _PACKED[self.pack_id] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if torch.compiler.is_compiling():
+                return packed_linear_op(x, self.weight, self.pack_id)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         if self.opaque and torch.compiler.is_compiling():
             return linear_op(x, self.weight)

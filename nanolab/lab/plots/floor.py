@@ -140,7 +140,9 @@ def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):
     ms_ax.set_title(f"decode step at context {short} (lines); hollow: a longer context at its batch", fontsize=9)
     x_ax.set_title("how far above the floor (1 = every byte read once at the measured bandwidth)", fontsize=9)
     handles, labels = ms_ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    # Hung from the top of the strip tight_layout leaves free, so it ends above the caption that
+    # `report.caption_figure` hangs below y=0.
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.1), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
