@@ -4,13 +4,15 @@ logits equal the one-shot reference's, as the eager step's do."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
 from test_cache_properties import check_drained
 
 from nanolab import Engine, SamplingParams, load_model
-from nanolab.engine.runner import compile_decode
+from nanolab.engine.runner import CPU_OPTIONS, compile_decode
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.lab.levers import opaque_projections
@@ -76,25 +78,50 @@ def test_opaque_projections_compile_to_the_reference(sharp_gqa24):
 
 def test_prepacked_matmuls_compile_to_the_reference(sharp_gqa24):
     """With oneDNN's prepacked weights (the CPU's default), the compiled step calls each matmul as
-    `packed_linear_op`, which finds its module's packed weight by id, and the decode logits equal
-    the reference's."""
+    `packed_linear_op`, which finds the packed copy by the weight it is given, and the decode
+    logits equal the reference's. A second model of the same shapes reuses the first one's graphs
+    (nothing model-specific is baked in) and still reads its own weights."""
     torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+
+    def decode(model, code: list[str] | None = None) -> tuple[list, list]:
+        """Decode PROMPTS; into `code`, when given, the code inductor generated (this resets dynamo)."""
+        assert model.lm_head.packed is not None
+        forward = compile_decode(model)
+        assert forward.options == CPU_OPTIONS  # a CPU model's wrapper is C++
+        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward)
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+        logits, on_step = logit_recorder()
+        if code is None:
+            run_until_done(engine, on_step=on_step)
+        else:
+            with torch._inductor.utils.fresh_cache():
+                code += torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)[1]
+        return seqs, logits
+
     model = load_model(sharp_gqa24.path, dtype=torch.float32, device="cpu", prepack=True)
-    assert model.lm_head.packed is not None
-    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=compile_decode(model))
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
-    logits, on_step = logit_recorder()
-    with torch._inductor.utils.fresh_cache():
-        _, code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)
+    code = []
+    seqs, logits = decode(model, code)
     assert sum("packed_linear" in c for c in code) >= 1, "no compiled graph called the prepacked matmul"
     assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    compiled = graphs["unique_graphs"]
     down = model.layers[0].mlp.down_proj
     for rows in (1, 8):
         x = torch.randn(rows, down.in_features)
-        torch.testing.assert_close(packed_linear_op(x, down.weight, down.pack_id), x @ down.weight.T)
-    with pytest.raises(RuntimeError, match="no prepacked weight for pack_id -5"):
-        packed_linear_op(x, down.weight, -5)
+        torch.testing.assert_close(packed_linear_op(x, down.weight), x @ down.weight.T)
+    del model, down
+    gc.collect()
+
+    again = load_model(sharp_gqa24.path, dtype=torch.float32, device="cpu", prepack=True)
+    seqs, logits = decode(again)
+    assert graphs["unique_graphs"] == compiled, "a second model of the same shapes compiled its own graphs"
+    assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    with pytest.raises(RuntimeError, match="no prepacked copy of this weight"):
+        packed_linear_op(x, torch.randn_like(again.layers[0].mlp.down_proj.weight))
+    again.layers[0].mlp.down_proj.packed = None
+    with pytest.raises(RuntimeError, match="no prepacked copy of this weight"):
+        packed_linear_op(x, again.layers[0].mlp.down_proj.weight)
 
 
 def test_the_read_op_is_the_kernel():

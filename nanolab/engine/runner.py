@@ -33,7 +33,9 @@ BATCH_1_OPTIONS = {"coordinate_descent_tuning": True}
 PDL_OPTIONS = {"triton.enable_pdl": True}
 # On the CPU, inductor's wrapper (the code that calls each kernel and op in turn) in C++ rather
 # than Python: SmolLM2's compiled one-row step spent about 2.5 ms of 29 in the Python wrapper's
-# calls, and ran 27.4 ms with it in C++ (Day 61), for about 40 s more at start compiling it.
+# calls, and ran 27.4 ms with it in C++ (Day 61), for about 40 s more at start compiling it. Not
+# for a tensor-parallel shard: the C++ wrapper cannot pass the process-group argument of the
+# vocabulary all-gather in torch 2.13.
 CPU_OPTIONS = {"cpp_wrapper": True}
 
 
@@ -56,6 +58,7 @@ class DecodeForward:
                  opaque_head: bool = False, options: dict | None = None) -> None:
         model.lm_head.opaque = opaque_head
         extra = {**(options or {}), **(PDL_OPTIONS if pdl else {})}
+        self.options = extra  # inductor's options for both graphs, besides `batch_1_options`
         self.batched = torch.compile(model, dynamic=True, fullgraph=True, options=extra or None)
         self.single = (self.batched if batch_1_options is None else
                        torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
@@ -76,12 +79,12 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
     every time (Day 61). `pdl` as `DecodeForward`'s. A model on the CPU compiles with
-    `CPU_OPTIONS`."""
+    `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
     device = next(model.parameters()).device.type
     if tune_batch_1 is None:
         tune_batch_1 = device == "cuda"
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
-                         options=CPU_OPTIONS if device == "cpu" else None)
+                         options=CPU_OPTIONS if device == "cpu" and model.tp is None else None)
 
 
 class ModelRunner:

@@ -4,7 +4,6 @@ SwiGLU `MLP`. Engine core (before Day 49).
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 
@@ -31,24 +30,30 @@ def _(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-# Prepacked `Linear`s by `pack_id`, so a compiled graph can reach a module's oneDNN weight: the
-# blocked tensor is of a layout dynamo cannot fake, so `packed_linear_op` carries the plain weight
-# (for its shape) and the id, and looks the packed one up when it runs.
-_PACKED: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
-_pack_ids = itertools.count()
+# Prepacked `Linear`s by their weight's storage (`_weight_key`), so a compiled graph can reach a
+# module's oneDNN weight: the blocked tensor is of a layout dynamo cannot fake, so
+# `packed_linear_op` takes the plain weight, a graph input like any parameter, and looks the packed
+# one up by it when it runs. Nothing model-specific is baked into the graph, so models of one
+# architecture share their compiled graphs.
+_PACKED: weakref.WeakValueDictionary[tuple[int, ...], Linear] = weakref.WeakValueDictionary()
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[int, ...]:
+    return (weight.data_ptr(), *weight.shape)
 
 
 # Defined through `torch.library.Library` rather than `custom_op`, whose Python wrapper costs about
 # 7 us a call on the 2-core CPU: about 0.9 ms of SmolLM2's 121 matmuls a step.
 _lib = torch.library.Library("nanolab", "FRAGMENT")
-_lib.define("packed_linear(Tensor x, Tensor weight, int pack_id) -> Tensor")
+_lib.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
 
 
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, pack_id: int) -> torch.Tensor:
-    """x [..., in] -> [..., out] through the oneDNN weight `Linear.prepack` made for `pack_id`."""
-    module = _PACKED.get(pack_id)
-    if module is None or module.packed is None:
-        raise RuntimeError(f"packed_linear: no prepacked weight for pack_id {pack_id} (was its model freed?)")
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] -> [..., out] through the oneDNN copy `Linear.prepack` made of `weight` [out, in]."""
+    module = _PACKED.get(_weight_key(weight))
+    if module is None or module.packed is None or _weight_key(module.weight) != _weight_key(weight):
+        raise RuntimeError(f"packed_linear: no prepacked copy of this weight {tuple(weight.shape)} "
+                           "(Linear.prepack() was not called on it, or was undone)")
     return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
 
 
@@ -56,7 +61,7 @@ _lib.impl("packed_linear", _packed_linear, "CPU")
 
 
 @torch.library.register_fake("nanolab::packed_linear")
-def _(x, weight, pack_id):
+def _(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -83,19 +88,16 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.packed: torch.Tensor | None = None
-        self.pack_id = -1
         self.opaque = False
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-        if self.pack_id < 0:
-            self.pack_id = next(_pack_ids)
-            _PACKED[self.pack_id] = self
+        _PACKED[_weight_key(self.weight)] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if torch.compiler.is_compiling():
-                return packed_linear_op(x, self.weight, self.pack_id)
+                return packed_linear_op(x, self.weight)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         if self.opaque and torch.compiler.is_compiling():
             return linear_op(x, self.weight)
