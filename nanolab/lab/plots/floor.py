@@ -42,7 +42,7 @@ def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
     assert not unknown, f"parts without a colour: {sorted(unknown)}"
     arms = list(dict.fromkeys(parts.arm))
     ms = parts.pivot_table(index="arm", columns="part", values="ms", aggfunc="sum").reindex(arms).fillna(0.0)
-    fig = Figure(figsize=(10, 5.6))
+    fig = Figure(figsize=(max(10.0, 2.0 + 1.2 * len(arms)), 5.6))
     ax = fig.subplots()
     x = np.arange(len(arms))
     bottom = np.zeros(len(arms))
@@ -56,15 +56,16 @@ def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
             if h >= 0.05:
                 ax.text(x[i], b + h / 2, f"{h:.2f}", ha="center", va="center", fontsize=7.5)
         bottom += heights
-    for i, total in enumerate(bottom):
-        ax.text(x[i], total + 0.02, f"{total:.2f} ms", ha="center", va="bottom", fontsize=9, weight="bold")
+    for i, total in enumerate(bottom):  # above the bar and above its replay tick, whichever is higher
+        top = max(total, (replay_ms or {}).get(arms[i], 0.0))
+        ax.text(x[i], top + 0.02, f"{total:.2f} ms", ha="center", va="bottom", fontsize=9, weight="bold")
     if replay_ms is not None:
         ticks = [(i, replay_ms[arm]) for i, arm in enumerate(arms) if arm in replay_ms]
         ax.hlines([r for _, r in ticks], [i - 0.38 for i, _ in ticks], [i + 0.38 for i, _ in ticks], color="k",
                   lw=1.6, label="the graph's replay alone (GPU time)")
     ax.axhline(floor_ms, color="k", ls="--", lw=1, label=f"floor: the bytes a step must read ({floor_ms:.2f} ms)")
     ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
-    ax.set_xticks(x, [textwrap.fill(a, 16) for a in arms])  # five arms or more: wrapped, not overlapping
+    ax.set_xticks(x, [textwrap.fill(a, 13) for a in arms], fontsize=9)  # wrapped, not overlapping
     ax.set_ylim(0, bottom.max() * 1.12)
     ax.set_ylabel("ms per decode step")
     ax.set_title("one decode step, lever by lever (each arm keeps the levers to its left)", fontsize=10)
