@@ -205,6 +205,21 @@ def test_the_command_writes_labelled_tables_and_appends(tmp_path, monkeypatch, c
     assert "error: nan" not in out.lower() and (floor.error.isna() | (floor.error == "")).all()
 
 
+def test_the_eager_step_can_run_beside_the_compiled_one(tmp_path, monkeypatch, capsys, one_thread):
+    """`--compile on --eager-beside`: nanolab's compiled step and its eager one, two arms of one
+    process, each labelled with what ran; without --compile on the option is refused by name."""
+    monkeypatch.setattr(report, "DATA_DIR", tmp_path)
+    base = ["floorbench", "--model", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "none", "--steps",
+            "4", "--repeats", "1", "--warmup", "0", "--ttft", "none", "--arms", "nanolab"]
+    assert cli.main([*base, "--eager-beside"]) == 2
+    assert "--eager-beside: needs --compile on" in capsys.readouterr().err
+    assert cli.main([*base, "--compile", "on", "--eager-beside"]) == 0
+    floor = pd.read_csv(tmp_path / "day61_floor_cpu.csv").set_index("arm")
+    assert sorted(floor.index) == ["nanolab", "nanolab-eager"] and floor.run.nunique() == 1
+    assert "inductor" in floor.label["nanolab"] and "inductor" not in floor.label["nanolab-eager"]
+    assert (floor.ms_per_step > 0).all()
+
+
 def test_parsers():
     assert parse_pairs("32@2048, 8@4096", "--contexts", "@") == [(32, 2048), (8, 4096)]
     assert parse_pairs("none", "--contexts", "@") == [] == parse_pairs("", "--ttft", "x")

@@ -497,6 +497,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=("default", "on", "off"), default="default",
                         help="nanolab's decode step compiled by inductor: the engine's default is on with graphs "
                              "(CUDA) and off on the CPU")
+    parser.add_argument("--eager-beside", action="store_true",
+                        help="with --compile on: also time nanolab's eager step, as the arm nanolab-eager, from a "
+                             "second engine in the same process")
     parser.add_argument("--append", action="store_true",
                         help="merge into the tables saved on this device: rows of arms and shapes not run now are kept")
 
@@ -529,8 +532,15 @@ def main(args: argparse.Namespace) -> int:
     # request decodes beside another's prompt chunks, so the difference with the 1-token call is
     # decode steps alone, and TTFT is one varlen forward against HF's one forward.
     compile = {"default": None, "on": True, "off": False}[args.compile]
+    if args.eager_beside and args.compile != "on":
+        raise ValueError("--eager-beside: needs --compile on (the nanolab arm is then the compiled step)")
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
               compile=compile)
+    extra = []
+    if args.eager_beside:
+        eager = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
+                    compile=False, enforce_eager=True)
+        extra.append(Arm("nanolab-eager", nanolab_label(eager), lambda prompts: nanolab_generate(eager, prompts)))
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
 
     saved = [load_table(stem, label.device_slug) for stem in STEMS]
@@ -545,7 +555,7 @@ def main(args: argparse.Namespace) -> int:
         return bench, [save_table(table, stem, label) for stem, table in bench.tables().items()]
 
     bench = run_floorbench(llm, shapes, steps=steps, repeats=repeats, warmup=warmup, arms=arms,
-                           gpt_fast=args.gpt_fast, ttft_cases=ttft, on_row=save)
+                           gpt_fast=args.gpt_fast, ttft_cases=ttft, extra_arms=extra, on_row=save)
     bench, paths = save(bench)
     fmt = {"float_format": lambda x: f"{x:.3f}", "index": False}
     print(bench.decode[["label", "batch", "context", "ms_per_step", "floor_ms", "x_floor", "target_ms",
