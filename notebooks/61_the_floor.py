@@ -916,15 +916,17 @@ for gate in gates:
 # what inductor removes. It could not see the packed matmuls before: their weight is a oneDNN
 # tensor dynamo cannot fake, so a compiled model used to keep plain weights and MKL's GEMV, and ran
 # slower than eager (45 against 37 ms). Now each packed matmul reaches the graph as one operator
-# (`layers.packed_linear_op`) that carries the plain weight for its shape and an id for the packed
-# one, and inductor's wrapper is C++ on the CPU (`runner.CPU_OPTIONS`), which took about 1.5 ms of
+# (`layers.packed_linear_op`) that takes the plain weight, a graph input like any parameter, and
+# looks its packed copy up by it, and inductor's wrapper is C++ on the CPU (`runner.CPU_OPTIONS`), which took about 1.5 ms of
 # Python calls out of each step. A profile of the compiled step puts about 22 of its 28 ms in the
 # matmuls.
 #
-# The floorbench ran nanolab's compiled step and HF's default arm side by side, in one process
-# (`python -m nanolab floorbench --model smollm2-135m --device cpu --batches 1,8 --contexts none
-# --arms nanolab,hf-default --ttft none --compile on`). The floor is the same arithmetic as on the
-# H200: every weight read once, at the copy bandwidth the process measured.
+# The floorbench ran nanolab's compiled step, its eager step and HF's default arm side by side, in
+# one process (`python -m nanolab floorbench --model smollm2-135m --device cpu --batches 1,8
+# --contexts none --arms nanolab,hf-default --ttft none --compile on --eager-beside`). The floor is
+# the same arithmetic as on the H200: every weight read once, at the copy bandwidth the process
+# measured. In nanolab's labels "eager" means without CUDA graphs, which a CPU does not have, and
+# "inductor" marks the compiled step.
 
 # %%
 from nanolab.lab.floorbench import FloorBench, cpu_target_line
@@ -942,8 +944,8 @@ else:
 # %% [markdown]
 # The committed run has the compiled step at 1.73x HF's at batch 1 and the eager step at 1.48x.
 # That run is the low end of the day. The same command, with and without the eager arm, ran five
-# times on 2026-12-01, and the compiled step's ratio at batch 1 came out 2.00, 1.96, 1.73, 1.86 and
-# 1.89x, while HF's step stayed between 56.6 and 59.8 ms. The compiled step sits at about three
+# times on 2026-12-01, and the compiled step's ratio at batch 1 came out 1.96, 2.00, 1.73, 1.86 and
+# 1.89x in that order, while HF's step stayed between 56.6 and 59.8 ms. The compiled step sits at about three
 # times its floor, with the matmuls, about 22 of its 28 to 33 ms, streaming at half of what a
 # two-core sum does, and this machine's memory bandwidth moves by more than the target's margin
 # from one run to the next. The target is missed: the ratio reached 2x once, and its middle is
