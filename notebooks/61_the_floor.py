@@ -917,9 +917,9 @@ for gate in gates:
 # tensor dynamo cannot fake, so a compiled model used to keep plain weights and MKL's GEMV, and ran
 # slower than eager (45 against 37 ms). Now each packed matmul reaches the graph as one operator
 # (`layers.packed_linear_op`) that takes the plain weight, a graph input like any parameter, and
-# looks its packed copy up by it, and inductor's wrapper is C++ on the CPU (`runner.CPU_OPTIONS`), which took about 1.5 ms of
-# Python calls out of each step. A profile of the compiled step puts about 22 of its 28 ms in the
-# matmuls.
+# looks its packed copy up by it. Inductor's wrapper is C++ on the CPU (`runner.CPU_OPTIONS`),
+# which took about 1.5 ms of Python calls out of each step. A profile of the compiled step puts
+# about 22 of its 28 ms in the matmuls.
 #
 # The floorbench ran nanolab's compiled step, its eager step and HF's default arm side by side, in
 # one process (`python -m nanolab floorbench --model smollm2-135m --device cpu --batches 1,8
