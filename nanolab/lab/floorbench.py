@@ -534,12 +534,11 @@ def main(args: argparse.Namespace) -> int:
     compile = {"default": None, "on": True, "off": False}[args.compile]
     if args.eager_beside and args.compile != "on":
         raise ValueError("--eager-beside: needs --compile on (the nanolab arm is then the compiled step)")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
-              compile=compile)
+    engine_args = dict(device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False)
+    llm = LLM(args.model, compile=compile, **engine_args)
     extra = []
     if args.eager_beside:
-        eager = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
-                    compile=False, enforce_eager=True)
+        eager = LLM(args.model, compile=False, enforce_eager=True, **engine_args)
         extra.append(Arm("nanolab-eager", nanolab_label(eager), lambda prompts: nanolab_generate(eager, prompts)))
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
 

@@ -50,8 +50,9 @@ _lib.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] -> [..., out] through the oneDNN copy `Linear.prepack` made of `weight` [out, in]."""
-    module = _PACKED.get(_weight_key(weight))
-    if module is None or module.packed is None or _weight_key(module.weight) != _weight_key(weight):
+    key = _weight_key(weight)
+    module = _PACKED.get(key)
+    if module is None or module.packed is None or _weight_key(module.weight) != key:
         raise RuntimeError(f"packed_linear: no prepacked copy of this weight {tuple(weight.shape)} "
                            "(Linear.prepack() was not called on it, or was undone)")
     return torch.ops.mkldnn._linear_pointwise(x, module.packed, None, "none", [], "")
