@@ -12,10 +12,11 @@ from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, 
 from test_cache_properties import check_drained
 
 from nanolab import Engine, SamplingParams, load_model
-from nanolab.engine.runner import CPU_OPTIONS, compile_decode
+from nanolab.engine.runner import CPU_OPTIONS, compile_decode, steady_tuning
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.lab.levers import opaque_projections
+from nanolab.model import layers
 from nanolab.model.layers import linear_op, packed_linear_op
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
@@ -122,6 +123,70 @@ def test_prepacked_matmuls_compile_to_the_reference(sharp_gqa24):
     again.layers[0].mlp.down_proj.packed = None
     with pytest.raises(RuntimeError, match="no prepacked copy of this weight"):
         packed_linear_op(x, again.layers[0].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("reduction", [True, False])
+def test_one_row_matmuls_compile_to_a_reduction_on_the_cpu(sharp_gqa24, monkeypatch, reduction):
+    """A compiled one-row step on the CPU writes each matmul as a product and a sum
+    (`layers.ONE_ROW_REDUCTION`), which inductor lowers into its own reduction: the graph calls no
+    prepacked matmul, and every step's logits equal the reference's. Switched off, the same step
+    calls the packed matmul."""
+    monkeypatch.setattr(layers, "ONE_ROW_REDUCTION", reduction)
+    torch._dynamo.reset()
+    model = load_model(sharp_gqa24.path, dtype=torch.float32, device="cpu", prepack=True)
+    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=compile_decode(model))
+    seqs = engine.add_requests(PROMPTS[-1:], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])
+    logits, on_step = logit_recorder()
+    with torch._inductor.utils.fresh_cache():
+        code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)[1]
+    assert code, "nothing was compiled"
+    assert any("packed_linear" in c for c in code) != reduction
+    assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    torch._dynamo.reset()
+
+
+def test_steady_tuning_swaps_the_benchmarker_and_puts_it_back():
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.benchmarking import TritonBenchmarker
+
+    saved = triton_heuristics.benchmarker
+    with steady_tuning():
+        assert type(triton_heuristics.benchmarker) is TritonBenchmarker
+    assert triton_heuristics.benchmarker is saved
+    with pytest.raises(KeyError), steady_tuning():
+        raise KeyError("a failed compile")
+    assert triton_heuristics.benchmarker is saved
+
+
+def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_dependents(tiny_model):
+    """Each call runs inside what the forward was built with: batch 1 (and only batch 1) inside
+    `steady_tuning` when `steady`, and every batch with the engine's ops launched as programmatic
+    dependents when `pdl`; both are put back after the call. On the CPU, `compile_decode` turns
+    neither on."""
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.benchmarking import TritonBenchmarker
+
+    from nanolab.kernels import pdl
+
+    default = compile_decode(tiny_model)
+    assert not (default.pdl or default.steady or default.tune_batch_1)
+    seen = []
+
+    def record(name):
+        def forward(ids, positions, cache=None):
+            seen.append((name, pdl.OPS_PDL, type(triton_heuristics.benchmarker) is TritonBenchmarker))
+        return forward
+
+    try:
+        forward = compile_decode(tiny_model, tune_batch_1=True, pdl=True)
+        assert forward.steady  # with the batch-1 tuning, by default
+        forward.single, forward.batched = record("single"), record("batched")
+        for rows in (1, 4):
+            forward(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long))
+    finally:
+        tiny_model.lm_head.opaque = False  # compile_decode marked the session's model
+    assert seen == [("single", True, True), ("batched", True, False)]
+    assert pdl.OPS_PDL is False and type(triton_heuristics.benchmarker) is not TritonBenchmarker
 
 
 def test_the_read_op_is_the_kernel():

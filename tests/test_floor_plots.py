@@ -16,6 +16,7 @@ from nanolab.lab.plots.floor import (
     best_of_sweep,
     plot_chunked_itl,
     plot_floor_roofline,
+    plot_kernel_draws,
     plot_lever_waterfall,
     plot_projections,
     plot_tuning_spread,
@@ -176,3 +177,29 @@ def test_tuning_spread_marks_each_compile_and_the_lm_head_it_ran():
     squares = np.concatenate([ln.get_ydata() for ln in head_ax.get_lines() if ln.get_marker() == "s"])
     assert sorted(squares.tolist()) == [120.0, 121.0]
     assert 1.0 in hline_ys(step_ax)
+
+
+def test_kernel_draws_square_the_marked_config_and_dot_the_rest():
+    """Left: one dot per compile and a median bar per arm, the target dotted. Right: the kernel's
+    time in each compile, a square where tuning chose the marked config and a dot elsewhere."""
+    spread = pd.DataFrame({"arm": ["kept", "kept", "pdl", "pdl", "pdl"], "trial": [0, 1, 0, 1, 2],
+                           "ms_per_step": [1.10, 1.20, 1.00, 0.95, 1.05]})
+    good, bad = "XBLOCK: 4, R0_BLOCK: 2048, num_warps: 16", "XBLOCK: 1, R0_BLOCK: 4096, num_warps: 16"
+    kernel = pd.DataFrame({"arm": ["kept", "kept", "pdl", "pdl", "pdl"], "trial": [0, 1, 0, 1, 2],
+                           "us_per_step": [185.0, 294.0, 184.0, 186.0, 240.0],
+                           "config": [good, bad, good, good, bad]})
+    fig = plot_kernel_draws(spread, kernel, target_ms=1.0, kernel_name="down projection", marked=good)
+    step_ax, kernel_ax = fig.axes
+    dots = [line for line in step_ax.lines if line.get_marker() == "o"]
+    assert [list(d.get_ydata()) for d in dots] == [[1.10, 1.20], [1.00, 0.95, 1.05]]
+    medians = [seg[0][1] for c in step_ax.collections for seg in c.get_segments()]
+    assert medians == pytest.approx([1.15, 1.00])
+    assert 1.0 in hline_ys(step_ax)  # the target
+    squares = [(list(line.get_xdata()), list(line.get_ydata())) for line in kernel_ax.lines
+               if line.get_marker() == "s" and len(line.get_xdata())]
+    others = [(list(line.get_xdata()), list(line.get_ydata())) for line in kernel_ax.lines
+              if line.get_marker() == "o" and len(line.get_xdata())]
+    assert squares == [([0], [185.0]), ([1, 1], [184.0, 186.0])]
+    assert others == [([0], [294.0]), ([1], [240.0])]
+    assert legend_texts(kernel_ax)[1] == "tuned to another config"
+    assert [t.get_text() for t in step_ax.get_xticklabels()] == ["kept", "pdl"]

@@ -120,4 +120,32 @@ def test_the_default_arms_add_each_kept_lever_to_the_one_before_and_end_at_the_e
     last = DEFAULT_ARMS[-1]
     assert last.compile and last.async_scheduling and last.rope_write and last.tune_batch_1
     assert last.opaque == ("lm_head",) and last.skip_empty == paged_attention.SKIP_EMPTY_SHARES
-    assert not (last.fold_shares or last.step_pdl or last.fused or last.autotune)
+    assert last.step_pdl and last.steady
+    assert not (last.fold_shares or last.fused or last.autotune)
+
+
+def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch):
+    """`recording_tuning` appends what coordinate descent settled on and what each benchmark
+    returned, per kernel, and puts inductor's methods back after."""
+    from types import SimpleNamespace
+
+    import triton
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from nanolab.lab.levers import config_text, recording_tuning
+
+    best = SimpleNamespace(config=triton.Config({"XBLOCK": 4, "R0_BLOCK": 2048}, num_warps=16, num_stages=1))
+    other = SimpleNamespace(config=triton.Config({"XBLOCK": 1, "R0_BLOCK": 1024}, num_warps=8, num_stages=2))
+    monkeypatch.setattr(CachingAutotuner, "coordinate_descent_tuning", lambda self, launcher: best)
+    monkeypatch.setattr(CachingAutotuner, "bench", lambda self, launcher: 0.026 if launcher is best else 0.05)
+    fake = SimpleNamespace(inductor_meta={"kernel_name": "triton_red_fused_mm_6"})
+    configs, timings = [], []
+    with recording_tuning(configs, timings):
+        for launcher in (other, best):
+            CachingAutotuner.bench(fake, launcher)
+        assert CachingAutotuner.coordinate_descent_tuning(fake, other) is best
+    assert configs == [{"kernel": "triton_red_fused_mm_6", "config": "XBLOCK: 4, R0_BLOCK: 2048, num_warps: 16"}]
+    assert [t["us"] for t in timings] == [50.0, 26.0]
+    assert timings[0]["config"] == config_text(other.config) == "XBLOCK: 1, R0_BLOCK: 1024, num_warps: 8, num_stages: 2"
+    assert CachingAutotuner.bench(fake, best) == 0.026  # put back: nothing more recorded
+    assert len(timings) == 2

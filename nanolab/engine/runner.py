@@ -10,7 +10,8 @@ eagerly over one flattened varlen plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -19,6 +20,8 @@ from nanolab.engine.graphs import DecodeGraphs, planned_step
 from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
+from nanolab.kernels import pdl as pdl_module
+from nanolab.kernels.pdl import supports_pdl
 from nanolab.model.llama import LlamaModel
 
 # Inductor's options for the batch-1 graph. With coordinate-descent tuning on, inductor lowers a
@@ -30,7 +33,32 @@ from nanolab.model.llama import LlamaModel
 BATCH_1_OPTIONS = {"coordinate_descent_tuning": True}
 # Inductor's option that launches each of its Triton kernels as a programmatic dependent of the one
 # before (Hopper's PDL): it waits in-kernel before its first read of what an earlier kernel wrote.
+# On by default where the GPU has it (`compile_decode`): four fresh compiles of Llama-3.2-1B's
+# batch-1 step each way on the H200 took 0.99 to 1.09 ms with it, 1.06 to 1.20 without (Day 61);
+# the batched graph, whose projections are cuBLAS's, did not move.
 PDL_OPTIONS = {"triton.enable_pdl": True}
+
+
+@contextlib.contextmanager
+def steady_tuning() -> Iterator[None]:
+    """While inside, inductor's autotuner times each candidate config with Triton's `do_bench` (25 ms
+    of warm-up, then the median of 40 ms of calls) instead of its default benchmarker (the fastest
+    of at most 100 calls, none of them warm-up). The tuning happens at a kernel's first run, after
+    seconds of compiling with the GPU idle, and the default's timings of one config of Llama-3.2-1B's
+    down projection then ranged from 31 to 50 us from one compile to the next. Over eight compiles
+    coordinate descent settled on six different configs; the one it chose three times ran 185 us a
+    step in the graph every time, the others 225 to 294 (Day 61, the H200). Timed after a warm-up,
+    it chose that config in three compiles of four. Swaps the benchmarker inductor's heuristics
+    module holds (`torch._inductor.runtime.triton_heuristics.benchmarker`)."""
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.runtime.benchmarking import TritonBenchmarker
+
+    saved = triton_heuristics.benchmarker
+    triton_heuristics.benchmarker = TritonBenchmarker()
+    try:
+        yield
+    finally:
+        triton_heuristics.benchmarker = saved
 # On the CPU, inductor's wrapper (the code that calls each kernel and op in turn) in C++ rather
 # than Python: SmolLM2's compiled one-row step spent about 2.5 ms of 29 in the Python wrapper's
 # calls, and ran 27.4 ms with it in C++ (Day 61), for about 40 s more at start compiling it. Not
@@ -50,12 +78,13 @@ class DecodeForward:
     norms folded in, and tuning every kernel adds tens of seconds at start for Llama-3.2-1B), else
     batch 1 shares `batched`. With `opaque_head`, the LM head stays cuBLAS's in both graphs
     (`layers.Linear.opaque`): set on the model, so it holds for every compile of it after. With
-    `pdl`, both graphs' Triton kernels are launched as programmatic dependents (`PDL_OPTIONS`); the
-    engine's own ops follow `kernels.pdl.OPS_PDL`. `options`: inductor's, for both graphs.
-    Compiling happens on the first call of each."""
+    `pdl`, both graphs' Triton kernels are launched as programmatic dependents (`PDL_OPTIONS`), and
+    so are the engine's own ops in every call of it (`kernels.pdl.OPS_PDL` otherwise). With
+    `steady`, batch 1's kernels are tuned inside `steady_tuning`. `options`: inductor's, for both
+    graphs. Compiling happens on the first call of each."""
 
     def __init__(self, model: LlamaModel, batch_1_options: dict | None = None, pdl: bool = False,
-                 opaque_head: bool = False, options: dict | None = None) -> None:
+                 opaque_head: bool = False, options: dict | None = None, steady: bool = False) -> None:
         model.lm_head.opaque = opaque_head
         extra = {**(options or {}), **(PDL_OPTIONS if pdl else {})}
         self.options = extra  # inductor's options for both graphs, besides `batch_1_options`
@@ -63,6 +92,7 @@ class DecodeForward:
         self.single = (self.batched if batch_1_options is None else
                        torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
         self.batch_1_options = batch_1_options
+        self.pdl, self.steady = pdl, steady
 
     @property
     def tune_batch_1(self) -> bool:
@@ -70,21 +100,31 @@ class DecodeForward:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
         # ids [batch, tokens]: the batch is a Python int here, so a graph captures one branch.
-        return (self.single if ids.shape[0] == 1 else self.batched)(ids, positions, cache=cache)
+        single = ids.shape[0] == 1
+        with (steady_tuning() if self.steady and single else contextlib.nullcontext()), \
+                pdl_module.launching_dependents(self.pdl or pdl_module.OPS_PDL):
+            return (self.single if single else self.batched)(ids, positions, cache=cache)
 
 
-def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: bool = False) -> DecodeForward:
+def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: bool | None = None,
+                   steady: bool | None = None) -> DecodeForward:
     """`model` compiled for decode steps (`DecodeForward`), batch 1 with `BATCH_1_OPTIONS` when
     `tune_batch_1`: by default for a model on CUDA, since inductor lowers a one-row matmul that way
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
-    every time (Day 61). `pdl` as `DecodeForward`'s. A model on the CPU compiles with
+    every time (Day 61), and the tuning is `steady` unless told. `pdl` as `DecodeForward`'s, by
+    default wherever the GPU has it (`PDL_OPTIONS`). A model on the CPU compiles with
     `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
-    device = next(model.parameters()).device.type
+    param = next(model.parameters())
+    device = param.device.type
     if tune_batch_1 is None:
         tune_batch_1 = device == "cuda"
+    if pdl is None:
+        pdl = supports_pdl(param.device)
+    if steady is None:
+        steady = tune_batch_1
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
-                         options=CPU_OPTIONS if device == "cpu" and model.tp is None else None)
+                         options=CPU_OPTIONS if device == "cpu" and model.tp is None else None, steady=steady)
 
 
 class ModelRunner:

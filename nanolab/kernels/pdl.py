@@ -10,6 +10,9 @@ launch gap.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton.language as tl
 from triton import jit
@@ -17,9 +20,21 @@ from triton import jit
 from nanolab.kernels import INTERPRETED
 
 # Whether the engine's own decode kernels (the streamed read, the rotation with the K/V write)
-# launch as programmatic dependents wherever `supports_pdl`; `runner.DecodeForward(pdl=True)`
-# turns on inductor's PDL to match. Off by default; the lab turns it on to measure it.
+# launch as programmatic dependents wherever `supports_pdl`. Off outside a compiled step: a
+# `runner.DecodeForward` with PDL turns it on for its own calls (`launching_dependents`), with
+# inductor's PDL to match; the lab sets it to measure it.
 OPS_PDL = False
+
+
+@contextlib.contextmanager
+def launching_dependents(on: bool) -> Iterator[None]:
+    """`OPS_PDL` set to `on` while inside, and put back after."""
+    global OPS_PDL
+    saved, OPS_PDL = OPS_PDL, on
+    try:
+        yield
+    finally:
+        OPS_PDL = saved
 
 
 @jit

@@ -43,6 +43,8 @@ from nanolab.model import attention as attention_module
 from nanolab.model.config import ModelConfig
 from nanolab.progress import progress_bar
 
+NAN = float("nan")
+
 
 @dataclass(frozen=True)
 class Lever:
@@ -59,13 +61,15 @@ class Lever:
     step_pdl: bool = False  # the compiled step's kernels launched as programmatic dependents (`runner.PDL_OPTIONS`)
     opaque: tuple[str, ...] = ()  # projections inductor leaves to cuBLAS (`layers.Linear.opaque`): "lm_head", "down"
     skip_empty: bool = False  # a split read's empty shares write nothing (`paged_attention.SKIP_EMPTY_SHARES`)
+    steady: bool = False  # batch 1's kernels tuned with a warmed-up benchmark (`runner.steady_tuning`)
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
 # batch-1 arms each branch off that one, and the fused projections (and PDL over them) off
 # "+ async scheduling", as they were measured. The shares folded, PDL in the compiled step and the
 # cuBLAS projections each branch off the tuned batch 1; the empty shares skipped off the cuBLAS LM
-# head. The Triton GEMV is measured alone against cuBLAS (`projection_table`) and, as it does not
+# head, and PDL over the kept step and the tuning timed after a warm-up, in turn, off that. The
+# Triton GEMV is measured alone against cuBLAS (`projection_table`) and, as it does not
 # beat it, never enters the engine.
 ARMS = (
     Lever("graphs (before)", pinned=False),
@@ -87,10 +91,14 @@ ARMS = (
           opaque=("lm_head", "down")),
     Lever("+ empty shares skipped", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
           opaque=("lm_head",), skip_empty=True),
+    Lever("+ PDL over the kept step", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          opaque=("lm_head",), skip_empty=True, step_pdl=True),
+    Lever("+ tuning timed after a warm-up", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
+          opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True),
 )
 # What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
 # last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
-DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13))
+DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15))
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -189,7 +197,7 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     forward = None
     if lever.compile:
         forward = (autotuned_batch_1(model) if lever.autotune else
-                   compile_decode(model, lever.tune_batch_1, pdl=lever.step_pdl))
+                   compile_decode(model, lever.tune_batch_1, pdl=lever.step_pdl, steady=lever.steady))
     opaque_projections(model, lever.opaque)  # compiling happens at the first call, in the engine's capture
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
@@ -315,7 +323,7 @@ def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
         return None
     print("measured on:", table_label(levers).caption().replace("; ", ";\n  "))
     order = list(dict.fromkeys(levers.arm))
-    show(levers.pivot_table(index="batch", columns="arm", values=values)[order].round(3))
+    show(levers.pivot_table(index=["batch", "context"], columns="arm", values=values)[order].round(3))
     by_batch = {b: p.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)
                 for b, p in parts.groupby("batch")}
     for b, by_arm in by_batch.items():
@@ -333,7 +341,9 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     anatomy and its replay alone), `day61_parts` (arm, part, ms at each of `profile_shapes`),
     `day61_lever_profile` (its kernels) and `day61_lever_agreement` (greedy tokens and first-step
     logits of each arm against the first). `checkpoint`, when given, gets the tables so far after
-    each arm, so a run cut short keeps its finished arms."""
+    each arm, so a run cut short keeps its finished arms. Each arm compiles afresh, with inductor's
+    caches off, as in a new process on a new machine: two arms whose graphs are the same (one that
+    changes only how batch 1 is tuned, say) would otherwise share the first one's tuned kernels."""
     device = torch.device("cuda")
     model = load_model(model_path, dtype=dtype, device=device)
     config = model.config
@@ -345,7 +355,8 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
     check = random_prompts(8, 64, config.vocab_size, seed=1).tolist()
     records, parts, profiles, agreement, first = [], [], [], [], None
     for lever in progress_bar(arms, desc="levers", enabled=progress):
-        with lever_staging(lever):
+        torch._dynamo.reset()
+        with lever_staging(lever), torch._inductor.config.patch(force_disable_caches=True):
             engine, build_s = lever_engine(model, lever, **kw)
             for batch, context in shapes:
                 prompts = random_prompts(batch, context - steps, config.vocab_size)
@@ -386,35 +397,77 @@ def _lever_tables(records, parts, agreement, profiles) -> dict[str, pd.DataFrame
 SPREAD_ARMS = (ARMS[6], ARMS[10])
 
 
+@contextlib.contextmanager
+def recording_tuning(configs: list[dict], timings: list[dict] | None = None):
+    """While inside, every config inductor's coordinate descent settles on is appended to `configs`
+    (kernel, config), and, into `timings` when given, every timing its benchmarker returned (kernel,
+    config, us). Wraps `CachingAutotuner`'s two methods and puts them back after."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    tune, bench = CachingAutotuner.coordinate_descent_tuning, CachingAutotuner.bench
+
+    def recorded_tune(self, launcher, *args, **kwargs):
+        best = tune(self, launcher, *args, **kwargs)
+        configs.append({"kernel": self.inductor_meta.get("kernel_name"), "config": config_text(best.config)})
+        return best
+
+    def recorded_bench(self, launcher, *args, **kwargs):
+        ms = bench(self, launcher, *args, **kwargs)
+        if timings is not None:
+            timings.append({"kernel": self.inductor_meta.get("kernel_name"), "config": config_text(launcher.config),
+                            "us": 1000 * float(ms)})
+        return ms
+
+    CachingAutotuner.coordinate_descent_tuning, CachingAutotuner.bench = recorded_tune, recorded_bench
+    try:
+        yield
+    finally:
+        CachingAutotuner.coordinate_descent_tuning, CachingAutotuner.bench = tune, bench
+
+
+def config_text(config) -> str:
+    """A Triton config as "XBLOCK: 4, R0_BLOCK: 2048, num_warps: 16": its block sizes and warps, and
+    its stages where not 1 (inductor's reductions use one)."""
+    parts = [f"{k}: {v}" for k, v in config.kwargs.items()] + [f"num_warps: {config.num_warps}"]
+    return ", ".join(parts + ([f"num_stages: {config.num_stages}"] if config.num_stages != 1 else []))
+
+
 def tuning_spread(model_path, dtype=torch.bfloat16, arms=SPREAD_ARMS, trials: int = 3, steps: int = 32,
                   repeats: int = 3, context: int = 128, progress: bool = True,
                   checkpoint: Callable[[dict[str, pd.DataFrame]], None] | None = None) -> dict[str, pd.DataFrame]:
-    """Tables `day61_tuning_spread` (arm, trial, ms_per_step, replay_ms, build_s at batch 1) and
-    `day61_spread_profile` (each trial's kernels): every arm's batch-1 engine built `trials` times
-    with inductor's caches off, so coordinate descent tunes each kernel anew, and timed as
-    `run_levers` times a step. The spread between trials of one arm is the tuning's, not the code's.
-    Arms alternate trial by trial, so drift on the card falls on both."""
+    """Tables `day61_tuning_spread` (arm, trial, ms_per_step, replay_ms, build_s at batch 1), `day61_spread_profile`
+    (each trial's kernels), `day61_configs` (the config coordinate descent chose for each kernel, with the fastest
+    time its benchmarker gave that config while tuning, `tuning_us`) and `day61_tuning_timings` (the same for every
+    config it timed): every arm's batch-1 engine built `trials` times with inductor's caches off, so coordinate
+    descent tunes each kernel anew, and timed as `run_levers` times a step. The spread between trials of one arm is
+    the tuning's, not the code's. Arms alternate trial by trial, so drift on the card falls on both."""
     device = torch.device("cuda")
     model = load_model(model_path, dtype=dtype, device=device)
     prompts = random_prompts(1, context - steps, model.config.vocab_size)
     kw = dict(num_blocks=cdiv(context, 16) + 18, block_size=16, max_num_seqs=1)
-    records, profiles = [], []
+    records, profiles, configs, timings = [], [], [], []
     jobs = [(trial, lever) for trial in range(trials) for lever in arms]
     for trial, lever in progress_bar(jobs, desc="tuning spread", enabled=progress):
         torch._dynamo.reset()
+        chosen, timed = [], []
         with torch._inductor.config.patch(force_disable_caches=True), \
-                lever_staging(lever):
+                lever_staging(lever), recording_tuning(chosen, timed):
             engine, build_s = lever_engine(model, lever, **kw)
             timing = time_engine(engine, prompts, steps, repeats, lever.name)
             records.append({"arm": lever.name, "trial": trial, "batch": 1, "context": context,
                             "ms_per_step": timing.ms_per_step, "replay_ms": replay_ms(engine, 1), "build_s": build_s})
             profiles.append(_profile(engine, prompts, steps, lever.name).assign(trial=trial, batch=1, context=context))
+        fastest = pd.DataFrame(timed, columns=["kernel", "config", "us"]).groupby(["kernel", "config"]).us.min()
+        configs += [{"arm": lever.name, "trial": trial, **c, "tuning_us": fastest.get((c["kernel"], c["config"]), NAN)}
+                    for c in chosen]
+        timings += [{"arm": lever.name, "trial": trial, "kernel": kernel, "config": config, "tuning_us": us}
+                    for (kernel, config), us in fastest.items()]
         del engine
         gc.collect()
         torch.cuda.empty_cache()
         if checkpoint is not None:
-            checkpoint(_spread_tables(records, profiles))
-    return _spread_tables(records, profiles)
+            checkpoint(_spread_tables(records, profiles, configs, timings))
+    return _spread_tables(records, profiles, configs, timings)
 
 
 def once_a_step(profile: pd.DataFrame, steps: int = 32) -> pd.DataFrame:
@@ -426,9 +479,12 @@ def once_a_step(profile: pd.DataFrame, steps: int = 32) -> pd.DataFrame:
     return longest[["arm", "trial", "kernel", "us_per_step"]].reset_index(drop=True)
 
 
-def _spread_tables(records, profiles) -> dict[str, pd.DataFrame]:
+def _spread_tables(records, profiles, configs, timings) -> dict[str, pd.DataFrame]:
+    columns = ["arm", "trial", "kernel", "config", "tuning_us"]
     return {"day61_tuning_spread": pd.DataFrame(records),
-            "day61_spread_profile": pd.concat(profiles, ignore_index=True)}
+            "day61_spread_profile": pd.concat(profiles, ignore_index=True),
+            "day61_configs": pd.DataFrame(configs, columns=columns),
+            "day61_tuning_timings": pd.DataFrame(timings, columns=columns)}
 
 
 PREFILL_ARMS = (  # (name, rope_write, prompts_by_sdpa), cumulative

@@ -107,6 +107,41 @@ def plot_tuning_spread(spread: pd.DataFrame, head: pd.DataFrame, target_ms: floa
     return fig
 
 
+def plot_kernel_draws(spread: pd.DataFrame, kernel: pd.DataFrame, target_ms: float, kernel_name: str,
+                      marked: str) -> Figure:
+    """Two panels, one column per arm (in the order they appear in `spread`): each fresh compile's
+    batch-1 ms per step (columns arm, trial, ms_per_step), a bar at the median, the target dotted;
+    and one kernel of the same compiles in us per step (columns arm, trial, us_per_step, config),
+    squares where tuning chose the config `marked`, dots where it chose another."""
+    arms = list(dict.fromkeys(spread.arm))
+    fig = Figure(figsize=(11, 4.4))
+    step_ax, kernel_ax = fig.subplots(1, 2)
+    for i, arm in enumerate(arms):
+        ms = spread[spread.arm == arm].ms_per_step
+        step_ax.plot(np.full(len(ms), i), ms, "o", color="C0", alpha=0.75)
+        step_ax.hlines(ms.median(), i - 0.25, i + 0.25, color="k", lw=2)
+        us = kernel[kernel.arm == arm]
+        hit = us.config == marked
+        kernel_ax.plot(np.full(int(hit.sum()), i), us[hit].us_per_step, "s", color="C2", alpha=0.85,
+                       label=None if i else textwrap.fill(f"tuned to {marked}", 40))
+        kernel_ax.plot(np.full(int((~hit).sum()), i), us[~hit].us_per_step, "o", color="C1", alpha=0.85,
+                       label=None if i else "tuned to another config")
+    step_ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
+    step_ax.set_ylabel("batch-1 ms per decode step")
+    step_ax.set_title("the same step, compiled afresh: one dot a compile, bar at the median", fontsize=9)
+    step_ax.legend(fontsize=8)
+    kernel_ax.set_ylabel(f"{kernel_name}, us per step")
+    kernel_ax.set_ylim(0, None)
+    kernel_ax.set_title(f"its {kernel_name}, by the config tuning chose", fontsize=9)
+    kernel_ax.legend(fontsize=8, loc="lower right")
+    for ax in (step_ax, kernel_ax):
+        ax.set_xticks(range(len(arms)), [textwrap.fill(a.removeprefix("+ "), 16) for a in arms], fontsize=8)
+        ax.set_xlim(-0.6, len(arms) - 0.4)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):
     """Two panels against batch, one line per arm of the floor bench (its `label`): ms per decode
     step, and the same over the floor. The shortest context is drawn as lines with the floor
