@@ -1071,13 +1071,15 @@ else:
     print(cpu_target_line(FloorBench(cpu_floor, cpu_roofline, pd.DataFrame())))
 
 # %% [markdown]
-# The target is met, by more than this machine's run-to-run spread. The committed run is from a
-# slow afternoon on the machine: HF's step took about 80 ms at batch 1 where the morning's five
-# runs had it at 57 to 60, and nanolab's eager step slowed with it, while the compiled step,
-# whose one-row matmuls are now inductor's reductions, stayed near its 22 to 26 ms. The ratio
-# printed above is from that run; against the morning's HF times the compiled step would still be
-# above 2x. At batch 8 the step keeps the packed matmuls, and its ratio is about what it was. The
-# compiled step sits under twice its floor at batch 1.
+# The target is met, by more than this machine's run-to-run spread. The command ran twice that
+# afternoon, and the compiled step came out at 3.12x and then 3.41x HF's at batch 1; the second
+# run is the one committed. The machine was slower for HF than in the morning: its step took
+# about 80 ms at batch 1, where the morning's five runs had it at 57 to 60, and nanolab's eager
+# step slowed with it. Alone in a process of its own, right after, HF's step took 74 ms, so most
+# of that was the machine's. The compiled step, whose one-row matmuls are now inductor's reductions,
+# stayed at 24 to 26 ms; against the morning's HF times it would still be above 2x. At batch 8
+# the step keeps the packed matmuls, and its ratio moved little. At batch 1 the compiled step now
+# sits under twice its floor.
 
 # %% [markdown]
 # ## Looking back
