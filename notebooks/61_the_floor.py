@@ -568,10 +568,7 @@ kept = lab.show_lever_run("day61_kept", "ms_per_step", "python -m nanolab levers
                           "--shapes 1@128,8@128,32@128 --profile 1@128,8@128 --stem day61_kept")
 if kept is not None:
     kept_levers, kept_parts, kept_order = kept
-    kept_b1 = kept_levers[kept_levers.batch == 1].set_index("arm")
-    fig = lab.plot_lever_waterfall(kept_parts.reset_index().melt(id_vars="part", var_name="arm", value_name="ms"),
-                                   float(kept_b1.floor_ms.iloc[0]), target_b1,
-                                   replay_ms=kept_b1.replay_ms.to_dict())
+    fig = lab.lever_run_waterfall(kept_levers, kept_parts, target_b1)
     if ON_GPU or not lab.figure_path("day61_kept_waterfall", "h200").exists():
         lab.save_figure(fig, "day61_kept_waterfall", lab.table_label(kept_levers))
     lab.show(fig)
@@ -686,10 +683,7 @@ final = lab.show_lever_run("day61_final", "ms_per_step", "python -m nanolab leve
 if final is not None:
     final_levers, final_parts, final_order = final
     lab.show(final_levers.drop_duplicates("arm").set_index("arm").build_s.round(1).to_frame())
-    final_b1 = final_levers[final_levers.batch == 1].set_index("arm")
-    fig = lab.plot_lever_waterfall(final_parts.reset_index().melt(id_vars="part", var_name="arm", value_name="ms"),
-                                   float(final_b1.floor_ms.iloc[0]), target_b1,
-                                   replay_ms=final_b1.replay_ms.to_dict())
+    fig = lab.lever_run_waterfall(final_levers, final_parts, target_b1)
     if ON_GPU or not lab.figure_path("day61_final_waterfall", "h200").exists():
         lab.save_figure(fig, "day61_final_waterfall", lab.table_label(final_levers))
     lab.show(fig)

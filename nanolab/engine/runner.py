@@ -59,6 +59,8 @@ def steady_tuning() -> Iterator[None]:
         yield
     finally:
         triton_heuristics.benchmarker = saved
+
+
 # On the CPU, inductor's wrapper (the code that calls each kernel and op in turn) in C++ rather
 # than Python: SmolLM2's compiled one-row step spent about 2.5 ms of 29 in the Python wrapper's
 # calls, and ran 27.4 ms with it in C++ (Day 61), for about 40 s more at start compiling it. Not

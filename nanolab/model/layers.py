@@ -95,8 +95,8 @@ class Linear(nn.Linear):
 
     On the CPU, a compiled forward of one row writes the matmul as a product and a sum
     (`ONE_ROW_REDUCTION`), which inductor lowers into its own reduction, vectorised and spread over
-    the cores, as it lowers a one-row matmul on a GPU. Below, the packed copy serves every other
-    case: more rows, and the eager forward.
+    the cores, as it lowers a one-row matmul on a GPU. The packed copy serves every other case:
+    more rows, and the eager forward.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:

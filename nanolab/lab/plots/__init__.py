@@ -4,6 +4,7 @@ and measured tables."""
 from nanolab.lab.plots.capture import plot_capture_buckets
 from nanolab.lab.plots.engine import plot_block_tables, plot_decode_speed
 from nanolab.lab.plots.floor import (
+    lever_run_waterfall,
     plot_chunked_itl,
     plot_floor_roofline,
     plot_kernel_draws,
@@ -16,7 +17,7 @@ from nanolab.lab.plots.plan import plot_decode_plan
 from nanolab.lab.plots.results import plot_headline
 from nanolab.lab.plots.streamed import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
 
-__all__ = ["plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan", "plot_decode_speed",
-           "plot_floor_roofline", "plot_headline", "plot_kernel_draws", "plot_launch_sweep", "plot_lever_waterfall",
-           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read", "plot_tp_steps",
-           "plot_tuning_spread"]
+__all__ = ["lever_run_waterfall", "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
+           "plot_decode_speed", "plot_floor_roofline", "plot_headline", "plot_kernel_draws", "plot_launch_sweep",
+           "plot_lever_waterfall", "plot_paper_speedup", "plot_projections", "plot_streamed_engine",
+           "plot_streamed_read", "plot_tp_steps", "plot_tuning_spread"]

@@ -76,6 +76,26 @@ def plot_lever_waterfall(parts: pd.DataFrame, floor_ms: float, target_ms: float,
     return fig
 
 
+def _compiles_panel(ax, spread: pd.DataFrame, arms: list[str], target_ms: float) -> None:
+    """Each fresh compile's batch-1 ms per step as a dot in its arm's column, a bar at each arm's
+    median, the target dotted."""
+    for i, arm in enumerate(arms):
+        ms = spread[spread.arm == arm].ms_per_step
+        ax.plot(np.full(len(ms), i), ms, "o", color="C0", alpha=0.75)
+        ax.hlines(ms.median(), i - 0.25, i + 0.25, color="k", lw=2)
+    ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
+    ax.set_ylabel("batch-1 ms per decode step")
+    ax.set_title("the same step, compiled afresh: one dot a compile, bar at the median", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def _arm_columns(axes, arms: list[str]) -> None:
+    for ax in axes:
+        ax.set_xticks(range(len(arms)), [textwrap.fill(a.removeprefix("+ "), 16) for a in arms], fontsize=8)
+        ax.set_xlim(-0.6, len(arms) - 0.4)
+        ax.grid(axis="y", alpha=0.3)
+
+
 def plot_tuning_spread(spread: pd.DataFrame, head: pd.DataFrame, target_ms: float) -> Figure:
     """Two panels, one column per arm (in the order they appear in `spread`): each fresh compile's
     batch-1 ms per step (columns arm, trial, ms_per_step), a bar at the median, the target dotted;
@@ -84,25 +104,16 @@ def plot_tuning_spread(spread: pd.DataFrame, head: pd.DataFrame, target_ms: floa
     arms = list(dict.fromkeys(spread.arm))
     fig = Figure(figsize=(11, 4.4))
     step_ax, head_ax = fig.subplots(1, 2)
+    _compiles_panel(step_ax, spread, arms, target_ms)
     for i, arm in enumerate(arms):
-        ms = spread[spread.arm == arm].ms_per_step
-        step_ax.plot(np.full(len(ms), i), ms, "o", color="C0", alpha=0.75)
-        step_ax.hlines(ms.median(), i - 0.25, i + 0.25, color="k", lw=2)
         us = head[head.arm == arm]
         cublas = us.kernel.str.contains("nvjet")
         head_ax.plot(np.full(int(cublas.sum()), i), us[cublas].us_per_step, "s", color="0.35", alpha=0.8)
         head_ax.plot(np.full(int((~cublas).sum()), i), us[~cublas].us_per_step, "o", color="C1", alpha=0.8)
-    step_ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
-    step_ax.set_ylabel("batch-1 ms per decode step")
-    step_ax.set_title("the same step, compiled afresh: one dot a compile, bar at the median", fontsize=9)
-    step_ax.legend(fontsize=8)
     head_ax.set_ylabel("LM head, us per step")
     head_ax.set_ylim(0, None)
     head_ax.set_title("its LM head: cuBLAS (squares) or inductor's tuned reduction (dots)", fontsize=9)
-    for ax in (step_ax, head_ax):
-        ax.set_xticks(range(len(arms)), [textwrap.fill(a.removeprefix("+ "), 16) for a in arms], fontsize=8)
-        ax.set_xlim(-0.6, len(arms) - 0.4)
-        ax.grid(axis="y", alpha=0.3)
+    _arm_columns((step_ax, head_ax), arms)
     fig.tight_layout()
     return fig
 
@@ -116,30 +127,29 @@ def plot_kernel_draws(spread: pd.DataFrame, kernel: pd.DataFrame, target_ms: flo
     arms = list(dict.fromkeys(spread.arm))
     fig = Figure(figsize=(11, 4.4))
     step_ax, kernel_ax = fig.subplots(1, 2)
+    _compiles_panel(step_ax, spread, arms, target_ms)
     for i, arm in enumerate(arms):
-        ms = spread[spread.arm == arm].ms_per_step
-        step_ax.plot(np.full(len(ms), i), ms, "o", color="C0", alpha=0.75)
-        step_ax.hlines(ms.median(), i - 0.25, i + 0.25, color="k", lw=2)
         us = kernel[kernel.arm == arm]
         hit = us.config == marked
         kernel_ax.plot(np.full(int(hit.sum()), i), us[hit].us_per_step, "s", color="C2", alpha=0.85,
                        label=None if i else textwrap.fill(f"tuned to {marked}", 40))
         kernel_ax.plot(np.full(int((~hit).sum()), i), us[~hit].us_per_step, "o", color="C1", alpha=0.85,
                        label=None if i else "tuned to another config")
-    step_ax.axhline(target_ms, color="C3", ls=":", lw=1.5, label=f"target ({target_ms:.2f} ms)")
-    step_ax.set_ylabel("batch-1 ms per decode step")
-    step_ax.set_title("the same step, compiled afresh: one dot a compile, bar at the median", fontsize=9)
-    step_ax.legend(fontsize=8)
     kernel_ax.set_ylabel(f"{kernel_name}, us per step")
     kernel_ax.set_ylim(0, None)
     kernel_ax.set_title(f"its {kernel_name}, by the config tuning chose", fontsize=9)
     kernel_ax.legend(fontsize=8, loc="lower right")
-    for ax in (step_ax, kernel_ax):
-        ax.set_xticks(range(len(arms)), [textwrap.fill(a.removeprefix("+ "), 16) for a in arms], fontsize=8)
-        ax.set_xlim(-0.6, len(arms) - 0.4)
-        ax.grid(axis="y", alpha=0.3)
+    _arm_columns((step_ax, kernel_ax), arms)
     fig.tight_layout()
     return fig
+
+
+def lever_run_waterfall(levers: pd.DataFrame, parts: pd.DataFrame, target_ms: float) -> Figure:
+    """`plot_lever_waterfall` of a lever run as `levers.show_lever_run` returns it (its table, and
+    the parts by arm of its smallest profiled batch), with batch 1's floor and each arm's replay."""
+    b1 = levers[levers.batch == 1].set_index("arm")
+    return plot_lever_waterfall(parts.reset_index().melt(id_vars="part", var_name="arm", value_name="ms"),
+                                float(b1.floor_ms.iloc[0]), target_ms, replay_ms=b1.replay_ms.to_dict())
 
 
 def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):
