@@ -18,7 +18,7 @@ import torch
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.kv_cache import READS, kv_bytes_per_block
 from nanolab.engine.llm_engine import Engine, check_int
-from nanolab.engine.parallel import LeaderRunner, Workers, WorkerSpec
+from nanolab.engine.parallel import NCCL_OPT_IN, LeaderRunner, Workers, WorkerSpec, nccl_opted_in
 from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.sequence import Sequence
 from nanolab.model.config import ModelConfig
@@ -167,11 +167,12 @@ class LLM:
                              f"{torch.cuda.device_count()} CUDA device(s), one per rank")
         if tensor_parallel_size > 1 and device.type == "cuda" and device.index not in (None, 0):
             raise ValueError(f"device={device}: a tensor-parallel group puts rank r on cuda:r, rank 0 on cuda:0")
-        if tensor_parallel_size > 1 and device.type == "cuda":
+        if tensor_parallel_size > 1 and device.type == "cuda" and not nccl_opted_in():
             # The NCCL path (graphs captured on every rank) hung in its first test on two H200s and
             # is not yet found; a group of gloo ranks on the CPU is what is tested and served.
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on {device}: tensor parallelism runs on "
-                             f"the CPU (gloo) for now; its NCCL path is not yet working")
+                             f"the CPU (gloo) for now; its NCCL path is not yet working (set {NCCL_OPT_IN}=1 "
+                             "to run it anyway)")
         per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
         if num_blocks is None and kv_cache_bytes is not None:
             if kv_cache_bytes < per_block:

@@ -51,6 +51,14 @@ WORKER_ENTRY = "from nanolab.engine.parallel import worker_main; worker_main()"
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # The group's collective timeout in seconds where a `WorkerSpec` names none; None: torch's defaults.
 GROUP_TIMEOUT_S: float | None = None
+# Tensor parallelism on CUDA (NCCL) is refused unless this is "1" in the environment: its first
+# run on two H200s hung before any output (2026-11-30), and it has not run on two GPUs since.
+# Set it to run that path anyway, as `scripts/gpu_run.sh tp` does on a two-GPU machine.
+NCCL_OPT_IN = "NANOLAB_NCCL_TP"
+
+
+def nccl_opted_in() -> bool:
+    return os.environ.get(NCCL_OPT_IN) == "1"
 
 
 @dataclasses.dataclass
