@@ -608,8 +608,9 @@ if kept is not None:
 #   --stem day61_pdlspread`);
 # - PDL with the batch-1 tuning timed after a warm-up (`--only spread --arms 15 --trials 4 --stem
 #   day61_dobench`): inductor's default benchmarker times a config as the fastest of at most 100
-#   calls with no warm-up, and `runner.steady_tuning` swaps in Triton's `do_bench`, which runs the
-#   kernel for 25 ms first and takes the median of 40 ms of calls.
+#   calls, after one untimed call and five that estimate its length, and `runner.steady_tuning`
+#   swaps in Triton's `do_bench`, which runs the kernel for 25 ms first and takes the median of 40
+#   ms of calls.
 #
 # Two predictions. PDL had not paid in the first spread run, but there each compile's LM head
 # moved the step by up to 0.2 ms; with the head fixed on cuBLAS, PDL should take part of the
@@ -666,7 +667,8 @@ else:
 #   of eight. Timed after a warm-up, the same config timed about 15 us rather than 25.
 # - **Both are kept.** `runner.compile_decode` now compiles with PDL wherever the GPU has it (the
 #   engine's own ops launch as programmatic dependents inside the compiled step), and tunes batch
-#   1 inside `steady_tuning`. With both, two compiles of four ran under the 1.00 ms target.
+#   1 inside `steady_tuning`. With both, two compiles of four ran under the 1.00 ms target, and
+#   their median, 1.0005 ms, sits on it.
 # - **The band is narrower, not gone.** The third compile with the steadier timing drew a slower
 #   down config, and the fourth a q/k/v reduction about three times slower than the others'.
 #
@@ -1070,10 +1072,11 @@ else:
 # run is the one committed. The machine was slower for HF than in the morning: its step took
 # about 80 ms at batch 1, where the morning's five runs had it at 57 to 60, and nanolab's eager
 # step slowed with it. Alone in a process of its own, right after, HF's step took 74 ms, so most
-# of that was the machine's. The compiled step, whose one-row matmuls are now inductor's reductions,
-# stayed at 24 to 26 ms; against the morning's HF times it would still be above 2x. At batch 8
-# the step keeps the packed matmuls, and its ratio moved little. At batch 1 the compiled step now
-# sits under twice its floor.
+# of that was the machine's. The compiled step, whose one-row matmuls are now inductor's
+# reductions, took 23.6 ms in the committed run and 25.9 in the first; against the morning's HF
+# times it would still be above 2x. At batch 8 the step keeps the packed matmuls, and it slowed
+# with the machine (57.5 ms against the morning's 49.3); its ratio rose to 2.22x only because HF's
+# slowed more. At batch 1 the compiled step now sits under twice its floor.
 
 # %% [markdown]
 # ## Looking back
@@ -1105,8 +1108,9 @@ else:
 #   0.19 ms, wider than its distance to the target. The LM head was the worst of it and is back on
 #   cuBLAS, which took the median step down by about 0.08 ms. The down projection's draw was the
 #   tuner's noise: its in-graph time follows the config it gets, and the tuner reached the best
-#   config in three compiles of eight, or three of four once it timed after a warm-up. With PDL,
-#   the median fresh compile sits at the 1.00 ms target, and half of them under it. The rest of the
+#   config in three compiles of eight, or three of four once it timed after a warm-up. With PDL
+#   and the warmed-up tuning, the median fresh compile sits on the 1.00 ms target (1.0005), and
+#   half of them under it. The rest of the
 #   band (a q/k/v draw, a down draw in one compile of four) is still there; choosing configs by
 #   their time in the step, not alone, is the next lever for batch 1.
 # - **On the CPU** the matmuls packed for any number of rows, the step compiled around them, and
@@ -1116,7 +1120,7 @@ else:
 # - **Against the peers**, nanolab's step is the fastest measured at every batch, and was in the
 #   run beside gpt-fast's too, at a nearly constant multiple of the floor. Of the issue's step
 #   targets it meets the one at context 2,048, and the one at batch 1 in the floor table's draw
-#   and in the median of four fresh compiles, at 1.00 ms, so only just. The printed ratios say by
+#   (0.991 ms), while the median of four fresh compiles sits on it (1.0005 ms). The printed ratios say by
 #   how much it misses the ones at batches 8, 32 and 64, where batch 64's whole-generate time has
 #   moved by 6% between processes.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused

@@ -141,7 +141,19 @@ def test_one_row_matmuls_compile_to_a_reduction_on_the_cpu(sharp_gqa24, monkeypa
         code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)[1]
     assert code, "nothing was compiled"
     assert any("packed_linear" in c for c in code) != reduction
+    matmuls = ("packed_linear", "aten.mm", "cpu_mm_out", "addmm", "_linear_pointwise", "mkldnn")
+    if reduction:  # no matmul of any kind left in the one-row graph: inductor reduces
+        assert not [m for m in matmuls if any(m in c for c in code)]
     assert_logits_match_reference(sharp_gqa24, seqs, logits)
+    # Batches of 2 and then 3 share one dynamic graph: the one-row test adds no guard to it. (That
+    # graph's matmuls are the packed ones: `test_prepacked_matmuls_compile_to_the_reference`.)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    graphs = torch._dynamo.utils.counters["stats"]
+    for rows in (2, 3):
+        before = graphs["unique_graphs"]
+        engine.add_requests(PROMPTS[:rows], [params] * rows)
+        run_until_done(engine)
+        assert graphs["unique_graphs"] == before + (rows == 2), f"batch {rows}: {graphs['unique_graphs'] - before}"
     torch._dynamo.reset()
 
 

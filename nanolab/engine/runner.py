@@ -43,13 +43,15 @@ PDL_OPTIONS = {"triton.enable_pdl": True}
 def steady_tuning() -> Iterator[None]:
     """While inside, inductor's autotuner times each candidate config with Triton's `do_bench` (25 ms
     of warm-up, then the median of 40 ms of calls) instead of its default benchmarker (the fastest
-    of at most 100 calls, none of them warm-up). The tuning happens at a kernel's first run, after
-    seconds of compiling with the GPU idle, and the default's timings of one config of Llama-3.2-1B's
-    down projection then ranged from 31 to 50 us from one compile to the next. Over eight compiles
-    coordinate descent settled on six different configs; the one it chose three times ran 185 us a
-    step in the graph every time, the others 225 to 294 (Day 61, the H200). Timed after a warm-up,
-    it chose that config in three compiles of four. Swaps the benchmarker inductor's heuristics
-    module holds (`torch._inductor.runtime.triton_heuristics.benchmarker`)."""
+    of at most 100 calls, after one untimed call and five that estimate its length). The tuning
+    happens at a kernel's first run, after seconds of compiling with the GPU idle, and the default's
+    timings of one config of Llama-3.2-1B's down projection then ranged from 31 to 50 us from one
+    compile to the next. Over eight compiles coordinate descent settled on six different configs;
+    the one it chose three times ran 185 us a step in the graph every time, the others 225 to 294
+    (Day 61, the H200). Timed after a warm-up, it chose that config in three compiles of four. Swaps
+    the benchmarker inductor's heuristics module holds
+    (`torch._inductor.runtime.triton_heuristics.benchmarker`), a process-wide setting: two threads
+    compiling at once would see each other's."""
     from torch._inductor.runtime import triton_heuristics
     from torch._inductor.runtime.benchmarking import TritonBenchmarker
 
@@ -115,14 +117,14 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
     every time (Day 61), and the tuning is `steady` unless told. `pdl` as `DecodeForward`'s, by
-    default wherever the GPU has it (`PDL_OPTIONS`). A model on the CPU compiles with
-    `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
+    default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. A model on
+    the CPU compiles with `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
     param = next(model.parameters())
     device = param.device.type
     if tune_batch_1 is None:
         tune_batch_1 = device == "cuda"
-    if pdl is None:
-        pdl = supports_pdl(param.device)
+    if pdl is None:  # not yet for a tensor-parallel shard, whose graphs hold NCCL's kernels: unmeasured
+        pdl = supports_pdl(param.device) and model.tp is None
     if steady is None:
         steady = tune_batch_1
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,

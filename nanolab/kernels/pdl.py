@@ -28,7 +28,8 @@ OPS_PDL = False
 
 @contextlib.contextmanager
 def launching_dependents(on: bool) -> Iterator[None]:
-    """`OPS_PDL` set to `on` while inside, and put back after."""
+    """`OPS_PDL` set to `on` while inside, and put back after. A process-wide setting, as the
+    engine runs its steps from one thread."""
     global OPS_PDL
     saved, OPS_PDL = OPS_PDL, on
     try:

@@ -401,7 +401,8 @@ SPREAD_ARMS = (ARMS[6], ARMS[10])
 def recording_tuning(configs: list[dict], timings: list[dict] | None = None):
     """While inside, every config inductor's coordinate descent settles on is appended to `configs`
     (kernel, config), and, into `timings` when given, every timing its benchmarker returned (kernel,
-    config, us). Wraps `CachingAutotuner`'s two methods and puts them back after."""
+    config, us). Kernels are named as inductor names them, which two graphs compiled inside may
+    share. Wraps `CachingAutotuner`'s two methods and puts them back after."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     tune, bench = CachingAutotuner.coordinate_descent_tuning, CachingAutotuner.bench

@@ -109,7 +109,7 @@ class Linear(nn.Linear):
         _PACKED[_weight_key(self.weight)] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ONE_ROW_REDUCTION and torch.compiler.is_compiling() and x.device.type == "cpu" \
+        if ONE_ROW_REDUCTION and not self.opaque and torch.compiler.is_compiling() and x.device.type == "cpu" \
                 and math.prod(x.shape[:-1]) == 1:  # False, with no guard, for a dynamic batch (at least 2)
             # x [1, 1, in] * weight [out, in], summed over in: inductor fuses the two into one
             # reduction and never builds the product.
