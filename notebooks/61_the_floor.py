@@ -288,7 +288,7 @@ print(f"batch 1 after the levers: step {b1.ms_per_step[order[-1]]:.3f} ms, "
 #
 # With one row, or a few, against a weight matrix, a projection is a matrix-vector product, and a
 # GEMV tiled for that shape can in principle stream the weight faster than a general GEMM.
-# `nanolab.lab.gemv` is one, in Triton. `levers.projection_table` timed each projection alone,
+# `nanolab.kernels.gemv` is one, in Triton. `levers.projection_table` timed each projection alone,
 # cuBLAS (`F.linear`) against the GEMV, at 1 to 16 rows, with the L2 flushed before every launch.
 # The GEMV ran with its default tiles everywhere, and at 1 and 16 rows with every tiling of a sweep
 # as well. The times include each launch, so they compare the arms with each other and not with
@@ -323,10 +323,10 @@ else:
 # tiling of the sweep, land on cuBLAS's line.*
 #
 # With the best of its sweep the GEMV ties cuBLAS, winning slightly on some shapes and losing
-# slightly on others. With its default tiles it loses on most of them. A kernel that at best
-# matches cuBLAS adds a second path to maintain and buys nothing. So the GEMV stays in the lab as a
-# measurement, and `Linear` has no switch for it. The projections' gap to the floor is cuBLAS's
-# to close, or a smaller weight's.
+# slightly on others. With its default tiles it loses on most of them. Alone, a kernel that at
+# best matches cuBLAS buys nothing, and at this point it was not kept. It came back later in the
+# chapter, once PDL was in the compiled step: a Triton kernel can be launched as a programmatic
+# dependent and cuBLAS's cannot, and at batch 8 that paid (the section on batch 8 below).
 #
 # ### Fused projections with programmatic dependent launch, measured and not kept
 #
@@ -561,7 +561,9 @@ skip64 = lab.show_lever_run("day61_skip64", "ms_per_step", "python -m nanolab le
 # Figure 61.1 stops at the fifth arm, and each lever after it was measured against the arm before
 # it, in a process of its own. One last run put the whole chain in one process: Day 60's engine,
 # then each kept lever added in the order the chapter took them (`levers.DEFAULT_ARMS`, which ends
-# at the engine's defaults). The levers measured and not kept are left out of it.
+# at the engine's defaults). The levers measured and not kept are left out of it. It ran before
+# the last three kept levers (PDL, the warmed-up tuning and the batch-8 GEMV, in the sections after
+# it); `DEFAULT_ARMS` now holds them too.
 
 # %%
 kept = lab.show_lever_run("day61_kept", "ms_per_step", "python -m nanolab levers --only levers "
@@ -705,6 +707,103 @@ if final is not None:
 # (`data/day61_final_lever_profile_h200.csv`).
 
 # %% [markdown]
+# ## Batch 8: the projections in Triton, under PDL
+#
+# PDL moved the batch-1 step and left batches 8 to 64 where they were. In the batched graph the
+# projections are cuBLAS's, and a cuBLAS kernel is not launched as a programmatic dependent, so
+# the chain of early launches breaks four times a layer and each projection starts only once the
+# kernel before it has drained. The GEMV that tied cuBLAS alone (above) can be launched that way.
+# `kernels.gemv.step_linear` runs it inside the compiled step for 2 to 16 rows with fixed tiles
+# per weight shape (`gemv.step_config`, the best of the 16-row sweep), and `F.linear` past that.
+#
+# The prediction had two parts. Launch by launch, the GEMV should still only tie cuBLAS. The step
+# should get shorter by some of the GPU's idle time between kernels, as batch 1's did with PDL.
+#
+# A first instrument checks the tie where it matters, back to back rather than alone. Each
+# projection runs sixteen times in one CUDA graph, each time against a weight of its own, so nothing
+# is warm in L2 and each launch follows another as in the step (`levers --only chain`).
+
+# %%
+chain = lab.load_table("day61_chain_chained_projections", "h200")
+if chain is None:
+    print("data/day61_chain_chained_projections_h200.csv is not committed: "
+          "`python -m nanolab levers --only chain --stem day61_chain` on an H200 makes it")
+else:
+    print("measured on:", lab.table_label(chain).caption().replace("; ", ";\n  "))
+    picked = chain[chain.arm.str.contains("step_config")].set_index("projection")
+    fastest = chain[chain.arm != "cublas"].sort_values("us").groupby("projection").head(1).set_index("projection")
+    cublas = chain[chain.arm == "cublas"].set_index("projection")
+    per_launch = pd.DataFrame({"rows": cublas.rows, "cuBLAS us": cublas.us, "GEMV, step tiles, us": picked.us,
+                               "best tiles of the sweep": fastest.arm.str.removeprefix("gemv "),
+                               "best us": fastest.us, "step tiles TB/s": picked.tb_s}).loc[cublas.index]
+    lab.show(per_launch.round(2))
+    print(f"one layer's four projections: cuBLAS {cublas.us.sum():.1f} us, the GEMV with the step's tiles "
+          f"{picked.us.sum():.1f} us ({picked.us.sum() / cublas.us.sum():.3f}x)")
+
+# %% [markdown]
+# Back to back, the four projections of a layer take about as long either way, within 4%. The
+# GEMV's step tiles are the sweep's fastest, or within 5% of it, on every shape. The small q/k/v
+# and o weights still stream at under 2 TB/s, whichever kernel reads them: at 8 to 13 MB, a launch
+# is mostly its own start and drain.
+#
+# The lever run put the engine's step (`+ tuning timed after a warm-up`) beside three arms: the
+# GEMV for up to 16 rows, for up to 64, and for up to 64 with each program's first weight tile
+# loaded ahead of its PDL wait, so the weight would start streaming under the previous kernel's
+# tail (`levers --only levers --arms 15,16,17,18 --shapes 8@128,32@128,64@128 --profile 8@128
+# --stem day61_gemv`).
+
+# %%
+gemv_run = lab.show_lever_run("day61_gemv", "ms_per_step", "python -m nanolab levers --only levers "
+                              "--arms 15,16,17,18 --shapes 8@128,32@128,64@128 --profile 8@128 --stem day61_gemv")
+target_b8 = float(roofline[(roofline.batch == 8) & (roofline.context == 128)].target_ms.iloc[0])
+if gemv_run is not None:
+    gemv_levers, gemv_parts, gemv_order = gemv_run
+    fig = lab.lever_run_waterfall(gemv_levers, gemv_parts, target_b8, batch=8)
+    if ON_GPU or not lab.figure_path("day61_gemv_waterfall", "h200").exists():
+        lab.save_figure(fig, "day61_gemv_waterfall", lab.table_label(gemv_levers))
+    lab.show(fig)
+    gemv_agreement = lab.load_table("day61_gemv_lever_agreement", "h200")
+    if gemv_agreement is not None:
+        lab.show(gemv_agreement.set_index("arm")[["rows equal to the first arm",
+                                                   "logits rel err to the first arm"]].round(4))
+
+# %% [markdown]
+# *Figure 61.7: the batch-8 step of the four arms in one process, by kernel class, against the
+# batch-8 target. The projections' block is the same height in the first three arms, and the grey
+# block, the GPU idle in the engine's loop, is lower in the second and third. The fourth arm's
+# projections are a third longer. The black bars, each graph replayed alone from an idle GPU, do
+# not follow the steps here: the same arm's replay took 1.08 ms in another process.*
+#
+# - **It pays at batch 8, a little.** In this process the step went from 1.171 to 1.134 ms (-3%),
+#   with the same time in the projections' kernels. One draw of each would not settle 3%, but the
+#   day's runs do not overlap: every arm of the day's lever runs with the batched projections on
+#   cuBLAS, from the rotation-and-write kernel on (seventeen of them), put batch 8 at 1.171 to
+#   1.208 ms, and the four runs with the GEMV (two arms here, the grid run below and the floor
+#   table) at 1.115 to 1.138. The chained table agrees from the other side: about 1.6 us a
+#   layer, 26 us over sixteen layers.
+# - **At 32 and 64 rows it is noise.** Taking those rows too moved the step by +1% and -1%, inside
+#   the run-to-run spread of these lever runs. The engine keeps cuBLAS past 16 rows
+#   (`gemv.STEP_ROWS`).
+# - **The weight ahead of the wait does not pay.** Carrying a loaded tile from one iteration to
+#   the next costs Triton its software pipelining of the loop, and the projections took 1.05 ms
+#   a step instead of 0.67. It stays off (`gemv.STEP_PREFETCH`).
+# - **The tokens agree as bf16 paths do.** Against the first arm, the first decode step's logits
+#   differ by 1.4%. Two correct bf16 paths of this model differ by 2 to 2.5% (the bf16 against fp32
+#   section below), and the fp32 tests hold the GEMV to the reference at 1e-3.
+#
+# So the GEMV is now the engine's for the layers' projections of 2 to 16 rows on CUDA
+# (`runner.compile_decode` marks them, `layers.Linear.step_kernel`); batch 1 keeps inductor's tuned
+# reductions and the LM head stays cuBLAS's.
+#
+# What is left at batch 8 is in the same profile. The projections stream about 2.9 TB/s averaged
+# over a layer, against 4.2 for a copy. The paged read and its merge take about 0.11 ms a step to
+# read 67 MB of K and V that would take 16 us at the copy's rate. The read's time does not follow
+# its grid: aimed at 4 or 2 programs per SM instead of 8, it kept the same 77 us in the read kernel
+# and moved its merge from 35 to 32 us, and the step did not move beyond the noise
+# (`levers --arms 16,19,20 --stem day61_grid`). At sixteen layers, a kernel of 4.8 us that moves a
+# few MB is its own launch and drain.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -734,24 +833,19 @@ for row in notes.itertuples():
     print(f"{row.label}:\n  {row.note}")
 
 # %% [markdown]
-# The rows came from five processes. gpt-fast and HF's default path at batch 8 ran in one, a minute
-# after a nanolab run on the same machine; nanolab's rows from that run have since been replaced,
-# and at the time its step was 1.113 ms at batch 1 and 1.207 at batch 8, ahead of gpt-fast's there
-# too. Half an hour later, on a second H200 of the same kind, one process measured HF's default
-# path at batch 1 again, with every TTFT row but HF eager's. nanolab's rows at batches 8 to 64 are
-# from one process the next morning, with every lever kept by then. Its batch-1 row is from a last
-# process that afternoon, on a fresh machine of the kind, with the engine's defaults as they now
-# stand: PDL and the tuning timed after a warm-up, the two levers of the section before this one.
-# That row is one draw of the band above, and the median of that band's four compiles is the fairer
-# number; the rows at other batches have PDL's launch attribute missing, which changed nothing
-# there beyond the noise in the lever runs. A whole `generate` at batch 64 also moves between
-# processes: an earlier floorbench process of the same day, before the empty-share lever, measured
-# 1.431 ms there and the morning's 1.517, while the lever runs, which time the step inside one
-# process, put batch 64 at 1.39 ms with and without that lever
-# (`data/day61_skip64_levers_h200.csv`). HF's eager arm ran hours before the others, on another
-# H200 of the kind; at ten times nanolab's step, a few percent between two cards does not move its
-# place. The floorbench saves its tables after every row, and `--append` keeps the rows of arms a
-# later process did not run. Each process measured its own bandwidth, so each row's `x_floor` is
+# The rows came from five processes. nanolab and gpt-fast at batches 1 and 8 ran in one, on the
+# afternoon of 2026-12-01, with the engine's defaults as they now stand: PDL and the tuning timed
+# after a warm-up at batch 1, the Triton GEMV for a batch's projections. nanolab's rows at batches
+# 32 and 64 and at 2,048 tokens are from the process right after it on the same machine. HF's
+# default path at batch 8 is from a process of 2026-11-30, and at batch 1, with every TTFT row but
+# HF eager's, from one half an hour later on a second H200 of the same kind. HF's eager arm ran
+# hours before those, on another H200 of the kind; at ten times nanolab's step, a few percent
+# between two cards does not move its place. The batch-1 row is one draw of the band above, whose
+# median over four compiles, 1.0005 ms, is the fairer number. A whole `generate` at batch 64 also
+# moves between processes: floorbench processes of the same day measured 1.431, 1.517 and 1.489
+# ms there, and the lever runs, which time the step inside one process, 1.37 to 1.68. The
+# floorbench saves its tables after every row, and `--append` keeps the rows of arms a later
+# process did not run. Each process measured its own bandwidth, so each row's `x_floor` is
 # over its own floor, and the floor column beside the times is the latest process's.
 
 # %%
@@ -770,7 +864,7 @@ if ON_GPU or not lab.figure_path("day61_roofline", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.7: ms per decode step, and the same over the floor, against batch for every arm of
+# *Figure 61.8: ms per decode step, and the same over the floor, against batch for every arm of
 # the floor bench. Follow the blue line against the black dashed floor and the red targets: it
 # sits under every peer at every batch, at a nearly constant distance above the floor.*
 #
@@ -885,7 +979,7 @@ if ON_GPU or not lab.figure_path("day61_chunked_itl", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.8: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
+# *Figure 61.9: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
 # at each offered rate. Compare the p99 bars at each rate: chunking cuts the tail, and cuts it
 # more at the higher rate, yet both arms stay far above the black ticks that mark the aim.*
 
@@ -1117,12 +1211,17 @@ else:
 #   inductor's wrapper in C++ took nanolab's batch-1 step to between 1.73x and 2.00x HF's over five
 #   runs. Its one-row matmuls written as inductor's own reductions, which stream the weights over
 #   both cores, took it past the 2x target (the ratio printed in the CPU section).
-# - **Against the peers**, nanolab's step is the fastest measured at every batch, and was in the
-#   run beside gpt-fast's too, at a nearly constant multiple of the floor. Of the issue's step
-#   targets it meets the one at context 2,048, and the one at batch 1 in the floor table's draw
-#   (0.991 ms), while the median of four fresh compiles sits on it (1.0005 ms). The printed ratios say by
-#   how much it misses the ones at batches 8, 32 and 64, where batch 64's whole-generate time has
-#   moved by 6% between processes.
+# - **The GEMV, under PDL**, tied cuBLAS launch by launch and still took 3% off the batch-8 step,
+#   from the time between kernels: a Triton kernel can wait in-kernel for its predecessor and a
+#   cuBLAS one cannot. It runs a batch's layer projections up to 16 rows. Past that, and with its
+#   weight loaded ahead of the wait, it did not pay.
+# - **Against the peers**, nanolab's step is the fastest measured at every batch, 1.37x gpt-fast's
+#   at batch 1 and 1.62x at batch 8 in one process. Of the issue's step targets it meets the ones
+#   at batches 1, 32 and 64 and at context 2,048 in the floor table, and misses the one at batch 8
+#   by 2% (the printed ratios). Batch 1's row is one draw; the median of four fresh compiles sits
+#   on its target (1.0005 ms). Batch 64's whole-generate time has moved by 6% between processes.
+#   At batch 8 what is left is the projections' 2.9 TB/s and a paged read of a few MB a layer that
+#   takes 5 to 7 us whatever its grid.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused
 #   attention instead of the streamed read.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it

@@ -247,11 +247,17 @@ def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
     """On CUDA a lone request's steps go through `DecodeForward.single`, compiled with
     coordinate-descent tuning (its projections become Triton reductions), and a batch's through
     `batched`; both give the reference's logits in fp32. On the CPU there is one graph."""
-    assert not compile_decode(plain(sharp_gqa24)).tune_batch_1
+    cpu = plain(sharp_gqa24)
+    assert not compile_decode(cpu).tune_batch_1
+    assert not any(layer.self_attn.qkv_proj.step_kernel for layer in cpu.layers)
     torch._dynamo.reset()
     model = plain(sharp_gqa24, "cuda")
     forward = compile_decode(model)
     assert forward.tune_batch_1 and forward.single is not forward.batched
+    # a batch's layer projections through the Triton GEMV (`kernels.gemv.step_linear`), not the LM head
+    assert all(p.step_kernel for layer in model.layers
+               for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert not model.lm_head.step_kernel
     forward.single, forward.batched = Counting(forward.single), Counting(forward.batched)
     engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=forward, cuda_graphs=True)
     assert forward.single.calls and forward.batched.calls, "capture did not build both graphs"

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from nanolab.engine import kv_cache, llm_engine, runner
-from nanolab.lab.gemv import MAX_ROWS, GemvConfig, choose_config, gemv
-from nanolab.lab.levers import breakdown, kernel_class, projection_shapes, staging, sweep_configs
+from nanolab.kernels import gemv as gemv_module
+from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, block_rows, gemv, step_config, step_linear
+from nanolab.lab.levers import breakdown, choose_config, kernel_class, projection_shapes, staging, sweep_configs
 from nanolab.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: CPU tensors only")
@@ -19,13 +20,16 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 @pytest.mark.parametrize("m, n, k, config", [
     (1, 40, 512, GemvConfig(16, 128, 1)),  # a column edge inside the last tile
     (3, 70, 1024, GemvConfig(32, 128, 2)),  # split-K: fp32 partials summed once
-    (16, 64, 256, GemvConfig(64, 256, 1)),  # the most rows a launch takes
+    (16, 64, 256, GemvConfig(64, 256, 1)),
     (5, 33, 2048, GemvConfig(16, 256, 8)),
+    (40, 48, 512, GemvConfig(32, 128, 2)),  # rows in a 64-row tile, 24 of them padding
+    (64, 32, 256, GemvConfig(32, 128, 1)),  # the most rows a launch takes
 ])
-def test_gemv_is_a_linear(m, n, k, config):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gemv_is_a_linear(m, n, k, config, prefetch):
     torch.manual_seed(m * n)
     x, w = torch.randn(m, k), torch.randn(n, k)
-    out = gemv(x, w, config)
+    out = gemv(x, w, config, prefetch=prefetch)
     ref = x.double() @ w.double().T
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
@@ -51,6 +55,69 @@ def test_sweep_tiles_fit_shared_memory_and_split_k_evenly():
         for c in configs:
             assert k % (c.split_k * c.block_k) == 0
             assert (c.block_n + 16) * c.block_k * 2 * c.num_stages <= 200_000  # the OutOfResources an H200 raised
+
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 17, 32, 64])
+def test_step_tiles_divide_k_and_fit_shared_memory(m):
+    for n, k in projection_shapes(ModelConfig(**LLAMA_1B)).values():
+        c = step_config(n, k, m)
+        assert k % (c.split_k * c.block_k) == 0
+        assert (block_rows(m) + c.block_n) * c.block_k * 2 * c.num_stages <= 200_000
+    assert [block_rows(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+
+
+def test_step_linear_takes_its_rows_to_gemv_and_the_rest_to_f_linear(monkeypatch):
+    torch.manual_seed(0)
+    w = torch.randn(48, 1024)
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(gemv_module, "STEP_ROWS", 16)
+    for m in (3, 16, 17):
+        x = torch.randn(m, 1, 1024)
+        out = step_linear(x, w)
+        assert out.shape == (m, 1, 48)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert calls == [(3, 1, 1024), (16, 1, 1024)]
+
+
+def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
+    """A compiled engine's decode step of 3 rows on the tiny model: every layer projection goes
+    through `step_linear` (its kernel in the interpreter), the LM head does not, the first decode
+    step's logits match the same engine's without the lever, and switching it off puts
+    `F.linear` back."""
+    from nanolab import Engine, load_model
+    from nanolab.lab.levers import decode_logits
+    from nanolab.model.weights import resolve_weights
+
+    model = load_model(resolve_weights("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
+    seen = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, *a, **kw: seen.append(tuple(w.shape)) or real(x, w, *a, **kw))
+
+    def logits(on: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        forward = runner.compile_decode(model)  # on the CPU, marks none; compiling waits for the first call
+        runner.mark_step_kernels(model, on)
+        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward, progress=False)
+        return decode_logits(engine, prompts)
+
+    try:
+        ref = logits(False)
+        assert not seen
+        out = logits(True)
+    finally:
+        runner.mark_step_kernels(model, False)
+        torch._dynamo.reset()
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 4 * layers and tuple(model.lm_head.weight.shape) not in seen
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert not any(layer.mlp.down_proj.step_kernel for layer in model.layers)
 
 
 def test_kernel_classes():

@@ -20,6 +20,7 @@ from nanolab.engine.graphs import DecodeGraphs, planned_step
 from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
+from nanolab.kernels import INTERPRETED
 from nanolab.kernels import pdl as pdl_module
 from nanolab.kernels.pdl import supports_pdl
 from nanolab.model.llama import LlamaModel
@@ -110,6 +111,16 @@ class DecodeForward:
             return (self.single if single else self.batched)(ids, positions, cache=cache)
 
 
+def mark_step_kernels(model: LlamaModel, on: bool) -> None:
+    """Mark every layer's projections (not the LM head) to run through `kernels.gemv.step_linear` in a
+    compiled step of 2 rows or more (`layers.Linear.step_kernel`), or not. Set on the model, so it
+    holds for every compile of it after. Batch 1's graph keeps inductor's tuned reductions."""
+    for layer in model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            linear.step_kernel = on
+
+
 def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: bool | None = None,
                    steady: bool | None = None) -> DecodeForward:
     """`model` compiled for decode steps (`DecodeForward`), batch 1 with `BATCH_1_OPTIONS` when
@@ -117,8 +128,10 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
     every time (Day 61), and the tuning is `steady` unless told. `pdl` as `DecodeForward`'s, by
-    default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. A model on
-    the CPU compiles with `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
+    default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. On CUDA,
+    the layers' projections of a few rows run through the Triton GEMV (`mark_step_kernels`), except
+    for a tensor-parallel shard. A model on the CPU compiles with `CPU_OPTIONS`, unless it is a
+    tensor-parallel shard."""
     param = next(model.parameters())
     device = param.device.type
     if tune_batch_1 is None:
@@ -127,6 +140,7 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
         pdl = supports_pdl(param.device) and model.tp is None
     if steady is None:
         steady = tune_batch_1
+    mark_step_kernels(model, device == "cuda" and not INTERPRETED and model.tp is None)
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
                          options=CPU_OPTIONS if device == "cpu" and model.tp is None else None, steady=steady)
 

@@ -312,12 +312,16 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
     return "gqa"
 
 
+# The grid `choose_splits` aims for, in programs per SM.
+PROGRAMS_PER_SM = 8
+
+
 def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = BLOCK) -> int:
     """Shares per row: the power of two that brings the grid nearest, from below, to eight programs
-    per SM, at most 16 and at most one per tile. On the sweep the time flattens there: 8 rows x
-    2,048 take 30.7 us whole, 22.9 in 2 shares, 21.3 in 4, 20.5 in 8 and 20.9 in 16 (each at its
-    best setting)."""
-    target = 8 * num_sms // (rows * kv_heads)
+    per SM (`PROGRAMS_PER_SM`), at most 16 and at most one per tile. On the sweep the time flattens
+    there: 8 rows x 2,048 take 30.7 us whole, 22.9 in 2 shares, 21.3 in 4, 20.5 in 8 and 20.9 in 16
+    (each at its best setting)."""
+    target = PROGRAMS_PER_SM * num_sms // (rows * kv_heads)
     if target < 2:
         return 1
     return max(1, min(1 << (target.bit_length() - 1), 16, triton.cdiv(max_ctx, block)))

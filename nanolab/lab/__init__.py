@@ -11,7 +11,7 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `history`: the unplanned decode (Days 49 and 50's "before"), as a runner the engine accepts
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
 - `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
-- `levers`, `floorbench`, `gemv`, `projections`: Day 61's levers, the peers, and what was not kept
+- `levers`, `floorbench`, `projections`: Day 61's levers, the peers, and what was not kept
 - `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
 - `results`: the front page's figure and the results page, from the committed tables
 """

@@ -24,18 +24,21 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 import torch.nn.functional as F
+import triton
 
 from nanolab import Engine, SamplingParams, load_model
 from nanolab.engine import kv_cache as kv_cache_module
 from nanolab.engine import llm_engine as engine_module
 from nanolab.engine import runner as runner_module
 from nanolab.engine.block_manager import cdiv
-from nanolab.engine.runner import DecodeForward, compile_decode
+from nanolab.engine.runner import DecodeForward, compile_decode, mark_step_kernels
+from nanolab.kernels import gemv as gemv_module
 from nanolab.kernels import paged_attention as paged_attention_module
 from nanolab.kernels import pdl as pdl_module
+from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv, step_config
+from nanolab.kernels.pdl import supports_pdl
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
-from nanolab.lab.gemv import MAX_ROWS, GemvConfig, gemv
 from nanolab.lab.projections import FusedDecode
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us, wall_s
@@ -62,6 +65,9 @@ class Lever:
     opaque: tuple[str, ...] = ()  # projections inductor leaves to cuBLAS (`layers.Linear.opaque`): "lm_head", "down"
     skip_empty: bool = False  # a split read's empty shares write nothing (`paged_attention.SKIP_EMPTY_SHARES`)
     steady: bool = False  # batch 1's kernels tuned with a warmed-up benchmark (`runner.steady_tuning`)
+    triton_rows: int = 0  # 2 to this many rows: the layers' projections through `gemv.step_linear` in the step
+    prefetch: bool = False  # `gemv.step_linear`'s first weight tile loaded ahead of its PDL wait
+    programs_per_sm: int = 8  # the split read's grid, aimed at this many programs per SM (`paged_attention`)
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
@@ -95,10 +101,23 @@ ARMS = (
           opaque=("lm_head",), skip_empty=True, step_pdl=True),
     Lever("+ tuning timed after a warm-up", compile=True, async_scheduling=True, rope_write=True, tune_batch_1=True,
           opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True),
+    Lever("+ Triton projections to 16 rows", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16),
+    Lever("+ Triton projections to 64 rows", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=64),
+    Lever("+ Triton projections, weight ahead of the wait", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=64,
+          prefetch=True),
+    Lever("+ a read grid of 4 programs per SM", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          programs_per_sm=4),
+    Lever("+ a read grid of 2 programs per SM", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          programs_per_sm=2),
 )
 # What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
 # last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
-DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15))
+DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15, 16))
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -107,20 +126,25 @@ def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True, fold_shares: bool = False,
-            ops_pdl: bool = False, skip_empty: bool = True):
+            ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
+            prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
     without torch's fused attention for whole prompts (`kv_cache.PROMPTS_BY_SDPA`), with a split
     read's shares folded in its own kernel or by a second one (`paged_attention.FOLD_SHARES`), its
-    empty shares skipped or written (`paged_attention.SKIP_EMPTY_SHARES`), and with or without the
-    engine's ops launched as programmatic dependents (`kernels.pdl.OPS_PDL`).
+    empty shares skipped or written (`paged_attention.SKIP_EMPTY_SHARES`), with or without the
+    engine's ops launched as programmatic dependents (`kernels.pdl.OPS_PDL`), and with
+    `gemv.step_linear` taking up to `step_rows` rows, its weight ahead of the wait or not, and the
+    split read's grid aimed at `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`).
     Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
     switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
                 (kv_cache_module, "PROMPTS_BY_SDPA", prompts_by_sdpa),
                 (paged_attention_module, "FOLD_SHARES", fold_shares), (pdl_module, "OPS_PDL", ops_pdl),
-                (paged_attention_module, "SKIP_EMPTY_SHARES", skip_empty))
+                (paged_attention_module, "SKIP_EMPTY_SHARES", skip_empty), (gemv_module, "STEP_ROWS", step_rows),
+                (gemv_module, "STEP_PREFETCH", prefetch),
+                (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
     if not pinned:
         for m in modules:
@@ -138,7 +162,8 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
 def lever_staging(lever: Lever):
     """`staging` with every switch `lever` sets: what an engine built for that arm runs under."""
     return staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
-                   skip_empty=lever.skip_empty)
+                   skip_empty=lever.skip_empty, step_rows=lever.triton_rows or gemv_module.STEP_ROWS,
+                   prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm)
 
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
@@ -199,6 +224,7 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
         forward = (autotuned_batch_1(model) if lever.autotune else
                    compile_decode(model, lever.tune_batch_1, pdl=lever.step_pdl, steady=lever.steady))
     opaque_projections(model, lever.opaque)  # compiling happens at the first call, in the engine's capture
+    mark_step_kernels(model, lever.triton_rows > 0)  # the lever's own say, over compile_decode's default
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
@@ -548,6 +574,19 @@ def projection_shapes(config) -> dict[str, tuple[int, int]]:
             "down": (h, config.intermediate_size), "lm_head": (config.vocab_size, h)}
 
 
+def choose_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """The isolated sweep's default tiles for an [n, k] weight (its "gemv" arm): 64 columns a
+    program, K in 256-wide tiles, and as many shares of K as bring the grid to about two programs
+    per SM (at most 8, each at least one tile)."""
+    block_n, block_k = 64, 256
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split * 2 <= 2 * num_sms and k % (split * 2 * block_k) == 0 and split < 8:
+        split *= 2
+    return GemvConfig(block_n, block_k, split)
+
+
+
 def sweep_configs(n: int, k: int) -> list[GemvConfig]:
     out = []
     for block_n in (16, 32, 64, 128):
@@ -575,6 +614,46 @@ def projection_table(config, dtype=torch.bfloat16, rows=(1, 2, 4, 8, 16), sweep_
     return df
 
 
+def chained_projection_table(config, dtype=torch.bfloat16, rows=(8,), layers: int = 16, repeats: int = 20,
+                             progress: bool = True) -> pd.DataFrame:
+    """Each layer projection as a decode step runs it: `layers` launches back to back in one CUDA
+    graph, each against a weight of its own (so none is warm in L2), `us` per launch. Arms: cuBLAS
+    (`F.linear`), and `gemv` with every tile of `sweep_configs` and `step_config`'s, launched as
+    programmatic dependents, so each one's start overlaps the one before it as in the step."""
+    device = torch.device("cuda")
+    shapes = {name: nk for name, nk in projection_shapes(config).items() if name != "lm_head"}
+    jobs = [(name, nk, m) for name, nk in shapes.items() for m in rows]
+    records = []
+    for name, (n, k), m in progress_bar(jobs, desc="chained projections", enabled=progress):
+        ws = [torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(layers)]
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        ref = F.linear(x.double(), ws[-1].double())
+        chosen = step_config(n, k, m)
+        arms = [("cublas", None)] + [(f"gemv {c.block_n}x{c.block_k} split {c.split_k} stages {c.num_stages}"
+                                      + (" (step_config)" if c == chosen else ""), c)
+                                     for c in dict.fromkeys([chosen, *sweep_configs(n, k)])]
+        for arm, c in arms:
+            try:
+                err, us = _time_chain(x, ws, c, ref, repeats)
+            except Exception as e:  # a tile the card cannot hold: recorded, and the sweep goes on
+                records.append({"projection": name, "n": n, "k": k, "rows": m, "arm": arm, "us": NAN,
+                                "tb_s": NAN, "rel_err": NAN, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            records.append({"projection": name, "n": n, "k": k, "rows": m, "arm": arm, "us": us,
+                            "tb_s": n * k * ws[0].element_size() / us / 1e6, "rel_err": err, "error": ""})
+        del ws
+    return pd.DataFrame(records)
+
+
+def _time_chain(x, ws, config: GemvConfig | None, ref, repeats: int) -> tuple[float, float]:
+    """(relative error of the last weight's product against `ref`, us per launch) of `x` against each
+    of `ws` in turn, through cuBLAS (`config` None) or `gemv`."""
+    def one(w):
+        return F.linear(x, w) if config is None else gemv(x, w, config, pdl=supports_pdl(x.device))
+    err = float((one(ws[-1]).double() - ref).norm() / ref.norm())
+    return err, time_us(lambda: [one(w) for w in ws], x.device, repeats) / len(ws)
+
+
 def _time_projection(name: str, n: int, k: int, m: int, dtype, device, sweep: bool, repeats: int) -> list[dict]:
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     x = torch.randn(m, k, dtype=dtype, device=device)
@@ -582,7 +661,7 @@ def _time_projection(name: str, n: int, k: int, m: int, dtype, device, sweep: bo
     ref = F.linear(x.double(), w.double())
     arms: list[tuple[str, Callable]] = [("cublas", lambda: F.linear(x, w))]
     if m <= MAX_ROWS:
-        arms.append(("gemv", lambda: gemv(x, w)))
+        arms.append(("gemv", lambda: gemv(x, w, choose_config(n, k))))
         if sweep:
             arms += [(f"gemv {c.block_n}x{c.block_k} split {c.split_k}", lambda c=c: gemv(x, w, c))
                      for c in sweep_configs(n, k)]
@@ -600,7 +679,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("levers", "projections", "agreement", "prefill", "spread"), default=None)
+    parser.add_argument("--only", default=None,
+                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread"))
     parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
                         "DEFAULT_ARMS)")
@@ -653,6 +733,12 @@ def main(args: argparse.Namespace) -> int:
         spread = tables[f"{args.stem}_tuning_spread"]
         print(spread.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         print(spread.groupby("arm").ms_per_step.describe().to_string(float_format="{:.3f}".format))
+        return 0
+    if args.only == "chain":
+        keep({"day61_chained_projections": chained_projection_table(ModelConfig.from_dir(path), dtype)})
+        c = tables[f"{args.stem}_chained_projections"]
+        best = c[c.arm != "cublas"].sort_values("us").groupby("projection").head(3)
+        print(pd.concat([c[c.arm == "cublas"], c[c.arm.str.contains("step_config")], best]).to_string(index=False))
         return 0
     if args.only == "prefill":
         keep({"day61_prefill_levers": prefill_levers(path, dtype)})

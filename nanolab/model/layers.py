@@ -13,6 +13,7 @@ from torch import nn
 
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_, silu_mul
+from nanolab.kernels.gemv import step_linear
 from nanolab.model.config import ModelConfig
 from nanolab.model.parallel import TensorParallel
 
@@ -91,7 +92,9 @@ class Linear(nn.Linear):
     copy doubles the weights' memory, which a CPU box has to spare.
 
     With `opaque`, a compiled forward calls the matmul as one operator (`linear_op`), so inductor
-    neither lowers nor fuses it.
+    neither lowers nor fuses it. With `step_kernel` (set by `runner.compile_decode` on CUDA), a
+    compiled forward of more than one row calls `kernels.gemv.step_linear`, which runs the Triton
+    GEMV up to its row limit and `F.linear` past it.
 
     On the CPU, a compiled forward of one row writes the matmul as a product and a sum
     (`ONE_ROW_REDUCTION`), which inductor lowers into its own reduction, vectorised and spread over
@@ -103,6 +106,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.packed: torch.Tensor | None = None
         self.opaque = False
+        self.step_kernel = False
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
@@ -114,6 +118,9 @@ class Linear(nn.Linear):
             # x [1, 1, in] * weight [out, in], summed over in: inductor fuses the two into one
             # reduction and never builds the product.
             return (x.unsqueeze(-2) * self.weight).sum(-1)
+        if self.step_kernel and torch.compiler.is_compiling() and math.prod(x.shape[:-1]) != 1:
+            # True, with no guard, for a symbolic batch (at least 2); batch 1 keeps inductor's reduction.
+            return step_linear(x, self.weight)
         if self.packed is not None:
             if torch.compiler.is_compiling():
                 return packed_linear_op(x, self.weight)

@@ -144,12 +144,14 @@ def plot_kernel_draws(spread: pd.DataFrame, kernel: pd.DataFrame, target_ms: flo
     return fig
 
 
-def lever_run_waterfall(levers: pd.DataFrame, parts: pd.DataFrame, target_ms: float) -> Figure:
+def lever_run_waterfall(levers: pd.DataFrame, parts: pd.DataFrame, target_ms: float, batch: int = 1) -> Figure:
     """`plot_lever_waterfall` of a lever run as `levers.show_lever_run` returns it (its table, and
-    the parts by arm of its smallest profiled batch), with batch 1's floor and each arm's replay."""
-    b1 = levers[levers.batch == 1].set_index("arm")
+    the parts by arm of its smallest profiled batch, `batch`), with that batch's floor and each
+    arm's replay at the shortest context."""
+    rows = levers[levers.batch == batch]
+    rows = rows[rows.context == rows.context.min()].set_index("arm")
     return plot_lever_waterfall(parts.reset_index().melt(id_vars="part", var_name="arm", value_name="ms"),
-                                float(b1.floor_ms.iloc[0]), target_ms, replay_ms=b1.replay_ms.to_dict())
+                                float(rows.floor_ms.iloc[0]), target_ms, replay_ms=rows.replay_ms.to_dict())
 
 
 def plot_floor_roofline(floor: pd.DataFrame, roofline: pd.DataFrame):

@@ -1,0 +1,185 @@
+"""`gemv`: a decode step's projections, `x @ weight.T` for a few rows, in Triton. Day 61.
+
+A decode step multiplies a handful of activation rows by every weight matrix once, so each
+projection is bound by reading its weight: [N, K] bf16 from memory, [M, K] activations beside
+it. The kernel streams the weight in [BLOCK_N, BLOCK_K] tiles along K, one program per BLOCK_N
+output columns and, where a config asks, per share of K (split-K); shares write fp32 partials
+that `_sum_splits` adds and rounds. The activation rows are the rows of a `tl.dot` tile padded to
+a power of two of at least 16 (`block_rows`), so one kernel serves 1 to `MAX_ROWS` rows; every
+config computes the same function.
+
+Inside a compiled step on CUDA, a layer's projections of 2 to `STEP_ROWS` rows run here
+(`step_linear`, marked by `runner.compile_decode` through `layers.Linear.step_kernel`), launched
+as programmatic dependents (`kernels.pdl`) with the rest of the step. cuBLAS reads these weights
+about as fast, launch by launch, but its kernels cannot wait in-kernel for the one before them,
+so each starts only once its predecessor has drained.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
+
+MAX_ROWS = 64  # the largest decode bucket; rows are padded to a power of two of at least 16 (tl.dot)
+
+
+class GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee"):
+    """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
+    == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
+    the kernel before it ahead of its first read of x; with PREFETCH, its first weight tile (which
+    no kernel writes) is loaded before that wait, so it streams in under the predecessor's tail."""
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    mmask = m < M
+    nmask = n < N
+    per_split = K // SPLIT_K
+    first = s * per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH:
+        w_ptrs = w_ptr + n[:, None] * stride_wn + (first + k)[None, :]
+        w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        dependent_launch(PDL)
+        for k0 in range(first, first + per_split, BLOCK_K):
+            x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None], other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            # The next tile; past the share's end, a masked load that reads nothing.
+            w_ptrs += BLOCK_K
+            w = tl.load(w_ptrs, mask=nmask[:, None] & ((k0 + BLOCK_K + k) < first + per_split)[None, :], other=0.0)
+    else:
+        dependent_launch(PDL)
+        for k0 in range(first, first + per_split, BLOCK_K):
+            x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
+    mask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # partials [SPLIT_K, M, N] fp32
+        tl.store(out_ptr + s * stride_os + m[:, None] * stride_om + n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, total, stride_s, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                PDL: tl.constexpr = False):
+    """out[i] = sum over shares of part[s, i], rounded once to out's dtype; i over M * N."""
+    dependent_launch(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_s + i, mask=mask, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def step_config(n: int, k: int, m: int) -> GemvConfig:
+    """Tiles for `m` rows against an [n, k] weight inside a decode step, from the best of each
+    projection's sweep at 16 rows on the H200 (`data/day61_projections_h200.csv`): 32 columns a
+    program over 256-wide K tiles, a weight four times deeper than wide (down) in two shares of
+    512-wide tiles, a wide one (gate/up) in 64-column programs of 128-wide tiles. Past 16 rows K
+    tiles are at most 256 wide, and the pipeline as deep as about 200 KB of shared memory holds.
+    A K these tiles do not divide takes fewer shares, then narrower tiles."""
+    if k >= 4 * n:
+        block_n, block_k, split = 32, 512, 2
+    elif n >= 8192:
+        block_n, block_k, split = 64, 128, 1
+    else:
+        block_n, block_k, split = 32, 256, 1
+    block_m = block_rows(m)
+    if block_m > 16:
+        block_k = min(block_k, 256)
+    while k % (split * block_k) and split > 1:  # a smaller model's K: fewer shares, then narrower tiles
+        split //= 2
+    while k % block_k and block_k > 16:
+        block_k //= 2
+    stage_bytes = (block_m + block_n) * block_k * 2
+    return GemvConfig(block_n, block_k, split, num_stages=max(2, min(4, 200_000 // stage_bytes)))
+
+
+def block_rows(m: int) -> int:
+    """The rows of the `tl.dot` tile that holds m activation rows: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
+         prefetch: bool = False) -> torch.Tensor:
+    """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
+    (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 and
+    rounded once. With `pdl`, both kernels launch as programmatic dependents (`kernels.pdl`), the
+    first with its first weight tile loaded ahead of the wait when `prefetch`."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features but weight is {tuple(weight.shape)}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
+    if x2.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight must be contiguous along K")
+    cfg = config or step_config(n, k, m)
+    if k % (cfg.split_k * cfg.block_k):
+        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch = {"launch_pdl": True} if pdl else {}
+    meta = dict(BLOCK_M=block_rows(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, PREFETCH=prefetch,
+                # fp32 rows multiplied in full fp32, as cuBLAS does by default, not in TF32
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
+    if cfg.split_k == 1:
+        _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **meta)
+    else:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        _gemv[grid](x2, weight, part, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0), **meta)
+        block = 1024
+        _sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, part.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
+                                                  PDL=pdl, **launch)
+    return out.reshape(*lead, n)
+
+
+# The most rows `step_linear` takes to `gemv`. On the H200, Llama-3.2-1B's graphed batch-8 step ran 1.134
+# ms this way against 1.171 through cuBLAS (-3%); at batches 32 and 64, taking them too moved the step by
+# +1% and -1%, inside the run-to-run spread, so cuBLAS keeps them (Day 61, `data/day61_gemv_levers_h200.csv`).
+# Read when it runs, so a graph keeps what its capture saw.
+STEP_ROWS = 16
+# Whether `step_linear` loads a weight tile ahead of its PDL wait (`gemv`'s `prefetch`). Off: the loop
+# that carries the tile ran the batch-8 step at 1.511 ms (Day 61), its pipelining lost.
+STEP_PREFETCH = False
+
+
+@torch.library.custom_op("nanolab_lab::step_linear", mutates_args=())
+def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` inside a compiled decode step, through `gemv` with `step_config`'s
+    tiles for at most STEP_ROWS rows (launched as a programmatic dependent where
+    `kernels.pdl.ops_pdl` says so), through `F.linear` past that or where the tiles do not divide K.
+    One operator inductor does not look into, so a symbolic batch adds no guard."""
+    m, k = x.numel() // x.shape[-1], x.shape[-1]
+    cfg = step_config(weight.shape[0], k, m)
+    if m > STEP_ROWS or k % (cfg.split_k * cfg.block_k) or not x.is_contiguous() or not weight.is_contiguous():
+        return F.linear(x, weight)
+    return gemv(x, weight, cfg, pdl=ops_pdl(x.device), prefetch=STEP_PREFETCH)
+
+
+@step_linear.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
