@@ -167,7 +167,7 @@ STEP_ROWS = 16
 STEP_PREFETCH = False
 
 
-@torch.library.custom_op("nanolab_lab::step_linear", mutates_args=())
+@torch.library.custom_op("nanolab::step_linear", mutates_args=())
 def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` inside a compiled decode step, through `gemv` with `step_config`'s
     tiles for at most STEP_ROWS rows (launched as a programmatic dependent where
