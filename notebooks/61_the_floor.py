@@ -777,9 +777,9 @@ if gemv_run is not None:
 # - **It pays at batch 8, a little.** In this process the step went from 1.171 to 1.134 ms (-3%),
 #   with the same time in the projections' kernels. One draw of each would not settle 3%, but the
 #   day's runs do not overlap: every arm of the day's lever runs with the batched projections on
-#   cuBLAS, from the rotation-and-write kernel on (seventeen of them), put batch 8 at 1.171 to
-#   1.208 ms, and the four runs with the GEMV (two arms here, the grid run below and the floor
-#   table) at 1.115 to 1.138. The chained table agrees from the other side: about 1.6 us a
+#   cuBLAS, from the rotation-and-write kernel on and the folded-shares read aside (sixteen of
+#   them), put batch 8 at 1.171 to 1.208 ms, and every run with the GEMV (two arms here, three in
+#   the grid run below, and the floor table) at 1.115 to 1.138. The chained table agrees from the other side: about 1.6 us a
 #   layer, 26 us over sixteen layers.
 # - **At 32 and 64 rows it is noise.** Taking those rows too moved the step by +1% and -1%, inside
 #   the run-to-run spread of these lever runs. The engine keeps cuBLAS past 16 rows
