@@ -75,8 +75,9 @@ class Lever:
 # "+ async scheduling", as they were measured. The shares folded, PDL in the compiled step and the
 # cuBLAS projections each branch off the tuned batch 1; the empty shares skipped off the cuBLAS LM
 # head, and PDL over the kept step and the tuning timed after a warm-up, in turn, off that. The
-# Triton GEMV is measured alone against cuBLAS (`projection_table`) and, as it does not
-# beat it, never enters the engine.
+# Triton GEMV in the batched step (to 16 rows, kept; to 64; to 64 with the weight ahead of the wait)
+# each branch off the warmed-up tuning, and the two read grids off the GEMV to 16 rows. The GEMV
+# alone against cuBLAS is `projection_table`, and back to back `chained_projection_table`.
 ARMS = (
     Lever("graphs (before)", pinned=False),
     Lever("+ pinned step inputs"),
