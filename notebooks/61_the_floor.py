@@ -779,8 +779,8 @@ if gemv_run is not None:
 #   day's runs do not overlap: every arm of the day's lever runs with the batched projections on
 #   cuBLAS, from the rotation-and-write kernel on and the folded-shares read aside (sixteen of
 #   them), put batch 8 at 1.171 to 1.208 ms, and every run with the GEMV (two arms here, three in
-#   the grid run below, and the floor table) at 1.115 to 1.138. The chained table agrees from the other side: about 1.6 us a
-#   layer, 26 us over sixteen layers.
+#   the grid run below, and the floor table) at 1.115 to 1.138. The chained table agrees from the
+#   other side: about 1.6 us a layer, 26 us over sixteen layers.
 # - **At 32 and 64 rows it is noise.** Taking those rows too moved the step by +1% and -1%, inside
 #   the run-to-run spread of these lever runs. The engine keeps cuBLAS past 16 rows
 #   (`gemv.STEP_ROWS`).

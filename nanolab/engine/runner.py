@@ -20,7 +20,6 @@ from nanolab.engine.graphs import DecodeGraphs, planned_step
 from nanolab.engine.kv_cache import KVCache, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
-from nanolab.kernels import INTERPRETED
 from nanolab.kernels import pdl as pdl_module
 from nanolab.kernels.pdl import supports_pdl
 from nanolab.model.llama import LlamaModel
@@ -128,10 +127,9 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
     each start, its reduction read the 525 MB head of Llama-3.2-1B in 115 to 328 us, cuBLAS in 120
     every time (Day 61), and the tuning is `steady` unless told. `pdl` as `DecodeForward`'s, by
-    default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. On CUDA,
-    the layers' projections of a few rows run through the Triton GEMV (`mark_step_kernels`), except
-    for a tensor-parallel shard. A model on the CPU compiles with `CPU_OPTIONS`, unless it is a
-    tensor-parallel shard."""
+    default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. With PDL,
+    the layers' projections of a few rows run through the Triton GEMV (`mark_step_kernels`). A
+    model on the CPU compiles with `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
     param = next(model.parameters())
     device = param.device.type
     if tune_batch_1 is None:
@@ -140,7 +138,8 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
         pdl = supports_pdl(param.device) and model.tp is None
     if steady is None:
         steady = tune_batch_1
-    mark_step_kernels(model, device == "cuda" and not INTERPRETED and model.tp is None)
+    # The GEMV paid through PDL alone (launch by launch it ties cuBLAS): only where the step has PDL.
+    mark_step_kernels(model, pdl and supports_pdl(param.device))
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
                          options=CPU_OPTIONS if device == "cpu" and model.tp is None else None, steady=steady)
 
