@@ -791,17 +791,17 @@ if gemv_run is not None:
 #   differ by 1.4%. Two correct bf16 paths of this model differ by 2 to 2.5% (the bf16 against fp32
 #   section below), and the fp32 tests hold the GEMV to the reference at 1e-3.
 #
-# So the GEMV is now the engine's for the layers' projections of 2 to 16 rows on CUDA
-# (`runner.compile_decode` marks them, `layers.Linear.step_kernel`); batch 1 keeps inductor's tuned
-# reductions and the LM head stays cuBLAS's.
+# So the GEMV is now the engine's for the layers' projections of 2 to 16 rows, wherever the step
+# has PDL (`runner.compile_decode` marks them, `layers.Linear.step_kernel`): without PDL it only
+# ties cuBLAS. Batch 1 keeps inductor's tuned reductions, and the LM head stays cuBLAS's.
 #
 # What is left at batch 8 is in the same profile. The projections stream about 2.9 TB/s averaged
 # over a layer, against 4.2 for a copy. The paged read and its merge take about 0.11 ms a step to
-# read 67 MB of K and V that would take 16 us at the copy's rate. The read's time does not follow
-# its grid: aimed at 4 or 2 programs per SM instead of 8, it kept the same 77 us in the read kernel
-# and moved its merge from 35 to 32 us, and the step did not move beyond the noise
-# (`levers --arms 16,19,20 --stem day61_grid`). At sixteen layers, a kernel of 4.8 us that moves a
-# few MB is its own launch and drain.
+# read at most 34 MB of K and V, 8 us at the copy's rate. The read's time does not follow its
+# grid: aimed at 4 or 2 programs per SM instead of 8, it kept the same 77 us in the read kernel and
+# moved its merge from 35 to 32 us; the batch-8 step did not get shorter, and batch 64's got longer
+# (1.64 and 1.83 ms against 1.39; `levers --arms 16,19,20 --stem day61_grid`). At sixteen layers,
+# a read kernel of 4.8 us that moves 2 MB is mostly its own launch and drain.
 
 # %% [markdown]
 # ## Against the peers
@@ -1220,8 +1220,8 @@ else:
 #   at batches 1, 32 and 64 and at context 2,048 in the floor table, and misses the one at batch 8
 #   by 2% (the printed ratios). Batch 1's row is one draw; the median of four fresh compiles sits
 #   on its target (1.0005 ms). Batch 64's whole-generate time has moved by 6% between processes.
-#   At batch 8 what is left is the projections' 2.9 TB/s and a paged read of a few MB a layer that
-#   takes 5 to 7 us whatever its grid.
+#   At batch 8 what is left is the projections' 2.9 TB/s and a paged read of about 2 MB a layer
+#   that takes about 7 us with its merge, whatever its grid.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused
 #   attention instead of the streamed read.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it
