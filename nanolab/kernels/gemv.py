@@ -8,9 +8,9 @@ that `_sum_splits` adds and rounds. The activation rows are the rows of a `tl.do
 a power of two of at least 16 (`block_rows`), so one kernel serves 1 to `MAX_ROWS` rows; every
 config computes the same function.
 
-Inside a compiled step on CUDA, a layer's projections of 2 to `STEP_ROWS` rows run here
-(`step_linear`, marked by `runner.compile_decode` through `layers.Linear.step_kernel`), launched
-as programmatic dependents (`kernels.pdl`) with the rest of the step. cuBLAS reads these weights
+Inside a compiled step with PDL (Hopper or newer), a layer's projections of 2 to `STEP_ROWS` rows
+run here (`step_linear`, marked by `runner.compile_decode` through `layers.Linear.step_kernel`),
+launched as programmatic dependents (`kernels.pdl`) with the rest of the step. cuBLAS reads these weights
 about as fast, launch by launch, but its kernels cannot wait in-kernel for the one before them,
 so each starts only once its predecessor has drained.
 """

@@ -92,9 +92,9 @@ class Linear(nn.Linear):
     copy doubles the weights' memory, which a CPU box has to spare.
 
     With `opaque`, a compiled forward calls the matmul as one operator (`linear_op`), so inductor
-    neither lowers nor fuses it. With `step_kernel` (set by `runner.compile_decode` on CUDA), a
-    compiled forward of more than one row calls `kernels.gemv.step_linear`, which runs the Triton
-    GEMV up to its row limit and `F.linear` past it.
+    neither lowers nor fuses it. With `step_kernel` (set by `runner.compile_decode` where the step
+    has PDL), a compiled forward of more than one row calls `kernels.gemv.step_linear`, which runs
+    the Triton GEMV up to its row limit and `F.linear` past it.
 
     On the CPU, a compiled forward of one row writes the matmul as a product and a sum
     (`ONE_ROW_REDUCTION`), which inductor lowers into its own reduction, vectorised and spread over
