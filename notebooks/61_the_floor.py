@@ -50,6 +50,11 @@
 # - **PDL over the kept step**, measured again with the LM head's draw gone, and kept.
 # - **the batch-1 tuning timed after a warm-up**: inductor's tuner times each candidate config
 #   with a benchmark that first runs the kernel for 25 ms (`runner.steady_tuning`).
+# - **the Triton GEMV again, under PDL**: a batch's layer projections, up to 16 rows, in a kernel
+#   that can launch as a programmatic dependent, which cuBLAS's cannot.
+# - **the read in one kernel**: a short row's walk in a single share that writes its own output,
+#   a long row's shares folded in the read, and no merge kernel. Measured beside it and not kept:
+#   weights asked of L2 ahead of the PDL wait, and split-K's halves added in the GEMV's kernel.
 #
 # Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
 # compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
@@ -804,6 +809,94 @@ if gemv_run is not None:
 # a read kernel of 4.8 us that moves 2 MB is mostly its own launch and drain.
 
 # %% [markdown]
+# ## Batch 8: the read in one kernel
+#
+# The GEMV section ends with two places the batch-8 step still waits: small kernels that are
+# mostly their own start and drain, and a read whose time does not follow its grid. Two ideas for
+# each were measured, one process a run, against the engine's step at the time
+# (`+ Triton projections to 16 rows`).
+#
+# **Weights asked of L2 while the step waits.** Under PDL a kernel can start before its
+# predecessor has finished, but it may not read the activations until its wait returns. A weight
+# is written by no kernel, so a GEMV could ask L2 for its share of the weight before the wait
+# (`prefetch.global.L2`, one request a 128-byte line; `gemv.STEP_L2_AHEAD`). For that to overlap
+# anything, the kernels before it must let it start early, so the engine's own kernels (the
+# rotation, the read and its merge, the GEMV) can release their dependents as they start instead of
+# as they exit (`pdl.EARLY_RELEASE`). The prediction: the q/k/v and o weights, 8 to 13 MB, would
+# come from L2 under the read and the norms, and their kernels would stop being latency-bound.
+# Three arms: the early release alone, then with 16 MiB of each weight asked of L2, then with the
+# whole weight (`levers --only levers --arms 16,21,22,23 --shapes 8@128,64@128 --stem day61_l2`).
+
+# %%
+l2_run = lab.show_lever_run("day61_l2", "ms_per_step", "python -m nanolab levers --only levers "
+                            "--arms 16,21,22,23 --shapes 8@128,64@128 --profile 8@128 --stem day61_l2")
+
+# %% [markdown]
+# Neither paid. The early release left batch 8 where it was (1.123 ms against 1.129). Asking L2
+# for the weights made it slower: 1.208 ms with 16 MiB a weight and 1.295 with all of it. The
+# requests compete with the running kernel for the same DRAM, and every byte is still read once,
+# so nothing moves off the critical path. Batch 64 runs its projections on cuBLAS, so it shows only
+# this process's spread (1.46 to 1.97 ms over the four arms). The parts do not add up to the step
+# here: with an early release, a kernel is on the GPU while it waits, so its measured time includes
+# its predecessor's, and the host's share comes out negative. Both switches stay off.
+#
+# **One read kernel, not two.** The split read cuts every row's walk into the table capacity's 16
+# shares. At a context of 128 to 385 keys a row has one to four tiles of 128, so at most four
+# shares are live, each walks one tile, and `_merge_splits` folds them in a second kernel: 35 us a
+# step at batch 8, for 16 launches of 2 us that mostly start and drain. Folding every share in the
+# read by the last one to finish was measured earlier and lost (the read grew by more than the
+# merge). This time shares walk at least four tiles (`paged_attention.SHARE_TILES`), so at this
+# context each row has a single live share, which writes its output itself, with no partials and
+# no ticket. Longer rows still fold their live shares, and only those, in the read
+# (`FOLD_SHARES`). The prediction: the merge's 35 us gone, and a read kernel no slower, since a
+# walk of four pipelined tiles should cost about the latency of one.
+#
+# One more arm in the same run takes the same idea to the projections: the down projection
+# splits K in two, and `_sum_splits` adds the halves in a kernel of its own, 19 us a step. With
+# `gemv.STEP_FIX_UP` the last half to finish adds them (`levers --arms 16,25,26,27 --shapes
+# 1@128,8@128 --profile 8@128 --stem day61_fold`).
+
+# %%
+fold_run = lab.show_lever_run("day61_fold", "ms_per_step", "python -m nanolab levers --only levers "
+                              "--arms 16,25,26,27 --shapes 1@128,8@128 --profile 8@128 --stem day61_fold")
+if fold_run is not None:
+    fold_levers, fold_parts, fold_order = fold_run
+    fig = lab.lever_run_waterfall(fold_levers, fold_parts, target_b8, batch=8)
+    if ON_GPU or not lab.figure_path("day61_fold_waterfall", "h200").exists():
+        lab.save_figure(fig, "day61_fold_waterfall", lab.table_label(fold_levers))
+    lab.show(fig)
+    fold_profile = lab.load_table("day61_fold_lever_profile", "h200")
+    small = fold_profile[fold_profile.kernel.isin(["_paged_decode_group", "_merge_splits", "_gemv", "_sum_splits"])]
+    lab.show(small.pivot_table(index="kernel", columns="arm", values="us_per_step")[fold_order]
+             .add_suffix(": us a step").round(1))
+
+# %% [markdown]
+# *Figure 61.8: the batch-8 step of the four arms in one process, by kernel class, against the
+# batch-8 target. Here the second and third arms each branch off the first, and the fourth takes
+# both. The read's block (green) loses its merge in the second and fourth arms; the projections'
+# block does not move in any of them.*
+#
+# - **The read in one kernel pays.** Batch 8 went from 1.149 to 1.096 ms (-4.6%). The profile
+#   says why: `_merge_splits` is gone (35.4 us a step), and the read's own kernel took 78.1 us
+#   against 77.7 for a walk of one tile. A walk of four tiles costs what one does, as predicted.
+# - **The fix-up does not.** `_sum_splits`' 18.8 us went, and the GEMV grew by 21 us: each
+#   column block's last half now waits for its ticket, re-reads both halves from L2 and writes
+#   the sum. Batch 8 measured 1.143 ms, the same as the engine's. It stays off.
+# - **Batch 1 in this run follows its compile's draw, not the levers.** The fix-up arm cannot touch
+#   batch 1 (its projections are inductor's reductions, not the GEMV), and it still measured 1.198
+#   ms against the first arm's 1.018. Every arm tunes its batch-1 graph afresh. The floor table
+#   below has batch 1 with the one-kernel read at 0.972 ms, inside the band of fresh compiles
+#   measured before it (0.954 to 1.061).
+# - **The tokens do not change.** Each arm's greedy rows and first-step logits equal the first
+#   arm's exactly (the agreement table of the run, `data/day61_fold_lever_agreement_h200.csv`).
+#
+# So the read now runs in one kernel at every batch (`FOLD_SHARES` on, `SHARE_TILES` = 4). A row
+# of up to 512 keys is one share that writes its own output. A longer row's live shares are
+# folded in the read by the last to finish. The tests in `test_paged_attention` poison the
+# partials with NaN: a fold that read a share no program wrote, or a short row that wrote a
+# partial, fails them. On the H200 they repeat each read 50 times, where the ticket race is real.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -834,16 +927,19 @@ for row in notes.itertuples():
 
 # %% [markdown]
 # The rows came from five processes. nanolab and gpt-fast at batches 1 and 8 ran in one, on the
-# afternoon of 2026-12-01, with the engine's defaults as they now stand: PDL and the tuning timed
-# after a warm-up at batch 1, the Triton GEMV for a batch's projections. nanolab's rows at batches
-# 32 and 64 and at 2,048 tokens are from the process right after it on the same machine. HF's
+# evening of 2026-12-01, with the engine's defaults as they now stand: PDL and the tuning timed
+# after a warm-up at batch 1, the Triton GEMV for a batch's projections, the read in one kernel.
+# nanolab's rows at batches 32 and 64 and at 2,048 tokens are from the process right after it on
+# the same machine, which measured a copy bandwidth 4% below the first's (4.03 TB/s against
+# 4.20), so its floors are longer too. gpt-fast's batch-8 step in this process, 1.921 ms, was
+# 6% longer than in the afternoon's (1.816). HF's
 # default path at batch 8 is from a process of 2026-11-30, and at batch 1, with every TTFT row but
 # HF eager's, from one half an hour later on a second H200 of the same kind. HF's eager arm ran
 # hours before those, on another H200 of the kind; at ten times nanolab's step, a few percent
 # between two cards does not move its place. The batch-1 row is one draw of the band above, whose
 # median over four compiles, 1.0005 ms, is the fairer number. A whole `generate` at batch 64 also
-# moves between processes: floorbench processes of the same day measured 1.431, 1.517 and 1.489
-# ms there, and the lever runs, which time the step inside one process, 1.37 to 1.68. The
+# moves between processes: floorbench processes of the same day measured 1.431, 1.517, 1.489 and
+# 1.450 ms there, and the lever runs, which time the step inside one process, 1.37 to 1.97. The
 # floorbench saves its tables after every row, and `--append` keeps the rows of arms a later
 # process did not run. Each process measured its own bandwidth, so each row's `x_floor` is
 # over its own floor, and the floor column beside the times is the latest process's.
@@ -864,7 +960,7 @@ if ON_GPU or not lab.figure_path("day61_roofline", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.8: ms per decode step, and the same over the floor, against batch for every arm of
+# *Figure 61.9: ms per decode step, and the same over the floor, against batch for every arm of
 # the floor bench. Follow the blue line against the black dashed floor and the red targets: it
 # sits under every peer at every batch, at a nearly constant distance above the floor.*
 #
@@ -979,7 +1075,7 @@ if ON_GPU or not lab.figure_path("day61_chunked_itl", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.9: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
+# *Figure 61.10: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
 # at each offered rate. Compare the p99 bars at each rate: chunking cuts the tail, and cuts it
 # more at the higher rate, yet both arms stay far above the black ticks that mark the aim.*
 
@@ -1215,13 +1311,18 @@ else:
 #   from the time between kernels: a Triton kernel can wait in-kernel for its predecessor and a
 #   cuBLAS one cannot. It runs a batch's layer projections up to 16 rows. Past that, and with its
 #   weight loaded ahead of the wait, it did not pay.
-# - **Against the peers**, nanolab's step is the fastest measured at every batch, 1.37x gpt-fast's
-#   at batch 1 and 1.62x at batch 8 in one process. Of the issue's step targets it meets the ones
+# - **The read in one kernel** took the merge's 35 us a step off batch 8 (1.149 to 1.096 ms in
+#   one process): a short row is now one share that writes its own output, and a walk of four
+#   tiles costs what one did. Asking L2 for the weights ahead of the PDL wait made the step
+#   slower, and adding split-K's halves inside the GEMV cost the GEMV what the second kernel had.
+# - **Against the peers**, nanolab's step is the fastest measured at every batch, 1.40x gpt-fast's
+#   at batch 1 and 1.73x at batch 8 in one process. Of the issue's step targets it meets the ones
 #   at batches 1, 32 and 64 and at context 2,048 in the floor table, and misses the one at batch 8
-#   by 2% (the printed ratios). Batch 1's row is one draw; the median of four fresh compiles sits
-#   on its target (1.0005 ms). Batch 64's whole-generate time has moved by 6% between processes.
-#   At batch 8 what is left is the projections' 2.9 TB/s and a paged read of about 2 MB a layer
-#   that takes about 7 us with its merge, whatever its grid.
+#   by 1% (1.112 ms against 1.10; the printed ratios), where the lever run put the same engine at
+#   1.096. Batch 1's row is one draw; the median of four fresh compiles sits on its target (1.0005
+#   ms). Batch 64's whole-generate time has moved by 6% between processes. At batch 8 what is left
+#   is the projections' 2.9 TB/s and two norm-and-add kernels a layer (0.075 ms a step), each
+#   mostly its own launch.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused
 #   attention instead of the streamed read.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it

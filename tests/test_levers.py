@@ -35,6 +35,26 @@ def test_gemv_is_a_linear(m, n, k, config, prefetch):
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 
 
+@pytest.mark.parametrize("m, n, k, config", [
+    (3, 70, 1024, GemvConfig(32, 128, 2)),  # a column edge: the last program's ticket covers 6 columns
+    (5, 33, 2048, GemvConfig(16, 256, 8)),
+    (16, 64, 1024, GemvConfig(32, 256, 2)),
+])
+def test_split_k_fixed_up_in_the_kernel_equals_the_second_kernel(m, n, k, config):
+    """Split-K shares added by the last share to take its columns' ticket: bit-equal to
+    `_sum_splits` (same order, one rounding), in bf16 too, and every ticket back at 0 after each
+    launch (a graph replays the same one). The interpreter runs programs one at a time, so the
+    race the ticket orders is met only on a GPU (`test_cuda`)."""
+    from nanolab.kernels import tickets as tickets_module
+
+    torch.manual_seed(n * k)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        for _ in range(2):
+            assert torch.equal(gemv(x, w, config, fix_up=True), gemv(x, w, config))
+            assert all(not held[-1].any() for held in tickets_module._TICKETS.values())
+
+
 def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_run():
     x, w = torch.randn(2, 1, 256), torch.randn(48, 256)
     assert gemv(x, w).shape == (2, 1, 48)
@@ -188,7 +208,8 @@ def test_the_default_arms_add_each_kept_lever_to_the_one_before_and_end_at_the_e
     assert last.compile and last.async_scheduling and last.rope_write and last.tune_batch_1
     assert last.opaque == ("lm_head",) and last.skip_empty == paged_attention.SKIP_EMPTY_SHARES
     assert last.step_pdl and last.steady
-    assert not (last.fold_shares or last.fused or last.autotune)
+    assert last.read_whole == paged_attention.SHARE_TILES and paged_attention.FOLD_SHARES
+    assert not (last.fold_shares or last.fused or last.autotune or last.fix_up or last.l2_ahead)
 
 
 def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch):

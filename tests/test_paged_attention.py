@@ -14,6 +14,7 @@ from conftest import make_cache
 
 from nanolab.engine.block_manager import cdiv
 from nanolab.kernels import paged_attention as paged_attention_module
+from nanolab.kernels import tickets as tickets_module
 from nanolab.kernels.paged_attention import (
     VARIANTS,
     choose_launch,
@@ -161,19 +162,36 @@ def test_tiles_walked_equal_streamed_work(variant):
     assert work.rect_tiles == 32
 
 
-@pytest.mark.parametrize("fold", [True, False], ids=["folded in the read", "merge kernel"])
-def test_every_share_is_folded_once_by_the_last(fold, monkeypatch):
+@pytest.mark.parametrize("fold, skip, share_tiles", [
+    (True, False, 1), (True, True, 1), (True, True, 2), (True, True, 4), (False, True, 1), (False, True, 2),
+], ids=["folded, every share", "folded, live shares", "folded, 2-tile shares", "folded, one share a row",
+        "merge kernel", "merge kernel, 2-tile shares"])
+def test_every_share_is_folded_once_by_the_last(fold, skip, share_tiles, monkeypatch):
     """Four shares that each walk keys of their own, folded by the last share to finish (or by
     `_merge_splits`): equal to the reference on two batches in turn, and every ticket back at 0
-    after each read (a graph replays the same launch). The interpreter runs programs one at a
-    time, so the race the ticket orders is met only on a GPU, where the reads repeat 50 times."""
+    after each read (a graph replays the same launch). With empty shares skipped only a row's live
+    shares take tickets; with shares of at least 4 tiles every row here has one, which writes
+    its output with no ticket. The partials are NaN until written, so a fold or a merge that read
+    a share no program wrote would fail. The interpreter runs programs one at a time, so the race
+    the ticket orders is met only on a GPU, where the reads repeat 50 times."""
     monkeypatch.setattr(paged_attention_module, "FOLD_SHARES", fold)
+    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
+    monkeypatch.setattr(paged_attention_module, "SHARE_TILES", share_tiles)
+    partials, made = paged_attention_module._partials, []
+
+    def poisoned(*shape_and_device):
+        made.append(tuple(t.fill_(float("nan")) for t in partials(*shape_and_device)))
+        return made[-1]
+
+    monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
     for seed in (0, 1) if DEVICE == "cpu" else range(50):
         cache, plan, q, _ = _decode_batch([63, 50, 47], 4, 2, seed=seed)  # 4, 4 and 3 tiles of 16
         got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
-                           plan.positions, block=BLOCK, variant="split", splits=4)
+                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=8)
         torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
-        for held in paged_attention_module._TICKETS.values():
+        # one live share a row, folded in the read: written straight to the output, no partial
+        assert all(t.isnan().all() for t in made[-1]) == (fold and share_tiles >= 4)
+        for held in tickets_module._TICKETS.values():
             assert not held[-1].any()
 
 
@@ -185,6 +203,8 @@ def test_empty_shares_write_nothing_and_the_merge_reads_none(skip, monkeypatch):
     output is the reference's. On 132 SMs the grid is under one program per SM, and every share
     writes."""
     monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
+    monkeypatch.setattr(paged_attention_module, "FOLD_SHARES", False)  # the merge kernel's path
+    monkeypatch.setattr(paged_attention_module, "SHARE_TILES", 1)
     made = []
 
     def poisoned(*shape_and_device):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanolab.kernels.pdl import dependent_launch, ops_pdl
+from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
 
 BLOCK_T = 16  # tokens a program
 
@@ -123,7 +123,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
         _rope_write[(tokens,)](qkv, cos, sin, slots, q, k_pool, v_pool, heads, kv_heads, k_pool.shape[0], qkv.stride(0),
                                qkv.stride(1), cos.stride(0), slots.stride(0), q.stride(0), q.stride(1),
                                k_pool.stride(0), k_pool.stride(1), HALF=d // 2, H2=triton.next_power_of_2(d // 2),
-                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place, PDL=pdl,
+                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place, PDL=level(pdl),
                                **({"launch_pdl": True} if pdl else {}))
     return q
 

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanolab.kernels.pdl import dependent_launch, ops_pdl
+from nanolab.kernels import INTERPRETED
+from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
+from nanolab.kernels.tickets import tickets
 
 MAX_ROWS = 64  # the largest decode bucket; rows are padded to a power of two of at least 16 (tl.dot)
 
@@ -38,13 +40,28 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each address, without waiting for it (sm_80 and newer)."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee"):
+          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee",
+          L2_AHEAD: tl.constexpr = 0, LINE: tl.constexpr = 64, part_ptr=None, ticket_ptr=None,
+          FIX_UP: tl.constexpr = False):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
     the kernel before it ahead of its first read of x; with PREFETCH, its first weight tile (which
-    no kernel writes) is loaded before that wait, so it streams in under the predecessor's tail."""
+    no kernel writes) is loaded before that wait, so it streams in under the predecessor's tail.
+    With L2_AHEAD, the first L2_AHEAD columns of its share of the weight are asked of L2 before the
+    wait instead (LINE elements to a 128-byte line), and nothing is held in registers.
+    With SPLIT_K > 1 a share writes an fp32 partial [SPLIT_K, M, N] (stride_os apart, rows
+    stride_om as out's): to out_ptr, for `_sum_splits` to add; or, with FIX_UP, to part_ptr, after
+    which it takes its columns' ticket, and the share that takes the last one adds the partials in
+    share order (as `_sum_splits` does), writes out_ptr and puts the ticket back to 0."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -54,6 +71,9 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     nmask = n < N
     per_split = K // SPLIT_K
     first = s * per_split
+    if L2_AHEAD:
+        lines = first + tl.arange(0, L2_AHEAD // LINE) * LINE  # [L2_AHEAD / LINE] first column of each line
+        _prefetch_l2(w_ptr + tl.where(nmask, n, 0)[:, None] * stride_wn + lines[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PREFETCH:
         w_ptrs = w_ptr + n[:, None] * stride_wn + (first + k)[None, :]
@@ -74,6 +94,19 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     mask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif FIX_UP:
+        part = part_ptr + m[:, None] * stride_om + n[None, :]  # [BLOCK_M, BLOCK_N] of share 0
+        tl.store(part + s * stride_os, acc, mask=mask)
+        # Every thread's stores are issued before the ticket, whose release (gpu scope) publishes
+        # them; the last taker's acquire makes every share's visible to it.
+        tl.debug_barrier()
+        ticket = ticket_ptr + pid_n
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in tl.static_range(SPLIT_K):
+                total += tl.load(part + j * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + m[:, None] * stride_om + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     else:  # partials [SPLIT_K, M, N] fp32
         tl.store(out_ptr + s * stride_os + m[:, None] * stride_om + n[None, :], acc, mask=mask)
 
@@ -120,12 +153,24 @@ def block_rows(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
+def l2_columns(n: int, k: int, split: int, element_size: int, budget: int) -> int:
+    """Columns of its share that each program of an [n, k] weight in `split` shares asks of L2 ahead
+    of its wait, so the whole kernel asks for at most `budget` bytes: a power of two of whole
+    128-byte lines, at most the share; 0 when a line is already past the budget."""
+    line = 128 // element_size
+    cols = min(budget // (n * split * element_size), k // split)
+    return 0 if cols < line else 1 << (cols.bit_length() - 1)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
-         prefetch: bool = False) -> torch.Tensor:
+         prefetch: bool = False, l2_ahead: int = 0, fix_up: bool = False) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
     (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 and
     rounded once. With `pdl`, both kernels launch as programmatic dependents (`kernels.pdl`), the
-    first with its first weight tile loaded ahead of the wait when `prefetch`."""
+    first with its first weight tile loaded ahead of the wait when `prefetch`, or with up to
+    `l2_ahead` bytes of the weight asked of L2 there (`l2_columns`; compiled only, not in Triton's
+    interpreter). With `fix_up`, split-K's shares are added by the last share to finish, in the
+    same kernel and the same order, instead of by `_sum_splits`."""
     *lead, k = x.shape
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -143,17 +188,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
     meta = dict(BLOCK_M=block_rows(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl, PREFETCH=prefetch,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=level(pdl), PREFETCH=prefetch,
                 # fp32 rows multiplied in full fp32, as cuBLAS does by default, not in TF32
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
+    if pdl and l2_ahead and not INTERPRETED:
+        meta.update(L2_AHEAD=l2_columns(n, k, cfg.split_k, weight.element_size(), l2_ahead),
+                    LINE=128 // weight.element_size())
     if cfg.split_k == 1:
         _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **meta)
+    elif fix_up:
+        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0),
+                    part_ptr=part, ticket_ptr=tickets(x.device, grid[0]), FIX_UP=True, **meta)
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         _gemv[grid](x2, weight, part, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0), **meta)
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, part.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
-                                                  PDL=pdl, **launch)
+                                                  PDL=level(pdl), **launch)
     return out.reshape(*lead, n)
 
 
@@ -165,6 +217,12 @@ STEP_ROWS = 16
 # Whether `step_linear` loads a weight tile ahead of its PDL wait (`gemv`'s `prefetch`). Off: the loop
 # that carries the tile ran the batch-8 step at 1.511 ms (Day 61), its pipelining lost.
 STEP_PREFETCH = False
+# Bytes of its weight `step_linear` asks of L2 ahead of its PDL wait (`gemv`'s `l2_ahead`); 0: none.
+# On the H200 16 MiB took the batch-8 step from 1.129 to 1.208 ms, and whole weights to 1.295 (Day 61).
+STEP_L2_AHEAD = 0
+# Whether `step_linear`'s split-K shares are added in the GEMV's own kernel (`gemv`'s `fix_up`). Off:
+# on the H200 the GEMV grew by as much as `_sum_splits` had cost (671 + 19 us a step against 692, Day 61).
+STEP_FIX_UP = False
 
 
 @torch.library.custom_op("nanolab::step_linear", mutates_args=())
@@ -177,7 +235,8 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = step_config(weight.shape[0], k, m)
     if m > STEP_ROWS or k % (cfg.split_k * cfg.block_k) or not x.is_contiguous() or not weight.is_contiguous():
         return F.linear(x, weight)
-    return gemv(x, weight, cfg, pdl=ops_pdl(x.device), prefetch=STEP_PREFETCH)
+    return gemv(x, weight, cfg, pdl=ops_pdl(x.device), prefetch=STEP_PREFETCH, l2_ahead=STEP_L2_AHEAD,
+                fix_up=STEP_FIX_UP)
 
 
 @step_linear.register_fake

@@ -30,17 +30,21 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.pdl import dependent_launch, ops_pdl
+from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
+from nanolab.kernels.tickets import tickets
 
 VARIANTS = ("head", "gqa", "split")
 # Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
 # 128-key tiles and 4 warps at every shape; the pipeline depth is `choose_stages`'.
 BLOCK = 128
 NUM_WARPS = 4
-# With more than one share a row, `_merge_splits` folds the shares in a second kernel. With
-# FOLD_SHARES the last share to finish folds them in the read's own kernel (`_fold_shares`)
-# instead; the lab turns it on to measure it. On the H200 it made the read slower (Day 61).
-FOLD_SHARES = False
+# With FOLD_SHARES a row's shares are folded in the read's own kernel, by the last share to finish
+# (`_fold_shares`), and a row with one live share writes its output with no fold at all (with
+# SHARE_TILES, every row of a short context); without, `_merge_splits` folds them in a second
+# kernel. Folding all 16 shares of every row made the read slower on the H200; folding only the
+# live ones, with shares of at least 4 tiles, took the graphed batch-8 step at context 128 from
+# 1.149 to 1.096 ms, the merge kernel's 35 us a step gone and the read's own unchanged (Day 61).
+FOLD_SHARES = True
 # A share past its row's last tile returns at once and the merge reads only the live ones, when the
 # grid is more than one program per SM: the split count is the table capacity's, so at a short
 # context most of a large grid is empty shares. On the H200 at context 128 that took the read of
@@ -48,6 +52,10 @@ FOLD_SHARES = False
 # empty programs, and the merge's extra load of each row's length only cost (Day 61). The lab
 # turns it off to measure the read as it was.
 SKIP_EMPTY_SHARES = True
+# The fewest tiles a split share walks: a row of at most this many tiles is read by one share, so
+# with FOLD_SHARES and SKIP_EMPTY_SHARES it writes its output in the read with no ticket. On the
+# H200 a walk of 4 tiles took as long as one (the batch-8 read at 78 us a step either way, Day 61).
+SHARE_TILES = 4
 
 
 @triton.jit
@@ -64,10 +72,11 @@ def _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _tiles_per_share(n_tiles, SPLITS: tl.constexpr):
-    """Tiles each of SPLITS shares walks of a row's n_tiles, at least 1: shares are contiguous and
-    the last ones may be short or empty. The read and the merge both count shares by it."""
-    return tl.maximum(tl.cdiv(n_tiles, SPLITS), 1)
+def _tiles_per_share(n_tiles, SPLITS: tl.constexpr, SHARE_TILES: tl.constexpr):
+    """Tiles each of SPLITS shares walks of a row's n_tiles, at least SHARE_TILES (and 1): shares
+    are contiguous and the last ones may be short or empty. The read and the merge both count
+    shares by it."""
+    return tl.maximum(tl.cdiv(n_tiles, SPLITS), SHARE_TILES)
 
 
 @triton.jit
@@ -161,7 +170,7 @@ def _paged_decode_group(
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
-    FOLD: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    FOLD: tl.constexpr, SKIP_EMPTY: tl.constexpr, SHARE_TILES: tl.constexpr = 1,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
@@ -169,24 +178,29 @@ def _paged_decode_group(
     program writes its partial acc with its m and l; with FOLD, it then takes a ticket for its
     (row, KV head), and the program that takes the last one folds every share's partials into the
     output (`_fold_shares`) and puts the ticket back to 0; without, `_merge_splits` folds them.
-    With SKIP_EMPTY (and not FOLD), a share past the row's last tile returns as soon as it has
-    read the row's length, and writes nothing: the split count is the table capacity's, so at a
-    short context most shares are empty, and `_merge_splits` reads only the shares a row has
-    (`_live_shares`). Share 0 always writes, so a row with no key still reads zeros."""
+    With SKIP_EMPTY, a share past the row's last tile returns as soon as it has read the row's
+    length, and writes nothing: the split count is the table capacity's, so at a short context
+    most shares are empty, and `_merge_splits` reads only the shares a row has (`_live_shares`).
+    Share 0 always writes, so a row with no key still reads zeros. With FOLD as well, only a row's
+    live shares take tickets, and a row with a single live share (every row of at most
+    SHARE_TILES tiles) writes its output normalised, as SPLITS == 1 does, with no ticket."""
     dependent_launch(PDL)
     r = tl.program_id(0)
     kv = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS)
     n_tiles = tl.cdiv(ctx, BLOCK)
-    per_split = _tiles_per_share(n_tiles, SPLITS)
+    per_split = _tiles_per_share(n_tiles, SPLITS, SHARE_TILES)
     first = sp * per_split
     last = tl.minimum(first + per_split, n_tiles)
-    if SKIP_EMPTY and not FOLD:
-        # Live: a share that starts before the row's last tile, a row without keys counting as one
-        # tile (its share 0 writes the zeros it reads).
-        if first >= tl.maximum(n_tiles, 1):
+    # Live: a share that starts before the row's last tile, a row without keys counting as one
+    # tile (its share 0 writes the zeros it reads).
+    live = tl.cdiv(tl.maximum(n_tiles, 1), per_split)
+    if SKIP_EMPTY:
+        if sp >= live:
             return
+    else:
+        live = live * 0 + SPLITS  # every share writes and takes a ticket
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = g < GROUP
@@ -207,7 +221,7 @@ def _paged_decode_group(
         m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, valid[None, :], m, l, acc, scale,
                                  stride_ks, stride_kh, stride_vs, stride_vh, DOT)
         walked += 1
-    if SPLITS == 1:
+    if SPLITS == 1 or (FOLD and live == 1):
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -223,8 +237,8 @@ def _paged_decode_group(
             # publishes them; the last taker's acquire makes every share's visible to it.
             tl.debug_barrier()
             ticket = ticket_ptr + r * tl.num_programs(1) + kv
-            if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLITS - 1:
-                out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS, D)
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == live - 1:
+                out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, live, SPLITS, D)
                 tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
                          out.to(out_ptr.dtype.element_ty), mask=qmask)
                 tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
@@ -233,21 +247,25 @@ def _paged_decode_group(
 
 
 @triton.jit
-def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS: tl.constexpr, D: tl.constexpr):
-    """The normalised output [G, D] of the query heads whose share-0 partials sit at first_part [G]:
-    each share's acc weighted by exp(m - max m), over the shares' weighted l. An empty share has
-    m = -inf and l = acc = 0, so its weight is exactly 0; a row with no live key reads zeros.
-    Loads go to L2 (".cg"): the other shares' partials were written by other SMs."""
+def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, live, SPLITS: tl.constexpr,
+                 D: tl.constexpr):
+    """The normalised output [G, D] of the query heads whose share-0 partials sit at first_part [G],
+    from their first `live` shares (the rest are not read): each share's acc weighted by
+    exp(m - max m), over the shares' weighted l. An empty share has m = -inf and l = acc = 0, so
+    its weight is exactly 0; a row with no live key reads zeros. Loads go to L2 (".cg"): the other
+    shares' partials were written by other SMs."""
     top = tl.load(m_ptr + first_part, mask=gmask, other=float("-inf"), cache_modifier=".cg")
     for s in tl.static_range(1, SPLITS):
-        top = tl.maximum(top, tl.load(m_ptr + first_part + s, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
+        smask = tl.where(live > s, gmask, False)  # share s of each head, if live
+        top = tl.maximum(top, tl.load(m_ptr + first_part + s, mask=smask, other=float("-inf"), cache_modifier=".cg"))
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros(top.shape, tl.float32)
     out = tl.zeros(qmask.shape, tl.float32)
     for s in tl.static_range(SPLITS):
-        weight = tl.exp(tl.load(m_ptr + first_part + s, mask=gmask, other=float("-inf"), cache_modifier=".cg") - top)
-        total += weight * tl.load(l_ptr + first_part + s, mask=gmask, other=0.0, cache_modifier=".cg")
-        part = tl.load(acc_ptr + (first_part + s)[:, None] * D + d[None, :], mask=qmask, other=0.0,
+        smask = tl.where(live > s, gmask, False)
+        weight = tl.exp(tl.load(m_ptr + first_part + s, mask=smask, other=float("-inf"), cache_modifier=".cg") - top)
+        total += weight * tl.load(l_ptr + first_part + s, mask=smask, other=0.0, cache_modifier=".cg")
+        part = tl.load(acc_ptr + (first_part + s)[:, None] * D + d[None, :], mask=qmask & smask[:, None], other=0.0,
                        cache_modifier=".cg")
         out += weight[:, None] * part
     return out / tl.where(total == 0.0, 1.0, total)[:, None]
@@ -255,17 +273,18 @@ def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, SPLITS: tl.
 
 @triton.jit
 def _live_shares(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 SPLITS: tl.constexpr, SHARE_TILES: tl.constexpr):
     """How many of row r's SPLITS shares are live, at least 1: `_paged_decode_group` gives each
     share `_tiles_per_share` tiles, so the shares past cdiv(tiles, that) hold none."""
     n_tiles = tl.cdiv(_row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS), BLOCK)
-    return tl.maximum(tl.cdiv(n_tiles, _tiles_per_share(n_tiles, SPLITS)), 1)
+    return tl.maximum(tl.cdiv(n_tiles, _tiles_per_share(n_tiles, SPLITS, SHARE_TILES)), 1)
 
 
 @triton.jit
 def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr, pos_ptr, stride_pr, heads, head_dim, stride_or, stride_oh,
                   SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_POS: tl.constexpr, SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr):
+                  HAS_POS: tl.constexpr, SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr,
+                  SHARE_TILES: tl.constexpr = 1):
     """Fold the split partials of one (row, query head): acc [rows, heads, SPLITS, D] fp32, m and
     l [rows, heads, SPLITS]. An empty share has m = -inf and l = acc = 0, so its weight
     exp(m - max) is exactly 0; a row with no live key at all reads zeros. With SKIP_EMPTY only the
@@ -276,7 +295,7 @@ def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr, pos_ptr, stride_pr, 
     d = tl.arange(0, D)
     smask = sp < SPLITS
     if SKIP_EMPTY:
-        smask = sp < _live_shares(lens_ptr, pos_ptr, i // heads, stride_pr, HAS_POS, BLOCK, SPLITS)
+        smask = sp < _live_shares(lens_ptr, pos_ptr, i // heads, stride_pr, HAS_POS, BLOCK, SPLITS, SHARE_TILES)
     m = tl.load(m_ptr + i * SPLITS + sp, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + i * SPLITS + sp, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + (i * SPLITS + sp[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
@@ -467,7 +486,7 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
                addresses.stride(0), pos.stride(0), out.stride(0), out.stride(1))
-    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, PDL=pdl)
+    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, PDL=level(pdl))
     if pdl:
         tuning["launch_pdl"] = True
     if launch.variant == "head":
@@ -485,15 +504,16 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
         return out[:, None]
     acc, m, l = _partials(rows, heads, n_splits, D, q.device)
     fold = FOLD_SHARES
-    skip = SKIP_EMPTY_SHARES and not fold and rows * kv_heads * n_splits > num_sms
-    tickets = _tickets(q.device, rows * kv_heads) if fold else m
+    # Folded in the read, empty shares are skipped at any grid: no merge waits on them.
+    skip = SKIP_EMPTY_SHARES and (fold or rows * kv_heads * n_splits > num_sms)
+    taken = tickets(q.device, rows * kv_heads) if fold else m
     _paged_decode_group[(rows, kv_heads, n_splits)](
-        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l, tickets, tiles, *strides,
-        scale, d, SPLITS=n_splits, FOLD=fold, SKIP_EMPTY=skip, **meta)
+        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l, taken, tiles, *strides,
+        scale, d, SPLITS=n_splits, FOLD=fold, SKIP_EMPTY=skip, SHARE_TILES=SHARE_TILES, **meta)
     if not fold:
         _merge_splits[(rows * heads,)](acc, m, l, out, context_lens, pos, pos.stride(0), heads, d, out.stride(0),
                                        out.stride(1), SPLITS=n_splits, S=_pow2(n_splits), D=D, BLOCK=block,
-                                       HAS_POS=has_pos, SKIP_EMPTY=skip, PDL=pdl,
+                                       HAS_POS=has_pos, SKIP_EMPTY=skip, PDL=level(pdl), SHARE_TILES=SHARE_TILES,
                                        **({"launch_pdl": True} if pdl else {}))
     return out[:, None]
 
@@ -504,21 +524,6 @@ def _partials(rows: int, heads: int, splits: int, d: int, device: torch.device
     splits], all fp32."""
     m = torch.empty((rows, heads, splits), dtype=torch.float32, device=device)
     return torch.empty((rows, heads, splits, d), dtype=torch.float32, device=device), m, torch.empty_like(m)
-
-
-# Per device, every ticket buffer handed out, newest last. None is ever dropped: a captured graph
-# keeps the address it was captured with.
-_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """At least n int32 tickets on `device`, all 0 between launches (the folding program puts its
-    ticket back), one per (row, KV head) of a split read. Reads run one at a time on the device's
-    stream, so they share the buffer."""
-    held = _TICKETS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def _dot_mode(dtype: torch.dtype) -> int:

@@ -24,6 +24,12 @@ from nanolab.kernels import INTERPRETED
 # `runner.DecodeForward` with PDL turns it on for its own calls (`launching_dependents`), with
 # inductor's PDL to match; the lab sets it to measure it.
 OPS_PDL = False
+# Whether those kernels release their dependents (`release_dependents`) as they start, ahead of
+# their own wait, instead of as their programs exit: the next kernel is then resident, and can
+# prefetch what no kernel writes (a GEMV's weight, `gemv.STEP_L2_AHEAD`), while this one still
+# waits or runs. Its wait still returns only once this kernel has finished. Read at each launch
+# (`level`).
+EARLY_RELEASE = False
 
 
 @contextlib.contextmanager
@@ -40,7 +46,10 @@ def launching_dependents(on: bool) -> Iterator[None]:
 
 @jit
 def dependent_launch(PDL: tl.constexpr):
-    """Wait until the kernel before has finished and its writes are visible. Nothing when not PDL."""
+    """Wait until the kernel before has finished and its writes are visible. Nothing when PDL is 0;
+    at level 2 (`level`), release the next kernel first."""
+    if PDL >= 2:
+        tl.extra.cuda.gdc_launch_dependents()
     if PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -52,6 +61,12 @@ def release_dependents(PDL: tl.constexpr):
     A kernel that never calls it releases the next one as its programs exit."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+def level(pdl: bool) -> int:
+    """The PDL constexpr of a kernel launched with `pdl`: 0 not a dependent, 1 a dependent that
+    waits first, 2 one that releases its own dependents before that wait (`EARLY_RELEASE`)."""
+    return 0 if not pdl else 2 if EARLY_RELEASE else 1
 
 
 def ops_pdl(device: torch.device) -> bool:

@@ -68,6 +68,12 @@ class Lever:
     triton_rows: int = 0  # 2 to this many rows: the layers' projections through `gemv.step_linear` in the step
     prefetch: bool = False  # `gemv.step_linear`'s first weight tile loaded ahead of its PDL wait
     programs_per_sm: int = 8  # the split read's grid, aimed at this many programs per SM (`paged_attention`)
+    early_release: bool = False  # the engine's kernels release their dependents as they start (`pdl.EARLY_RELEASE`)
+    l2_ahead: int = 0  # bytes of its weight each `gemv.step_linear` asks of L2 ahead of its PDL wait
+    # n > 0: a split read's shares walk at least n tiles, so a row of at most n is one share that writes
+    # its output, and a longer row's shares are folded in the read (`paged_attention.SHARE_TILES`, `FOLD_SHARES`)
+    read_whole: int = 0
+    fix_up: bool = False  # `gemv.step_linear`'s split-K shares added in its own kernel (`gemv.STEP_FIX_UP`)
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
@@ -115,10 +121,31 @@ ARMS = (
     Lever("+ a read grid of 2 programs per SM", compile=True, async_scheduling=True, rope_write=True,
           tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
           programs_per_sm=2),
+    Lever("+ kernels released as they start", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          early_release=True),
+    Lever("+ 16 MiB of each weight asked of L2 ahead", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          early_release=True, l2_ahead=16 << 20),
+    Lever("+ whole weights asked of L2 ahead", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          early_release=True, l2_ahead=64 << 20),
+    Lever("+ L2 ahead, Triton projections to 64 rows", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=64,
+          early_release=True, l2_ahead=16 << 20),
+    Lever("+ rows of 4 tiles read whole, shares folded in the read", compile=True, async_scheduling=True,
+          rope_write=True, tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True,
+          triton_rows=16, read_whole=4),
+    Lever("+ split-K added in the GEMV's kernel", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          fix_up=True),
+    Lever("+ both: one read kernel, one GEMV kernel", compile=True, async_scheduling=True, rope_write=True,
+          tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
+          read_whole=4, fix_up=True),
 )
 # What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
 # last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
-DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15, 16))
+DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15, 16, 25))
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -126,9 +153,12 @@ def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True, fold_shares: bool = False,
+def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
+            fold_shares: bool = paged_attention_module.FOLD_SHARES,
             ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
-            prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM):
+            prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM,
+            early_release: bool = False, l2_ahead: int = 0, share_tiles: int = paged_attention_module.SHARE_TILES,
+            fix_up: bool = False):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
@@ -136,8 +166,12 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     read's shares folded in its own kernel or by a second one (`paged_attention.FOLD_SHARES`), its
     empty shares skipped or written (`paged_attention.SKIP_EMPTY_SHARES`), with or without the
     engine's ops launched as programmatic dependents (`kernels.pdl.OPS_PDL`), and with
-    `gemv.step_linear` taking up to `step_rows` rows, its weight ahead of the wait or not, and the
-    split read's grid aimed at `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`).
+    `gemv.step_linear` taking up to `step_rows` rows, its weight ahead of the wait or not, or
+    `l2_ahead` bytes of it asked of L2 there (`gemv.STEP_L2_AHEAD`), the split read's grid aimed at
+    `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`), and the engine's kernels
+    releasing their dependents as they start or as they exit (`pdl.EARLY_RELEASE`), a split read's
+    shares at least `share_tiles` tiles (`paged_attention.SHARE_TILES`), and split-K's shares added
+    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`).
     Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
     switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
@@ -145,7 +179,9 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
                 (paged_attention_module, "FOLD_SHARES", fold_shares), (pdl_module, "OPS_PDL", ops_pdl),
                 (paged_attention_module, "SKIP_EMPTY_SHARES", skip_empty), (gemv_module, "STEP_ROWS", step_rows),
                 (gemv_module, "STEP_PREFETCH", prefetch),
-                (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm))
+                (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm),
+                (pdl_module, "EARLY_RELEASE", early_release), (gemv_module, "STEP_L2_AHEAD", l2_ahead),
+                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
     if not pinned:
         for m in modules:
@@ -162,9 +198,12 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
 
 def lever_staging(lever: Lever):
     """`staging` with every switch `lever` sets: what an engine built for that arm runs under."""
-    return staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares, ops_pdl=lever.step_pdl,
+    return staging(lever.pinned, lever.rope_write, fold_shares=lever.fold_shares or lever.read_whole > 0,
+                   ops_pdl=lever.step_pdl,
                    skip_empty=lever.skip_empty, step_rows=lever.triton_rows or gemv_module.STEP_ROWS,
-                   prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm)
+                   prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm,
+                   early_release=lever.early_release, l2_ahead=lever.l2_ahead, share_tiles=lever.read_whole or 1,
+                   fix_up=lever.fix_up)
 
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
