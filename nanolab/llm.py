@@ -120,7 +120,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
                  compile: bool | None = None, async_scheduling: bool | None = None,
                  enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, compile_varlen: bool = False) -> None:
         """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
         capture list is warmed here, with a progress bar. `compile` captures the decode step compiled
         by inductor (`runner.compile_decode`; about a minute at start for Llama-3.2-1B on the H200)
@@ -133,7 +133,10 @@ class LLM:
         (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its
         steps, every rank compiled when `compile` is on, and with asynchronous scheduling as one
         process has it. For now only on the CPU (gloo): on CUDA it is refused until its NCCL path
-        has run on two GPUs. `close()` ends the workers.
+        has run on two GPUs. `close()` ends the workers. `compile_varlen`, with `compile` and the
+        streamed read, runs the steps that mix decode rows with prompt chunks through a compiled
+        graph of their own too (`runner.DecodeForward.run_varlen`); off until it is measured, and
+        one process only.
 
         Every argument is checked before any weights are read: a bad one raises ValueError naming it
         (a device this machine lacks is one)."""
@@ -150,12 +153,18 @@ class LLM:
             raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
+        if not isinstance(compile_varlen, bool):
+            raise ValueError(f"compile_varlen={compile_varlen!r}: must be a bool")
+        if compile_varlen and tensor_parallel_size > 1:
+            raise ValueError(f"compile_varlen=True: one process only, not tensor_parallel_size={tensor_parallel_size}")
         for name, value in (("compile", compile), ("async_scheduling", async_scheduling)):
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: must be a bool or None (on with CUDA graphs)")
         if not isinstance(read, str) or read not in ("auto", *READS):
             raise ValueError(f"read={read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
         device = resolve_device(device)
+        if compile_varlen and not (compile or (compile is None and device.type == "cuda" and not enforce_eager)):
+            raise ValueError("compile_varlen=True: needs the compiled decode step (compile, on by default with graphs)")
         self.device = device
         self.dtype = resolve_dtype(dtype, device)
         self.model_name = model
@@ -202,9 +211,10 @@ class LLM:
                 max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
             if self.workers:
                 self.workers.size_caches(num_blocks, max_model_len)
+            forward = compile_decode(self.model, varlen=compile_varlen) if self.compiled else None
             self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
-                                 read=read, forward=compile_decode(self.model) if self.compiled else None,
+                                 read=read, forward=forward,
                                  async_scheduling=graphs if async_scheduling is None else async_scheduling,
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_num_batched_tokens=max_num_batched_tokens, runner=runner)

@@ -270,3 +270,44 @@ def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
     assert_logits_match_reference(sharp_gqa24, alone + together, {k: [r.cpu() for r in v] for k, v in logits.items()},
                                   atol=1e-3, rtol=1e-3)
     check_drained(engine.kv_cache, engine.scheduler)
+
+
+@pytest.mark.parametrize("budget", [24, 48], ids=["full steps of head_dim tokens", "chunks past a query tile"])
+def test_mixed_varlen_steps_compile_once_to_the_reference(sharp_gqa24, budget):
+    """With `varlen`, the steps that mix decode rows and prompt chunks run through one compiled graph
+    whose token count is symbolic (the varlen read one opaque op, `varlen_attention_op`): every
+    step's logits equal the one-shot reference's, and steps of other token counts and other mixes
+    of segments reuse the graph instead of compiling their own. On a CPU in Triton's interpreter,
+    on a GPU compiled (fp32, to 1e-3)."""
+    from torch._dynamo.utils import counters
+
+    device = "cpu" if INTERPRETED else "cuda"
+    torch._dynamo.reset()
+    counters.clear()
+    model = plain(sharp_gqa24, device)
+    forward = compile_decode(model, varlen=True)
+    varlen = forward.run_varlen = Counting(forward.run_varlen)
+    # 24 tokens, the head dim: a full step's token count equals a pool's size, which duck sizing
+    # would tie together and recompile for the next step. 48: chunks longer than one query tile of
+    # the varlen read (32 tokens here), so a grid cut short of the step's tokens would miss some.
+    engine = Engine(model, num_blocks=96, block_size=4, read="streamed", forward=forward,
+                    max_num_batched_tokens=budget)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = PROMPTS + [list(range(30, 100)), [40, 41, 42, 43], list(range(100, 140)), list(range(140, 178))]
+    seqs = engine.add_requests(prompts, [params] * len(prompts))
+    logits, on_step = logit_recorder()
+    mixes = set()
+
+    def record(outputs):
+        on_step(outputs)
+        step = engine.last_step
+        if step is not None and step.phase != "decode":
+            mixes.add((step.tokens, step.rows))
+
+    run_until_done(engine, on_step=record)
+    assert varlen.calls >= 3 and len(mixes) >= 3, f"too few mixed steps went through the compiled graph: {mixes}"
+    tol = {} if device == "cpu" else dict(atol=1e-3, rtol=1e-3)
+    assert_logits_match_reference(sharp_gqa24, seqs, {k: [r.cpu() for r in v] for k, v in logits.items()}, **tol)
+    check_drained(engine.kv_cache, engine.scheduler)
+    # The decode graphs and one varlen graph: not one graph per mix.
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])

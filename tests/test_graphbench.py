@@ -350,6 +350,8 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     assert "--no-enable-chunked-prefill" in argv(chunked_prefill=False)
     assert "--enable-chunked-prefill" in argv(chunked_prefill=True)
     assert not any("chunked" in a for a in argv())  # the server's default
+    assert "--compile-varlen" in argv(chunked_prefill=True, compile_varlen=True)
+    assert split_arm("graphs-compiled") == ("graphs", "compiled")
     seen = {}
 
     def command(model, port, *, device, eager, step_log, **kw):

@@ -118,6 +118,7 @@ BAD_ARGS = [
     ("max_model_len", 1), ("max_model_len", True), ("num_blocks", 0), ("num_blocks", -3), ("num_blocks", True),
     ("kv_cache_bytes", 0), ("kv_cache_bytes", 1.5), ("enforce_eager", 1), ("enforce_eager", "no"),
     ("read", "fast"), ("read", None), ("device", "gpu"), ("device", "meta"), ("device", 0), ("device", "cuda:x"),
+    ("compile_varlen", 1), ("compile_varlen", "yes"),
 ]
 
 
@@ -134,6 +135,14 @@ def no_weights(monkeypatch):
 def test_llm_refuses_bad_arguments_before_loading(no_weights, field: str, value) -> None:
     with pytest.raises(ValueError, match=rf"^{field}="):
         LLM("smollm2-135m", **{field: value})
+
+
+@pytest.mark.parametrize("args", [dict(device="cpu"), dict(device="cpu", compile=False),
+                                  dict(device="cpu", compile=True, tensor_parallel_size=2)],
+                         ids=["eager by default", "compile off", "two processes"])
+def test_compiled_varlen_steps_need_a_compiled_decode_step_in_one_process(no_weights, args) -> None:
+    with pytest.raises(ValueError, match=r"^compile_varlen=True: (needs the compiled decode step|one process only)"):
+        LLM("smollm2-135m", compile_varlen=True, **args)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

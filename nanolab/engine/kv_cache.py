@@ -25,7 +25,7 @@ from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_write, rope_write_op
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.kernels.reference import attention_mask_bias, reference_read
-from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_reference
+from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_attention_op, varlen_reference
 
 SINK = -1  # the pool slot past the last block
 READS = ("streamed", "reference")
@@ -137,6 +137,14 @@ class KVCache:
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 
+    def mark_static(self) -> None:
+        """Tell dynamo that the pools and the block table keep their shapes: a graph compiled over
+        them (`runner.DecodeForward.run_varlen`) takes their sizes as constants, so duck sizing cannot
+        tie one of them to a step's token count that happens to equal it, and recompile when the
+        next step's does not."""
+        for t in (*self.k_pools, *self.v_pools, self.block_table):
+            torch._dynamo.mark_static(t)
+
     def plan_varlen(self, rows, token_counts, sampled=None) -> VarlenPlan:
         """Grow row i by token_counts[i] tokens (a prompt, a chunk of one, everything a row holds
         after a preemption, or a decode row's one token) and plan the flattened forward that writes
@@ -241,6 +249,9 @@ def _streamed(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Ten
 
 def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     plan, kv = view.plan, view.cache
+    if torch.compiler.is_compiling():  # one opaque node, with no host value of the plan's to guard on
+        return varlen_attention_op(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
+                                   plan.query_start_loc, plan.context_lens, positions[0], plan.block_size)[None]
     return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
                             plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
                             plan.max_query_len)[None]
@@ -298,7 +309,9 @@ class CacheView:
         varlen step of whole prompts skip the pools: each prompt attends over its own keys alone,
         through torch's fused attention (`prompt_attention`)."""
         plan = self.plan
+        # Never in a compiled step: whole prompts run eagerly (`ModelRunner.run_varlen`), and asking
+        # would guard the graph on every segment's length.
         if (k is not None and PROMPTS_BY_SDPA and self.cache.read == "streamed" and isinstance(plan, VarlenPlan)
-                and plan.whole_prompts):
+                and not torch.compiler.is_compiling() and plan.whole_prompts):
             return prompt_attention(q[0], k[0], v[0], plan.query_lens)[None]
         return self.reader(self, layer, q, positions)

@@ -5,7 +5,7 @@ steps with chunked prefill. Which forward a decode step runs is fixed at constru
 eagerly, a stand-in given as `forward` (a compiled model), and on top of either, CUDA graphs over
 the capture buckets. A decode batch outside the capture list runs the same planned step eagerly. A
 step that is not decode-only (whole prompts, chunks, and decode rows beside them) runs the model
-eagerly over one flattened varlen plan.
+eagerly over one flattened varlen plan, or compiled where the decode forward compiled one.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def steady_tuning() -> Iterator[None]:
 # for a tensor-parallel shard: the C++ wrapper cannot pass the process-group argument of the
 # vocabulary all-gather in torch 2.13.
 CPU_OPTIONS = {"cpp_wrapper": True}
+# Whether `compile_decode` compiles the varlen steps that mix decode rows with prompt chunks as well
+# (`DecodeForward.run_varlen`). Eagerly such a step took 9.0 to 12.7 ms at the median on the H200
+# under Day 58's load, four to six decode steps, and ITL's p99 lands on those steps (Day 61). Off
+# until the compiled step is measured there.
+COMPILE_VARLEN = False
 
 
 class DecodeForward:
@@ -85,10 +90,12 @@ class DecodeForward:
     `pdl`, both graphs' Triton kernels are launched as programmatic dependents (`PDL_OPTIONS`), and
     so are the engine's own ops in every call of it (`kernels.pdl.OPS_PDL` otherwise). With
     `steady`, batch 1's kernels are tuned inside `steady_tuning`. `options`: inductor's, for both
-    graphs. Compiling happens on the first call of each."""
+    graphs. With `varlen`, a third graph (`run_varlen`) serves the varlen steps that mix decode rows
+    and prompt chunks, its token count symbolic. Compiling happens on the first call of each."""
 
     def __init__(self, model: LlamaModel, batch_1_options: dict | None = None, pdl: bool = False,
-                 opaque_head: bool = False, options: dict | None = None, steady: bool = False) -> None:
+                 opaque_head: bool = False, options: dict | None = None, steady: bool = False,
+                 varlen: bool = False) -> None:
         model.lm_head.opaque = opaque_head
         extra = {**(options or {}), **(PDL_OPTIONS if pdl else {})}
         self.options = extra  # inductor's options for both graphs, besides `batch_1_options`
@@ -97,6 +104,7 @@ class DecodeForward:
                        torch.compile(model, dynamic=True, fullgraph=True, options={**batch_1_options, **extra}))
         self.batch_1_options = batch_1_options
         self.pdl, self.steady = pdl, steady
+        self.varlen = torch.compile(model, dynamic=True, fullgraph=True, options=extra or None) if varlen else None
 
     @property
     def tune_batch_1(self) -> bool:
@@ -108,6 +116,15 @@ class DecodeForward:
         with (steady_tuning() if self.steady and single else contextlib.nullcontext()), \
                 pdl_module.launching_dependents(self.pdl or pdl_module.OPS_PDL):
             return (self.single if single else self.batched)(ids, positions, cache=cache)
+
+    def run_varlen(self, ids: torch.Tensor, positions: torch.Tensor, cache, logits_index: torch.Tensor
+                   ) -> torch.Tensor:
+        """A varlen step through the compiled varlen graph: ids and positions [1, num_tokens], the
+        logits of `logits_index`'s tokens [n, vocab] fp32, as the model's forward returns them. The
+        streamed read only: its varlen attention is one opaque op with nothing of the plan's host
+        values in it (`varlen_attention_op`), where the reference read loops over segments."""
+        with pdl_module.launching_dependents(self.pdl or pdl_module.OPS_PDL):
+            return self.varlen(ids, positions, cache=cache, logits_index=logits_index)
 
 
 def mark_step_kernels(model: LlamaModel, on: bool) -> None:
@@ -121,7 +138,7 @@ def mark_step_kernels(model: LlamaModel, on: bool) -> None:
 
 
 def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: bool | None = None,
-                   steady: bool | None = None) -> DecodeForward:
+                   steady: bool | None = None, varlen: bool | None = None) -> DecodeForward:
     """`model` compiled for decode steps (`DecodeForward`), batch 1 with `BATCH_1_OPTIONS` when
     `tune_batch_1`: by default for a model on CUDA, since inductor lowers a one-row matmul that way
     on accelerators only. With tuning, the LM head stays cuBLAS's (`opaque_head`): tuned afresh at
@@ -129,7 +146,8 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
     every time (Day 61), and the tuning is `steady` unless told. `pdl` as `DecodeForward`'s, by
     default wherever the GPU has it (`PDL_OPTIONS`), except for a tensor-parallel shard. With PDL,
     the layers' projections of a few rows run through the Triton GEMV (`mark_step_kernels`). A
-    model on the CPU compiles with `CPU_OPTIONS`, unless it is a tensor-parallel shard."""
+    model on the CPU compiles with `CPU_OPTIONS`, unless it is a tensor-parallel shard. `varlen`
+    (`COMPILE_VARLEN` unless told) compiles the mixed varlen steps too (`DecodeForward.run_varlen`)."""
     param = next(model.parameters())
     device = param.device.type
     if tune_batch_1 is None:
@@ -140,8 +158,11 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
         steady = tune_batch_1
     # The GEMV paid through PDL alone (launch by launch it ties cuBLAS): only where the step has PDL.
     mark_step_kernels(model, pdl and supports_pdl(param.device))
+    if varlen is None:
+        varlen = COMPILE_VARLEN
     return DecodeForward(model, BATCH_1_OPTIONS if tune_batch_1 else None, pdl=pdl, opaque_head=tune_batch_1,
-                         options=CPU_OPTIONS if device == "cpu" and model.tp is None else None, steady=steady)
+                         options=CPU_OPTIONS if device == "cpu" and model.tp is None else None, steady=steady,
+                         varlen=varlen)
 
 
 class ModelRunner:
@@ -151,6 +172,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.forward = model if forward is None else forward  # what a decode step calls
+        if getattr(self.forward, "varlen", None) is not None:
+            kv_cache.mark_static()  # the varlen graph's token count is the one size that moves
         if cuda_graphs and buckets is None:
             # Up to 64 rows and 8,192 tokens; the streamed read has no width, so its list is the
             # batch axis alone (Day 60).
@@ -181,13 +204,19 @@ class ModelRunner:
         """One flattened forward of every scheduled token: sequence i feeds its tokens
         num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (a prompt, a chunk of one, or a
         decode row's pending token) -> logits [sum(sampled), vocab] fp32, at the last token of each
-        sampled sequence, in order. Always the model, eagerly: a varlen step has no capture."""
+        sampled sequence, in order. A varlen step has no capture: it runs the model eagerly, or, when
+        the decode forward compiled one (`DecodeForward.run_varlen`) and the cache reads streamed,
+        through that graph, unless every segment is a whole prompt (those attend through torch's
+        fused attention, one call a prompt)."""
         plan = self.kv_cache.plan_varlen([s.row for s in seqs], num_scheduled_tokens, sampled)
         ids = [t for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)
                for t in s.token_ids[a:a + n]]
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
         ids = torch.tensor([ids], dtype=torch.int64)  # [1, num_tokens]
         view = self.kv_cache.view(plan)
+        compiled = getattr(self.forward, "varlen", None) is not None
+        if compiled and self.kv_cache.read == "streamed" and not plan.whole_prompts:
+            return self.forward.run_varlen(ids.to(self.device), plan.positions, view, plan.logits_index)
         return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
 
     def plan_step(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[DecodePlan, torch.Tensor]:

@@ -157,6 +157,23 @@ def varlen_attention(
     return out
 
 
+@torch.library.custom_op("nanolab::varlen_attention", mutates_args=())
+def varlen_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                        table_rows: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                        positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`varlen_attention` as one opaque operator, for a compiled varlen step: its grid's query axis
+    is cut for the step's whole token count (q's first dimension, symbolic in the graph) instead of
+    the longest segment, a host value a compiled step would have to guard on, so one graph serves
+    every mix of segments. The extra tiles lie past their segment's end and walk nothing."""
+    return varlen_attention(q, k_pool, v_pool, block_table, table_rows, block_size, query_start_loc, context_lens,
+                            positions, max(q.shape[0], 1))
+
+
+@varlen_attention_op.register_fake
+def _(q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, block_size):
+    return torch.empty_like(q)
+
+
 def varlen_reference(
     q: torch.Tensor,
     k_pool: torch.Tensor,

@@ -51,7 +51,9 @@ from nanolab.engine.buckets import DecodeBuckets
 from nanolab.gates import Gate
 
 ARMS = ("graphs", "eager")
-PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
+# An arm's optional suffix: the server's prefill. "compiled" is chunked, with the steps that mix decode
+# rows and prompt chunks compiled too (`--compile-varlen`).
+PREFILLS = ("chunked", "whole", "compiled")
 SEED_RATES = (1.0, 2.0, 4.0, 8.0)
 SATURATION = 0.9  # sustained below this share of the offered rate: the queue grows, the rate is not sustainable
 MIN_VERDICT = 4  # fewer requests than this at a rate: no central 80% to measure, no verdict
@@ -440,10 +442,11 @@ def split_arm(arm: str) -> tuple[str, str | None]:
 
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
-                  max_waiting: int = 1024, chunked_prefill: bool | None = None) -> list[str]:
+                  max_waiting: int = 1024, chunked_prefill: bool | None = None,
+                  compile_varlen: bool = False) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
-    `chunked_prefill` None leaves the server's default."""
+    `chunked_prefill` None leaves the server's default; `compile_varlen` adds `--compile-varlen`."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -453,6 +456,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv += ["--max-model-len", str(max_model_len)]
     if chunked_prefill is not None:
         argv.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
+    if compile_varlen:
+        argv.append("--compile-varlen")
     return argv
 
 
@@ -555,7 +560,9 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
     step_log = workdir / f"steps_{arm}.jsonl"
     port = free_port()
-    extra = {} if prefill is None else {"chunked_prefill": prefill == "chunked"}
+    extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
+    if prefill == "compiled":
+        extra["compile_varlen"] = True
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)

@@ -288,6 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="capture the eager decode step instead of inductor's (default: compiled with graphs)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                         help="read each decode step back before launching the next (default: overlapped with graphs)")
+    parser.add_argument("--compile-varlen", action="store_true",
+                        help="compile the steps that mix decode rows with prompt chunks too (off: unmeasured)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over this many processes (one per GPU on CUDA), rank 0 coordinating")
@@ -331,7 +333,7 @@ async def serve(args: argparse.Namespace) -> int:
                                 async_scheduling=args.async_scheduling,
                                 enable_chunked_prefill=args.enable_chunked_prefill,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                tensor_parallel_size=args.tensor_parallel_size)
+                                tensor_parallel_size=args.tensor_parallel_size, compile_varlen=args.compile_varlen)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
     serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)
