@@ -7,8 +7,11 @@ context, and a short row walks only its own tiles. Three variants of that loop:
 - "head": one program per (row, query head), vLLM's paged-attention grid;
 - "gqa": one program per (row, KV head); the query heads sharing that KV head are the rows of one
   tile, so each K/V tile is loaded once per group;
-- "split": "gqa" with the walk cut into contiguous shares (split-K, flash-decoding), whose
-  partial (max, denominator, accumulator) `_merge_splits` folds; for grids too small to fill the GPU.
+- "split": "gqa" with the walk cut into contiguous shares (split-K, flash-decoding), for grids too
+  small to fill the GPU. With `FOLD_SHARES` (the default) a row short enough for one share writes
+  its output from that share, and a longer row's partials (max, denominator, accumulator) are
+  folded in the same kernel by the last of its shares to finish; without, a second kernel,
+  `_merge_splits`, folds every row's.
 `choose_launch` picks the variant, shares, warps and pipeline depth for a shape; its rule was read
 off the H200 sweep in `data/day59_launch_sweep_h200.csv`.
 
@@ -45,12 +48,12 @@ NUM_WARPS = 4
 # live ones, with shares of at least 4 tiles, took the graphed batch-8 step at context 128 from
 # 1.149 to 1.096 ms, the merge kernel's 35 us a step gone and the read's own unchanged (Day 61).
 FOLD_SHARES = True
-# A share past its row's last tile returns at once and the merge reads only the live ones, when the
-# grid is more than one program per SM: the split count is the table capacity's, so at a short
-# context most of a large grid is empty shares. On the H200 at context 128 that took the read of
-# batch 8 from 147 to 116 us a step; under one program per SM (batch 1) nothing waits on the
-# empty programs, and the merge's extra load of each row's length only cost (Day 61). The lab
-# turns it off to measure the read as it was.
+# A share past its row's last tile returns at once and the fold or the merge reads only the live
+# ones, when the read folds its own shares or the grid is more than one program per SM: the split
+# count is the table capacity's, so at a short context most of a large grid is empty shares. On the
+# H200 at context 128 that took the read of batch 8 from 147 to 116 us a step; under one program
+# per SM (batch 1) nothing waits on the empty programs, and the merge's extra load of each row's
+# length only cost (Day 61). The lab turns it off to measure the read as it was.
 SKIP_EMPTY_SHARES = True
 # The fewest tiles a split share walks: a row of at most this many tiles is read by one share, so
 # with FOLD_SHARES and SKIP_EMPTY_SHARES it writes its output in the read with no ticket. On the
