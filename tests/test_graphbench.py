@@ -365,6 +365,10 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     assert list(rates.arm) == ["graphs-whole"] and list(rates.prefill) == ["whole"]
     assert {"mixed_steps", "mixed_p50_ms"} <= set(rates.columns)
     assert check_compaction(arm.steps, BUCKETS, expect_graphs=True)  # "graphs-whole" replays graphs
+    seen.clear()
+    run_arm("graphs-compiled", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+            command=command, log=lambda _: None)
+    assert seen["chunked_prefill"] is True and seen["compile_varlen"] is True
 
 
 def test_whole_over_chunked_itl_p99_at_each_rate():
