@@ -172,7 +172,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.forward = model if forward is None else forward  # what a decode step calls
-        if getattr(self.forward, "varlen", None) is not None:
+        # Mixed varlen steps through the decode forward's compiled varlen graph, where it has one and
+        # the cache reads streamed (`DecodeForward.run_varlen`); else the model, eagerly.
+        self.compiled_varlen = getattr(self.forward, "varlen", None) is not None and kv_cache.read == "streamed"
+        if self.compiled_varlen:
             kv_cache.mark_static()  # the varlen graph's token count is the one size that moves
         if cuda_graphs and buckets is None:
             # Up to 64 rows and 8,192 tokens; the streamed read has no width, so its list is the
@@ -214,8 +217,7 @@ class ModelRunner:
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
         ids = torch.tensor([ids], dtype=torch.int64)  # [1, num_tokens]
         view = self.kv_cache.view(plan)
-        compiled = getattr(self.forward, "varlen", None) is not None
-        if compiled and self.kv_cache.read == "streamed" and not plan.whole_prompts:
+        if self.compiled_varlen and not plan.whole_prompts:
             return self.forward.run_varlen(ids.to(self.device), plan.positions, view, plan.logits_index)
         return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
 
