@@ -897,6 +897,91 @@ if fold_run is not None:
 # partial, fails them. On the H200 they repeat each read 50 times, where the ticket race is real.
 
 # %% [markdown]
+# ## Batch 8: the norms inside the GEMVs, measured and not kept
+#
+# With the merge gone, the smallest kernels left in the batch-8 step are the ones between the
+# projections: two norm-and-add kernels a layer (74 us a step at batch 8) and SwiGLU's (21 us).
+# Each moves about 32 KB and is mostly its own launch. `gemv.step_projection` folds each into the
+# projection next to it:
+# - the q/k/v and gate/up GEMVs read the residual stream itself, not its normed copy. Each x tile
+#   is multiplied by the norm's weight on its way to the dot, its squares are summed from the same
+#   tile, and each row of the product is scaled by 1 / rms at the end;
+# - the o and down GEMVs add the residual to their fp32 sums before the one rounding (down's in
+#   `_sum_splits`, since it splits K in two);
+# - down reads gate and up from the fused gate/up output and applies SwiGLU as it loads them.
+#
+# A layer is then four GEMVs around the attention (`llama.DecoderLayer.step_forward`, switched
+# by `gemv.STEP_FUSED`), and the residual stream never passes through a kernel of its own. At 32
+# and 64 rows the switch also moves the projections from cuBLAS to the GEMV, which alone measured
+# within 1% of cuBLAS there. The prediction: about 0.09 ms off the batch-8 step, provided each
+# fold costs the GEMV almost nothing. Each fold touches only the activation tile, a few KB beside
+# the weight's megabytes. One run put the engine's step beside the fold, in one process
+# (`levers --arms 25,28`).
+
+# %%
+fused_step = lab.show_lever_run("day61_fused_step", "ms_per_step", "python -m nanolab levers --only levers "
+                                "--arms 25,28 --shapes 8@128,32@128,64@128 --profile 8@128 --stem day61_fused_step")
+if fused_step is not None:
+    fs_levers, fs_parts, fs_order = fused_step
+    fs_agree = lab.load_table("day61_fused_step_lever_agreement", "h200")
+    lab.show(fs_agree[["arm", "rows", "steps", "rows equal to the first arm", "logits rel err to the first arm"]])
+
+# %% [markdown]
+# The fold lost, by far more than it could ever have won. Batch 8 went from 1.083 to 2.798 ms,
+# 32 rows from 1.236 to 2.558 and 64 rows from 1.449 to 3.518. The parts show both halves of what happened:
+# - the norms class did go, from 0.074 ms a step to 0.002;
+# - the GEMV kernels went from 0.67 to 2.46 ms a step, and took the projections class with them.
+#
+# The tokens are not the problem. The folded step rounds in other places than inductor's kernels
+# do: it scales the product by 1 / rms rather than the input, and rounds o's and down's sums once
+# with the residual in them. So its logits sit 2.5% from the first arm's, and 2 of the 8 greedy
+# rows stay equal. That is the distance between any two bf16 paths here: bf16 against fp32 is
+# 2.5% eagerly and 2.2% compiled (the "bf16 against fp32" section below). In fp32 the folded
+# step equals the one-shot reference to 1e-3 on the H200 (`test_fused_step_matches_the_reference_on_cuda`)
+# and to 1e-4 in the interpreter.
+#
+# Where the 1.8 ms went is the kernel, fold by fold. `levers --only folds` times each projection
+# as the step runs it: sixteen launches back to back in one CUDA graph, each against a weight of
+# its own, as programmatic dependents. Each one runs plain, then with each of its folds.
+
+# %%
+folds = lab.load_table("day61_folds", "h200")
+if folds is None:
+    print("data/day61_folds_h200.csv is not committed:\n  `python -m nanolab levers --only folds` on an H200 makes it")
+else:
+    print("measured on:", lab.table_label(folds).caption().replace("; ", ";\n  "))
+    lab.show(folds[folds.fold != "none"].pivot_table(index=["projection", "fold"], columns="rows", values="us_added")
+             .round(1)
+             .add_prefix("us added at rows = "))
+    from nanolab.lab.levers import kernel_class
+
+    fs_profile = lab.load_table("day61_fused_step_lever_profile", "h200")
+    kept = fs_profile[(fs_profile.arm == fs_order[0]) & (fs_profile.kernel.map(kernel_class) == "norms")]
+    norm_us = kept.gpu_us.sum() / kept.calls.sum()  # a norm kernel's mean time
+    per_step = kept.calls.sum() * kept.us_per_step.sum() / kept.gpu_us.sum()
+    print(f"the engine's batch-8 step: {per_step:.0f} norm kernels a step, {kept.us_per_step.sum():.1f} us in all, "
+          f"{norm_us:.1f} us each")
+    fig = lab.plot_folds(folds, replaced_us=norm_us)
+    if ON_GPU or not lab.figure_path("day61_folds", "h200").exists():
+        lab.save_figure(fig, "day61_folds", lab.table_label(folds))
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 61.9: each layer projection's GEMV, us per launch, alone (grey) and with a fold inside
+# it (red), at 8 and 64 rows. The figure over each red bar is what the fold added. The dashed line
+# over each grey bar adds the 2.3 us norm-and-add kernel the fold removes from the step. A fold
+# pays where its red bar stays under that line.*
+#
+# Only the residual add fits under the line, at 0.3 to 0.4 us. The norm adds 9 to 23 us to its
+# GEMV, and SwiGLU 84 to 103 us, seven to eight times down's own time. The folds that lose all do
+# their work on the activation tile between its load and the dot. The one that pays adds its
+# residual after the loop. This run does not show what inside the loop costs so much (the
+# registers SwiGLU's two tiles need, or a pipeline the loop no longer keeps); a kernel profile
+# would. The residual alone cannot pay either: a norm still needs its own kernel, so moving the
+# add into the GEMV before it takes no launch out of the step. `gemv.STEP_FUSED` stays off, and
+# the two arms stay in the lab.
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -960,7 +1045,7 @@ if ON_GPU or not lab.figure_path("day61_roofline", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.9: ms per decode step, and the same over the floor, against batch for every arm of
+# *Figure 61.10: ms per decode step, and the same over the floor, against batch for every arm of
 # the floor bench. Follow the blue line against the black dashed floor and the red targets: it
 # sits under every peer at every batch, at a nearly constant distance above the floor.*
 #
@@ -1075,7 +1160,7 @@ if ON_GPU or not lab.figure_path("day61_chunked_itl", "h200").exists():
 lab.show(fig)
 
 # %% [markdown]
-# *Figure 61.10: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
+# *Figure 61.11: ITL at p50 (left) and p99 (right) on the server, with chunked prefill on and off,
 # at each offered rate. Compare the p99 bars at each rate: chunking cuts the tail, and cuts it
 # more at the higher rate, yet both arms stay far above the black ticks that mark the aim.*
 
@@ -1102,13 +1187,63 @@ lab.show(pd.DataFrame(chunking).round(2))
 # close the gap, the mixed step needs a faster path of its own: a graph, or inductor, over the
 # varlen step.
 #
-# That path is now built, and not yet measured. `LLM(compile_varlen=True)` (`serve
-# --compile-varlen`) compiles the mixed steps into one graph whose token count is symbolic, with
-# the varlen read as one opaque op whose grid is cut for the step's tokens rather than its longest
-# segment, so no host value of the plan enters the graph. On the CPU the tests run mixed steps of
-# several token counts and mixes through it: the logits equal the reference's, and no mix compiles
-# a graph of its own. The graphbench arm `graphs-compiled` serves with it beside `graphs-chunked`;
-# it has not run on the H200 yet, so it stays off.
+# Two such levers are now measured, each a server beside the engine's own:
+# - **The mixed steps compiled.** `LLM(compile_varlen=True)` (`serve --compile-varlen`) compiles
+#   them into one graph whose token count is symbolic. The varlen read is one opaque op whose grid
+#   is cut for the step's tokens rather than its longest segment, so no host value of the plan
+#   enters the graph. On the CPU, and now on the H200 in fp32, mixed steps of several token counts
+#   and mixes give the reference's logits through it, and no mix compiles a graph of its own. The
+#   graphbench arm `graphs-compiled` ran beside `graphs-chunked`, in one process (`day61_varlen`).
+# - **A smaller token budget.** A step of fewer tokens should take less time, so the budget (vLLM's
+#   `max_num_batched_tokens`, 2,048 here) was cut to 512 (`graphbench --max-num-batched-tokens
+#   512`, `day61_budget512`, the next process on the same H200).
+
+# %%
+varlen_runs = {name: lab.load_table(f"{name}_graphbench", "h200") for name in ("day61_varlen", "day61_budget512")}
+if any(t is None for t in varlen_runs.values()):
+    print("data/day61_varlen_* or day61_budget512_* is not committed:\n  `scripts/gpu_run.sh varlen` and "
+          "`python -m nanolab graphbench --arms graphs-chunked --max-num-batched-tokens 512 --prefix day61_budget512 "
+          "--rates 16,32 --max-rate 32 --no-offline` on an H200 make them")
+else:
+    from nanolab.lab.graphbench import SERVER_TOKEN_BUDGET
+
+    # The varlen run predates the table's budget column: its servers ran the default budget.
+    varlen_runs = {name: t if "token_budget" in t else t.assign(token_budget=SERVER_TOKEN_BUDGET)
+                   for name, t in varlen_runs.items()}
+    budgets = pd.concat([t.assign(run=name) for name, t in varlen_runs.items()], ignore_index=True)
+    print("measured on:", lab.table_label(budgets).caption().replace("; ", ";\n  "))
+    lab.show(budgets[["run", "arm", "token_budget", "rate", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "mixed_steps",
+                      "mixed_p50_ms", "server_step_p50_ms"]].round(2))
+    traces = {}
+    for name, t in varlen_runs.items():
+        trace = lab.load_table(f"{name}_trace", "h200")
+        for arm, budget in t.groupby("arm", sort=False).token_budget.first().items():
+            traces[f"{arm}, {budget:,} tokens"] = trace[(trace.arm == arm) & (trace.rate == 32)]
+    mixed = pd.concat([t[t.phase == "mixed"].assign(trace=name) for name, t in traces.items()])
+    print("mixed steps in the traces, 32 req/s: "
+          + "; ".join(f"{n}: {g.ms.min():.1f} to {g.ms.max():.1f} ms over {g.tokens.min()} to {g.tokens.max()} tokens"
+                      for n, g in mixed.groupby("trace", sort=False)))
+    fig = lab.plot_mixed_steps(traces, step_ms=float(budgets.server_step_p50_ms.median()))
+    if ON_GPU or not lab.figure_path("day61_mixed_steps", "h200").exists():
+        lab.save_figure(fig, "day61_mixed_steps", lab.table_label(budgets))
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 61.12: every mixed step of each server's step trace at 32 requests/s (a window of its
+# steps), its time against the tokens it fed, beside the servers' median step (dashed), nearly
+# all of whose steps decode. No cloud rises with the tokens, and none comes down to that line.*
+#
+# Neither lever moved the mixed step. Compiled, its median was 8.49 ms against 8.47 eagerly, and
+# with a budget of 512 tokens it was 11.57 ms, longer rather than shorter. The figure shows why
+# neither could help. A mixed step of 79 tokens took 7.4 ms, as long as one of 800: about 7 ms of
+# every mixed step is a cost that follows neither its token count nor whether it is compiled.
+# The arithmetic is not it: 800 tokens through Llama-3.2-1B's layers are about 1.6 TFLOP, 2 ms or
+# so at this card's dense bf16 rate, and 79 tokens a tenth of that. No profile of a mixed step
+# has been taken yet to say where the rest goes. ITL p99 over p50
+# stayed at 7.8 for the eager server and 13.6 compiled, at 32 requests/s. The compiled arm's
+# tail is longer, though its median step is not, and this run cannot tell why. So both levers stay
+# off: `COMPILE_VARLEN` is False, and the budget stays 2,048. The next step is a profile of one
+# mixed step on the GPU.
 #
 # ## bf16 against fp32
 #
@@ -1330,9 +1465,13 @@ else:
 #   1.096. Batch 1's row is one draw; the median of four fresh compiles sits on its target (1.0005
 #   ms). Batch 64's whole-generate time has moved by 6% between processes. At batch 8 what is left
 #   is the projections' 2.9 TB/s and two norm-and-add kernels a layer (0.075 ms a step), each
-#   mostly its own launch.
+#   mostly its own launch. Folding those norms, the residual adds and SwiGLU into the GEMVs took
+#   the kernels away and made the step 2.6 times longer: only the residual add fits inside a GEMV
+#   for less than the 2.3 us kernel it removes.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused
 #   attention instead of the streamed read.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it
-#   decoded the whole-prompt engine's tokens. The tail aim is still missed, because mixed steps
-#   run eagerly. A graphed or compiled varlen step is the next lever.
+#   decoded the whole-prompt engine's tokens. The tail aim is still missed, and p99 lands on the
+#   mixed steps. Compiling them, or cutting the budget to 512 tokens, did not shorten them: about
+#   7 ms of each mixed step follows neither its tokens nor its compilation. A profile of one mixed
+#   step is the next thing to take.

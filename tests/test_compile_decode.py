@@ -272,6 +272,33 @@ def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
     check_drained(engine.kv_cache, engine.scheduler)
 
 
+@needs_cuda
+def test_fused_step_matches_the_reference_on_cuda(sharp_gqa24, monkeypatch):
+    """With `gemv.STEP_FUSED`, a graphed batch's compiled steps run each layer's norms, residual adds
+    and SwiGLU inside its GEMVs (`gemv.step_projection`), and every step's logits equal the one-shot
+    reference's in fp32, to 1e-3."""
+    from nanolab.kernels import gemv as gemv_module
+
+    folded = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, *a, **kw: folded.append(kw.get("norm") is not None)
+                        or real(x, w, *a, **kw))
+    monkeypatch.setattr(gemv_module, "STEP_FUSED", True)
+    torch._dynamo.reset()
+    model = plain(sharp_gqa24, "cuda")
+    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=compile_decode(model),
+                    cuda_graphs=True)
+    assert any(folded), "the captured batch steps did not fold the norms into their GEMVs"
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
+    logits, on_step = logit_recorder()
+    run_until_done(engine, on_step=on_step)
+    assert_logits_match_reference(sharp_gqa24, seqs, {k: [r.cpu() for r in v] for k, v in logits.items()},
+                                  atol=1e-3, rtol=1e-3)
+    check_drained(engine.kv_cache, engine.scheduler)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("budget", [24, 48], ids=["full steps of head_dim tokens", "chunks past a query tile"])
 def test_mixed_varlen_steps_compile_once_to_the_reference(sharp_gqa24, budget):
     """With `varlen`, the steps that mix decode rows and prompt chunks run through one compiled graph

@@ -68,3 +68,29 @@ def test_step_gemv_on_cuda(monkeypatch):
                 for _ in range(50 if cfg.split_k > 1 and m == 8 else 1):
                     assert torch.equal(gemv(x, w, cfg, pdl=pdl.supports_pdl("cuda"), fix_up=True), out)
     assert all(not held[-1].any() for held in tickets._TICKETS.values())
+
+
+def test_step_gemv_folds_on_cuda():
+    """The step's GEMV with its neighbours folded in (`gemv.step_projection`) on the GPU, in bf16 at
+    Llama-3.2-1B's shapes and 2 to 64 rows, against fp32 torch: the norm in q/k/v and gate/up,
+    SwiGLU and the residual in down (split-K, added by `_sum_splits`), the residual in o."""
+    import torch.nn.functional as F
+
+    from nanolab.kernels.gemv import step_projection
+
+    torch.manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for m in (2, 8, 16, 64):
+        h, g = torch.randn(m, 1, 2048, **bf), torch.rand(2048, **bf) + 0.5
+        for n in (3072, 16384):
+            w = torch.randn(n, 2048, **bf) / 2048**0.5
+            ref = F.linear(F.rms_norm(h.float(), (2048,), g.float(), 1e-5), w.float())
+            out = step_projection(h, w, g, 1e-5)
+            assert float((out.float() - ref).norm() / ref.norm()) < 1e-2, (m, n)
+        gate_up, w = torch.randn(m, 1, 16384, **bf), torch.randn(2048, 8192, **bf) / 8192**0.5
+        ref = F.linear(F.silu(gate_up[..., :8192].float()) * gate_up[..., 8192:].float(), w.float()) + h.float()
+        out = step_projection(gate_up, w, residual=h, swiglu=True)
+        assert float((out.float() - ref).norm() / ref.norm()) < 1e-2, m
+        a, w = torch.randn(m, 1, 2048, **bf), torch.randn(2048, 2048, **bf) / 2048**0.5
+        ref = F.linear(a.float(), w.float()) + h.float()
+        assert float((step_projection(a, w, residual=h).float() - ref).norm() / ref.norm()) < 1e-2, m

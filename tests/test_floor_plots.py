@@ -16,8 +16,10 @@ from nanolab.lab.plots.floor import (
     best_of_sweep,
     plot_chunked_itl,
     plot_floor_roofline,
+    plot_folds,
     plot_kernel_draws,
     plot_lever_waterfall,
+    plot_mixed_steps,
     plot_projections,
     plot_tuning_spread,
 )
@@ -139,6 +141,30 @@ def test_chunked_itl_bars_and_the_tail_aim():
     ticks = [seg[0][1] for c in p99.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
     assert sorted(ticks) == pytest.approx(sorted(3.0 * rates.itl_p50_ms))
     assert legend_texts(p99) == ["aim: 3 x p50", "graphs-chunked", "graphs-whole"]
+
+
+def test_folds_pair_each_fold_with_its_plain_gemv_and_mark_the_kernel_it_removes():
+    folds = pd.DataFrame([("qkv", 8, "none", 7.0, 0.0), ("qkv", 8, "norm", 16.0, 9.0), ("o", 8, "none", 7.0, 0.0),
+                          ("o", 8, "residual", 7.4, 0.4), ("qkv", 64, "none", 7.2, 0.0),
+                          ("qkv", 64, "norm", 25.0, 17.8), ("o", 64, "none", 6.8, 0.0),
+                          ("o", 64, "residual", 7.1, 0.3)],
+                         columns=["projection", "rows", "fold", "us", "us_added"])
+    fig = plot_folds(folds, replaced_us=2.3)
+    assert [ax.get_title() for ax in fig.axes] == ["8 rows", "64 rows"]
+    eight = fig.axes[0]
+    assert sorted(r.get_height() for r in bars(eight)) == [7.0, 7.0, 7.4, 16.0]
+    assert [t.get_text() for t in eight.texts] == ["+9.0", "+0.4"]
+    lines = [seg[0][1] for c in eight.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
+    assert lines == pytest.approx([9.3, 9.3])
+
+
+def test_mixed_steps_scatter_each_trace_with_its_median():
+    trace = pd.DataFrame({"phase": ["decode", "mixed", "mixed", "mixed"], "tokens": [8, 100, 300, 500],
+                          "ms": [1.2, 7.5, 8.0, 9.0]})
+    fig = plot_mixed_steps({"eager": trace, "compiled": trace.assign(ms=trace.ms + 1)}, step_ms=1.2)
+    ax = fig.axes[0]
+    assert [len(c.get_offsets()) for c in ax.collections] == [3, 3]
+    assert legend_texts(ax) == ["eager: median 8.0 ms", "compiled: median 9.0 ms", "the server's median step (1.2 ms)"]
 
 
 def test_the_figures_stay_out_of_pyplot():

@@ -28,6 +28,7 @@ from nanolab.lab.graphbench import (
     read_step_log,
     request_plan,
     run_arm,
+    run_graphbench,
     run_plan,
     run_plan_async,
     serve_command,
@@ -369,6 +370,19 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     run_arm("graphs-compiled", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
             command=command, log=lambda _: None)
     assert seen["chunked_prefill"] is True and seen["compile_varlen"] is True
+    assert "max_num_batched_tokens" not in seen  # the server's default budget
+    seen.clear()
+    run_arm("graphs-chunked", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+            command=command, log=lambda _: None, max_num_batched_tokens=512)
+    assert seen["max_num_batched_tokens"] == 512
+    assert argv(max_num_batched_tokens=512)[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--max-num-batched-tokens" not in argv()
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, True])
+def test_a_token_budget_that_is_not_a_positive_int_is_refused_before_any_server_starts(budget):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        run_graphbench("tiny", "cpu", ("eager",), max_num_batched_tokens=budget)
 
 
 def test_whole_over_chunked_itl_p99_at_each_rate():

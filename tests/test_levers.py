@@ -55,6 +55,65 @@ def test_split_k_fixed_up_in_the_kernel_equals_the_second_kernel(m, n, k, config
             assert all(not held[-1].any() for held in tickets_module._TICKETS.values())
 
 
+@pytest.mark.parametrize("m, n, k, config, fix_up", [
+    (3, 70, 1024, GemvConfig(32, 128, 1), False),  # a column edge inside the last program
+    (5, 33, 2048, GemvConfig(16, 256, 4), False),  # split-K: the residual added by `_sum_splits`
+    (5, 33, 2048, GemvConfig(16, 256, 4), True),  # split-K: by the share that takes the last ticket
+    (40, 48, 512, GemvConfig(32, 128, 1), False),  # 24 padding rows of a 64-row tile
+])
+def test_gemv_folds_the_norm_swiglu_and_residual_around_the_product(m, n, k, config, fix_up):
+    """Each neighbour `step_projection` folds into the GEMV, against float64 torch: RMSNorm of x
+    (its scale applied after the dot), SwiGLU of a [gate, up] x, and the residual added before the
+    one rounding, one share of K for the norm and any number for the others."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(m * n + k)
+    x, w, r = torch.randn(m, k) * 3, torch.randn(n, k), torch.randn(m, n)
+    g, gate_up = torch.rand(k) + 0.5, torch.randn(m, 2 * k)
+
+    def close(out, ref):
+        assert out.shape == ref.shape and float((out.double() - ref).norm() / ref.norm()) < 1e-6
+
+    if config.split_k == 1:
+        ref = F.linear(F.rms_norm(x.double(), (k,), g.double(), 1e-5), w.double())
+        close(gemv(x, w, config, norm=g, fix_up=fix_up), ref)
+        close(gemv(x, w, config, norm=g, residual=r, fix_up=fix_up), ref + r.double())
+    silu_up = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    close(gemv(gate_up, w, config, swiglu=True, fix_up=fix_up), F.linear(silu_up, w.double()))
+    close(gemv(gate_up, w, config, swiglu=True, residual=r, fix_up=fix_up), F.linear(silu_up, w.double()) + r.double())
+    close(gemv(x, w, config, residual=r, fix_up=fix_up), F.linear(x.double(), w.double()) + r.double())
+
+
+def test_gemv_refuses_folds_it_cannot_make():
+    x, w = torch.randn(3, 256), torch.randn(48, 256)
+    with pytest.raises(ValueError, match="norm must be"):
+        gemv(x, w, GemvConfig(16, 128, 2), norm=torch.ones(256))  # a share of K cannot see a row's rms
+    with pytest.raises(ValueError, match="norm must be"):
+        gemv(x, w, norm=torch.ones(128))
+    with pytest.raises(ValueError, match="swiglu takes twice"):
+        gemv(x, w, swiglu=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        gemv(x, w, residual=torch.zeros(3, 47))
+
+
+def test_step_projection_is_its_torch_definition_past_the_gemv_rows(monkeypatch):
+    """At most MAX_ROWS rows through `gemv`; past that the same function in torch's ops."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(1)
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    w, g = torch.randn(48, 256), torch.rand(256) + 0.5
+    for m in (4, MAX_ROWS + 1):
+        x, gate_up, r = torch.randn(m, 1, 256), torch.randn(m, 1, 512), torch.randn(m, 1, 48)
+        ref = F.linear(F.rms_norm(x, (256,), g, 1e-5), w) + r
+        torch.testing.assert_close(gemv_module.step_projection(x, w, g, 1e-5, r), ref, rtol=1e-5, atol=1e-4)
+        ref = F.linear(F.silu(gate_up[..., :256]) * gate_up[..., 256:], w)
+        torch.testing.assert_close(gemv_module.step_projection(gate_up, w, swiglu=True), ref, rtol=1e-5, atol=1e-4)
+    assert calls == [(4, 1, 256), (4, 1, 512)]
+
+
 def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_run():
     x, w = torch.randn(2, 1, 256), torch.randn(48, 256)
     assert gemv(x, w).shape == (2, 1, 48)
@@ -87,6 +146,8 @@ def test_step_tiles_divide_k_and_fit_shared_memory(m):
         c = step_config(n, k, m)
         assert k % (c.split_k * c.block_k) == 0
         assert (block_rows(m) + c.block_n) * c.block_k * 2 * c.num_stages <= 200_000
+        c = step_config(n, k, m, swiglu=True)  # gate's and up's tiles: the OutOfResources an H200 raised at 64 rows
+        assert (2 * block_rows(m) + c.block_n) * c.block_k * 2 * c.num_stages <= 200_000
     assert [block_rows(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
 
 
@@ -138,6 +199,47 @@ def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
     assert len(seen) == 4 * layers and tuple(model.lm_head.weight.shape) not in seen
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert not any(layer.mlp.down_proj.step_kernel for layer in model.layers)
+
+
+def test_fused_step_folds_every_norm_add_and_swiglu_into_the_projections(monkeypatch):
+    """With `gemv.STEP_FUSED`, the compiled batched step of the tiny model runs each layer as four
+    GEMVs, the norms in the q/k/v and gate/up ones, the residual adds in the o and down ones and
+    SwiGLU in down, and its first decode step's logits equal the same engine's without the fold;
+    with it off nothing is folded."""
+    from nanolab import Engine, load_model
+    from nanolab.lab.levers import decode_logits
+    from nanolab.model.weights import resolve_weights
+
+    model = load_model(resolve_weights("tiny"), dtype=torch.float32, device=torch.device("cpu"))
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
+    seen = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, *a, **kw: seen.append(
+        (tuple(w.shape), kw.get("norm") is not None, kw.get("residual") is not None, kw.get("swiglu", False)))
+        or real(x, w, *a, **kw))
+
+    def logits(fused: bool) -> torch.Tensor:
+        torch._dynamo.reset()
+        monkeypatch.setattr(gemv_module, "STEP_FUSED", fused)
+        forward = runner.compile_decode(model)
+        runner.mark_step_kernels(model, True)
+        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward, progress=False)
+        return decode_logits(engine, prompts)
+
+    try:
+        ref = logits(False)
+        assert seen and not any(norm or res or swiglu for _, norm, res, swiglu in seen)
+        seen.clear()
+        out = logits(True)
+    finally:
+        runner.mark_step_kernels(model, False)
+        torch._dynamo.reset()
+    layer = model.layers[0]
+    qkv, o, gate_up, down = (tuple(p.weight.shape) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert seen == [(qkv, True, False, False), (o, False, True, False), (gate_up, True, False, False),
+                    (down, False, True, True)] * model.config.num_hidden_layers
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_classes():

@@ -13,6 +13,10 @@ run here (`step_linear`, marked by `runner.compile_decode` through `layers.Linea
 launched as programmatic dependents (`kernels.pdl`) with the rest of the step. cuBLAS reads these weights
 about as fast, launch by launch, but its kernels cannot wait in-kernel for the one before them,
 so each starts only once its predecessor has drained.
+
+`step_projection` is a projection with its neighbours folded into the same kernel (the RMS norm
+before it, the residual add after it, SwiGLU before down), which a step takes only with
+`STEP_FUSED`.
 """
 
 from __future__ import annotations
@@ -47,11 +51,32 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _x_tile(x_ptr, g_ptr, m, kk, mmask, stride_xm, K, dtype: tl.constexpr, NORM: tl.constexpr,
+            SWIGLU: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] activation tile at columns kk, in the weight's dtype for the dot, and
+    its rows' sums of squares: x[:, kk] as it is; silu(x[:, kk]) * x[:, K + kk] with SWIGLU (x the
+    fused gate/up output); times g[kk] with NORM, the sums of squares taken before g (the norm's
+    1 / rms is applied to the dot's sum, `_gemv`). fp32 in between, rounded once."""
+    x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=mmask[:, None], other=0.0)
+    if SWIGLU:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptr + m[:, None] * stride_xm + (K + kk)[None, :], mask=mmask[:, None], other=0.0)
+        x = gate * tl.sigmoid(gate) * up.to(tl.float32)
+    sq = tl.zeros([x.shape[0]], tl.float32)
+    if NORM:
+        xf = x.to(tl.float32)
+        sq = tl.sum(xf * xf, axis=1)
+        x = xf * tl.load(g_ptr + kk).to(tl.float32)[None, :]
+    return x.to(dtype), sq
+
+
+@triton.jit
 def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee",
           L2_AHEAD: tl.constexpr = 0, LINE: tl.constexpr = 64, part_ptr=None, ticket_ptr=None,
-          FIX_UP: tl.constexpr = False):
+          FIX_UP: tl.constexpr = False, g_ptr=None, res_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+          SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
     the kernel before it ahead of its first read of x; with PREFETCH, its first weight tile (which
@@ -61,7 +86,10 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     With SPLIT_K > 1 a share writes an fp32 partial [SPLIT_K, M, N] (stride_os apart, rows
     stride_om as out's): to out_ptr, for `_sum_splits` to add; or, with FIX_UP, to part_ptr, after
     which it takes its columns' ticket, and the share that takes the last one adds the partials in
-    share order (as `_sum_splits` does), writes out_ptr and puts the ticket back to 0."""
+    share order (as `_sum_splits` does), writes out_ptr and puts the ticket back to 0.
+    What it reads of x and writes out (`_x_tile`): with NORM (SPLIT_K == 1), x's rows RMS-normed
+    by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL, res [M, N]
+    (out's strides) added to the sum before it is rounded, by whichever program writes out."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -75,12 +103,14 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
         lines = first + tl.arange(0, L2_AHEAD // LINE) * LINE  # [L2_AHEAD / LINE] first column of each line
         _prefetch_l2(w_ptr + tl.where(nmask, n, 0)[:, None] * stride_wn + lines[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)  # with NORM, each row's sum of squares over K
     if PREFETCH:
         w_ptrs = w_ptr + n[:, None] * stride_wn + (first + k)[None, :]
         w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
         dependent_launch(PDL)
         for k0 in range(first, first + per_split, BLOCK_K):
-            x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None], other=0.0)
+            x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
+            ss += sq
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
             # The next tile; past the share's end, a masked load that reads nothing.
             w_ptrs += BLOCK_K
@@ -88,11 +118,16 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     else:
         dependent_launch(PDL)
         for k0 in range(first, first + per_split, BLOCK_K):
-            x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None], other=0.0)
+            x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
+            ss += sq
             w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
+    if NORM:  # (x g) W^T, scaled by each row's 1 / rms: the norm's scale is one number a row
+        acc *= tl.rsqrt(ss / K + eps)[:, None]
     mask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
+        if RESIDUAL:
+            acc += tl.load(res_ptr + m[:, None] * stride_om + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     elif FIX_UP:
         part = part_ptr + m[:, None] * stride_om + n[None, :]  # [BLOCK_M, BLOCK_N] of share 0
@@ -105,6 +140,8 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for j in tl.static_range(SPLIT_K):
                 total += tl.load(part + j * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            if RESIDUAL:
+                total += tl.load(res_ptr + m[:, None] * stride_om + n[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + m[:, None] * stride_om + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     else:  # partials [SPLIT_K, M, N] fp32
@@ -113,24 +150,29 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
 
 @triton.jit
 def _sum_splits(part_ptr, out_ptr, total, stride_s, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                PDL: tl.constexpr = False):
-    """out[i] = sum over shares of part[s, i], rounded once to out's dtype; i over M * N."""
+                PDL: tl.constexpr = False, res_ptr=None, RESIDUAL: tl.constexpr = False):
+    """out[i] = sum over shares of part[s, i] (plus res[i] with RESIDUAL), rounded once to out's
+    dtype; i over M * N, out and res contiguous."""
     dependent_launch(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < total
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * stride_s + i, mask=mask, other=0.0)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + i, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def step_config(n: int, k: int, m: int) -> GemvConfig:
+def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int = 2) -> GemvConfig:
     """Tiles for `m` rows against an [n, k] weight inside a decode step, from the best of each
     projection's sweep at 16 rows on the H200 (`data/day61_projections_h200.csv`): 32 columns a
     program over 256-wide K tiles, a weight four times deeper than wide (down) in two shares of
     512-wide tiles, a wide one (gate/up) in 64-column programs of 128-wide tiles. Past 16 rows K
     tiles are at most 256 wide, and the pipeline as deep as about 200 KB of shared memory holds.
-    A K these tiles do not divide takes fewer shares, then narrower tiles."""
+    A K these tiles do not divide takes fewer shares, then narrower tiles. With `swiglu` a stage
+    holds two activation tiles (gate's and up's), and the pipeline is shallower to match; so it is
+    for elements wider than bf16's (`element_size` bytes)."""
     if k >= 4 * n:
         block_n, block_k, split = 32, 512, 2
     elif n >= 8192:
@@ -144,7 +186,7 @@ def step_config(n: int, k: int, m: int) -> GemvConfig:
         split //= 2
     while k % block_k and block_k > 16:
         block_k //= 2
-    stage_bytes = (block_m + block_n) * block_k * 2
+    stage_bytes = ((2 if swiglu else 1) * block_m + block_n) * block_k * element_size
     return GemvConfig(block_n, block_k, split, num_stages=max(2, min(4, 200_000 // stage_bytes)))
 
 
@@ -163,20 +205,26 @@ def l2_columns(n: int, k: int, split: int, element_size: int, budget: int) -> in
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
-         prefetch: bool = False, l2_ahead: int = 0, fix_up: bool = False) -> torch.Tensor:
+         prefetch: bool = False, l2_ahead: int = 0, fix_up: bool = False, norm: torch.Tensor | None = None,
+         eps: float = 1e-5, residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
     (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 and
     rounded once. With `pdl`, both kernels launch as programmatic dependents (`kernels.pdl`), the
     first with its first weight tile loaded ahead of the wait when `prefetch`, or with up to
     `l2_ahead` bytes of the weight asked of L2 there (`l2_columns`; compiled only, not in Triton's
     interpreter). With `fix_up`, split-K's shares are added by the last share to finish, in the
-    same kernel and the same order, instead of by `_sum_splits`."""
-    *lead, k = x.shape
-    n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    same kernel and the same order, instead of by `_sum_splits`.
+
+    Folded in, as `step_projection` defines them: `norm` [K], x RMS-normed with that weight and
+    `eps` first (one share of K only); `swiglu`, x [..., 2K] the fused gate/up output, taken as
+    silu(gate) * up; `residual` [..., N], added to the product before it is rounded."""
+    *lead, k_in = x.shape
+    n, k = weight.shape
+    x2 = x.reshape(-1, k_in)
     m = x2.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} features but weight is {tuple(weight.shape)}")
+    if k_in != (2 * k if swiglu else k):
+        raise ValueError(f"x has {k_in} features but weight is {tuple(weight.shape)}"
+                         + (" (swiglu takes twice the weight's K: gate and up)" if swiglu else ""))
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
     if x2.stride(1) != 1 or weight.stride(1) != 1:
@@ -184,6 +232,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     cfg = config or step_config(n, k, m)
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
+    if norm is not None and (norm.shape != (k,) or not norm.is_contiguous() or cfg.split_k != 1):
+        raise ValueError(f"norm must be a contiguous [{k}] weight, and the config one share of K (split_k "
+                         f"{cfg.split_k}), got {tuple(norm.shape)}")
+    res = None
+    if residual is not None:
+        if residual.shape != (*lead, n):
+            raise ValueError(f"residual must be {(*lead, n)}, got {tuple(residual.shape)}")
+        res = residual.reshape(m, n)
+        if not res.is_contiguous():
+            raise ValueError("residual must be contiguous")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
@@ -194,18 +252,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if pdl and l2_ahead and not INTERPRETED:
         meta.update(L2_AHEAD=l2_columns(n, k, cfg.split_k, weight.element_size(), l2_ahead),
                     LINE=128 // weight.element_size())
+    folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res, RESIDUAL=res is not None)
     if cfg.split_k == 1:
-        _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **meta)
+        _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **folded, **meta)
     elif fix_up:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0),
-                    part_ptr=part, ticket_ptr=tickets(x.device, grid[0]), FIX_UP=True, **meta)
+                    part_ptr=part, ticket_ptr=tickets(x.device, grid[0]), FIX_UP=True, **folded, **meta)
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        _gemv[grid](x2, weight, part, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0), **meta)
+        _gemv[grid](x2, weight, part, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0),
+                    **{**folded, "RESIDUAL": False}, **meta)
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, part.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
-                                                  PDL=level(pdl), **launch)
+                                                  PDL=level(pdl), res_ptr=res, RESIDUAL=res is not None, **launch)
     return out.reshape(*lead, n)
 
 
@@ -232,7 +292,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `kernels.pdl.ops_pdl` says so), through `F.linear` past that or where the tiles do not divide K.
     One operator inductor does not look into, so a symbolic batch adds no guard."""
     m, k = x.numel() // x.shape[-1], x.shape[-1]
-    cfg = step_config(weight.shape[0], k, m)
+    cfg = step_config(weight.shape[0], k, m, element_size=x.element_size())
     if m > STEP_ROWS or k % (cfg.split_k * cfg.block_k) or not x.is_contiguous() or not weight.is_contiguous():
         return F.linear(x, weight)
     return gemv(x, weight, cfg, pdl=ops_pdl(x.device), prefetch=STEP_PREFETCH, l2_ahead=STEP_L2_AHEAD,
@@ -241,4 +301,44 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @step_linear.register_fake
 def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# Whether a compiled decode step of 2 to MAX_ROWS rows runs each layer's RMS norms, residual adds and
+# SwiGLU inside its projections' GEMVs (`step_projection`, called by `llama.DecoderLayer` where its
+# projections are marked `step_kernel`), instead of as inductor's kernels between them. Read when a
+# graph is traced, so a graph keeps what its capture saw. Off: on the H200 the batch-8 step went
+# from 1.083 to 2.798 ms, since the norm added 9 to 14 us to its GEMV and SwiGLU 84, against 2.3 us
+# for the kernel each removes; only the residual add (0.4 us) paid (Day 61, `data/day61_folds_h200.csv`).
+STEP_FUSED = False
+
+
+@torch.library.custom_op("nanolab::step_projection", mutates_args=())
+def step_projection(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-5,
+                    residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """A layer's projection with its neighbours, inside a compiled decode step:
+    `residual + F.linear(a, weight)`, where a is x RMS-normed by `norm` and `eps` when given, or
+    silu(gate) * up of x = [gate, up] [..., 2K] when `swiglu`, else x. Up to MAX_ROWS rows, one
+    `gemv` (its `step_config` tiles, one share of K with a norm) launched as a programmatic
+    dependent where `kernels.pdl.ops_pdl` says so; past that, or where the tiles do not divide K,
+    the same in torch's ops."""
+    k = weight.shape[1]
+    m = x.numel() // x.shape[-1]
+    cfg = step_config(weight.shape[0], k, m, swiglu, x.element_size())
+    if norm is not None:
+        cfg = cfg._replace(split_k=1)
+    if m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous() and weight.is_contiguous() \
+            and (residual is None or residual.is_contiguous()):
+        return gemv(x, weight, cfg, pdl=ops_pdl(x.device), norm=norm, eps=eps, residual=residual, swiglu=swiglu)
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    if norm is not None:
+        x = F.rms_norm(x, (k,), norm, eps)
+    out = F.linear(x, weight)
+    return out if residual is None else residual + out
+
+
+@step_projection.register_fake
+def _(x, weight, norm=None, eps=1e-5, residual=None, swiglu=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

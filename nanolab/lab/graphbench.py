@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import gc
+import inspect
 import json
 import os
 import signal
@@ -49,11 +50,14 @@ import pandas as pd
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.gates import Gate
+from nanolab.llm import LLM
 
 ARMS = ("graphs", "eager")
 # An arm's optional suffix: the server's prefill. "compiled" is chunked, with the steps that mix decode
 # rows and prompt chunks compiled too (`--compile-varlen`).
 PREFILLS = ("chunked", "whole", "compiled")
+# The server's token budget a step unless told (`LLM`'s `max_num_batched_tokens`), as the table records it.
+SERVER_TOKEN_BUDGET = inspect.signature(LLM).parameters["max_num_batched_tokens"].default
 SEED_RATES = (1.0, 2.0, 4.0, 8.0)
 SATURATION = 0.9  # sustained below this share of the offered rate: the queue grows, the rate is not sustainable
 MIN_VERDICT = 4  # fewer requests than this at a rate: no central 80% to measure, no verdict
@@ -443,10 +447,11 @@ def split_arm(arm: str) -> tuple[str, str | None]:
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                   max_waiting: int = 1024, chunked_prefill: bool | None = None,
-                  compile_varlen: bool = False) -> list[str]:
+                  compile_varlen: bool = False, max_num_batched_tokens: int | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
-    `chunked_prefill` None leaves the server's default; `compile_varlen` adds `--compile-varlen`."""
+    `chunked_prefill` None leaves the server's default; `compile_varlen` adds `--compile-varlen`;
+    `max_num_batched_tokens`, the tokens a step feeds, None the server's default."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -458,6 +463,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
     if compile_varlen:
         argv.append("--compile-varlen")
+    if max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     return argv
 
 
@@ -550,7 +557,7 @@ class ArmRun:
 def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[float], max_rate: float,
             workload: Workload, slo: SLO, *, seed: int = 0, dtype: str = "auto", read: str = "auto",
             max_num_seqs: int = 64, max_model_len: int | None = None, warmup: int = 8,
-            start_timeout_s: float = 600.0, workdir: Path | None = None,
+            max_num_batched_tokens: int | None = None, start_timeout_s: float = 600.0, workdir: Path | None = None,
             log: Callable[[str], None] = print, command: Callable[..., list[str]] = serve_command) -> ArmRun:
     """Serve `model` in one arm and send every rate of `rate_schedule(rates, max_rate)` until a rate
     beyond the listed ones saturates. `warmup` requests (all at once, outside every window) go
@@ -563,6 +570,8 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
     if prefill == "compiled":
         extra["compile_varlen"] = True
+    if max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = max_num_batched_tokens
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -693,14 +702,20 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
                    max_rate: float = 256.0, workload: Workload | None = None, slo: SLO | None = None, *,
                    seed: int = 0, dtype: str = "auto", read: str = "auto", max_num_seqs: int = 64,
                    max_model_len: int | None = None, warmup: int = 8, offline: bool = True,
+                   max_num_batched_tokens: int | None = None,
                    offline_steps: int = 32, offline_repeats: int = 3, trace_steps: int = 800,
                    start_timeout_s: float = 600.0, log: Callable[[str], None] = print) -> GraphBench:
     """Both arms through the real server, then the offline step at each rate's batch. `workload`
-    and `slo` default to the device's (`WORKLOADS`, `SLOS`)."""
+    and `slo` default to the device's (`WORKLOADS`, `SLOS`); `max_num_batched_tokens`, every
+    server's token budget a step (None: the server's default, `SERVER_TOKEN_BUDGET`)."""
     from nanolab.model.config import ModelConfig
     from nanolab.model.weights import resolve_weights
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    if max_num_batched_tokens is not None and (isinstance(max_num_batched_tokens, bool)
+                                               or not isinstance(max_num_batched_tokens, int)
+                                               or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r}: must be a positive int")
     modes = [split_arm(arm)[0] for arm in arms]  # an unknown arm fails here, before any server starts
     if kind == "cpu" and "graphs" in modes:
         raise ValueError("a CPU has no CUDA graphs: run the eager arm alone (arms=('eager',))")
@@ -712,14 +727,16 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
         for arm in arms:
             runs.append(run_arm(arm, model, device, vocab, rates, max_rate, workload, slo, seed=seed, dtype=dtype,
                                 read=read, max_num_seqs=max_num_seqs, max_model_len=max_model_len, warmup=warmup,
-                                start_timeout_s=start_timeout_s, workdir=Path(workdir), log=log))
+                                max_num_batched_tokens=max_num_batched_tokens, start_timeout_s=start_timeout_s,
+                                workdir=Path(workdir), log=log))
     rows = [m for run in runs for m in run.rates]
     table = pd.DataFrame(rows)
     context = int(sum(workload.prompt_len) / 2 + workload.mean_output / 2)
     table = table.assign(prompt_lo=workload.prompt_len[0], prompt_hi=workload.prompt_len[1],
                          output_lo=workload.output_len[0], output_hi=workload.output_len[1],
                          slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms, slo_e2el_ms=slo.e2el_ms, seed=seed,
-                         max_num_seqs=max_num_seqs, offline_context=context)
+                         max_num_seqs=max_num_seqs, offline_context=context,
+                         token_budget=max_num_batched_tokens or SERVER_TOKEN_BUDGET)
     offline_tables = []
     if offline:
         for arm in arms:
@@ -840,6 +857,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompt ids")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the server's running-request limit")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="every server's token budget a step, with chunked prefill (default: the server's)")
     parser.add_argument("--warmup", type=int, default=8, help="requests sent at once before the first rate")
     parser.add_argument("--offline-steps", type=int, default=32, help="decode steps timed in-process per batch")
     parser.add_argument("--offline-repeats", type=int, default=3)
@@ -875,7 +894,8 @@ def main(args: argparse.Namespace) -> int:
                                workload, slo, seed=args.seed, dtype=args.dtype, read=args.read,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, warmup=args.warmup,
                                offline_steps=args.offline_steps, offline_repeats=args.offline_repeats,
-                               start_timeout_s=args.start_timeout, offline=not args.no_offline)
+                               start_timeout_s=args.start_timeout, offline=not args.no_offline,
+                               max_num_batched_tokens=args.max_num_batched_tokens)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -74,6 +74,8 @@ class Lever:
     # its output, and a longer row's shares are folded in the read (`paged_attention.SHARE_TILES`, `FOLD_SHARES`)
     read_whole: int = 0
     fix_up: bool = False  # `gemv.step_linear`'s split-K shares added in its own kernel (`gemv.STEP_FIX_UP`)
+    # a batch's norms, residual adds and SwiGLU folded into its GEMVs, to 64 rows (`gemv.STEP_FUSED`)
+    step_fused: bool = False
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
@@ -142,6 +144,9 @@ ARMS = (
     Lever("+ both: one read kernel, one GEMV kernel", compile=True, async_scheduling=True, rope_write=True,
           tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True, triton_rows=16,
           read_whole=4, fix_up=True),
+    Lever("+ norms, residual adds and SwiGLU inside the GEMVs", compile=True, async_scheduling=True,
+          rope_write=True, tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True,
+          triton_rows=16, read_whole=4, step_fused=True),
 )
 # What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
 # last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
@@ -158,7 +163,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
             ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
             prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM,
             early_release: bool = False, l2_ahead: int = 0, share_tiles: int = paged_attention_module.SHARE_TILES,
-            fix_up: bool = False):
+            fix_up: bool = False, step_fused: bool = False):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
@@ -171,7 +176,8 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`), and the engine's kernels
     releasing their dependents as they start or as they exit (`pdl.EARLY_RELEASE`), a split read's
     shares at least `share_tiles` tiles (`paged_attention.SHARE_TILES`), and split-K's shares added
-    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`).
+    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`), and a batch's norms, residual adds and
+    SwiGLU inside its GEMVs or between them (`gemv.STEP_FUSED`).
     Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
     switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
@@ -181,7 +187,8 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
                 (gemv_module, "STEP_PREFETCH", prefetch),
                 (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm),
                 (pdl_module, "EARLY_RELEASE", early_release), (gemv_module, "STEP_L2_AHEAD", l2_ahead),
-                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up))
+                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up),
+                (gemv_module, "STEP_FUSED", step_fused))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
     if not pinned:
         for m in modules:
@@ -203,7 +210,7 @@ def lever_staging(lever: Lever):
                    skip_empty=lever.skip_empty, step_rows=lever.triton_rows or gemv_module.STEP_ROWS,
                    prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm,
                    early_release=lever.early_release, l2_ahead=lever.l2_ahead, share_tiles=lever.read_whole or 1,
-                   fix_up=lever.fix_up)
+                   fix_up=lever.fix_up, step_fused=lever.step_fused)
 
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
@@ -685,6 +692,50 @@ def chained_projection_table(config, dtype=torch.bfloat16, rows=(8,), layers: in
     return pd.DataFrame(records)
 
 
+# Each layer projection's neighbours `gemv.step_projection` can fold into it (`fold_table`).
+FOLDS = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "swiglu + residual")}
+
+
+def fold_table(config, dtype=torch.bfloat16, rows=(8, 64), layers: int = 16, repeats: int = 20,
+               progress: bool = True) -> pd.DataFrame:
+    """Each layer projection through `gemv` as `chained_projection_table` times it (`layers` launches
+    in one CUDA graph, each with a weight of its own, as programmatic dependents), plain and with
+    each neighbour of `FOLDS` folded in (`gemv.step_projection`'s norm, residual, SwiGLU): `us` per
+    launch, what the fold adds to the plain launch, and the error against fp32 torch."""
+    device = torch.device("cuda")
+    shapes = {name: nk for name, nk in projection_shapes(config).items() if name in FOLDS}
+    jobs = [(name, nk, m) for name, nk in shapes.items() for m in rows]
+    records = []
+    for name, (n, k), m in progress_bar(jobs, desc="folded projections", enabled=progress):
+        ws = [torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(layers)]
+        x, gate_up = torch.randn(m, k, dtype=dtype, device=device), torch.randn(m, 2 * k, dtype=dtype, device=device)
+        g, res = torch.rand(k, dtype=dtype, device=device) + 0.5, torch.randn(m, n, dtype=dtype, device=device)
+        silu_up = F.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+        arms = {"none": (dict(), x, x.float()),
+                "norm": (dict(norm=g), x, F.rms_norm(x.float(), (k,), g.float(), 1e-5)),
+                "residual": (dict(residual=res), x, x.float()),
+                "swiglu": (dict(swiglu=True), gate_up, silu_up),
+                "swiglu + residual": (dict(swiglu=True, residual=res), gate_up, silu_up)}
+        plain = NAN
+        for fold in ("none", *FOLDS[name]):
+            kw, a, a_ref = arms[fold]
+            cfg = step_config(n, k, m, swiglu=kw.get("swiglu", False))._replace(
+                **({"split_k": 1} if "norm" in kw else {}))
+            ref = F.linear(a_ref, ws[-1].float()) + (res.float() if "residual" in kw else 0)
+
+            def one(w, kw=kw, a=a, cfg=cfg):
+                return gemv(a, w, cfg, pdl=supports_pdl(device), **kw)
+            err = float((one(ws[-1]).float() - ref).norm() / ref.norm())
+            us = time_us(lambda one=one, ws=ws: [one(w) for w in ws], device, repeats) / layers
+            plain = us if fold == "none" else plain
+            records.append({"projection": name, "n": n, "k": k, "rows": m, "fold": fold,
+                            "tiles": f"{cfg.block_n}x{cfg.block_k} split {cfg.split_k} stages {cfg.num_stages}",
+                            "us": us, "us_added": us - plain, "tb_s": n * k * ws[0].element_size() / us / 1e6,
+                            "rel_err": err})
+        del ws
+    return pd.DataFrame(records)
+
+
 def _time_chain(x, ws, config: GemvConfig | None, ref, repeats: int) -> tuple[float, float]:
     """(relative error of the last weight's product against `ref`, us per launch) of `x` against each
     of `ws` in turn, through cuBLAS (`config` None) or `gemv`."""
@@ -720,7 +771,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None,
-                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread"))
+                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds"))
     parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
                         "DEFAULT_ARMS)")
@@ -779,6 +830,10 @@ def main(args: argparse.Namespace) -> int:
         c = tables[f"{args.stem}_chained_projections"]
         best = c[c.arm != "cublas"].sort_values("us").groupby("projection").head(3)
         print(pd.concat([c[c.arm == "cublas"], c[c.arm.str.contains("step_config")], best]).to_string(index=False))
+        return 0
+    if args.only == "folds":
+        keep({"day61_folds": fold_table(ModelConfig.from_dir(path), dtype)})
+        print(tables[f"{args.stem}_folds"].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
         return 0
     if args.only == "prefill":
         keep({"day61_prefill_levers": prefill_levers(path, dtype)})

@@ -35,8 +35,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache):
-        rows, t, _ = x.shape
-        qkv = self.qkv_proj(x).view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
+        out = self.o_proj(self.attend(self.qkv_proj(x), cos, sin, positions, cache))
+        return self.tp.all_reduce(out) if self.tp else out  # row-parallel: the ranks' partial sums
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache
+               ) -> torch.Tensor:
+        """What lies between the two projections: qkv [rows, T, (heads + 2 kv_heads) head_dim], the
+        q/k/v projection's output, rotated, its K/V written to the cache and its q read against it
+        -> [rows, T, heads head_dim], the o projection's input."""
+        rows, t, _ = qkv.shape
+        qkv = qkv.view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
         if FUSED_ROPE_WRITE and qkv.is_cuda and not INTERPRETED:
             q = cache.write_rotated(self.layer, qkv, cos, sin, self.heads)
             # Eagerly, qkv's K/V heads now hold what was written; compiled (decode), nothing reads them.
@@ -48,5 +56,4 @@ class Attention(nn.Module):
             v = qkv[:, :, self.heads + self.kv_heads :]
             cache.write(self.layer, k, v)  # k, v: [rows, T, kv_heads, head_dim]
         out = cache.read(self.layer, q, positions, k, v)  # [rows, T, heads, head_dim]
-        out = self.o_proj(out.reshape(rows, t, self.heads * self.head_dim))
-        return self.tp.all_reduce(out) if self.tp else out  # row-parallel: the ranks' partial sums
+        return out.reshape(rows, t, self.heads * self.head_dim)

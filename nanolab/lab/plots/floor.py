@@ -268,3 +268,53 @@ def plot_chunked_itl(rates: pd.DataFrame, aim: float = 3.0):
     axes[1].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
+
+
+def plot_folds(folds: pd.DataFrame, replaced_us: float | None = None) -> Figure:
+    """`levers.fold_table`: one panel per row count, a pair of bars per projection and fold, the
+    plain GEMV's us per launch (grey) beside the same GEMV with the fold inside it (coloured), what
+    the fold added written over it. `replaced_us`, where given, is drawn on each panel as a dashed
+    line over the plain bar's height, as the grey bar plus the kernel the fold removes."""
+    rows = sorted(folds.rows.unique())
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, len(rows), sharey=True, squeeze=False)[0]
+    for ax, m in zip(axes, rows, strict=True):
+        at = folds[folds.rows == m]
+        plain = at[at.fold == "none"].set_index("projection").us
+        folded = at[at.fold != "none"]
+        x = np.arange(len(folded))
+        ax.bar(x - 0.2, [plain[p] for p in folded.projection], 0.4, color="0.7", label="GEMV alone")
+        ax.bar(x + 0.2, folded.us, 0.4, color="C3", label="with the fold inside")
+        for xi, (us, added) in enumerate(zip(folded.us, folded.us_added, strict=True)):
+            ax.text(xi + 0.2, us, f"+{added:.1f}", ha="center", va="bottom", fontsize=8)
+        if replaced_us is not None:
+            ax.hlines([plain[p] + replaced_us for p in folded.projection], x - 0.4, x, color="k", lw=1.5, ls="--",
+                      label=f"alone + the kernel it removes ({replaced_us:.1f} us)")
+        ax.set_xticks(x, [f"{p}\n{f}" for p, f in zip(folded.projection, folded.fold, strict=True)], fontsize=8)
+        ax.set_title(f"{m} rows", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("us per launch (16 back to back, PDL)")
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_mixed_steps(traces: Mapping[str, pd.DataFrame], step_ms: float | None = None) -> Figure:
+    """Each mixed step of a graphbench step trace (`phase` "mixed") as a point, its ms against the
+    tokens it fed, one colour per trace (`traces`: its name -> the trace rows); `step_ms`, where
+    given, a dashed line at the server's median step (graphbench's `server_step_p50_ms`)."""
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
+    for i, (name, trace) in enumerate(traces.items()):
+        mixed = trace[trace.phase == "mixed"]
+        ax.scatter(mixed.tokens, mixed.ms, s=18, color=f"C{i}", alpha=0.75,
+                   label=f"{name}: median {mixed.ms.median():.1f} ms")
+    if step_ms is not None:
+        ax.axhline(step_ms, color="k", ls="--", lw=1, label=f"the server's median step ({step_ms:.1f} ms)")
+    ax.set_xlabel("tokens the mixed step fed (decode rows and prompt chunks)")
+    ax.set_ylabel("step (ms)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
