@@ -1243,7 +1243,9 @@ else:
 # stayed at 7.8 for the eager server and 13.6 compiled, at 32 requests/s. The compiled arm's
 # tail is longer, though its median step is not, and this run cannot tell why. So both levers stay
 # off: `COMPILE_VARLEN` is False, and the budget stays 2,048. The next step is a profile of one
-# mixed step on the GPU.
+# mixed step on the GPU. `levers --only mixed` (`lab.mixedsteps`) takes it: the host's time inside
+# the varlen forward, the forward's span on the GPU, sampling and the rest of the step, and the
+# kernels, eagerly and compiled.
 #
 # ## bf16 against fp32
 #

@@ -339,3 +339,31 @@ def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch)
     assert timings[0]["config"] == config_text(other.config) == "XBLOCK: 1, R0_BLOCK: 1024, num_warps: 8, num_stages: 2"
     assert CachingAutotuner.bench(fake, best) == 0.026  # put back: nothing more recorded
     assert len(timings) == 2
+
+
+def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
+    """`lab.mixedsteps` on the tiny model (CPU, eager): decode steps of the running rows, and the
+    mixed steps of each prompt, which carry those rows beside the prompt's chunks within the budget;
+    the host's part inside `run_varlen` and sampling are parts of the step, and a CPU has no GPU
+    span. The engine's methods are its class's again afterwards."""
+    from nanolab.engine.llm_engine import Engine
+    from nanolab.lab.mixedsteps import _StepClock, mixed_step_anatomy
+    from nanolab.model.weights import resolve_weights
+
+    table = mixed_step_anatomy(resolve_weights("tiny"), torch.float32, rows=3, context=16, prompt_lens=(8, 40),
+                               repeats=2, budget=32, arms=("eager",), progress=False)["day61_mixed_anatomy"]
+    decode, mixed = table[table.phase == "decode"], table[table.phase == "mixed"]
+    assert len(decode) == 1 and decode.rows.iloc[0] == 3 and decode.tokens.iloc[0] == 3
+    assert list(mixed.prompt_len) == [8, 40] and (mixed.rows == 4).all() and (mixed.tokens <= 32).all()
+    assert (mixed.tokens > 3).all() and (mixed.steps >= 2).all()  # the 40-token prompt takes two chunks
+    assert (mixed.forward_host_ms <= mixed.step_ms).all() and (mixed.sample_ms < mixed.step_ms).all()
+    assert mixed.forward_gpu_ms.isna().all()
+    with pytest.raises(ValueError, match="unknown arm"):
+        mixed_step_anatomy(resolve_weights("tiny"), torch.float32, arms=("graphs",), progress=False)
+
+    from nanolab import load_model
+    engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), num_blocks=16, progress=False)
+    clock = _StepClock(engine)
+    assert "run_varlen" in vars(engine.runner)
+    clock.close()
+    assert "run_varlen" not in vars(engine.runner) and "_sample" not in vars(engine)

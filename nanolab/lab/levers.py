@@ -771,7 +771,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None,
-                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds"))
+                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds", "mixed"))
     parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
                         "DEFAULT_ARMS)")
@@ -830,6 +830,16 @@ def main(args: argparse.Namespace) -> int:
         c = tables[f"{args.stem}_chained_projections"]
         best = c[c.arm != "cublas"].sort_values("us").groupby("projection").head(3)
         print(pd.concat([c[c.arm == "cublas"], c[c.arm.str.contains("step_config")], best]).to_string(index=False))
+        return 0
+    if args.only == "mixed":
+        from nanolab.lab.mixedsteps import mixed_step_anatomy
+
+        keep(mixed_step_anatomy(path, dtype, repeats=max(args.repeats, 5)))
+        print(tables[f"{args.stem}_mixed_anatomy"].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        kernels = tables.get(f"{args.stem}_mixed_kernels")
+        if kernels is not None:
+            print(kernels.groupby("arm", sort=False).head(12).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(label.caption())
         return 0
     if args.only == "folds":
         keep({"day61_folds": fold_table(ModelConfig.from_dir(path), dtype)})

@@ -1,0 +1,182 @@
+"""Where a mixed step's time goes: the steps of chunked prefill that carry decode rows beside a
+prompt's chunk. Day 61.
+
+Under the server's load on the H200 a mixed step took 7 to 15 ms whatever its token count, and
+neither compiling it nor a smaller token budget shortened it (`data/day61_varlen_*`,
+`data/day61_budget512_*`). This instrument splits one mixed step, as the engine runs it, into:
+- the host's time inside `ModelRunner.run_varlen`, which plans the step and launches its forward
+  (the GPU runs behind it);
+- the forward's span on the GPU, between CUDA events recorded as it starts and as it returns;
+- sampling, whose read-back waits for the forward to finish;
+- the rest of `Engine.step` (scheduling, emitting).
+A profile of a few mixed steps gives the GPU's busy time by kernel. A decode step of the same rows
+is timed beside them. Nothing here asserts a time.
+
+    python -m nanolab levers --only mixed --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import torch
+
+from nanolab import Engine, SamplingParams, load_model
+from nanolab.engine.block_manager import cdiv
+from nanolab.engine.runner import compile_decode
+from nanolab.lab.timing import prefill, random_prompts
+from nanolab.progress import progress_bar
+
+NAN = float("nan")
+MIXED_PROMPTS = (64, 512, 2048)  # prompt tokens added to the running rows: under, at and past a step's budget
+
+
+class _StepClock:
+    """Wraps one engine's `runner.run_varlen` and `_sample` (on the instance) to time them within
+    each step; `take()` returns the last step's parts in ms and clears them."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.parts = engine, {}
+        self.cuda = engine.device.type == "cuda"
+        runner = engine.runner
+        self.saved = (runner.run_varlen, engine._sample)
+        run_varlen, sample = self.saved
+
+        def timed_forward(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+            end = torch.cuda.Event(enable_timing=True) if self.cuda else None
+            t0 = time.perf_counter()
+            if start is not None:
+                start.record()
+            out = run_varlen(*args, **kwargs)
+            if end is not None:
+                end.record()
+            self.parts["forward_host_ms"] = 1e3 * (time.perf_counter() - t0)
+            self.parts["events"] = (start, end)
+            return out
+
+        def timed_sample(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = sample(*args, **kwargs)
+            self.parts["sample_ms"] = 1e3 * (time.perf_counter() - t0)
+            return out
+
+        runner.run_varlen, engine._sample = timed_forward, timed_sample
+
+    def take(self) -> dict[str, float]:
+        parts, self.parts = self.parts, {}
+        start, end = parts.pop("events", (None, None))
+        if start is not None:
+            end.synchronize()
+            parts["forward_gpu_ms"] = start.elapsed_time(end)
+        return parts
+
+    def close(self) -> None:
+        # the wrappers are instance attributes: dropping them lets the class's methods show through
+        del self.engine.runner.run_varlen, self.engine._sample
+
+
+def _mixed_steps(engine: Engine, clock: _StepClock, prompt: list[int], max_steps: int = 64) -> list[dict]:
+    """Add `prompt` to the running rows and step until its first token: one record per step that ran
+    as a mixed step (its phase, rows, tokens and parts in ms)."""
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    records = []
+    for _ in range(max_steps):
+        if seq.output_token_ids or seq.finished:
+            return records
+        t0 = time.perf_counter()
+        engine.step()
+        step_ms = 1e3 * (time.perf_counter() - t0)
+        parts, last = clock.take(), engine.last_step
+        if last is not None and last.phase == "mixed":
+            records.append({"phase": "mixed", "rows": last.rows, "tokens": last.tokens, "step_ms": step_ms, **parts})
+    raise RuntimeError(f"a {len(prompt)}-token prompt was not prefilled within {max_steps} steps")
+
+
+def _decode_steps(engine: Engine, clock: _StepClock, steps: int) -> list[dict]:
+    records = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_ms = 1e3 * (time.perf_counter() - t0)
+        clock.take()
+        last = engine.last_step
+        if last is not None and last.phase == "decode":
+            records.append({"phase": "decode", "rows": last.rows, "tokens": last.tokens, "step_ms": step_ms})
+    return records
+
+
+def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> pd.DataFrame:
+    """GPU kernels of the mixed steps that prefill `prompt`, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = len(_mixed_steps(engine, clock, prompt))
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    df = pd.DataFrame([{"arm": arm, "prompt_len": len(prompt), "kernel": e.key[:90], "calls": e.count,
+                        "gpu_us": e.self_device_time_total} for e in events])
+    df = df.sort_values("gpu_us", ascending=False, ignore_index=True)
+    df["us_per_step"] = df.gpu_us / max(steps, 1)
+    return df
+
+
+def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512,
+                       prompt_lens=MIXED_PROMPTS, repeats: int = 5, budget: int = 2048,
+                       arms=("eager", "compiled"), device: torch.device | str | None = None, profile_prompt: int = 512,
+                       progress: bool = True) -> dict[str, pd.DataFrame]:
+    """`day61_mixed_anatomy`: per arm ("eager": the engine's mixed step; "compiled": through the
+    compiled varlen graph, `compile_decode(varlen=True)`), per prompt length, the median over
+    `repeats` of each mixed step's parts (ms): the whole step, the host inside `run_varlen`, the
+    forward's GPU span, sampling, and the rest; beside them, decode steps of the same `rows` running
+    rows at about `context` tokens. The engine is the server's: graphs, the streamed read and
+    asynchronous scheduling on CUDA, chunked prefill with a `budget` of tokens a step.
+    `day61_mixed_kernels` (CUDA only): the kernels of the mixed steps of one `profile_prompt`-token
+    prompt, per arm."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    model = load_model(model_path, dtype=dtype, device=device)
+    vocab = model.config.vocab_size
+    new_tokens = 512  # the running rows' length: more decode steps than the run takes
+    records, kernels = [], []
+    for arm in progress_bar(arms, desc="mixed steps", enabled=progress):
+        if arm not in ("eager", "compiled"):
+            raise ValueError(f"arms: unknown arm {arm!r}; known: eager, compiled")
+        torch._dynamo.reset()
+        forward = compile_decode(model, varlen=arm == "compiled") if cuda or arm == "compiled" else None
+        blocks = rows * cdiv(context + new_tokens, 16) + cdiv(max(prompt_lens, default=0) + 64, 16) + 16
+        engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
+                        read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
+                        async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
+        prefill(engine, random_prompts(rows, context, vocab, seed=2), new_tokens)
+        clock = _StepClock(engine)
+        try:
+            _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
+            found = _decode_steps(engine, clock, 2 * repeats)
+            for n, prompt_len in enumerate(prompt_lens):
+                for r in range(repeats):
+                    prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
+                    found += [dict(rec, prompt_len=prompt_len) for rec in _mixed_steps(engine, clock, prompt)]
+            if cuda:
+                kernels.append(_kernels(engine, clock, random_prompts(1, profile_prompt, vocab, seed=9)[0].tolist(),
+                                        arm))
+        finally:
+            clock.close()
+        for rec in found:
+            records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
+        del engine
+    steps = pd.DataFrame(records)
+    for col in ("prompt_len", "forward_host_ms", "forward_gpu_ms", "sample_ms"):
+        if col not in steps:
+            steps[col] = NAN
+    steps["prompt_len"] = steps.prompt_len.fillna(0).astype(int)  # 0: a decode step
+    steps["rest_ms"] = steps.step_ms - steps.forward_host_ms.fillna(0) - steps.sample_ms.fillna(0)
+    by = steps.groupby(["arm", "phase", "prompt_len"], sort=False)
+    cols = ["rows", "tokens", "step_ms", "forward_host_ms", "forward_gpu_ms", "sample_ms", "rest_ms"]
+    table = by[cols].median().reset_index().assign(steps=by.size().to_numpy())
+    out = {"day61_mixed_anatomy": table.assign(running_rows=rows, context=context, budget=budget)}
+    if kernels:
+        out["day61_mixed_kernels"] = pd.concat(kernels, ignore_index=True)
+    return out
