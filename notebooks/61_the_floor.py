@@ -901,8 +901,8 @@ if fold_run is not None:
 #
 # With the merge gone, the smallest kernels left in the batch-8 step are the ones between the
 # projections: two norm-and-add kernels a layer (74 us a step at batch 8) and SwiGLU's (21 us).
-# Each moves about 32 KB and is mostly its own launch. `gemv.step_projection` folds each into the
-# projection next to it:
+# Each moves about 32 KB and is mostly its own launch. `lab.folds.step_projection` folds each into
+# the projection next to it, through the engine's GEMV (`gemv`'s `norm`, `residual` and `swiglu`):
 # - the q/k/v and gate/up GEMVs read the residual stream itself, not its normed copy. Each x tile
 #   is multiplied by the norm's weight on its way to the dot, its squares are summed from the same
 #   tile, and each row of the product is scaled by 1 / rms at the end;
@@ -910,9 +910,9 @@ if fold_run is not None:
 #   `_sum_splits`, since it splits K in two);
 # - down reads gate and up from the fused gate/up output and applies SwiGLU as it loads them.
 #
-# A layer is then four GEMVs around the attention (`llama.DecoderLayer.step_forward`, switched
-# by `gemv.STEP_FUSED`), and the residual stream never passes through a kernel of its own. At 32
-# and 64 rows the switch also moves the projections from cuBLAS to the GEMV, which alone measured
+# A layer is then four GEMVs around the attention (`lab.folds.FoldedStep`, a forward the lab hands
+# the engine), and the residual stream never passes through a kernel of its own. At 32 and 64
+# rows the fold also moves the projections from cuBLAS to the GEMV, which alone measured
 # within 1% of cuBLAS there. The prediction: about 0.09 ms off the batch-8 step, provided each
 # fold costs the GEMV almost nothing. Each fold touches only the activation tile, a few KB beside
 # the weight's megabytes. One run put the engine's step beside the fold, in one process
@@ -937,8 +937,9 @@ if fused_step is not None:
 # with the residual in them. So its logits sit 2.5% from the first arm's, and 2 of the 8 greedy
 # rows stay equal. That is the distance between any two bf16 paths here: bf16 against fp32 is
 # 2.5% eagerly and 2.2% compiled (the "bf16 against fp32" section below). In fp32 the folded
-# step equals the one-shot reference to 1e-3 on the H200 (`test_fused_step_matches_the_reference_on_cuda`)
-# and to 1e-4 in the interpreter.
+# step equals the one-shot reference to 1e-3 on the H200
+# (`test_folded_step_matches_the_reference_on_cuda`), and in the interpreter the engine's
+# compiled step to 1e-4.
 #
 # Where the 1.8 ms went is the kernel, fold by fold. `levers --only folds` times each projection
 # as the step runs it: sixteen launches back to back in one CUDA graph, each against a weight of
@@ -955,13 +956,19 @@ else:
              .add_prefix("us added at rows = "))
     from nanolab.lab.levers import kernel_class
 
+    fs_order = list(dict.fromkeys(lab.load_table("day61_fused_step_levers", "h200").arm))
     fs_profile = lab.load_table("day61_fused_step_lever_profile", "h200")
     kept = fs_profile[(fs_profile.arm == fs_order[0]) & (fs_profile.kernel.map(kernel_class) == "norms")]
     norm_us = kept.gpu_us.sum() / kept.calls.sum()  # a norm kernel's mean time
     per_step = kept.calls.sum() * kept.us_per_step.sum() / kept.gpu_us.sum()
+    silu = fs_profile[(fs_profile.arm == fs_order[0]) & fs_profile.kernel.str.contains("silu")]
+    silu_us = silu.gpu_us.sum() / silu.calls.sum()
     print(f"the engine's batch-8 step: {per_step:.0f} norm kernels a step, {kept.us_per_step.sum():.1f} us in all, "
-          f"{norm_us:.1f} us each")
-    fig = lab.plot_folds(folds, replaced_us=norm_us)
+          f"{norm_us:.1f} us each; SwiGLU's kernel {silu_us:.1f} us")
+    # what each fold takes out of the step: a norm's kernel, SwiGLU's, and for a residual add none
+    # (the norm after it keeps its kernel)
+    removed = {"norm": norm_us, "residual": 0.0, "swiglu": silu_us, "swiglu + residual": silu_us}
+    fig = lab.plot_folds(folds, removed)
     if ON_GPU or not lab.figure_path("day61_folds", "h200").exists():
         lab.save_figure(fig, "day61_folds", lab.table_label(folds))
     lab.show(fig)
@@ -969,17 +976,18 @@ else:
 # %% [markdown]
 # *Figure 61.9: each layer projection's GEMV, us per launch, alone (grey) and with a fold inside
 # it (red), at 8 and 64 rows. The figure over each red bar is what the fold added. The dashed line
-# over each grey bar adds the 2.3 us norm-and-add kernel the fold removes from the step. A fold
+# over each grey bar adds the kernel the fold takes out of the step: a 2.3 us norm-and-add for a
+# norm, SwiGLU's 1.3 us kernel, and nothing for a residual add, whose norm keeps its kernel. A fold
 # pays where its red bar stays under that line.*
 #
-# Only the residual add fits under the line, at 0.3 to 0.4 us. The norm adds 9 to 23 us to its
-# GEMV, and SwiGLU 84 to 103 us, seven to eight times down's own time. The folds that lose all do
-# their work on the activation tile between its load and the dot. The one that pays adds its
-# residual after the loop. This run does not show what inside the loop costs so much (the
+# None fits under its line. The residual add comes closest, at 0.3 to 0.4 us. The norm adds 9 to
+# 23 us to its GEMV, and SwiGLU 84 to 103 us, 6.5 to 7.4 times down's own time. The folds that lose all do
+# their work on the activation tile between its load and the dot. The residual add works after
+# the loop and costs almost nothing, but it takes no launch out of the step: the norm after it
+# still needs its own kernel. This run does not show what inside the loop costs so much (the
 # registers SwiGLU's two tiles need, or a pipeline the loop no longer keeps); a kernel profile
-# would. The residual alone cannot pay either: a norm still needs its own kernel, so moving the
-# add into the GEMV before it takes no launch out of the step. `gemv.STEP_FUSED` stays off, and
-# the two arms stay in the lab.
+# would. The engine keeps its step as it was, and the folded step stays in the lab
+# (`lab.folds`).
 
 # %% [markdown]
 # ## Against the peers
@@ -1233,18 +1241,24 @@ else:
 # steps), its time against the tokens it fed, beside the servers' median step (dashed), nearly
 # all of whose steps decode. No cloud rises with the tokens, and none comes down to that line.*
 #
-# Neither lever moved the mixed step. Compiled, its median was 8.49 ms against 8.47 eagerly, and
-# with a budget of 512 tokens it was 11.57 ms, longer rather than shorter. The figure shows why
-# neither could help. A mixed step of 79 tokens took 7.4 ms, as long as one of 800: about 7 ms of
-# every mixed step is a cost that follows neither its token count nor whether it is compiled.
-# The arithmetic is not it: 800 tokens through Llama-3.2-1B's layers are about 1.6 TFLOP, 2 ms or
-# so at this card's dense bf16 rate, and 79 tokens a tenth of that. No profile of a mixed step
-# has been taken yet to say where the rest goes. ITL p99 over p50
-# stayed at 7.8 for the eager server and 13.6 compiled, at 32 requests/s. The compiled arm's
-# tail is longer, though its median step is not, and this run cannot tell why. So both levers stay
-# off: `COMPILE_VARLEN` is False, and the budget stays 2,048. The next step is a profile of one
-# mixed step on the GPU. `levers --only mixed` (`lab.mixedsteps`) takes it: the host's time inside
-# the varlen forward, the forward's span on the GPU, sampling and the rest of the step, and the
+# Neither lever took the mixed step near a decode step's time:
+# - **Compiled**, its median was 8.49 ms against 8.47 eagerly at 32 requests/s, and 11.96 against
+#   13.51 at 16: no change at the higher rate, 11% shorter at the lower.
+# - **A budget of 512 tokens** gave 11.57 ms at 32 requests/s and 13.03 at 16: longer, not shorter.
+#
+# The figure shows why neither could do much. In the eager server's trace, mixed steps of 79 to
+# 153 tokens took 7.4 to 8.5 ms, and those of 444 to 502 tokens 7.5 to 8.6. About 7 ms of every
+# mixed step is a cost that follows neither its token count nor whether it is compiled. The
+# arithmetic is not it: 500 tokens through Llama-3.2-1B's layers are about 1 TFLOP, a millisecond
+# or two at this card's dense bf16 rate, and 80 tokens a sixth of that. No profile of a mixed step
+# has been taken yet to say where the rest goes.
+#
+# ITL p99 over p50 at 32 requests/s was 7.8 for the eager server and 13.6 for the compiled one in
+# this run. The same eager server measured 12.3 in the run above it, so the two tails sit inside
+# one server's spread from run to run, and this run cannot rank them. So both levers stay off:
+# `COMPILE_VARLEN` is False, and the budget stays 2,048. The next step is a profile of one mixed
+# step on the GPU. `levers --only mixed` (`lab.mixedsteps`) takes it: the host's time inside the
+# varlen forward, the forward's span on the GPU, sampling and the rest of the step, and the
 # kernels, eagerly and compiled.
 #
 # ## bf16 against fp32

@@ -273,20 +273,19 @@ def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
 
 
 @needs_cuda
-def test_fused_step_matches_the_reference_on_cuda(sharp_gqa24, monkeypatch):
-    """With `gemv.STEP_FUSED`, a graphed batch's compiled steps run each layer's norms, residual adds
-    and SwiGLU inside its GEMVs (`gemv.step_projection`), and every step's logits equal the one-shot
-    reference's in fp32, to 1e-3."""
-    from nanolab.kernels import gemv as gemv_module
+def test_folded_step_matches_the_reference_on_cuda(sharp_gqa24, monkeypatch):
+    """The lab's folded step (`lab.folds.folded_decode`): a graphed batch's compiled steps run each
+    layer's norms, residual adds and SwiGLU inside its GEMVs, and every step's logits equal the
+    one-shot reference's in fp32, to 1e-3."""
+    from nanolab.lab import folds
 
     folded = []
-    real = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, *a, **kw: folded.append(kw.get("norm") is not None)
+    real = folds.gemv
+    monkeypatch.setattr(folds, "gemv", lambda x, w, *a, **kw: folded.append(kw.get("norm") is not None)
                         or real(x, w, *a, **kw))
-    monkeypatch.setattr(gemv_module, "STEP_FUSED", True)
     torch._dynamo.reset()
     model = plain(sharp_gqa24, "cuda")
-    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=compile_decode(model),
+    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=folds.folded_decode(model),
                     cuda_graphs=True)
     assert any(folded), "the captured batch steps did not fold the norms into their GEMVs"
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)

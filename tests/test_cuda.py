@@ -71,12 +71,12 @@ def test_step_gemv_on_cuda(monkeypatch):
 
 
 def test_step_gemv_folds_on_cuda():
-    """The step's GEMV with its neighbours folded in (`gemv.step_projection`) on the GPU, in bf16 at
+    """The step's GEMV with its neighbours folded in (`lab.folds.step_projection`) on the GPU, in bf16 at
     Llama-3.2-1B's shapes and 2 to 64 rows, against fp32 torch: the norm in q/k/v and gate/up,
     SwiGLU and the residual in down (split-K, added by `_sum_splits`), the residual in o."""
     import torch.nn.functional as F
 
-    from nanolab.kernels.gemv import step_projection
+    from nanolab.lab.folds import step_projection
 
     torch.manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)

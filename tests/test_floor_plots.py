@@ -149,13 +149,13 @@ def test_folds_pair_each_fold_with_its_plain_gemv_and_mark_the_kernel_it_removes
                           ("qkv", 64, "norm", 25.0, 17.8), ("o", 64, "none", 6.8, 0.0),
                           ("o", 64, "residual", 7.1, 0.3)],
                          columns=["projection", "rows", "fold", "us", "us_added"])
-    fig = plot_folds(folds, replaced_us=2.3)
+    fig = plot_folds(folds, {"norm": 2.3, "residual": 0.0})
     assert [ax.get_title() for ax in fig.axes] == ["8 rows", "64 rows"]
     eight = fig.axes[0]
     assert sorted(r.get_height() for r in bars(eight)) == [7.0, 7.0, 7.4, 16.0]
     assert [t.get_text() for t in eight.texts] == ["+9.0", "+0.4"]
     lines = [seg[0][1] for c in eight.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
-    assert lines == pytest.approx([9.3, 9.3])
+    assert lines == pytest.approx([9.3, 7.0])  # each fold's own: a norm's kernel, and none for a residual
 
 
 def test_mixed_steps_scatter_each_trace_with_its_median():

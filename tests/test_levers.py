@@ -97,21 +97,29 @@ def test_gemv_refuses_folds_it_cannot_make():
 
 
 def test_step_projection_is_its_torch_definition_past_the_gemv_rows(monkeypatch):
-    """At most MAX_ROWS rows through `gemv`; past that the same function in torch's ops."""
+    """At most MAX_ROWS rows through `gemv`; past that, or where the tiles do not divide K, the same
+    function in torch's ops; both against the unfused layer's ops in float64. A residual of the
+    wrong shape is refused, not broadcast."""
     import torch.nn.functional as F
+
+    from nanolab.lab import folds
 
     torch.manual_seed(1)
     calls = []
-    real = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    w, g = torch.randn(48, 256), torch.rand(256) + 0.5
-    for m in (4, MAX_ROWS + 1):
-        x, gate_up, r = torch.randn(m, 1, 256), torch.randn(m, 1, 512), torch.randn(m, 1, 48)
-        ref = F.linear(F.rms_norm(x, (256,), g, 1e-5), w) + r
-        torch.testing.assert_close(gemv_module.step_projection(x, w, g, 1e-5, r), ref, rtol=1e-5, atol=1e-4)
-        ref = F.linear(F.silu(gate_up[..., :256]) * gate_up[..., 256:], w)
-        torch.testing.assert_close(gemv_module.step_projection(gate_up, w, swiglu=True), ref, rtol=1e-5, atol=1e-4)
+    real = folds.gemv
+    monkeypatch.setattr(folds, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    for m, k in ((4, 256), (MAX_ROWS + 1, 256), (4, 200)):  # 200: no tile of at least 16 divides it past 8
+        w, g = torch.randn(48, k), torch.rand(k) + 0.5
+        x, gate_up, r = torch.randn(m, 1, k), torch.randn(m, 1, 2 * k), torch.randn(m, 1, 48)
+        ref = F.linear(F.rms_norm(x.double(), (k,), g.double(), 1e-5), w.double()) + r.double()
+        torch.testing.assert_close(folds.step_projection(x, w, g, 1e-5, r).double(), ref, rtol=1e-5, atol=1e-4)
+        silu_up = F.silu(gate_up[..., :k].double()) * gate_up[..., k:].double()
+        ref = F.linear(silu_up, w.double()) + r.double()
+        torch.testing.assert_close(folds.step_projection(gate_up, w, residual=r, swiglu=True).double(), ref,
+                                   rtol=1e-5, atol=1e-4)
     assert calls == [(4, 1, 256), (4, 1, 512)]
+    with pytest.raises(ValueError, match="do not make a projection"):
+        folds.step_projection(torch.randn(4, 1, 256), torch.randn(48, 256), residual=torch.randn(1, 48))
 
 
 def test_gemv_keeps_leading_dims_and_refuses_what_it_cannot_run():
@@ -201,45 +209,45 @@ def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
     assert not any(layer.mlp.down_proj.step_kernel for layer in model.layers)
 
 
-def test_fused_step_folds_every_norm_add_and_swiglu_into_the_projections(monkeypatch):
-    """With `gemv.STEP_FUSED`, the compiled batched step of the tiny model runs each layer as four
+def test_folded_step_folds_every_norm_add_and_swiglu_into_the_projections(monkeypatch):
+    """`lab.folds.folded_decode`: the compiled batched step of the tiny model runs each layer as four
     GEMVs, the norms in the q/k/v and gate/up ones, the residual adds in the o and down ones and
-    SwiGLU in down, and its first decode step's logits equal the same engine's without the fold;
-    with it off nothing is folded."""
+    SwiGLU in down, and its first decode step's logits equal the engine's compiled step's (no
+    fold); batch 1 is the model's own forward."""
     from nanolab import Engine, load_model
+    from nanolab.lab import folds
     from nanolab.lab.levers import decode_logits
     from nanolab.model.weights import resolve_weights
 
     model = load_model(resolve_weights("tiny"), dtype=torch.float32, device=torch.device("cpu"))
-    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
     seen = []
-    real = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, *a, **kw: seen.append(
+    real = folds.gemv
+    monkeypatch.setattr(folds, "gemv", lambda x, w, *a, **kw: seen.append(
         (tuple(w.shape), kw.get("norm") is not None, kw.get("residual") is not None, kw.get("swiglu", False)))
         or real(x, w, *a, **kw))
 
-    def logits(fused: bool) -> torch.Tensor:
+    def logits(build, prompts) -> torch.Tensor:
         torch._dynamo.reset()
-        monkeypatch.setattr(gemv_module, "STEP_FUSED", fused)
-        forward = runner.compile_decode(model)
-        runner.mark_step_kernels(model, True)
-        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward, progress=False)
+        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=build(model), progress=False)
         return decode_logits(engine, prompts)
 
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
     try:
-        ref = logits(False)
-        assert seen and not any(norm or res or swiglu for _, norm, res, swiglu in seen)
+        ref = logits(runner.compile_decode, prompts)
+        assert not seen
+        out = logits(folds.folded_decode, prompts)
+        layer = model.layers[0]
+        qkv, o, gate_up, down = (tuple(p.weight.shape) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj))
+        assert seen == [(qkv, True, False, False), (o, False, True, False), (gate_up, True, False, False),
+                        (down, False, True, True)] * model.config.num_hidden_layers
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         seen.clear()
-        out = logits(True)
+        one = logits(folds.folded_decode, prompts[:1])
+        assert not seen  # batch 1: the model's forward
+        torch.testing.assert_close(one, logits(runner.compile_decode, prompts[:1]), rtol=1e-5, atol=1e-5)
     finally:
-        runner.mark_step_kernels(model, False)
         torch._dynamo.reset()
-    layer = model.layers[0]
-    qkv, o, gate_up, down = (tuple(p.weight.shape) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                              layer.mlp.gate_up_proj, layer.mlp.down_proj))
-    assert seen == [(qkv, True, False, False), (o, False, True, False), (gate_up, True, False, False),
-                    (down, False, True, True)] * model.config.num_hidden_layers
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_classes():
@@ -343,9 +351,10 @@ def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch)
 
 def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
     """`lab.mixedsteps` on the tiny model (CPU, eager): decode steps of the running rows, and the
-    mixed steps of each prompt, which carry those rows beside the prompt's chunks within the budget;
-    the host's part inside `run_varlen` and sampling are parts of the step, and a CPU has no GPU
-    span. The engine's methods are its class's again afterwards."""
+    mixed steps of each prompt, chunk by chunk, each carrying those rows beside the prompt's tokens
+    within the budget; the host's part inside `run_varlen` and sampling add up with the rest to
+    the step, and a CPU has no GPU span. The engine's own methods are back afterwards."""
+    from nanolab import load_model
     from nanolab.engine.llm_engine import Engine
     from nanolab.lab.mixedsteps import _StepClock, mixed_step_anatomy
     from nanolab.model.weights import resolve_weights
@@ -354,16 +363,20 @@ def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
                                repeats=2, budget=32, arms=("eager",), progress=False)["day61_mixed_anatomy"]
     decode, mixed = table[table.phase == "decode"], table[table.phase == "mixed"]
     assert len(decode) == 1 and decode.rows.iloc[0] == 3 and decode.tokens.iloc[0] == 3
-    assert list(mixed.prompt_len) == [8, 40] and (mixed.rows == 4).all() and (mixed.tokens <= 32).all()
-    assert (mixed.tokens > 3).all() and (mixed.steps >= 2).all()  # the 40-token prompt takes two chunks
-    assert (mixed.forward_host_ms <= mixed.step_ms).all() and (mixed.sample_ms < mixed.step_ms).all()
-    assert mixed.forward_gpu_ms.isna().all()
-    with pytest.raises(ValueError, match="unknown arm"):
-        mixed_step_anatomy(resolve_weights("tiny"), torch.float32, arms=("graphs",), progress=False)
+    assert decode.rest_ms.isna().all()  # a decode step's parts are not split
+    # the 8-token prompt rides one step beside the 3 rows; the 40-token one takes 29 tokens, then 11
+    assert list(zip(mixed.prompt_len, mixed.chunk, mixed.tokens)) == [(8, 0, 11), (40, 0, 32), (40, 1, 14)]
+    assert (mixed.rows == 4).all() and (mixed.steps == 2).all()
+    parts = mixed.forward_host_ms + mixed.sample_ms + mixed.rest_ms
+    assert (mixed.rest_ms >= 0).all() and ((parts - mixed.step_ms).abs() < 1e-6).all()
+    assert mixed.forward_span_ms.isna().all()
+    for arms in (("graphs",), ("compiled",)):  # an unknown arm; the compiled one without CUDA
+        with pytest.raises(ValueError, match="arms"):
+            mixed_step_anatomy(resolve_weights("tiny"), torch.float32, arms=arms, progress=False)
 
-    from nanolab import load_model
     engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), num_blocks=16, progress=False)
+    sampler = engine.sampler
     clock = _StepClock(engine)
-    assert "run_varlen" in vars(engine.runner)
+    assert "run_varlen" in vars(engine.runner) and engine.sampler is not sampler
     clock.close()
-    assert "run_varlen" not in vars(engine.runner) and "_sample" not in vars(engine)
+    assert "run_varlen" not in vars(engine.runner) and engine.sampler is sampler

@@ -72,8 +72,9 @@ CPU_OPTIONS = {"cpp_wrapper": True}
 # Whether `compile_decode` compiles the varlen steps that mix decode rows with prompt chunks as well
 # (`DecodeForward.run_varlen`). Eagerly such a step took 9.0 to 12.7 ms at the median on the H200
 # under Day 58's load, four to six decode steps, and ITL's p99 lands on those steps (Day 61). Off:
-# compiled, the mixed step's median under the same load was 8.49 ms against 8.47 eagerly, since
-# about 7 ms of it follows neither its tokens nor its compilation (`data/day61_varlen_*`).
+# compiled, the mixed step's median under the same load was 8.49 ms against 8.47 eagerly at 32
+# requests/s, and 11.96 against 13.51 at 16; about 7 ms of it follows neither its tokens nor its
+# compilation (`data/day61_varlen_*`).
 COMPILE_VARLEN = False
 
 

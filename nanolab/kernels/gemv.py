@@ -14,9 +14,9 @@ launched as programmatic dependents (`kernels.pdl`) with the rest of the step. c
 about as fast, launch by launch, but its kernels cannot wait in-kernel for the one before them,
 so each starts only once its predecessor has drained.
 
-`step_projection` is a projection with its neighbours folded into the same kernel (the RMS norm
-before it, the residual add after it, SwiGLU before down), which a step takes only with
-`STEP_FUSED`.
+`gemv` can also fold a projection's neighbours into the same kernel: the RMS norm before it, the
+residual add after it, SwiGLU before down. The engine's step does not (it measured slower, Day
+61); the lab's `lab.folds` runs a step that way.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee",
           L2_AHEAD: tl.constexpr = 0, LINE: tl.constexpr = 64, part_ptr=None, ticket_ptr=None,
-          FIX_UP: tl.constexpr = False, g_ptr=None, res_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+          FIX_UP: tl.constexpr = False, g_ptr=None, res_ptr=None, stride_rm=0, eps=0.0, NORM: tl.constexpr = False,
           SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
@@ -89,7 +89,7 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     share order (as `_sum_splits` does), writes out_ptr and puts the ticket back to 0.
     What it reads of x and writes out (`_x_tile`): with NORM (SPLIT_K == 1), x's rows RMS-normed
     by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL, res [M, N]
-    (out's strides) added to the sum before it is rounded, by whichever program writes out."""
+    (rows stride_rm apart) added to the sum before it is rounded, by whichever program writes out."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -127,7 +127,7 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     mask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
         if RESIDUAL:
-            acc += tl.load(res_ptr + m[:, None] * stride_om + n[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     elif FIX_UP:
         part = part_ptr + m[:, None] * stride_om + n[None, :]  # [BLOCK_M, BLOCK_N] of share 0
@@ -141,7 +141,7 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
             for j in tl.static_range(SPLIT_K):
                 total += tl.load(part + j * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
             if RESIDUAL:
-                total += tl.load(res_ptr + m[:, None] * stride_om + n[None, :], mask=mask, other=0.0).to(tl.float32)
+                total += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + m[:, None] * stride_om + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     else:  # partials [SPLIT_K, M, N] fp32
@@ -215,8 +215,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     interpreter). With `fix_up`, split-K's shares are added by the last share to finish, in the
     same kernel and the same order, instead of by `_sum_splits`.
 
-    Folded in, as `step_projection` defines them: `norm` [K], x RMS-normed with that weight and
-    `eps` first (one share of K only); `swiglu`, x [..., 2K] the fused gate/up output, taken as
+    Folded in: `norm` [K], x RMS-normed with that weight and `eps` first (one share of K only; the
+    default tiles take one); `swiglu`, x [..., 2K] the fused gate/up output, taken as
     silu(gate) * up; `residual` [..., N], added to the product before it is rounded."""
     *lead, k_in = x.shape
     n, k = weight.shape
@@ -229,7 +229,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
     if x2.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
-    cfg = config or step_config(n, k, m)
+    cfg = config or step_config(n, k, m, swiglu, x.element_size())
+    if norm is not None and config is None:
+        cfg = cfg._replace(split_k=1)  # a share of K cannot see a row's whole sum of squares
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
     if norm is not None and (norm.shape != (k,) or not norm.is_contiguous() or cfg.split_k != 1):
@@ -252,7 +254,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     if pdl and l2_ahead and not INTERPRETED:
         meta.update(L2_AHEAD=l2_columns(n, k, cfg.split_k, weight.element_size(), l2_ahead),
                     LINE=128 // weight.element_size())
-    folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res, RESIDUAL=res is not None)
+    folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res,
+                  stride_rm=0 if res is None else res.stride(0), RESIDUAL=res is not None)
     if cfg.split_k == 1:
         _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **folded, **meta)
     elif fix_up:
@@ -301,44 +304,4 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @step_linear.register_fake
 def _(x, weight):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-# Whether a compiled decode step of 2 to MAX_ROWS rows runs each layer's RMS norms, residual adds and
-# SwiGLU inside its projections' GEMVs (`step_projection`, called by `llama.DecoderLayer` where its
-# projections are marked `step_kernel`), instead of as inductor's kernels between them. Read when a
-# graph is traced, so a graph keeps what its capture saw. Off: on the H200 the batch-8 step went
-# from 1.083 to 2.798 ms, since the norm added 9 to 14 us to its GEMV and SwiGLU 84, against 2.3 us
-# for the kernel each removes; only the residual add (0.4 us) paid (Day 61, `data/day61_folds_h200.csv`).
-STEP_FUSED = False
-
-
-@torch.library.custom_op("nanolab::step_projection", mutates_args=())
-def step_projection(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 1e-5,
-                    residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
-    """A layer's projection with its neighbours, inside a compiled decode step:
-    `residual + F.linear(a, weight)`, where a is x RMS-normed by `norm` and `eps` when given, or
-    silu(gate) * up of x = [gate, up] [..., 2K] when `swiglu`, else x. Up to MAX_ROWS rows, one
-    `gemv` (its `step_config` tiles, one share of K with a norm) launched as a programmatic
-    dependent where `kernels.pdl.ops_pdl` says so; past that, or where the tiles do not divide K,
-    the same in torch's ops."""
-    k = weight.shape[1]
-    m = x.numel() // x.shape[-1]
-    cfg = step_config(weight.shape[0], k, m, swiglu, x.element_size())
-    if norm is not None:
-        cfg = cfg._replace(split_k=1)
-    if m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous() and weight.is_contiguous() \
-            and (residual is None or residual.is_contiguous()):
-        return gemv(x, weight, cfg, pdl=ops_pdl(x.device), norm=norm, eps=eps, residual=residual, swiglu=swiglu)
-    if swiglu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    if norm is not None:
-        x = F.rms_norm(x, (k,), norm, eps)
-    out = F.linear(x, weight)
-    return out if residual is None else residual + out
-
-
-@step_projection.register_fake
-def _(x, weight, norm=None, eps=1e-5, residual=None, swiglu=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

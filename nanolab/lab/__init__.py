@@ -13,6 +13,7 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
 - `levers`, `floorbench`, `projections`: Day 61's levers, the peers, and what was not kept
 - `mixedsteps`: where a mixed step of chunked prefill spends its time (Day 61)
+- `folds`: the decode step with its norms, residual adds and SwiGLU inside the GEMVs (Day 61, not kept)
 - `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
 - `results`: the front page's figure and the results page, from the committed tables
 """

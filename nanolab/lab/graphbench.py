@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import gc
-import inspect
 import json
 import os
 import signal
@@ -50,14 +49,14 @@ import pandas as pd
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.gates import Gate
-from nanolab.llm import LLM
 
 ARMS = ("graphs", "eager")
 # An arm's optional suffix: the server's prefill. "compiled" is chunked, with the steps that mix decode
 # rows and prompt chunks compiled too (`--compile-varlen`).
 PREFILLS = ("chunked", "whole", "compiled")
-# The server's token budget a step unless told (`LLM`'s `max_num_batched_tokens`), as the table records it.
-SERVER_TOKEN_BUDGET = inspect.signature(LLM).parameters["max_num_batched_tokens"].default
+# The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
+# records it for a chunked arm.
+SERVER_TOKEN_BUDGET = 2048
 SEED_RATES = (1.0, 2.0, 4.0, 8.0)
 SATURATION = 0.9  # sustained below this share of the offered rate: the queue grows, the rate is not sustainable
 MIN_VERDICT = 4  # fewer requests than this at a rate: no central 80% to measure, no verdict
@@ -698,6 +697,14 @@ def trace_window(arm: ArmRun, max_steps: int) -> pd.DataFrame:
     return part.tail(max_steps).reset_index(drop=True)
 
 
+def token_budgets(prefill: Sequence[str], max_num_batched_tokens: int | None) -> list[float]:
+    """Each arm's token budget a step, by its `prefill` column: the one given (None: the server's
+    default, `SERVER_TOKEN_BUDGET`), or NaN for a whole-prompt arm, whose prompts are steps of
+    their own."""
+    budget = float(max_num_batched_tokens or SERVER_TOKEN_BUDGET)
+    return [float("nan") if p == "whole" else budget for p in prefill]
+
+
 def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: Sequence[float] = SEED_RATES,
                    max_rate: float = 256.0, workload: Workload | None = None, slo: SLO | None = None, *,
                    seed: int = 0, dtype: str = "auto", read: str = "auto", max_num_seqs: int = 64,
@@ -735,8 +742,8 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
     table = table.assign(prompt_lo=workload.prompt_len[0], prompt_hi=workload.prompt_len[1],
                          output_lo=workload.output_len[0], output_hi=workload.output_len[1],
                          slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms, slo_e2el_ms=slo.e2el_ms, seed=seed,
-                         max_num_seqs=max_num_seqs, offline_context=context,
-                         token_budget=max_num_batched_tokens or SERVER_TOKEN_BUDGET)
+                         max_num_seqs=max_num_seqs, offline_context=context)
+    table["token_budget"] = token_budgets(table.prefill, max_num_batched_tokens)
     offline_tables = []
     if offline:
         for arm in arms:

@@ -39,6 +39,7 @@ from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv, step_config
 from nanolab.kernels.pdl import supports_pdl
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
+from nanolab.lab.folds import folded_decode
 from nanolab.lab.projections import FusedDecode
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_us, wall_s
@@ -74,7 +75,7 @@ class Lever:
     # its output, and a longer row's shares are folded in the read (`paged_attention.SHARE_TILES`, `FOLD_SHARES`)
     read_whole: int = 0
     fix_up: bool = False  # `gemv.step_linear`'s split-K shares added in its own kernel (`gemv.STEP_FIX_UP`)
-    # a batch's norms, residual adds and SwiGLU folded into its GEMVs, to 64 rows (`gemv.STEP_FUSED`)
+    # a batch's norms, residual adds and SwiGLU folded into its GEMVs, to 64 rows (`lab.folds.FoldedStep`)
     step_fused: bool = False
 
 
@@ -163,7 +164,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
             ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
             prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM,
             early_release: bool = False, l2_ahead: int = 0, share_tiles: int = paged_attention_module.SHARE_TILES,
-            fix_up: bool = False, step_fused: bool = False):
+            fix_up: bool = False):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
@@ -176,8 +177,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`), and the engine's kernels
     releasing their dependents as they start or as they exit (`pdl.EARLY_RELEASE`), a split read's
     shares at least `share_tiles` tiles (`paged_attention.SHARE_TILES`), and split-K's shares added
-    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`), and a batch's norms, residual adds and
-    SwiGLU inside its GEMVs or between them (`gemv.STEP_FUSED`).
+    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`).
     Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
     switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
@@ -187,8 +187,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
                 (gemv_module, "STEP_PREFETCH", prefetch),
                 (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm),
                 (pdl_module, "EARLY_RELEASE", early_release), (gemv_module, "STEP_L2_AHEAD", l2_ahead),
-                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up),
-                (gemv_module, "STEP_FUSED", step_fused))
+                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
     if not pinned:
         for m in modules:
@@ -210,7 +209,7 @@ def lever_staging(lever: Lever):
                    skip_empty=lever.skip_empty, step_rows=lever.triton_rows or gemv_module.STEP_ROWS,
                    prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm,
                    early_release=lever.early_release, l2_ahead=lever.l2_ahead, share_tiles=lever.read_whole or 1,
-                   fix_up=lever.fix_up, step_fused=lever.step_fused)
+                   fix_up=lever.fix_up)
 
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
@@ -264,12 +263,13 @@ def opaque_projections(model, names: tuple[str, ...]) -> None:
 def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     """A graphed engine with `lever`'s settings, and the seconds building it took (compile included).
     Marks the model's projections as the lever says (`opaque_projections`), over what
-    `compile_decode` marks."""
+    `compile_decode` marks. With `step_fused`, the compiled forward is `lab.folds.FoldedStep`'s."""
     start = time.perf_counter()
     forward = None
     if lever.compile:
+        build = folded_decode if lever.step_fused else compile_decode
         forward = (autotuned_batch_1(model) if lever.autotune else
-                   compile_decode(model, lever.tune_batch_1, pdl=lever.step_pdl, steady=lever.steady))
+                   build(model, tune_batch_1=lever.tune_batch_1, pdl=lever.step_pdl, steady=lever.steady))
     opaque_projections(model, lever.opaque)  # compiling happens at the first call, in the engine's capture
     mark_step_kernels(model, lever.triton_rows > 0)  # the lever's own say, over compile_decode's default
     if lever.fused:
@@ -692,7 +692,7 @@ def chained_projection_table(config, dtype=torch.bfloat16, rows=(8,), layers: in
     return pd.DataFrame(records)
 
 
-# Each layer projection's neighbours `gemv.step_projection` can fold into it (`fold_table`).
+# Each layer projection's neighbours `lab.folds.step_projection` folds into it (`fold_table`).
 FOLDS = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "swiglu + residual")}
 
 
@@ -700,8 +700,9 @@ def fold_table(config, dtype=torch.bfloat16, rows=(8, 64), layers: int = 16, rep
                progress: bool = True) -> pd.DataFrame:
     """Each layer projection through `gemv` as `chained_projection_table` times it (`layers` launches
     in one CUDA graph, each with a weight of its own, as programmatic dependents), plain and with
-    each neighbour of `FOLDS` folded in (`gemv.step_projection`'s norm, residual, SwiGLU): `us` per
-    launch, what the fold adds to the plain launch, and the error against fp32 torch."""
+    each neighbour of `FOLDS` folded in (`gemv`'s norm, residual, SwiGLU, as `lab.folds` runs
+    them): `us` per launch, what the fold added to the plain launch, and the error against fp32
+    torch."""
     device = torch.device("cuda")
     shapes = {name: nk for name, nk in projection_shapes(config).items() if name in FOLDS}
     jobs = [(name, nk, m) for name, nk in shapes.items() for m in rows]
@@ -721,12 +722,8 @@ def fold_table(config, dtype=torch.bfloat16, rows=(8, 64), layers: int = 16, rep
             kw, a, a_ref = arms[fold]
             cfg = step_config(n, k, m, swiglu=kw.get("swiglu", False))._replace(
                 **({"split_k": 1} if "norm" in kw else {}))
-            ref = F.linear(a_ref, ws[-1].float()) + (res.float() if "residual" in kw else 0)
-
-            def one(w, kw=kw, a=a, cfg=cfg):
-                return gemv(a, w, cfg, pdl=supports_pdl(device), **kw)
-            err = float((one(ws[-1]).float() - ref).norm() / ref.norm())
-            us = time_us(lambda one=one, ws=ws: [one(w) for w in ws], device, repeats) / layers
+            ref = F.linear(a_ref.double(), ws[-1].double()) + (res.double() if "residual" in kw else 0)
+            err, us = _time_chain(a, ws, cfg, ref, repeats, kw)
             plain = us if fold == "none" else plain
             records.append({"projection": name, "n": n, "k": k, "rows": m, "fold": fold,
                             "tiles": f"{cfg.block_n}x{cfg.block_k} split {cfg.split_k} stages {cfg.num_stages}",
@@ -736,11 +733,13 @@ def fold_table(config, dtype=torch.bfloat16, rows=(8, 64), layers: int = 16, rep
     return pd.DataFrame(records)
 
 
-def _time_chain(x, ws, config: GemvConfig | None, ref, repeats: int) -> tuple[float, float]:
+def _time_chain(x, ws, config: GemvConfig | None, ref, repeats: int, fold: dict | None = None
+                ) -> tuple[float, float]:
     """(relative error of the last weight's product against `ref`, us per launch) of `x` against each
-    of `ws` in turn, through cuBLAS (`config` None) or `gemv`."""
+    of `ws` in turn, through cuBLAS (`config` None) or `gemv`, with `fold` (`gemv`'s norm, residual
+    or swiglu) folded in."""
     def one(w):
-        return F.linear(x, w) if config is None else gemv(x, w, config, pdl=supports_pdl(x.device))
+        return F.linear(x, w) if config is None else gemv(x, w, config, pdl=supports_pdl(x.device), **(fold or {}))
     err = float((one(ws[-1]).double() - ref).norm() / ref.norm())
     return err, time_us(lambda: [one(w) for w in ws], x.device, repeats) / len(ws)
 
@@ -834,7 +833,7 @@ def main(args: argparse.Namespace) -> int:
     if args.only == "mixed":
         from nanolab.lab.mixedsteps import mixed_step_anatomy
 
-        keep(mixed_step_anatomy(path, dtype, repeats=max(args.repeats, 5)))
+        keep(mixed_step_anatomy(path, dtype, repeats=args.repeats))
         print(tables[f"{args.stem}_mixed_anatomy"].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         kernels = tables.get(f"{args.stem}_mixed_kernels")
         if kernels is not None:

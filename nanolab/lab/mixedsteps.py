@@ -1,16 +1,15 @@
 """Where a mixed step's time goes: the steps of chunked prefill that carry decode rows beside a
 prompt's chunk. Day 61.
 
-Under the server's load on the H200 a mixed step took 7 to 15 ms whatever its token count, and
-neither compiling it nor a smaller token budget shortened it (`data/day61_varlen_*`,
-`data/day61_budget512_*`). This instrument splits one mixed step, as the engine runs it, into:
+`mixed_step_anatomy` splits each mixed step, as the engine runs it, into:
 - the host's time inside `ModelRunner.run_varlen`, which plans the step and launches its forward
   (the GPU runs behind it);
-- the forward's span on the GPU, between CUDA events recorded as it starts and as it returns;
+- the forward's span on the GPU, between CUDA events recorded as `run_varlen` is called (before
+  its planning) and as it returns;
 - sampling, whose read-back waits for the forward to finish;
 - the rest of `Engine.step` (scheduling, emitting).
-A profile of a few mixed steps gives the GPU's busy time by kernel. A decode step of the same rows
-is timed beside them. Nothing here asserts a time.
+A profile of a few mixed steps gives the GPU's busy time by kernel. Decode steps of the same rows
+are timed beside them. Nothing here asserts a time.
 
     python -m nanolab levers --only mixed --model llama-3.2-1b
 """
@@ -29,18 +28,19 @@ from nanolab.lab.timing import prefill, random_prompts
 from nanolab.progress import progress_bar
 
 NAN = float("nan")
-MIXED_PROMPTS = (64, 512, 2048)  # prompt tokens added to the running rows: under, at and past a step's budget
+MIXED_PROMPTS = (64, 512, 2048)  # prompt tokens added to the running rows: the last past a step's budget
 
 
 class _StepClock:
-    """Wraps one engine's `runner.run_varlen` and `_sample` (on the instance) to time them within
-    each step; `take()` returns the last step's parts in ms and clears them."""
+    """Wraps one engine's `runner.run_varlen` and `sampler` (on the instances, as `levers.step_anatomy`
+    wraps its parts) to time them within each step; `take()` returns the last step's parts in ms
+    and clears them, `close()` puts the engine's own back."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.parts = engine, {}
         self.cuda = engine.device.type == "cuda"
         runner = engine.runner
-        self.saved = (runner.run_varlen, engine._sample)
+        self.saved = (runner.run_varlen, engine.sampler)
         run_varlen, sample = self.saved
 
         def timed_forward(*args, **kwargs):
@@ -62,35 +62,37 @@ class _StepClock:
             self.parts["sample_ms"] = 1e3 * (time.perf_counter() - t0)
             return out
 
-        runner.run_varlen, engine._sample = timed_forward, timed_sample
+        runner.run_varlen, engine.sampler = timed_forward, timed_sample
 
     def take(self) -> dict[str, float]:
         parts, self.parts = self.parts, {}
         start, end = parts.pop("events", (None, None))
         if start is not None:
             end.synchronize()
-            parts["forward_gpu_ms"] = start.elapsed_time(end)
+            parts["forward_span_ms"] = start.elapsed_time(end)
         return parts
 
     def close(self) -> None:
-        # the wrappers are instance attributes: dropping them lets the class's methods show through
-        del self.engine.runner.run_varlen, self.engine._sample
+        del self.engine.runner.run_varlen  # an instance attribute: the class's method shows through again
+        self.engine.sampler = self.saved[1]
 
 
 def _mixed_steps(engine: Engine, clock: _StepClock, prompt: list[int], max_steps: int = 64) -> list[dict]:
     """Add `prompt` to the running rows and step until its first token: one record per step that ran
-    as a mixed step (its phase, rows, tokens and parts in ms)."""
+    as a mixed step (its phase, which of the prompt's chunks it carried, rows, tokens and parts in
+    ms)."""
     seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     records = []
     for _ in range(max_steps):
-        if seq.output_token_ids or seq.finished:
-            return records
         t0 = time.perf_counter()
         engine.step()
         step_ms = 1e3 * (time.perf_counter() - t0)
         parts, last = clock.take(), engine.last_step
         if last is not None and last.phase == "mixed":
-            records.append({"phase": "mixed", "rows": last.rows, "tokens": last.tokens, "step_ms": step_ms, **parts})
+            records.append({"phase": "mixed", "chunk": len(records), "rows": last.rows, "tokens": last.tokens,
+                            "step_ms": step_ms, **parts})
+        if seq.output_token_ids or seq.finished:
+            return records
     raise RuntimeError(f"a {len(prompt)}-token prompt was not prefilled within {max_steps} steps")
 
 
@@ -128,10 +130,11 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
                        arms=("eager", "compiled"), device: torch.device | str | None = None, profile_prompt: int = 512,
                        progress: bool = True) -> dict[str, pd.DataFrame]:
     """`day61_mixed_anatomy`: per arm ("eager": the engine's mixed step; "compiled": through the
-    compiled varlen graph, `compile_decode(varlen=True)`), per prompt length, the median over
-    `repeats` of each mixed step's parts (ms): the whole step, the host inside `run_varlen`, the
-    forward's GPU span, sampling, and the rest; beside them, decode steps of the same `rows` running
-    rows at about `context` tokens. The engine is the server's: graphs, the streamed read and
+    compiled varlen graph, `compile_decode(varlen=True)`, CUDA only), per prompt length and chunk of
+    it, the median over `repeats` of each mixed step's parts (ms): the whole step, the host inside
+    `run_varlen`, the forward's span on the GPU, sampling, and the rest; beside them, decode steps
+    (prompt_len 0) of the same `rows` running rows at about `context` tokens, whose parts are not
+    split. The engine is the server's: graphs, the streamed read and
     asynchronous scheduling on CUDA, chunked prefill with a `budget` of tokens a step.
     `day61_mixed_kernels` (CUDA only): the kernels of the mixed steps of one `profile_prompt`-token
     prompt, per arm."""
@@ -144,12 +147,16 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
     for arm in progress_bar(arms, desc="mixed steps", enabled=progress):
         if arm not in ("eager", "compiled"):
             raise ValueError(f"arms: unknown arm {arm!r}; known: eager, compiled")
+        if arm == "compiled" and not cuda:
+            raise ValueError("arms: 'compiled' needs CUDA (the compiled varlen graph reads through the streamed read)")
         torch._dynamo.reset()
-        forward = compile_decode(model, varlen=arm == "compiled") if cuda or arm == "compiled" else None
+        forward = compile_decode(model, varlen=arm == "compiled") if cuda else None
         blocks = rows * cdiv(context + new_tokens, 16) + cdiv(max(prompt_lens, default=0) + 64, 16) + 16
         engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
                         read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
                         async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
+        if (arm == "compiled") != engine.runner.compiled_varlen:
+            raise RuntimeError(f"the {arm} arm's engine does not run its mixed steps as the arm says")
         prefill(engine, random_prompts(rows, context, vocab, seed=2), new_tokens)
         clock = _StepClock(engine)
         try:
@@ -168,13 +175,14 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
             records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
         del engine
     steps = pd.DataFrame(records)
-    for col in ("prompt_len", "forward_host_ms", "forward_gpu_ms", "sample_ms"):
+    for col in ("prompt_len", "chunk", "forward_host_ms", "forward_span_ms", "sample_ms"):
         if col not in steps:
             steps[col] = NAN
     steps["prompt_len"] = steps.prompt_len.fillna(0).astype(int)  # 0: a decode step
-    steps["rest_ms"] = steps.step_ms - steps.forward_host_ms.fillna(0) - steps.sample_ms.fillna(0)
-    by = steps.groupby(["arm", "phase", "prompt_len"], sort=False)
-    cols = ["rows", "tokens", "step_ms", "forward_host_ms", "forward_gpu_ms", "sample_ms", "rest_ms"]
+    steps["chunk"] = steps.chunk.fillna(0).astype(int)
+    steps["rest_ms"] = steps.step_ms - steps.forward_host_ms - steps.sample_ms  # NaN where not split
+    by = steps.groupby(["arm", "phase", "prompt_len", "chunk"], sort=False)
+    cols = ["rows", "tokens", "step_ms", "forward_host_ms", "forward_span_ms", "sample_ms", "rest_ms"]
     table = by[cols].median().reset_index().assign(steps=by.size().to_numpy())
     out = {"day61_mixed_anatomy": table.assign(running_rows=rows, context=context, budget=budget)}
     if kernels:

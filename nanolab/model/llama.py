@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanolab.kernels import gemv
 from nanolab.model.attention import Attention
 from nanolab.model.config import ModelConfig
 from nanolab.model.layers import MLP, Linear, RMSNorm, rope_cos_sin, rope_inv_freq
@@ -28,29 +27,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp)
 
     def forward(self, x, cos, sin, positions, cache):
-        if self.fuses_step(x):
-            return self.step_forward(x, cos, sin, positions, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def fuses_step(self, x: torch.Tensor) -> bool:
-        """Whether this forward is a compiled decode step of 2 rows or more (x [rows, 1, hidden])
-        whose projections run through the step GEMV (`layers.Linear.step_kernel`) with their
-        neighbours folded in (`kernels.gemv.STEP_FUSED`). No guard on a symbolic batch: the decode
-        graph's token axis is 1, a varlen graph's rows axis is."""
-        return (gemv.STEP_FUSED and self.mlp.down_proj.step_kernel and self.mlp.tp is None
-                and torch.compiler.is_compiling() and x.shape[1] == 1 and x.shape[0] != 1)
-
-    def step_forward(self, x, cos, sin, positions, cache):
-        """`forward` as four `kernels.gemv.step_projection`s around the attention: each norm inside
-        the projection after it, each residual add and SwiGLU inside the projection before it, so
-        the residual stream x [rows, 1, hidden] never passes through a kernel of its own."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv = gemv.step_projection(x, attn.qkv_proj.weight, self.input_layernorm.weight, self.input_layernorm.eps)
-        x = gemv.step_projection(attn.attend(qkv, cos, sin, positions, cache), attn.o_proj.weight, residual=x)
-        gate_up = gemv.step_projection(x, mlp.gate_up_proj.weight, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
-        return gemv.step_projection(gate_up, mlp.down_proj.weight, residual=x, swiglu=True)
 
 
 class LlamaModel(nn.Module):

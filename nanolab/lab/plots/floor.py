@@ -270,11 +270,11 @@ def plot_chunked_itl(rates: pd.DataFrame, aim: float = 3.0):
     return fig
 
 
-def plot_folds(folds: pd.DataFrame, replaced_us: float | None = None) -> Figure:
+def plot_folds(folds: pd.DataFrame, removed_us: Mapping[str, float] | None = None) -> Figure:
     """`levers.fold_table`: one panel per row count, a pair of bars per projection and fold, the
-    plain GEMV's us per launch (grey) beside the same GEMV with the fold inside it (coloured), what
-    the fold added written over it. `replaced_us`, where given, is drawn on each panel as a dashed
-    line over the plain bar's height, as the grey bar plus the kernel the fold removes."""
+    plain GEMV's us per launch (grey) beside the same GEMV with the fold inside it (red), what
+    the fold added written over it. `removed_us`, by fold, is the kernel that fold takes out of the
+    step: drawn as a dashed line at the grey bar plus it, where the red bar must stay to pay."""
     rows = sorted(folds.rows.unique())
     fig = Figure(figsize=(11, 4.2))
     axes = fig.subplots(1, len(rows), sharey=True, squeeze=False)[0]
@@ -287,13 +287,15 @@ def plot_folds(folds: pd.DataFrame, replaced_us: float | None = None) -> Figure:
         ax.bar(x + 0.2, folded.us, 0.4, color="C3", label="with the fold inside")
         for xi, (us, added) in enumerate(zip(folded.us, folded.us_added, strict=True)):
             ax.text(xi + 0.2, us, f"+{added:.1f}", ha="center", va="bottom", fontsize=8)
-        if replaced_us is not None:
-            ax.hlines([plain[p] + replaced_us for p in folded.projection], x - 0.4, x, color="k", lw=1.5, ls="--",
-                      label=f"alone + the kernel it removes ({replaced_us:.1f} us)")
+        if removed_us:
+            marked = [(xi, plain[p] + removed_us[f]) for xi, (p, f) in enumerate(zip(folded.projection, folded.fold,
+                                                                                     strict=True)) if f in removed_us]
+            ax.hlines([y for _, y in marked], [xi - 0.4 for xi, _ in marked], [xi + 0.4 for xi, _ in marked],
+                      color="k", lw=1.5, ls="--", label="alone + the kernel the fold removes")
         ax.set_xticks(x, [f"{p}\n{f}" for p, f in zip(folded.projection, folded.fold, strict=True)], fontsize=8)
         ax.set_title(f"{m} rows", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("us per launch (16 back to back, PDL)")
+    axes[0].set_ylabel("us per launch (back to back, PDL)")
     axes[0].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
