@@ -1244,7 +1244,8 @@ else:
 # Neither lever took the mixed step near a decode step's time:
 # - **Compiled**, its median was 8.49 ms against 8.47 eagerly at 32 requests/s, and 11.96 against
 #   13.51 at 16: no change at the higher rate, 11% shorter at the lower.
-# - **A budget of 512 tokens** gave 11.57 ms at 32 requests/s and 13.03 at 16: longer, not shorter.
+# - **A budget of 512 tokens**, in the next process, gave 11.57 ms at 32 requests/s (longer than
+#   either 2,048-token server's 8.5) and 13.03 at 16 (against their 12.0 and 13.5).
 #
 # The figure shows why neither could do much. In the eager server's trace, mixed steps of 79 to
 # 153 tokens took 7.4 to 8.5 ms, and those of 444 to 502 tokens 7.5 to 8.6. About 7 ms of every

@@ -379,14 +379,6 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     assert "--max-num-batched-tokens" not in argv()
 
 
-def test_each_chunked_arm_records_its_budget_and_a_whole_prompt_arm_none():
-    from nanolab.lab.graphbench import token_budgets
-
-    assert token_budgets(["chunked", "default", "compiled"], None) == [2048.0] * 3
-    budgets = token_budgets(["chunked", "whole"], 512)
-    assert budgets[0] == 512.0 and budgets[1] != budgets[1]  # NaN
-
-
 def test_the_recorded_default_budget_is_the_servers():
     import argparse
 

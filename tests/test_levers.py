@@ -374,9 +374,10 @@ def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
         with pytest.raises(ValueError, match="arms"):
             mixed_step_anatomy(resolve_weights("tiny"), torch.float32, arms=arms, progress=False)
 
-    engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), num_blocks=16, progress=False)
-    sampler = engine.sampler
-    clock = _StepClock(engine)
-    assert "run_varlen" in vars(engine.runner) and engine.sampler is not sampler
+    clock = _StepClock(torch.device("cpu"))
+    engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), num_blocks=16, progress=False,
+                    sampler=clock.sampler)
+    clock.attach(engine)
+    assert "run_varlen" in vars(engine.runner)
     clock.close()
-    assert "run_varlen" not in vars(engine.runner) and engine.sampler is sampler
+    assert "run_varlen" not in vars(engine.runner)

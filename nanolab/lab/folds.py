@@ -96,6 +96,8 @@ class FoldedStep(nn.Module):
 def folded_decode(model, **compile_kwargs) -> DecodeForward:
     """`FoldedStep(model)` compiled as `runner.compile_decode(model, **compile_kwargs)` compiles the
     model: the same graphs, options, PDL and tuning; the varlen steps are not compiled."""
+    if "varlen" in compile_kwargs:
+        raise ValueError("folded_decode: varlen steps are the model's own forward, never compiled here")
     plain = compile_decode(model, **compile_kwargs, varlen=False)
     return DecodeForward(FoldedStep(model), plain.batch_1_options, pdl=plain.pdl, opaque_head=model.lm_head.opaque,
                          options=plain.options or None, steady=plain.steady)

@@ -55,7 +55,7 @@ ARMS = ("graphs", "eager")
 # rows and prompt chunks compiled too (`--compile-varlen`).
 PREFILLS = ("chunked", "whole", "compiled")
 # The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
-# records it for a chunked arm.
+# records it.
 SERVER_TOKEN_BUDGET = 2048
 SEED_RATES = (1.0, 2.0, 4.0, 8.0)
 SATURATION = 0.9  # sustained below this share of the offered rate: the queue grows, the rate is not sustainable
@@ -697,14 +697,6 @@ def trace_window(arm: ArmRun, max_steps: int) -> pd.DataFrame:
     return part.tail(max_steps).reset_index(drop=True)
 
 
-def token_budgets(prefill: Sequence[str], max_num_batched_tokens: int | None) -> list[float]:
-    """Each arm's token budget a step, by its `prefill` column: the one given (None: the server's
-    default, `SERVER_TOKEN_BUDGET`), or NaN for a whole-prompt arm, whose prompts are steps of
-    their own."""
-    budget = float(max_num_batched_tokens or SERVER_TOKEN_BUDGET)
-    return [float("nan") if p == "whole" else budget for p in prefill]
-
-
 def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: Sequence[float] = SEED_RATES,
                    max_rate: float = 256.0, workload: Workload | None = None, slo: SLO | None = None, *,
                    seed: int = 0, dtype: str = "auto", read: str = "auto", max_num_seqs: int = 64,
@@ -743,7 +735,8 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
                          output_lo=workload.output_len[0], output_hi=workload.output_len[1],
                          slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms, slo_e2el_ms=slo.e2el_ms, seed=seed,
                          max_num_seqs=max_num_seqs, offline_context=context)
-    table["token_budget"] = token_budgets(table.prefill, max_num_batched_tokens)
+    # a chunked arm's tokens a step; a whole-prompt arm's cap on the prompts one step admits
+    table["token_budget"] = max_num_batched_tokens or SERVER_TOKEN_BUDGET
     offline_tables = []
     if offline:
         for arm in arms:
@@ -865,7 +858,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the server's running-request limit")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="every server's token budget a step, with chunked prefill (default: the server's)")
+                        help="every server's token budget a step: chunks with chunked prefill, whole prompts "
+                             "without (default: the server's)")
     parser.add_argument("--warmup", type=int, default=8, help="requests sent at once before the first rate")
     parser.add_argument("--offline-steps", type=int, default=32, help="decode steps timed in-process per batch")
     parser.add_argument("--offline-repeats", type=int, default=3)

@@ -6,7 +6,7 @@ prompt's chunk. Day 61.
   (the GPU runs behind it);
 - the forward's span on the GPU, between CUDA events recorded as `run_varlen` is called (before
   its planning) and as it returns;
-- sampling, whose read-back waits for the forward to finish;
+- sampling and its read-back, which waits for the forward to finish;
 - the rest of `Engine.step` (scheduling, emitting).
 A profile of a few mixed steps gives the GPU's busy time by kernel. Decode steps of the same rows
 are timed beside them. Nothing here asserts a time.
@@ -26,22 +26,36 @@ from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import compile_decode
 from nanolab.lab.timing import prefill, random_prompts
 from nanolab.progress import progress_bar
+from nanolab.sampling import sample_tokens
 
 NAN = float("nan")
 MIXED_PROMPTS = (64, 512, 2048)  # prompt tokens added to the running rows: the last past a step's budget
 
 
 class _StepClock:
-    """Wraps one engine's `runner.run_varlen` and `sampler` (on the instances, as `levers.step_anatomy`
-    wraps its parts) to time them within each step; `take()` returns the last step's parts in ms
-    and clears them, `close()` puts the engine's own back."""
+    """Times a mixed step's parts: `sampler` is the engine's sampler (`sample_tokens`) timed, to be
+    given to the engine at construction, and `attach(engine)` wraps its `runner.run_varlen` (on the
+    instance, as `levers.step_anatomy` wraps a step's parts). In a mixed step the timed sampler
+    waits for the device, so `sample_ms` holds sampling and what is left of the forward on the
+    GPU, as the engine's read-back right after it would; a decode step is left asynchronous.
+    `take()` returns the last step's parts in ms and clears them; `close()` unwraps the runner."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.parts = engine, {}
-        self.cuda = engine.device.type == "cuda"
-        runner = engine.runner
-        self.saved = (runner.run_varlen, engine.sampler)
-        run_varlen, sample = self.saved
+    def __init__(self, device: torch.device) -> None:
+        self.parts, self.engine = {}, None
+        self.cuda = device.type == "cuda"
+
+    def sampler(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = sample_tokens(*args, **kwargs)
+        if "forward_host_ms" in self.parts:  # a mixed step: sampled, then read back at once
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.parts["sample_ms"] = 1e3 * (time.perf_counter() - t0)
+        return out
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        run_varlen = engine.runner.run_varlen
 
         def timed_forward(*args, **kwargs):
             start = torch.cuda.Event(enable_timing=True) if self.cuda else None
@@ -56,13 +70,7 @@ class _StepClock:
             self.parts["events"] = (start, end)
             return out
 
-        def timed_sample(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = sample(*args, **kwargs)
-            self.parts["sample_ms"] = 1e3 * (time.perf_counter() - t0)
-            return out
-
-        runner.run_varlen, engine.sampler = timed_forward, timed_sample
+        engine.runner.run_varlen = timed_forward
 
     def take(self) -> dict[str, float]:
         parts, self.parts = self.parts, {}
@@ -74,7 +82,6 @@ class _StepClock:
 
     def close(self) -> None:
         del self.engine.runner.run_varlen  # an instance attribute: the class's method shows through again
-        self.engine.sampler = self.saved[1]
 
 
 def _mixed_steps(engine: Engine, clock: _StepClock, prompt: list[int], max_steps: int = 64) -> list[dict]:
@@ -152,13 +159,14 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
         torch._dynamo.reset()
         forward = compile_decode(model, varlen=arm == "compiled") if cuda else None
         blocks = rows * cdiv(context + new_tokens, 16) + cdiv(max(prompt_lens, default=0) + 64, 16) + 16
-        engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
+        clock = _StepClock(device)
+        engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2, sampler=clock.sampler,
                         read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
                         async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
         if (arm == "compiled") != engine.runner.compiled_varlen:
             raise RuntimeError(f"the {arm} arm's engine does not run its mixed steps as the arm says")
         prefill(engine, random_prompts(rows, context, vocab, seed=2), new_tokens)
-        clock = _StepClock(engine)
+        clock.attach(engine)
         try:
             _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
             found = _decode_steps(engine, clock, 2 * repeats)
