@@ -928,7 +928,8 @@ if fused_step is not None:
 
 # %% [markdown]
 # The fold lost, by far more than it could ever have won. Batch 8 went from 1.083 to 2.798 ms,
-# 32 rows from 1.236 to 2.558 and 64 rows from 1.449 to 3.518. The parts show both halves of what happened:
+# 32 rows from 1.236 to 2.558 and 64 rows from 1.449 to 3.518. The parts show both halves of what
+# happened:
 # - the norms class did go, from 0.074 ms a step to 0.002;
 # - the GEMV kernels went from 0.67 to 2.46 ms a step, and took the projections class with them.
 #
@@ -941,9 +942,10 @@ if fused_step is not None:
 # (`test_folded_step_matches_the_reference_on_cuda`), and in the interpreter the engine's
 # compiled step to 1e-4.
 #
-# Where the 1.8 ms went is the kernel, fold by fold. `levers --only folds` times each projection
-# as the step runs it: sixteen launches back to back in one CUDA graph, each against a weight of
-# its own, as programmatic dependents. Each one runs plain, then with each of its folds.
+# The 1.8 ms went into the GEMVs themselves, so the next bench takes them fold by fold.
+# `levers --only folds` times each projection as the step runs it: sixteen launches back to back
+# in one CUDA graph, each against a weight of its own, as programmatic dependents. Each one runs
+# plain, then with each of its folds.
 
 # %%
 folds = lab.load_table("day61_folds", "h200")
@@ -981,12 +983,12 @@ else:
 # pays where its red bar stays under that line.*
 #
 # None fits under its line. The residual add comes closest, at 0.3 to 0.4 us. The norm adds 9 to
-# 23 us to its GEMV, and SwiGLU 84 to 103 us, 6.5 to 7.4 times down's own time. The folds that lose all do
-# their work on the activation tile between its load and the dot. The residual add works after
-# the loop and costs almost nothing, but it takes no launch out of the step: the norm after it
-# still needs its own kernel. This run does not show what inside the loop costs so much (the
-# registers SwiGLU's two tiles need, or a pipeline the loop no longer keeps); a kernel profile
-# would. The engine keeps its step as it was, and the folded step stays in the lab
+# 23 us to its GEMV, and SwiGLU 84 to 103 us, 6.5 to 7.4 times down's own time. The norm and
+# SwiGLU do their work on the activation tile between its load and the dot. The residual add
+# works after the loop and costs almost nothing, but it takes no launch out of the step: the norm
+# after it still needs its own kernel. This run does not show what inside the loop costs so much
+# (the registers SwiGLU's two tiles need, or a pipeline the loop no longer keeps); a kernel
+# profile would. The engine keeps its step as it was, and the folded step stays in the lab
 # (`lab.folds`).
 
 # %% [markdown]
