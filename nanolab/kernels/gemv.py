@@ -164,7 +164,8 @@ def _sum_splits(part_ptr, out_ptr, total, stride_s, SPLIT_K: tl.constexpr, BLOCK
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int = 2) -> GemvConfig:
+def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int = 2, norm: bool = False
+                ) -> GemvConfig:
     """Tiles for `m` rows against an [n, k] weight inside a decode step, from the best of each
     projection's sweep at 16 rows on the H200 (`data/day61_projections_h200.csv`): 32 columns a
     program over 256-wide K tiles, a weight four times deeper than wide (down) in two shares of
@@ -172,13 +173,16 @@ def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int 
     tiles are at most 256 wide, and the pipeline as deep as about 200 KB of shared memory holds.
     A K these tiles do not divide takes fewer shares, then narrower tiles. With `swiglu` a stage
     holds two activation tiles (gate's and up's), and the pipeline is shallower to match; so it is
-    for elements wider than bf16's (`element_size` bytes)."""
+    for elements wider than bf16's (`element_size` bytes). With `norm`, one share of K: a share
+    cannot see a row's whole sum of squares."""
     if k >= 4 * n:
         block_n, block_k, split = 32, 512, 2
     elif n >= 8192:
         block_n, block_k, split = 64, 128, 1
     else:
         block_n, block_k, split = 32, 256, 1
+    if norm:
+        split = 1
     block_m = block_rows(m)
     if block_m > 16:
         block_k = min(block_k, 256)
@@ -229,9 +233,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
     if x2.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
-    cfg = config or step_config(n, k, m, swiglu, x.element_size())
-    if norm is not None and config is None:
-        cfg = cfg._replace(split_k=1)  # a share of K cannot see a row's whole sum of squares
+    cfg = config or step_config(n, k, m, swiglu, x.element_size(), norm=norm is not None)
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
     if norm is not None and (norm.shape != (k,) or not norm.is_contiguous() or cfg.split_k != 1):

@@ -76,6 +76,12 @@ def _profile(engine: Engine, prompts: torch.Tensor, steps: int, arm: str) -> pd.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         drain(engine)
         torch.cuda.synchronize()
+    return kernel_table(prof, steps, arm)
+
+
+def kernel_table(prof, steps: int, arm: str) -> pd.DataFrame:
+    """A finished `torch.profiler.profile`'s CUDA kernels over `steps` steps of `arm`, by total GPU
+    time: calls, gpu_us, us_per_step and share."""
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     df = pd.DataFrame([{"arm": arm, "kernel": e.key[:90], "calls": e.count, "gpu_us": e.self_device_time_total}
                        for e in events])

@@ -35,9 +35,7 @@ def step_projection(x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | 
                          f"{None if residual is None else tuple(residual.shape)} do not make a projection"
                          + (" of [gate, up]" if swiglu else ""))
     m = x.numel() // x.shape[-1]
-    cfg = step_config(weight.shape[0], k, m, swiglu, x.element_size())
-    if norm is not None:
-        cfg = cfg._replace(split_k=1)
+    cfg = step_config(weight.shape[0], k, m, swiglu, x.element_size(), norm=norm is not None)
     if m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous() and weight.is_contiguous() \
             and (residual is None or residual.is_contiguous()):
         return gemv(x, weight, cfg, pdl=ops_pdl(x.device), norm=norm, eps=eps, residual=residual, swiglu=swiglu)

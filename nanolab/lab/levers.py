@@ -720,8 +720,7 @@ def fold_table(config, dtype=torch.bfloat16, rows=(8, 64), layers: int = 16, rep
         plain = NAN
         for fold in ("none", *FOLDS[name]):
             kw, a, a_ref = arms[fold]
-            cfg = step_config(n, k, m, swiglu=kw.get("swiglu", False))._replace(
-                **({"split_k": 1} if "norm" in kw else {}))
+            cfg = step_config(n, k, m, swiglu=kw.get("swiglu", False), norm="norm" in kw)
             ref = F.linear(a_ref.double(), ws[-1].double()) + (res.double() if "residual" in kw else 0)
             err, us = _time_chain(a, ws, cfg, ref, repeats, kw)
             plain = us if fold == "none" else plain

@@ -24,7 +24,8 @@ import torch
 from nanolab import Engine, SamplingParams, load_model
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import compile_decode
-from nanolab.lab.timing import prefill, random_prompts
+from nanolab.lab.capturebench import kernel_table
+from nanolab.lab.timing import prefill, random_prompts, timed_steps
 from nanolab.progress import progress_bar
 from nanolab.sampling import sample_tokens
 
@@ -104,16 +105,17 @@ def _mixed_steps(engine: Engine, clock: _StepClock, prompt: list[int], max_steps
 
 
 def _decode_steps(engine: Engine, clock: _StepClock, steps: int) -> list[dict]:
-    records = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        step_ms = 1e3 * (time.perf_counter() - t0)
+    """`steps` decode steps of the running rows, timed as every bench times them (`timing.timed_steps`)."""
+    shapes = []
+
+    def after() -> None:
         clock.take()
         last = engine.last_step
-        if last is not None and last.phase == "decode":
-            records.append({"phase": "decode", "rows": last.rows, "tokens": last.tokens, "step_ms": step_ms})
-    return records
+        shapes.append(None if last is None or last.phase != "decode" else (last.rows, last.tokens))
+
+    times = timed_steps(engine, steps, after)
+    return [{"phase": "decode", "rows": shape[0], "tokens": shape[1], "step_ms": 1e3 * t}
+            for t, shape in zip(times, shapes, strict=True) if shape is not None]
 
 
 def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> pd.DataFrame:
@@ -124,12 +126,7 @@ def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps = len(_mixed_steps(engine, clock, prompt))
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    df = pd.DataFrame([{"arm": arm, "prompt_len": len(prompt), "kernel": e.key[:90], "calls": e.count,
-                        "gpu_us": e.self_device_time_total} for e in events])
-    df = df.sort_values("gpu_us", ascending=False, ignore_index=True)
-    df["us_per_step"] = df.gpu_us / max(steps, 1)
-    return df
+    return kernel_table(prof, max(steps, 1), arm).assign(prompt_len=len(prompt))
 
 
 def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512,
