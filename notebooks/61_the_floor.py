@@ -55,6 +55,10 @@
 # - **the read in one kernel**: a short row's walk in a single share that writes its own output,
 #   a long row's shares folded in the read, and no merge kernel. Measured beside it and not kept:
 #   weights asked of L2 ahead of the PDL wait, and split-K's halves added in the GEMV's kernel.
+# - **the norms, residual adds and SwiGLU inside the GEMVs**, measured and not kept.
+# - **between two steps**: the next plan's four per-row vectors go up in one kernel that reads
+#   them from pinned host memory (`kernels.step_inputs`), and the tokens come back on a stream of
+#   their own.
 #
 # Then the result stands beside its peers: gpt-fast, and HF transformers with a static cache, both
 # compiled and eager. Two more measurements follow: time to first token, and the Day 58 server
@@ -885,8 +889,8 @@ if fold_run is not None:
 # - **Batch 1 in this run follows its compile's draw, not the levers.** The fix-up arm cannot touch
 #   batch 1 (its projections are inductor's reductions, not the GEMV), and it still measured 1.198
 #   ms against the first arm's 1.018. Every arm tunes its batch-1 graph afresh. The floor table
-#   below has batch 1 with the one-kernel read at 0.972 ms, inside the band of fresh compiles
-#   measured before it (0.954 to 1.061).
+#   below has batch 1 at 0.980 ms, inside the band of fresh compiles measured before it (0.954
+#   to 1.061).
 # - **The tokens do not change.** Each arm's greedy rows and first-step logits equal the first
 #   arm's exactly (the agreement table of the run, `data/day61_fold_lever_agreement_h200.csv`).
 #
@@ -992,6 +996,53 @@ else:
 # (`lab.folds`).
 
 # %% [markdown]
+# ## Between two steps: the plan's upload and the read-back
+#
+# Every lever so far worked inside the graph. The floor bench times whole `generate` calls, and a
+# step there is the graph's replay and whatever the GPU runs before the next one. With
+# asynchronous scheduling the host runs ahead, so the GPU never waits for a launch; it waits for
+# its own queue. Between two replays that queue held eight operations a step:
+# - the two kernels of the greedy pick (`kernels.argmax`);
+# - the read-back of the tokens, a device-to-host copy;
+# - the next plan's four per-row vectors (table row, write slot, context length, position), one
+#   host-to-device copy each, since each lives in a buffer of its own (a view of one shared buffer
+#   let dynamo tie a size to another, and recompile);
+# - the copy of the tokens into the graph's input.
+#
+# Each copy is a few hundred nanoseconds of transfer, and on either side of it the copy engine
+# starts and hands back, a microsecond or two each time. The prediction: with four copies folded
+# into one kernel and the read-back out of the way, 10 to 15 us less a step at every batch, about
+# the 12 us the batch-8 step lacked against its target. The engine now does two things
+# differently:
+# - **The plan goes up in one kernel.** `KVCache.plan_decode` writes the four vectors into a
+#   pinned host buffer, and `kernels.step_inputs.scatter_step_inputs` loads them from there (the
+#   GPU addresses pinned host memory directly) and stores them into the four device buffers. No
+#   copy engine is involved. Three pinned slots take turns, each with an event after the kernel
+#   that read it, so a plan never overwrites one the GPU has yet to read.
+# - **The read-back runs on a stream of its own.** The device-to-host copy waits for the pick
+#   and no step waits for it. The host waits for its event, as before.
+#
+# The kernel loads all four vectors before its first store. The compiler cannot move a load above
+# a store that might alias it, so in the order load, store, load, store each trip over PCIe would
+# wait for the one before. On the H200 the greedy rows at batch 8 decoded the same tokens with the
+# old upload and the new one.
+#
+# `levers --only loop` (`lab.steploop`) profiles whole `generate` calls and cuts the GPU's
+# timeline at each replay: what runs between two replays, and how long. The floor table below is
+# the end-to-end measure.
+
+# %%
+loop = lab.load_table("day61_loop", "h200")
+if loop is None:
+    print("data/day61_loop_h200.csv is not committed yet:\n  `python -m nanolab levers --only loop` "
+          "(or `scripts/gpu_run.sh loop`) on an H200 makes it")
+else:
+    print("measured on:", lab.table_label(loop).caption().replace("; ", ";\n  "))
+    lab.show(loop.round(1))
+    loop_ops = lab.load_table("day61_loop_ops", "h200")
+    lab.show(loop_ops[loop_ops.batch == 8][["order", "kind", "op", "us", "gap_us"]].round(2))
+
+# %% [markdown]
 # ## Against the peers
 #
 # The floorbench times every arm from outside, as a user would call it: a whole `generate` of 257
@@ -1021,23 +1072,35 @@ for row in notes.itertuples():
     print(f"{row.label}:\n  {row.note}")
 
 # %% [markdown]
-# The rows came from five processes. nanolab and gpt-fast at batches 1 and 8 ran in one, on the
-# evening of 2026-12-01, with the engine's defaults as they now stand: PDL and the tuning timed
-# after a warm-up at batch 1, the Triton GEMV for a batch's projections, the read in one kernel.
-# nanolab's rows at batches 32 and 64 and at 2,048 tokens are from the process right after it on
-# the same machine, which measured a copy bandwidth 4% below the first's (4.03 TB/s against
-# 4.20), so its floors are longer too. gpt-fast's batch-8 step in this process, 1.921 ms, was
-# 6% longer than in the afternoon's (1.816). HF's
-# default path at batch 8 is from a process of 2026-11-30, and at batch 1, with every TTFT row but
-# HF eager's, from one half an hour later on a second H200 of the same kind. HF's eager arm ran
-# hours before those, on another H200 of the kind; at ten times nanolab's step, a few percent
-# between two cards does not move its place. The batch-1 row is one draw of the band above, whose
-# median over four compiles, 1.0005 ms, is the fairer number. A whole `generate` at batch 64 also
-# moves between processes: floorbench processes of the same day measured 1.431, 1.517, 1.489 and
-# 1.450 ms there, and the lever runs, which time the step inside one process, 1.37 to 1.97. The
-# floorbench saves its tables after every row, and `--append` keeps the rows of arms a later
-# process did not run. Each process measured its own bandwidth, so each row's `x_floor` is
-# over its own floor, and the floor column beside the times is the latest process's.
+# The rows came from five processes. nanolab and gpt-fast at batches 1 and 8 ran in one, on
+# 2026-12-02, with the engine's defaults as they now stand: PDL and the tuning timed after a
+# warm-up at batch 1, the Triton GEMV for a batch's projections, the read in one kernel, the plan
+# uploaded in one kernel and the tokens read back on a stream of their own. nanolab's rows at
+# batches 32 and 64 and at 2,048 tokens are from the process right after it on the same machine,
+# which measured a copy bandwidth 2% above the first's (4.19 TB/s against 4.11), so its floors
+# are shorter too. gpt-fast's step moves between processes as well: at batch 8 it took 1.665 ms
+# in this one, 1.921 and 1.816 ms in two processes of 2026-12-01. HF's default path at batch 8 is
+# from a process of 2026-11-30, and at batch 1, with every TTFT row but HF eager's, from one half
+# an hour later on a second H200 of the same kind. HF's eager arm ran hours before those, on
+# another H200 of the kind; at ten times nanolab's step, a few percent between two cards does not
+# move its place. The batch-1 row is one draw of the band above, whose median over four compiles,
+# 1.0005 ms, is the fairer number. A whole `generate` at batch 64 also moves between processes:
+# floorbench processes of 2026-12-01 measured 1.431, 1.517, 1.489 and 1.450 ms there, and the
+# lever runs, which time the step inside one process, 1.37 to 1.97. The floorbench saves its
+# tables after every row, and `--append` keeps the rows of arms a later process did not run. Each
+# process measured its own bandwidth, so each row's `x_floor` is over its own floor, and the floor
+# column beside the times is the latest process's.
+#
+# Against the table of 2026-12-01, before the upload and the read-back changed, nanolab's step
+# went from 1.112 to 1.088 ms at batch 8, from 1.272 to 1.183 at batch 32, from 1.450 to 1.409 at
+# batch 64 and from 1.848 to 1.812 for 32 rows at 2,048 tokens. Batch 1 measured 0.980 against
+# 0.972, a draw of its compile. These are different processes on different days, so each
+# difference carries the two processes' spread as well as the change. At batch 8 the step lost
+# 24 us in a process whose copy bandwidth was 2% lower than the earlier one's (4.11 TB/s against
+# 4.20), more than the 10 to 15 us predicted. The rows at 32 and 64 rows and at 2,048 tokens
+# ran in a process 4% faster at copying than their predecessor (4.19 against 4.03 TB/s). A step
+# that streamed at that rate would by itself be about 4% shorter, 51, 58 and 74 us there; the
+# measured differences were 89, 41 and 36 us. So these three rows say little about the change.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
@@ -1253,16 +1316,60 @@ else:
 # 153 tokens took 7.4 to 8.5 ms, and those of 444 to 502 tokens 7.5 to 8.6. About 7 ms of every
 # mixed step is a cost that follows neither its token count nor whether it is compiled. The
 # arithmetic is not it: 500 tokens through Llama-3.2-1B's layers are about 1 TFLOP, a millisecond
-# or two at this card's dense bf16 rate, and 80 tokens a sixth of that. No profile of a mixed step
-# has been taken yet to say where the rest goes.
+# or two at this card's dense bf16 rate, and 80 tokens a sixth of that.
 #
 # ITL p99 over p50 at 32 requests/s was 7.8 for the eager server and 13.6 for the compiled one in
 # this run. The same eager server measured 12.3 in the run above it, so the two tails sit inside
 # one server's spread from run to run, and this run cannot rank them. So both levers stay off:
-# `COMPILE_VARLEN` is False, and the budget stays 2,048. The next step is a profile of one mixed
-# step on the GPU. `levers --only mixed` (`lab.mixedsteps`) takes it: the host's time inside the
-# varlen forward, the forward's span on the GPU, sampling and the rest of the step, and the
-# kernels, eagerly and compiled.
+# `COMPILE_VARLEN` is False, and the budget stays 2,048.
+#
+# Then one mixed step was taken apart (`levers --only mixed`, `lab.mixedsteps`). Sixteen rows
+# decode at about 512 tokens each, a prompt of 64, 512 or 2,048 tokens arrives, and each step
+# that carries its chunks is split into the host's time inside the varlen forward (planning it
+# and launching its kernels), the forward's span on the GPU (between events recorded as the
+# forward is called and as it returns), sampling with its read-back, and the rest of the step.
+# A profile of the 512-token prompt's step gives its kernels' time.
+
+# %%
+anatomy = lab.load_table("day61_mixed_anatomy", "h200")
+mixed_kernels = lab.load_table("day61_mixed_kernels", "h200")
+if anatomy is None or mixed_kernels is None:
+    print("data/day61_mixed_anatomy_h200.csv is not committed:\n  `python -m nanolab levers --only mixed` "
+          "(or `scripts/gpu_run.sh mixed`) on an H200 makes it")
+else:
+    print("measured on:", lab.table_label(anatomy).caption().replace("; ", ";\n  "))
+    lab.show(anatomy[["arm", "phase", "prompt_len", "chunk", "tokens", "step_ms", "forward_host_ms",
+                      "forward_span_ms", "sample_ms", "rest_ms", "steps"]].round(2))
+    busy = mixed_kernels.groupby("arm", sort=False).us_per_step.sum() / 1000
+    span = anatomy[(anatomy.phase == "mixed") & (anatomy.prompt_len == mixed_kernels.prompt_len.iloc[0])
+                   & (anatomy.chunk == 0)].set_index("arm").forward_span_ms
+    lab.show(pd.DataFrame({"kernels' summed time (ms)": busy, "forward's span (ms)": span,
+                           "GPU busy share": busy / span}).round(2))
+    fig = lab.plot_mixed_anatomy(anatomy, mixed_kernels)
+    if ON_GPU or not lab.figure_path("day61_mixed_anatomy", "h200").exists():
+        lab.save_figure(fig, "day61_mixed_anatomy", lab.table_label(anatomy))
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 61.13: each mixed step of the run, eagerly (top) and compiled (bottom), as the host's
+# time inside the varlen forward (blue), sampling with its read-back (orange) and the rest of the
+# step (grey). The black tick is the forward's span on the GPU, the red one the summed time of
+# the 512-token prompt's kernels, and the dashed line a decode step of the same rows. Compare
+# the blue bars with the black ticks: they end together.*
+#
+# The forward is host-bound. For 80 tokens and for 528, eager or compiled, the host spent 9.6 to
+# 10.2 ms inside the forward, and the forward's span on the GPU ended within 0.05 ms of it: the
+# GPU ran each kernel as soon as it was launched and then waited for the next. The kernels of the
+# 528-token step add up to 3.3 ms eagerly and 3.2 compiled, a third of the span. Only the first
+# chunk of the 2,048-token prompt (2,048 tokens) kept the GPU busier than the host: its forward
+# ran 14.6 ms, 3.5 to 3.9 of them after the host had returned, which the timed sampling waits
+# for. Sampling itself and the rest of the step take about half a millisecond. Compiling did not
+# shorten the host's part, so that time is not in what inductor fuses; which calls inside the
+# forward hold it is for a profile of the host, not of the GPU, to say.
+#
+# So the mixed step's floor is the host's, about 10 ms, and the lever is to take the host out of
+# the forward: capture the mixed step in CUDA graphs over a list of token counts, with the varlen
+# read outside them (vLLM's piecewise graphs), or make each launch cheaper. Neither is built yet.
 #
 # ## bf16 against fp32
 #
@@ -1477,20 +1584,23 @@ else:
 #   one process): a short row is now one share that writes its own output, and a walk of four
 #   tiles costs what one did. Asking L2 for the weights ahead of the PDL wait made the step
 #   slower, and adding split-K's halves inside the GEMV cost the GEMV what the second kernel had.
-# - **Against the peers**, nanolab's step is the fastest measured at every batch, 1.40x gpt-fast's
-#   at batch 1 and 1.73x at batch 8 in one process. Of the issue's step targets it meets the ones
-#   at batches 1, 32 and 64 and at context 2,048 in the floor table, and misses the one at batch 8
-#   by 1% (1.112 ms against 1.10; the printed ratios), where the lever run put the same engine at
-#   1.096. Batch 1's row is one draw; the median of four fresh compiles sits on its target (1.0005
-#   ms). Batch 64's whole-generate time has moved by 6% between processes. At batch 8 what is left
-#   is the projections' 2.9 TB/s and two norm-and-add kernels a layer (0.075 ms a step), each
-#   mostly its own launch. Folding those norms, the residual adds and SwiGLU into the GEMVs took
-#   the kernels away and made the step 2.6 times longer: only the residual add fits inside a GEMV
-#   for less than the 2.3 us kernel it removes.
+# - **Between two steps**, the plan's four copies became one kernel that reads them from pinned
+#   host memory, and the read-back moved to a stream of its own: three operations fewer between
+#   two replays, and a fourth off the next step's path. No kernel of the graph changed.
+# - **Against the peers**, nanolab's step is the fastest measured at every batch, 1.23x gpt-fast's
+#   at batch 1 and 1.53x at batch 8 in one process. It meets every step target of the issue in the
+#   floor table (the printed ratios): batch 8, 1% short of its target in the table before the
+#   upload changed (1.112 ms against 1.10), measured 1.088. Batch 1's row is one draw; the median
+#   of four fresh compiles sits on its target (1.0005 ms). Whole-generate times move by a few
+#   percent between processes, with the copy bandwidth each one measures. At batch 8 what is
+#   left is the projections' 2.9 TB/s and two norm-and-add kernels a layer (0.075 ms a step),
+#   each mostly its own launch. Folding those norms, the residual adds and SwiGLU into the GEMVs
+#   took the kernels away and made the step 2.6 times longer: only the residual add fits inside a
+#   GEMV for less than the 2.3 us kernel it removes.
 # - **Time to first token** meets its target since whole prompts attend through torch's fused
 #   attention instead of the streamed read.
 # - **Chunked prefill** cut the server's ITL tail without moving the median. On this machine it
 #   decoded the whole-prompt engine's tokens. The tail aim is still missed, and p99 lands on the
-#   mixed steps. Compiling them, or cutting the budget to 512 tokens, did not shorten them: about
-#   7 ms of each mixed step follows neither its tokens nor its compilation. A profile of one mixed
-#   step is the next thing to take.
+#   mixed steps. Compiling them, or cutting the budget to 512 tokens, did not shorten them. Taken
+#   apart, a mixed step is about 10 ms of the host inside its forward, with the GPU busy for a
+#   third of it: the next lever is to take the host out of that forward.

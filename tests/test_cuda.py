@@ -94,3 +94,33 @@ def test_step_gemv_folds_on_cuda():
         a, w = torch.randn(m, 1, 2048, **bf), torch.randn(2048, 2048, **bf) / 2048**0.5
         ref = F.linear(a.float(), w.float()) + h.float()
         assert float((step_projection(a, w, residual=h).float() - ref).norm() / ref.norm()) < 1e-2, m
+
+
+def test_step_inputs_scatter_from_pinned_memory_on_cuda():
+    from nanolab.kernels.step_inputs import scatter_step_inputs
+
+    for rows in (1, 8, 130):
+        src = (torch.arange(4 * rows, dtype=torch.int64).view(4, rows) * 7 - 3).pin_memory()
+        dsts = [torch.full((rows,), -99, dtype=torch.int64, device="cuda") for _ in range(4)]
+        scatter_step_inputs(src, dsts)
+        torch.cuda.synchronize()
+        for i, d in enumerate(dsts):
+            assert torch.equal(d.cpu(), src[i]), (rows, i)
+
+
+def test_decode_plans_upload_their_inputs_on_cuda():
+    # Every plan reaches the device intact, also when plans follow each other faster than the
+    # pinned slots they go up from come round again.
+    from nanolab.engine.block_manager import BlockManager
+    from nanolab.engine.kv_cache import KVCache
+
+    cache = KVCache(BlockManager(64, 4, 8), num_layers=1, num_kv_heads=1, head_dim=8, device="cuda",
+                    read="reference")
+    row = cache.blocks.open_row()
+    cache.plan_varlen([row], [3])
+    for step in range(10):
+        plan = cache.plan_decode([row], batch_size=4)
+        torch.cuda.synchronize()
+        assert plan.positions.view(-1).tolist() == [3 + step, 0, 0, 0]
+        assert plan.context_lens.tolist() == [4 + step, 1, 1, 1]
+        assert plan.table_rows.tolist() == [row, cache.pad_row, cache.pad_row, cache.pad_row]

@@ -19,6 +19,7 @@ from nanolab.lab.plots.floor import (
     plot_folds,
     plot_kernel_draws,
     plot_lever_waterfall,
+    plot_mixed_anatomy,
     plot_mixed_steps,
     plot_projections,
     plot_tuning_spread,
@@ -165,6 +166,27 @@ def test_mixed_steps_scatter_each_trace_with_its_median():
     ax = fig.axes[0]
     assert [len(c.get_offsets()) for c in ax.collections] == [3, 3]
     assert legend_texts(ax) == ["eager: median 8.0 ms", "compiled: median 9.0 ms", "the server's median step (1.2 ms)"]
+
+
+def test_mixed_anatomy_stacks_each_step_and_ticks_the_gpu():
+    nan = float("nan")
+    anatomy = pd.DataFrame({
+        "arm": ["eager"] * 3 + ["compiled"] * 3, "phase": ["decode", "mixed", "mixed"] * 2,
+        "prompt_len": [0, 512, 2048] * 2, "chunk": [0, 0, 1] * 2, "tokens": [16, 528, 32] * 2,
+        "step_ms": [1.2, 10.5, 10.1] * 2, "forward_host_ms": [nan, 10.0, 9.6] * 2,
+        "forward_span_ms": [nan, 9.9, 9.5] * 2, "sample_ms": [nan, 0.2, 0.2] * 2, "rest_ms": [nan, 0.3, 0.3] * 2})
+    kernels = pd.DataFrame({"arm": ["eager", "eager", "compiled"], "prompt_len": 512,
+                            "us_per_step": [2000.0, 1300.0, 3200.0]})
+    fig = plot_mixed_anatomy(anatomy, kernels)
+    assert len(fig.axes) == 2
+    for ax, busy in zip(fig.axes, (3.3, 3.2)):
+        widths = sorted(round(p.get_width(), 3) for p in bars(ax))
+        assert widths == [0.2, 0.2, 0.3, 0.3, 9.6, 10.0]  # host, sampling and rest of two steps
+        span, gpu = ax.collections
+        assert list(span.get_offsets()[:, 0]) == [9.9, 9.5]
+        assert gpu.get_offsets()[0, 0] == pytest.approx(busy)
+        assert np.ma.is_masked(gpu.get_offsets()[1, 0])  # chunk 1 was not profiled: no tick
+        assert ax.lines[0].get_xdata()[0] == 1.2  # the decode step
 
 
 def test_the_figures_stay_out_of_pyplot():

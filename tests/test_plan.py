@@ -207,3 +207,13 @@ def test_decode_shape_reads_the_plans_width_and_is_not_off_by_one():
     predicted = decode_shape(UnplannedView(cache.blocks, cache, tuple(rows), "cache"))
     plan = cache.plan_decode(rows)
     assert decode_shape(cache.view(plan)) == predicted == (2, 10) == (plan.batch_size, plan.slot_mapping.shape[1])
+
+
+def test_step_inputs_scatter_refuses_what_it_cannot_read():
+    from nanolab.kernels.step_inputs import scatter_step_inputs
+
+    dsts = [torch.zeros(3, dtype=torch.int64) for _ in range(4)]
+    with pytest.raises(ValueError, match="src must be"):
+        scatter_step_inputs(torch.zeros(3, 3, dtype=torch.int64), dsts)
+    with pytest.raises(ValueError, match="pinned"):
+        scatter_step_inputs(torch.zeros(4, 3, dtype=torch.int64), dsts)

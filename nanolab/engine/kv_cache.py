@@ -25,9 +25,12 @@ from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_write, rope_write_op
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.kernels.reference import attention_mask_bias, reference_read
+from nanolab.kernels.step_inputs import scatter_step_inputs
 from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_attention_op, varlen_reference
 
 SINK = -1  # the pool slot past the last block
+# Pinned host slots a decode plan's step inputs go up from, in turn (`KVCache._upload`).
+UPLOAD_SLOTS = 3
 READS = ("streamed", "reference")
 # A varlen step of whole prompts reads through `prompt_attention` (torch's fused attention) instead
 # of the streamed kernel; the lab turns it off to measure the kernel alone.
@@ -96,6 +99,11 @@ class KVCache:
             ("context_lens", (blocks.max_rows,)), ("positions", (blocks.max_rows, 1)))}
         self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
         self._plans = 0
+        # On CUDA, pinned host slots the step inputs go up from (`_upload`), each with the event
+        # after the kernel that last read it: a slot is written again only once that has run.
+        self._upload_slots = [torch.empty(4 * blocks.max_rows, dtype=torch.int64).pin_memory()
+                              for _ in range(UPLOAD_SLOTS if self.device.type == "cuda" else 0)]
+        self._upload_done: list[torch.cuda.Event | None] = [None] * len(self._upload_slots)
 
     @property
     def num_blocks(self) -> int:
@@ -207,13 +215,29 @@ class KVCache:
             [p + 1 for p in positions] + [1] * pad,  # context length, this step's token included
             positions + [0] * pad,  # position of the new token
         ], dtype=torch.int64)
-        step = stage(step, self.device)
         views = {name: buffer[:batch] for name, buffer in self.step_inputs.items()}
-        for view, values in zip(views.values(), step, strict=True):
-            view.view(-1).copy_(values, non_blocking=True)
+        self._upload(step, [view.view(-1) for view in views.values()])
         self._plans += 1
         return DecodePlan(**views, block_table=self.block_table, block_size=self.block_size, width=width,
                           planned_lens=tuple(p + 1 for p in positions), rows=rows, epoch=self._plans)
+
+    def _upload(self, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
+        """step [4, batch] int64 on the host -> the four device views `dsts`. On CUDA one kernel
+        reads it from the next of `UPLOAD_SLOTS` pinned slots (`scatter_step_inputs`), once the
+        kernel that read that slot before has run (its event); elsewhere, four copies."""
+        if self.device.type != "cuda":
+            for dst, values in zip(dsts, step, strict=True):
+                dst.copy_(values)
+            return
+        i = self._plans % UPLOAD_SLOTS
+        if self._upload_done[i] is not None:
+            self._upload_done[i].synchronize()  # long past, unless plans outrun the GPU by two steps
+        src = self._upload_slots[i][: step.numel()].view_as(step)
+        src.copy_(step)
+        scatter_step_inputs(src, dsts)
+        done = torch.cuda.Event()
+        done.record()
+        self._upload_done[i] = done
 
     def require_current(self, plan: DecodePlan) -> None:
         """Refuse a decode plan that a newer one has replaced: its buffers now hold the newer plan."""

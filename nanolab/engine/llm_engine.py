@@ -9,7 +9,7 @@ ends returns its row and blocks. A failure is contained to the requests it touch
 sampling raises ends alone with an error, a forward that raises ends the requests of that step,
 and the engine goes on with the rest. With asynchronous scheduling (Day 61) consecutive decode
 steps overlap: step t + 1 is planned and launched, fed by step t's tokens on the device, before
-step t's tokens are read back.
+step t's tokens are read back, by a copy on a stream of its own that step t + 1 does not queue behind.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class _InFlight:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [rows] int64 on the device: what the next step feeds
-    host: torch.Tensor  # [rows] int64, pinned on CUDA: filled by a copy queued behind the sampler
+    host: torch.Tensor  # [rows] int64, pinned on CUDA: filled by a copy on the read-back stream
     done: torch.cuda.Event | None  # recorded after that copy; None on the CPU, where it is synchronous
     batch: int  # rows the forward ran at
     graph: bool
@@ -180,6 +180,7 @@ class Engine:
             raise ValueError(f"async_scheduling={async_scheduling!r}: must be a bool")
         self.async_scheduling = async_scheduling
         self._inflight: _InFlight | None = None  # the decode step launched and not yet read back
+        self._readback: torch.cuda.Stream | None = None  # where an in-flight step's tokens are read back
         self.eos_token_ids = frozenset(self.config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
@@ -405,11 +406,18 @@ class Engine:
             self.last_step = StepRecord("decode", len(seqs), batch, graph, len(seqs), time.perf_counter() - start)
             return outputs + self._emit(seqs, tokens, logits)
         host = stage(torch.empty(len(seqs), dtype=torch.int64), self.device)
-        host.copy_(tokens, non_blocking=True)
         done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
+        if self.device.type == "cuda":  # on a stream of its own: the next step need not wait for it
+            if self._readback is None:
+                self._readback = torch.cuda.Stream(self.device)
+            self._readback.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._readback):
+                host.copy_(tokens, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            tokens.record_stream(self._readback)
+        else:
+            host.copy_(tokens)
         self._inflight = _InFlight(seqs, tokens, host, done, batch, graph, start)
         return self._retire(prev) if prev else []
 

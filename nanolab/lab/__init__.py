@@ -13,6 +13,7 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
 - `levers`, `floorbench`, `projections`: Day 61's levers, the peers, and what was not kept
 - `mixedsteps`: where a mixed step of chunked prefill spends its time (Day 61)
+- `steploop`: what the GPU runs between two replays of the graphed decode step (Day 61)
 - `folds`: the decode step with its norms, residual adds and SwiGLU inside the GEMVs (Day 61, not kept)
 - `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
 - `results`: the front page's figure and the results page, from the committed tables
@@ -37,7 +38,8 @@ _EXPORTS = {
     "nanolab.lab.levers": ["once_a_step", "show_lever_run"],
     "nanolab.lab.plots": ["lever_run_waterfall", "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl",
                           "plot_decode_plan", "plot_decode_speed", "plot_floor_roofline", "plot_folds",
-                          "plot_kernel_draws", "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_steps",
+                          "plot_kernel_draws", "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_anatomy",
+                          "plot_mixed_steps",
                           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",
                           "plot_tp_steps", "plot_tuning_spread"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],

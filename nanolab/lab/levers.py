@@ -769,7 +769,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None,
-                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds", "mixed"))
+                        choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds", "mixed",
+                                 "loop"))
     parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
                         "DEFAULT_ARMS)")
@@ -837,6 +838,16 @@ def main(args: argparse.Namespace) -> int:
         kernels = tables.get(f"{args.stem}_mixed_kernels")
         if kernels is not None:
             print(kernels.groupby("arm", sort=False).head(12).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(label.caption())
+        return 0
+    if args.only == "loop":
+        from nanolab import LLM
+        from nanolab.lab.steploop import step_loop
+
+        llm = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=64, enable_chunked_prefill=False)
+        keep(step_loop(llm))
+        print(tables[f"{args.stem}_loop"].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(tables[f"{args.stem}_loop_ops"].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
         print(label.caption())
         return 0
     if args.only == "folds":

@@ -10,6 +10,7 @@ from nanolab.lab.plots.floor import (
     plot_folds,
     plot_kernel_draws,
     plot_lever_waterfall,
+    plot_mixed_anatomy,
     plot_mixed_steps,
     plot_projections,
     plot_tuning_spread,
@@ -21,5 +22,6 @@ from nanolab.lab.plots.streamed import plot_launch_sweep, plot_streamed_engine, 
 
 __all__ = ["lever_run_waterfall", "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
            "plot_decode_speed", "plot_floor_roofline", "plot_folds", "plot_headline", "plot_kernel_draws",
-           "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_steps", "plot_paper_speedup", "plot_projections",
+           "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_anatomy",
+           "plot_mixed_steps", "plot_paper_speedup", "plot_projections",
            "plot_streamed_engine", "plot_streamed_read", "plot_tp_steps", "plot_tuning_spread"]

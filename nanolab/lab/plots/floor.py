@@ -320,3 +320,42 @@ def plot_mixed_steps(traces: Mapping[str, pd.DataFrame], step_ms: float | None =
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_mixed_anatomy(anatomy: pd.DataFrame, kernels: pd.DataFrame | None = None) -> Figure:
+    """`day61_mixed_anatomy`'s mixed steps, one bar each per arm: the host's time inside the varlen
+    forward, sampling with its read-back, and the rest of the step, stacked; a black tick at the
+    forward's span on the GPU; and, from `day61_mixed_kernels` where given, a red tick at the
+    GPU's summed kernel time for its profiled prompt. A dashed line marks each arm's decode step."""
+    mixed = anatomy[anatomy.phase == "mixed"]
+    arms = list(dict.fromkeys(mixed.arm))
+    fig = Figure(figsize=(8.5, 1.8 + 0.8 * len(mixed)))
+    axes = fig.subplots(len(arms), 1, sharex=True, squeeze=False)[:, 0]
+    parts = [("forward_host_ms", "host inside the varlen forward", "C0"),
+             ("sample_ms", "sampling and read-back", "C1"), ("rest_ms", "rest of the step", "C7")]
+    busy = {} if kernels is None else kernels.groupby(["arm", "prompt_len"]).us_per_step.sum() / 1000
+    for ax, arm in zip(axes, arms, strict=True):
+        rows = mixed[mixed.arm == arm].reset_index(drop=True)
+        y = range(len(rows))
+        left = [0.0] * len(rows)
+        for col, label, colour in parts:
+            ax.barh(y, rows[col], left=left, color=colour, label=label, height=0.6)
+            left = [a + b for a, b in zip(left, rows[col], strict=True)]
+        ax.scatter(rows.forward_span_ms, y, marker="|", s=400, color="k", label="the forward's span on the GPU")
+        gpu = [busy.get((arm, p), float("nan")) if c == 0 else float("nan")
+               for p, c in zip(rows.prompt_len, rows.chunk, strict=True)]
+        ax.scatter(gpu, y, marker="|", s=400, color="C3", label="its kernels' summed time (profiled prompt)")
+        decode = anatomy[(anatomy.arm == arm) & (anatomy.phase == "decode")].step_ms
+        if len(decode):
+            ax.axvline(float(decode.iloc[0]), color="k", ls="--", lw=1, label="a decode step of the same rows")
+        ax.set_yticks(list(y), [f"{p:,}-token prompt, chunk {c} ({t:,} tokens)"
+                                for p, c, t in zip(rows.prompt_len, rows.chunk, rows.tokens.astype(int), strict=True)],
+                      fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{arm} mixed steps", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("ms")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    return fig
