@@ -1000,8 +1000,8 @@ else:
 #
 # Every lever so far worked inside the graph. The floor bench times whole `generate` calls, and a
 # step there is the graph's replay and whatever the GPU runs before the next one. With
-# asynchronous scheduling the host runs ahead, so the GPU never waits for a launch; it waits for
-# its own queue. Between two replays that queue held eight operations a step:
+# asynchronous scheduling the host runs ahead, so what the GPU runs between two replays is what
+# the engine queued there, eight operations a step:
 # - the two kernels of the greedy pick (`kernels.argmax`);
 # - the read-back of the tokens, a device-to-host copy;
 # - the next plan's four per-row vectors (table row, write slot, context length, position), one
@@ -1009,13 +1009,13 @@ else:
 #   let dynamo tie a size to another, and recompile);
 # - the copy of the tokens into the graph's input.
 #
-# Each copy is a few hundred nanoseconds of transfer, and on either side of it the copy engine
-# starts and hands back, a microsecond or two each time. The prediction: with four copies folded
+# Each copy moves a few hundred bytes; what it costs is the copy engine starting and handing back
+# around it, in stream order with everything else. The prediction: with four copies folded
 # into one kernel and the read-back out of the way, 10 to 15 us less a step at every batch, about
 # the 12 us the batch-8 step lacked against its target. The engine now does two things
 # differently:
 # - **The plan goes up in one kernel.** `KVCache.plan_decode` writes the four vectors into a
-#   pinned host buffer, and `kernels.step_inputs.scatter_step_inputs` loads them from there (the
+#   pinned host buffer, and `kernels.step_inputs.upload_step_inputs` loads them from there (the
 #   GPU addresses pinned host memory directly) and stores them into the four device buffers. No
 #   copy engine is involved. Three pinned slots take turns, each with an event after the kernel
 #   that read it, so a plan never overwrites one the GPU has yet to read.
@@ -1024,8 +1024,8 @@ else:
 #
 # The kernel loads all four vectors before its first store. The compiler cannot move a load above
 # a store that might alias it, so in the order load, store, load, store each trip over PCIe would
-# wait for the one before. On the H200 the greedy rows at batch 8 decoded the same tokens with the
-# old upload and the new one.
+# wait for the one before. A CUDA test builds plans faster than a held-back GPU runs their
+# kernels, and checks each plan's vectors as its kernel left them.
 #
 # `levers --only loop` (`lab.steploop`) profiles whole `generate` calls and cuts the GPU's
 # timeline at each replay: what runs between two replays, and how long. The floor table below is
@@ -1079,7 +1079,7 @@ for row in notes.itertuples():
 # batches 32 and 64 and at 2,048 tokens are from the process right after it on the same machine,
 # which measured a copy bandwidth 2% above the first's (4.19 TB/s against 4.11), so its floors
 # are shorter too. gpt-fast's step moves between processes as well: at batch 8 it took 1.665 ms
-# in this one, 1.921 and 1.816 ms in two processes of 2026-12-01. HF's default path at batch 8 is
+# in this one and 1.921 ms in the table before (2026-12-01, below). HF's default path at batch 8 is
 # from a process of 2026-11-30, and at batch 1, with every TTFT row but HF eager's, from one half
 # an hour later on a second H200 of the same kind. HF's eager arm ran hours before those, on
 # another H200 of the kind; at ten times nanolab's step, a few percent between two cards does not
@@ -1091,16 +1091,32 @@ for row in notes.itertuples():
 # process measured its own bandwidth, so each row's `x_floor` is over its own floor, and the floor
 # column beside the times is the latest process's.
 #
-# Against the table of 2026-12-01, before the upload and the read-back changed, nanolab's step
-# went from 1.112 to 1.088 ms at batch 8, from 1.272 to 1.183 at batch 32, from 1.450 to 1.409 at
-# batch 64 and from 1.848 to 1.812 for 32 rows at 2,048 tokens. Batch 1 measured 0.980 against
-# 0.972, a draw of its compile. These are different processes on different days, so each
-# difference carries the two processes' spread as well as the change. At batch 8 the step lost
-# 24 us in a process whose copy bandwidth was 2% lower than the earlier one's (4.11 TB/s against
-# 4.20), more than the 10 to 15 us predicted. The rows at 32 and 64 rows and at 2,048 tokens
-# ran in a process 4% faster at copying than their predecessor (4.19 against 4.03 TB/s). A step
-# that streamed at that rate would by itself be about 4% shorter, 51, 58 and 74 us there; the
-# measured differences were 89, 41 and 36 us. So these three rows say little about the change.
+# The table before this one (`data/day61_floor_before_upload_h200.csv`, 2026-12-01) measured the
+# same arms with the plan's four copies and the read-back on the step's stream. The cell below
+# sets the two side by side, with each process's copy bandwidth, and what that bandwidth alone
+# would move a step that streams at it.
+
+# %%
+before = lab.load_table("day61_floor_before_upload", "h200")
+if before is not None:
+    keys, cols = ["arm", "batch", "context"], ["ms_per_step", "bandwidth_tb_s"]
+    pair = before[keys + cols].merge(floor[keys + cols], on=keys, suffixes=(" before", " now")).set_index(keys)
+    pair["difference (us)"] = (pair["ms_per_step now"] - pair["ms_per_step before"]) * 1000
+    # a step that streamed every byte at its process's copy rate moves with that rate alone
+    pair["from the bandwidth alone (us)"] = (pair["ms_per_step before"] * pair["bandwidth_tb_s before"]
+                                             / pair["bandwidth_tb_s now"] - pair["ms_per_step before"]) * 1000
+    lab.show(pair.round(3))
+
+# %% [markdown]
+# These are different processes on different days, so each difference carries both processes'
+# spread as well as the change. At batch 8 nanolab's step lost 24 us in a process whose copy
+# bandwidth was 2% below the earlier one's, more than the 10 to 15 us predicted. Batch 1 moved
+# by its compile's draw. The rows at 32 and 64 rows and at 2,048 tokens ran in a process about
+# 4% faster at copying than the one before; that alone would have taken 47 to 69 us off them, and
+# they moved by 36 to 89, so they say little about the change. gpt-fast, untouched, moved by
+# -149 us at batch 1 and -256 at batch 8 between the same two processes: a whole `generate` moves
+# this much from one process to the next. `levers --arms 25,29`, the engine with and without the
+# change in one process, is the measurement that can settle it; it has not run yet.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
@@ -1357,19 +1373,23 @@ else:
 # the 512-token prompt's kernels, and the dashed line a decode step of the same rows. Compare
 # the blue bars with the black ticks: they end together.*
 #
-# The forward is host-bound. For 80 tokens and for 528, eager or compiled, the host spent 9.6 to
-# 10.2 ms inside the forward, and the forward's span on the GPU ended within 0.05 ms of it: the
-# GPU ran each kernel as soon as it was launched and then waited for the next. The kernels of the
-# 528-token step add up to 3.3 ms eagerly and 3.2 compiled, a third of the span. Only the first
-# chunk of the 2,048-token prompt (2,048 tokens) kept the GPU busier than the host: its forward
-# ran 14.6 ms, 3.5 to 3.9 of them after the host had returned, which the timed sampling waits
-# for. Sampling itself and the rest of the step take about half a millisecond. Compiling did not
-# shorten the host's part, so that time is not in what inductor fuses; which calls inside the
-# forward hold it is for a profile of the host, not of the GPU, to say.
+# The forward is host-bound. For 80 tokens and for 528, eager or compiled, the host spent 9.8 to
+# 10.2 ms inside the forward (9.6 to 10.0 for the 32-token second chunk), and the forward's span
+# on the GPU ended within 0.05 ms of it: the GPU ran each kernel as soon as it was launched, then
+# waited for the next. The kernels of the 528-token step add up to 3.3 ms eagerly and 3.2
+# compiled, a third of the span. Only the first chunk of the 2,048-token prompt (2,048 tokens)
+# kept the GPU busier than the host: its forward ran 14.6 ms, 3.5 to 3.9 of them after the host
+# had returned, which the timed sampling waits for. Sampling itself and the rest of the step take
+# about half a millisecond. Compiling did not shorten the host's part, so that time is not in
+# what inductor fuses; which calls inside the forward hold it is for a profile of the host, not
+# of the GPU, to say.
 #
-# So the mixed step's floor is the host's, about 10 ms, and the lever is to take the host out of
-# the forward: capture the mixed step in CUDA graphs over a list of token counts, with the varlen
-# read outside them (vLLM's piecewise graphs), or make each launch cheaper. Neither is built yet.
+# This run's mixed steps are longer than the server's (7.4 to 8.6 ms in the traces above): its
+# rows, its events and the waits of its timed sampler are its own. Neither the server's steps nor
+# these grow with their tokens, and here the host sets their length, so the lever is to take the
+# host out of the forward: capture the mixed step in CUDA graphs over a list of token counts,
+# with the varlen read outside them (vLLM's piecewise graphs), or make each launch cheaper.
+# Neither is built yet.
 #
 # ## bf16 against fp32
 #

@@ -3,6 +3,7 @@ bf16. Skipped on the CPU; run on the H200 before a GPU part is called done."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import needs_cuda
 from test_engine import assert_all_free, ragged_prompts, run
@@ -96,31 +97,42 @@ def test_step_gemv_folds_on_cuda():
         assert float((step_projection(a, w, residual=h).float() - ref).norm() / ref.norm()) < 1e-2, m
 
 
-def test_step_inputs_scatter_from_pinned_memory_on_cuda():
-    from nanolab.kernels.step_inputs import scatter_step_inputs
+def test_step_inputs_upload_from_pinned_memory_on_cuda():
+    from nanolab.kernels.step_inputs import upload_step_inputs
 
     for rows in (1, 8, 130):
         src = (torch.arange(4 * rows, dtype=torch.int64).view(4, rows) * 7 - 3).pin_memory()
         dsts = [torch.full((rows,), -99, dtype=torch.int64, device="cuda") for _ in range(4)]
-        scatter_step_inputs(src, dsts)
+        upload_step_inputs(src, dsts)
         torch.cuda.synchronize()
         for i, d in enumerate(dsts):
             assert torch.equal(d.cpu(), src[i]), (rows, i)
+    with pytest.raises(ValueError, match="pinned"):
+        upload_step_inputs(torch.zeros(4, 3, dtype=torch.int64), dsts[:3] + [dsts[3][:3]])
 
 
-def test_decode_plans_upload_their_inputs_on_cuda():
-    # Every plan reaches the device intact, also when plans follow each other faster than the
-    # pinned slots they go up from come round again.
+def test_decode_plans_upload_their_inputs_while_the_gpu_lags_on_cuda():
+    # The GPU sleeps first, so each plan's upload kernel waits in the queue while the host builds
+    # the next plans: more of them than there are pinned slots. Each plan's vectors are cloned on
+    # the stream as its kernel leaves them. A plan that overwrote a slot whose kernel had not run
+    # yet would hand that kernel a later plan's values.
     from nanolab.engine.block_manager import BlockManager
-    from nanolab.engine.kv_cache import KVCache
+    from nanolab.engine.kv_cache import UPLOAD_SLOTS, KVCache
 
     cache = KVCache(BlockManager(64, 4, 8), num_layers=1, num_kv_heads=1, head_dim=8, device="cuda",
                     read="reference")
     row = cache.blocks.open_row()
     cache.plan_varlen([row], [3])
-    for step in range(10):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles
+    seen = []
+    for _ in range(3 * UPLOAD_SLOTS + 1):
         plan = cache.plan_decode([row], batch_size=4)
-        torch.cuda.synchronize()
-        assert plan.positions.view(-1).tolist() == [3 + step, 0, 0, 0]
-        assert plan.context_lens.tolist() == [4 + step, 1, 1, 1]
-        assert plan.table_rows.tolist() == [row, cache.pad_row, cache.pad_row, cache.pad_row]
+        seen.append([t.clone() for t in (plan.table_rows, plan.write_slots, plan.context_lens, plan.positions)])
+    torch.cuda.synchronize()
+    pad = cache.pad_row
+    for step, (rows, slots, lens, positions) in enumerate(seen):
+        assert rows.tolist() == [row, pad, pad, pad]
+        assert positions.view(-1).tolist() == [3 + step, 0, 0, 0]
+        assert lens.tolist() == [4 + step, 1, 1, 1]
+        assert slots.tolist() == [cache.blocks.table(row).slot(3 + step), -1, -1, -1]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanolab.engine import kv_cache, llm_engine, runner
+from nanolab.engine.block_manager import BlockManager
 from nanolab.kernels import gemv as gemv_module
 from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, block_rows, gemv, step_config, step_linear
 from nanolab.lab.levers import breakdown, choose_config, kernel_class, projection_shapes, staging, sweep_configs
@@ -257,6 +258,7 @@ def test_kernel_classes():
     assert kernel_class("void at::native::vectorized_layer_norm_kernel<c10::BFloat16") == "norms"
     assert kernel_class("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps") == "sampling"
     assert kernel_class("Memcpy HtoD (Pageable -> Device)") == "copies and indexing"
+    assert kernel_class("_upload") == "copies and indexing"  # the plan's upload kernel, kernels.step_inputs
     assert kernel_class("void at::native::silu_kernel") == "other elementwise"
 
 
@@ -277,6 +279,17 @@ def test_staging_switch_restores_the_engine():
         assert all(m.stage(t, torch.device("cuda")) is t for m in modules)  # no pinning: the host tensor as is
         raise RuntimeError("an arm failed")
     assert [m.stage for m in modules] == pinned
+
+
+def test_staging_puts_the_four_copies_back_for_the_arms_before_the_upload_kernel():
+    own = kv_cache.KVCache._upload
+    cache = kv_cache.KVCache(BlockManager(8, 4, 2), num_layers=1, num_kv_heads=1, head_dim=4)
+    dsts = [torch.zeros(2, dtype=torch.int64) for _ in range(4)]
+    with staging(pinned=True, upload=False):
+        assert kv_cache.KVCache._upload is not own
+        cache._upload(torch.arange(8).view(4, 2), dsts)
+    assert kv_cache.KVCache._upload is own
+    assert [d.tolist() for d in dsts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def parts_of(stem: str, batch: int, order: list[str]) -> pd.DataFrame:
@@ -320,6 +333,7 @@ def test_the_default_arms_add_each_kept_lever_to_the_one_before_and_end_at_the_e
     assert last.step_pdl and last.steady
     assert last.read_whole == paged_attention.SHARE_TILES and paged_attention.FOLD_SHARES
     assert not (last.fold_shares or last.fused or last.autotune or last.fix_up or last.l2_ahead)
+    assert last.upload
 
 
 def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch):

@@ -209,11 +209,30 @@ def test_decode_shape_reads_the_plans_width_and_is_not_off_by_one():
     assert decode_shape(cache.view(plan)) == predicted == (2, 10) == (plan.batch_size, plan.slot_mapping.shape[1])
 
 
-def test_step_inputs_scatter_refuses_what_it_cannot_read():
-    from nanolab.kernels.step_inputs import scatter_step_inputs
+def test_the_step_inputs_go_up_in_one_kernel_through_the_interpreter():
+    from nanolab.kernels import INTERPRETED
+    from nanolab.kernels.step_inputs import upload_step_inputs
+
+    if not INTERPRETED:
+        pytest.skip("a CPU-only machine runs the kernel in Triton's interpreter; here CUDA tests it")
+    for rows in (1, 8, 130):  # 130: two programs, the second masked past its second row
+        src = torch.arange(4 * rows, dtype=torch.int64).view(4, rows) * 7 - 3
+        buffers = [torch.full((rows + 3,), -99, dtype=torch.int64) for _ in range(4)]  # room past the end
+        upload_step_inputs(src, [b[:rows] for b in buffers])
+        for i, b in enumerate(buffers):
+            assert torch.equal(b[:rows], src[i]), (rows, i)
+            assert (b[rows:] == -99).all(), f"the kernel wrote past row {rows} of vector {i}"
+
+
+def test_the_step_inputs_upload_refuses_what_it_cannot_read():
+    from nanolab.kernels.step_inputs import upload_step_inputs
 
     dsts = [torch.zeros(3, dtype=torch.int64) for _ in range(4)]
-    with pytest.raises(ValueError, match="src must be"):
-        scatter_step_inputs(torch.zeros(3, 3, dtype=torch.int64), dsts)
-    with pytest.raises(ValueError, match="pinned"):
-        scatter_step_inputs(torch.zeros(4, 3, dtype=torch.int64), dsts)
+    with pytest.raises(ValueError, match="src must be a contiguous"):
+        upload_step_inputs(torch.zeros(3, 3, dtype=torch.int64), dsts)
+    with pytest.raises(ValueError, match="src must be a contiguous"):
+        upload_step_inputs(torch.zeros(4, 3, dtype=torch.int32), dsts)
+    with pytest.raises(ValueError, match="dsts must be four"):
+        upload_step_inputs(torch.zeros(4, 3, dtype=torch.int64), dsts[:3])
+    with pytest.raises(ValueError, match="dsts must be four"):
+        upload_step_inputs(torch.zeros(4, 3, dtype=torch.int64), dsts[:3] + [torch.zeros(2, dtype=torch.int64)])

@@ -62,6 +62,37 @@ def test_the_typical_middle_step_is_listed_in_order():
     assert middle_step_ops(trace(steps=1)).empty
 
 
+def test_work_before_the_first_replay_and_out_of_order_events_are_placed_by_time():
+    events = trace(steps=3, upload_ops=2)
+    prefill = {"cat": "kernel", "name": "prefill", "ts": -500.0, "dur": 400.0, "args": {"correlation": 999}}
+    events = [prefill] + events[::-1]  # a trace lists its events in no promised order
+    records = loop_records(events)
+    assert len(records) == 2 and all(r["outside_ops"] == 4 for r in records)  # the prefill is in none
+    assert all(r["between_us"] == 4 * 3.0 + 1.0 for r in records)
+
+
+def test_a_copy_on_another_stream_counts_in_the_step_it_starts_in():
+    events = trace(steps=3, upload_ops=1)
+    graph = [e for e in events if e["name"] == "layers"]
+    # a read-back that starts 10 us into the second replay, on a stream of its own
+    events.append({"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": graph[1]["ts"] + 10.0, "dur": 2.0,
+                   "args": {"correlation": 500, "stream": 45}})
+    first, second = loop_records(events)
+    assert first["outside_ops"] == 3 and second["outside_ops"] == 4
+    assert second["between_us"] == first["between_us"]  # it overlaps the replay: the gap after is the same
+
+
+def test_the_typical_step_is_not_one_with_an_extra_write():
+    events = trace(steps=5, upload_ops=2)
+    chunk = [e for e in events if e["name"] == "_chunk_max"]
+    # the middle step also writes a new block-table entry, as a step that crosses a block does
+    middle = chunk[2]
+    events.append({"cat": "kernel", "name": "index_put", "ts": middle["ts"] + 0.5, "dur": 0.1,
+                   "args": {"correlation": 700}})
+    ops = middle_step_ops(events)
+    assert "index_put" not in set(ops.op) and len(ops) == 4
+
+
 def test_step_loop_needs_graphs():
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=None)))
     with pytest.raises(ValueError, match="llm: needs CUDA graphs"):

@@ -25,11 +25,13 @@ from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_write, rope_write_op
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
 from nanolab.kernels.reference import attention_mask_bias, reference_read
-from nanolab.kernels.step_inputs import scatter_step_inputs
+from nanolab.kernels.step_inputs import upload_step_inputs
 from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_attention_op, varlen_reference
 
 SINK = -1  # the pool slot past the last block
-# Pinned host slots a decode plan's step inputs go up from, in turn (`KVCache._upload`).
+# Pinned host slots a decode plan's step inputs go up from, in turn (`KVCache._upload`). Asynchronous
+# scheduling builds a plan while the step before it is still queued, so two would do; the third is
+# margin, and a plan waits for its slot only when the host is three plans ahead of the GPU.
 UPLOAD_SLOTS = 3
 READS = ("streamed", "reference")
 # A varlen step of whole prompts reads through `prompt_attention` (torch's fused attention) instead
@@ -46,8 +48,8 @@ def stage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on its way to `device`: in pinned memory when that is a CUDA device, so the
     copy that follows (`copy_(..., non_blocking=True)`) is queued on the stream instead of
     stalling the host for a round trip (a pageable copy measured tens of microseconds a call on
-    the H200 box, several a step). torch's caching host allocator keeps a pinned block until the
-    copies reading it have run, so the next step cannot overwrite it early."""
+    the H200 box). torch's caching host allocator keeps a pinned block until the copies reading it
+    have run, so the next step cannot overwrite it early."""
     return t.pin_memory() if device.type == "cuda" else t
 
 
@@ -99,11 +101,12 @@ class KVCache:
             ("context_lens", (blocks.max_rows,)), ("positions", (blocks.max_rows, 1)))}
         self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
         self._plans = 0
-        # On CUDA, pinned host slots the step inputs go up from (`_upload`), each with the event
-        # after the kernel that last read it: a slot is written again only once that has run.
-        self._upload_slots = [torch.empty(4 * blocks.max_rows, dtype=torch.int64).pin_memory()
-                              for _ in range(UPLOAD_SLOTS if self.device.type == "cuda" else 0)]
-        self._upload_done: list[torch.cuda.Event | None] = [None] * len(self._upload_slots)
+        # On CUDA, pinned host slots [4 * max_rows] int64 the step inputs go up from (`_upload`), each
+        # with the event recorded after the kernel that last read it: a slot is written again only
+        # once that kernel has run. (An event never recorded is complete.)
+        slots = UPLOAD_SLOTS if self.device.type == "cuda" else 0
+        self._upload_slots = [torch.empty(4 * blocks.max_rows, dtype=torch.int64).pin_memory() for _ in range(slots)]
+        self._upload_done = [torch.cuda.Event() for _ in range(slots)]
 
     @property
     def num_blocks(self) -> int:
@@ -223,21 +226,19 @@ class KVCache:
 
     def _upload(self, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
         """step [4, batch] int64 on the host -> the four device views `dsts`. On CUDA one kernel
-        reads it from the next of `UPLOAD_SLOTS` pinned slots (`scatter_step_inputs`), once the
-        kernel that read that slot before has run (its event); elsewhere, four copies."""
+        reads it from the next of `UPLOAD_SLOTS` pinned slots (`upload_step_inputs`), once the
+        kernel that read that slot before has run; elsewhere, four copies."""
         if self.device.type != "cuda":
             for dst, values in zip(dsts, step, strict=True):
                 dst.copy_(values)
             return
         i = self._plans % UPLOAD_SLOTS
-        if self._upload_done[i] is not None:
-            self._upload_done[i].synchronize()  # long past, unless plans outrun the GPU by two steps
+        done = self._upload_done[i]
+        done.synchronize()  # long past, unless the host is UPLOAD_SLOTS plans ahead of the GPU
         src = self._upload_slots[i][: step.numel()].view_as(step)
         src.copy_(step)
-        scatter_step_inputs(src, dsts)
-        done = torch.cuda.Event()
+        upload_step_inputs(src, dsts, validated=True)  # the cache's own slots and buffers
         done.record()
-        self._upload_done[i] = done
 
     def require_current(self, plan: DecodePlan) -> None:
         """Refuse a decode plan that a newer one has replaced: its buffers now hold the newer plan."""

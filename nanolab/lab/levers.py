@@ -53,7 +53,7 @@ NAN = float("nan")
 @dataclass(frozen=True)
 class Lever:
     name: str
-    pinned: bool = True  # step inputs staged in pinned memory (`kv_cache.stage`); False re-runs the pageable copies
+    pinned: bool = True  # step inputs staged in pinned memory (`kv_cache.stage`); False: copied from pageable memory
     compile: bool = False  # inductor over the graphed step (`runner.compile_decode`)
     async_scheduling: bool = False  # launch step t + 1 before reading back step t (`Engine`)
     fused: bool = False  # up to 16 rows, the fused projections (`runner.FusedDecode`), the compiled step past that
@@ -77,6 +77,10 @@ class Lever:
     fix_up: bool = False  # `gemv.step_linear`'s split-K shares added in its own kernel (`gemv.STEP_FIX_UP`)
     # a batch's norms, residual adds and SwiGLU folded into its GEMVs, to 64 rows (`lab.folds.FoldedStep`)
     step_fused: bool = False
+    # between two steps: the next plan's four per-row vectors uploaded in one kernel from pinned memory
+    # (`KVCache._upload`), and the tokens read back on a stream of their own (`Engine`); False: four
+    # copies, and the read-back on the step's stream, as every arm before it ran
+    upload: bool = False
 
 
 # Cumulative up to "+ one rope and K/V write kernel": each arm keeps every lever before it. The two
@@ -86,7 +90,9 @@ class Lever:
 # head, and PDL over the kept step and the tuning timed after a warm-up, in turn, off that. The
 # Triton GEMV in the batched step (to 16 rows, kept; to 64; to 64 with the weight ahead of the wait)
 # each branch off the warmed-up tuning, and the two read grids off the GEMV to 16 rows. The GEMV
-# alone against cuBLAS is `projection_table`, and back to back `chained_projection_table`.
+# alone against cuBLAS is `projection_table`, and back to back `chained_projection_table`. The read
+# in one kernel (kept) and the levers after it branch off the GEMV to 16 rows; the upload kernel with
+# the read-back's own stream (kept) off the read in one kernel.
 ARMS = (
     Lever("graphs (before)", pinned=False),
     Lever("+ pinned step inputs"),
@@ -148,14 +154,25 @@ ARMS = (
     Lever("+ norms, residual adds and SwiGLU inside the GEMVs", compile=True, async_scheduling=True,
           rope_write=True, tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True,
           triton_rows=16, read_whole=4, step_fused=True),
+    Lever("+ the plan in one upload kernel, the read-back on its own stream", compile=True, async_scheduling=True,
+          rope_write=True, tune_batch_1=True, opaque=("lm_head",), skip_empty=True, step_pdl=True, steady=True,
+          triton_rows=16, read_whole=4, upload=True),
 )
 # What `levers` runs unless told: the engine as it was built, every kept lever added in turn (the
 # last arm is the engine's defaults). The levers measured and not kept run by index (--arms).
-DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15, 16, 25))
+DEFAULT_ARMS = tuple(ARMS[i] for i in (0, 1, 2, 3, 4, 6, 11, 13, 14, 15, 16, 25, 29))
 
 
 def _pageable(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t  # the engine before pinned staging: every step input copied from pageable memory
+
+
+def _copied_upload(cache, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
+    """`KVCache._upload` before the upload kernel: one copy per vector, staged by `kv_cache.stage`
+    (pinned, or pageable under `staging(pinned=False)`)."""
+    step = kv_cache_module.stage(step, cache.device)
+    for dst, values in zip(dsts, step, strict=True):
+        dst.copy_(values, non_blocking=True)
 
 
 @contextlib.contextmanager
@@ -164,7 +181,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
             ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
             prefetch: bool = False, programs_per_sm: int = paged_attention_module.PROGRAMS_PER_SM,
             early_release: bool = False, l2_ahead: int = 0, share_tiles: int = paged_attention_module.SHARE_TILES,
-            fix_up: bool = False):
+            fix_up: bool = False, upload: bool = True):
     """Run the engine with its step inputs staged in pinned memory (its own design) or, for the
     arm before that lever, copied from pageable memory, each copy a round trip the host waits on;
     with or without the one rotation-and-write kernel (`attention.FUSED_ROPE_WRITE`), with or
@@ -177,7 +194,8 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     `programs_per_sm` programs per SM (`paged_attention.PROGRAMS_PER_SM`), and the engine's kernels
     releasing their dependents as they start or as they exit (`pdl.EARLY_RELEASE`), a split read's
     shares at least `share_tiles` tiles (`paged_attention.SHARE_TILES`), and split-K's shares added
-    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`).
+    in the GEMV's kernel or a second one (`gemv.STEP_FIX_UP`), and a decode plan uploaded in one
+    kernel or four copies (`KVCache._upload`; the read-back's stream is `lever_engine`'s to set).
     Build the engine inside: a compiled step keeps the choices it was traced with."""
     modules = (kv_cache_module, runner_module, engine_module)
     switches = ((attention_module, "FUSED_ROPE_WRITE", rope_write),
@@ -189,9 +207,12 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
                 (pdl_module, "EARLY_RELEASE", early_release), (gemv_module, "STEP_L2_AHEAD", l2_ahead),
                 (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
+    saved_upload = kv_cache_module.KVCache._upload
     if not pinned:
         for m in modules:
             m.stage = _pageable
+    if not upload:
+        kv_cache_module.KVCache._upload = _copied_upload
     for m, name, value in switches:
         setattr(m, name, value)
     try:
@@ -199,6 +220,7 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     finally:
         for m, fn in zip(modules, saved[0], strict=True):
             m.stage = fn
+        kv_cache_module.KVCache._upload = saved_upload
         for (m, name, _), value in zip(switches, saved[1], strict=True):
             setattr(m, name, value)
 
@@ -209,7 +231,7 @@ def lever_staging(lever: Lever):
                    skip_empty=lever.skip_empty, step_rows=lever.triton_rows or gemv_module.STEP_ROWS,
                    prefetch=lever.prefetch, programs_per_sm=lever.programs_per_sm,
                    early_release=lever.early_release, l2_ahead=lever.l2_ahead, share_tiles=lever.read_whole or 1,
-                   fix_up=lever.fix_up)
+                   fix_up=lever.fix_up, upload=lever.upload)
 
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
@@ -223,7 +245,8 @@ KERNEL_CLASSES = (
     ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
     ("norms", ("layer_norm", "rms")),
     ("fused by inductor", ("triton_",)),
-    ("copies and indexing", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill", "scatter")),
+    ("copies and indexing", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill", "scatter",
+                             "_upload")),
 )
 
 
@@ -277,6 +300,8 @@ def lever_engine(model, lever: Lever, **engine_kwargs) -> tuple[Engine, float]:
     engine = Engine(model, forward=forward, cuda_graphs=True, read="streamed", progress=False,
                     async_scheduling=lever.async_scheduling, enable_chunked_prefill=False,  # see `timing.prefill`
                     **engine_kwargs)
+    if not lever.upload:  # the read-back on the step's own stream: the engine's stream for it is that one
+        engine._readback = torch.cuda.current_stream(engine.device)
     torch.cuda.synchronize()
     return engine, time.perf_counter() - start
 

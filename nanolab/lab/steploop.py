@@ -92,7 +92,8 @@ def middle_step_ops(events: list[dict]) -> pd.DataFrame:
     # block-table entry), the one nearest the middle
     typical = statistics.median_low(len(s["after"]) for s in steps)
     middle = (len(steps) - 1) / 2
-    step = min((s for s in steps if len(s["after"]) == typical), key=lambda s: abs(steps.index(s) - middle))
+    _, step = min(((i, s) for i, s in enumerate(steps) if len(s["after"]) == typical),
+                  key=lambda pair: abs(pair[0] - middle))
     t = max(_end(e) for e in step["graph"])
     rows = []
     for i, e in enumerate(step["after"]):
