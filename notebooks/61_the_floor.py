@@ -712,8 +712,10 @@ if final is not None:
 # At batches 8 to 64 the three arms run one batched graph, whose projections are cuBLAS's and
 # whose tuning none of these levers touches. Their differences there, up to 12% at batch 64,
 # are this process's noise, the same that moves a whole `generate` at batch 64 between floorbench
-# processes. The profile of the last arm is the engine's batch-1 profile as it now stands
-# (`data/day61_final_lever_profile_h200.csv`).
+# processes. The profile of the last arm is the engine's batch-1 profile as it stood after these
+# levers (`data/day61_final_lever_profile_h200.csv`). The levers below changed batch 1's read and
+# what runs between its steps; the upload run in "Between two steps" profiles the engine as it
+# now stands.
 
 # %% [markdown]
 # ## Batch 8: the projections in Triton, under PDL
@@ -1027,11 +1029,16 @@ else:
 # wait for the one before. A CUDA test builds plans faster than a held-back GPU runs their
 # kernels, and checks each plan's vectors as its kernel left them.
 #
-# `levers --only loop` (`lab.steploop`) profiles whole `generate` calls and cuts the GPU's
-# timeline at each replay: what runs between two replays, and how long. The floor table below is
-# the end-to-end measure.
+# `levers --arms 25,29` runs the engine without the change and with it, in one process, and
+# profiles both at batches 1 and 8; its second arm is the engine's defaults, so its batch-1 profile
+# is the engine's as it now stands. `levers --only loop` (`lab.steploop`) profiles whole
+# `generate` calls and cuts the GPU's timeline at each replay: what runs between two replays, and
+# how long. The floor table below is the end-to-end measure.
 
 # %%
+upload_run = lab.show_lever_run("day61_upload", "ms_per_step", "python -m nanolab levers --only levers "
+                                "--arms 25,29 --shapes 1@128,8@128,32@128,64@128 --profile 1@128,8@128 "
+                                "--stem day61_upload")
 loop = lab.load_table("day61_loop", "h200")
 if loop is None:
     print("data/day61_loop_h200.csv is not committed yet:\n  `python -m nanolab levers --only loop` "
@@ -1115,8 +1122,8 @@ if before is not None:
 # 4% faster at copying than the one before; that alone would have taken 47 to 69 us off them, and
 # they moved by 36 to 89, so they say little about the change. gpt-fast, untouched, moved by
 # -149 us at batch 1 and -256 at batch 8 between the same two processes: a whole `generate` moves
-# this much from one process to the next. `levers --arms 25,29`, the engine with and without the
-# change in one process, is the measurement that can settle it; it has not run yet.
+# this much from one process to the next. The upload run above, the engine with and without the
+# change in one process, is the measurement that can settle it.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
