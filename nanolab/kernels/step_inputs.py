@@ -40,15 +40,14 @@ def upload_step_inputs(src: torch.Tensor, dsts: list[torch.Tensor], validated: b
     [rows]-element int64 tensors on one CUDA device (in Triton's interpreter, CPU tensors both). The
     kernel reads `src` when it runs, after this call returns: the caller keeps `src` unchanged until
     then (an event recorded after this call). `validated`: the caller has checked the inputs."""
-    if not validated:
-        if src.dtype != torch.int64 or src.dim() != 2 or src.shape[0] != 4 or not src.is_contiguous():
-            raise ValueError(f"src must be a contiguous [4, rows] int64 tensor, got {tuple(src.shape)} {src.dtype}")
-        if not INTERPRETED and not src.is_pinned():
-            raise ValueError("src must be pinned host memory: the GPU reads it in place")
-        rows = src.shape[1]
-        on_device = (lambda d: d.device.type == "cpu") if INTERPRETED else (lambda d: d.is_cuda)
-        if len(dsts) != 4 or any(d.numel() != rows or d.dtype != torch.int64 or not d.is_contiguous()
-                                 or not on_device(d) for d in dsts):
-            raise ValueError(f"dsts must be four contiguous int64 tensors of {rows} elements on the device")
+    if not validated and (src.dtype != torch.int64 or src.dim() != 2 or src.shape[0] != 4
+                          or not src.is_contiguous()):
+        raise ValueError(f"src must be a contiguous [4, rows] int64 tensor, got {tuple(src.shape)} {src.dtype}")
+    if not validated and not INTERPRETED and not src.is_pinned():
+        raise ValueError("src must be pinned host memory: the GPU reads it in place")
     rows = src.shape[1]
+    on_device = (lambda d: d.device.type == "cpu") if INTERPRETED else (lambda d: d.is_cuda)
+    if not validated and (len(dsts) != 4 or any(d.numel() != rows or d.dtype != torch.int64
+                                                or not d.is_contiguous() or not on_device(d) for d in dsts)):
+        raise ValueError(f"dsts must be four contiguous int64 tensors of {rows} elements on the device")
     _upload[(triton.cdiv(rows, BLOCK),)](src, *dsts, rows, BLOCK=BLOCK)

@@ -205,14 +205,12 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
                 (gemv_module, "STEP_PREFETCH", prefetch),
                 (paged_attention_module, "PROGRAMS_PER_SM", programs_per_sm),
                 (pdl_module, "EARLY_RELEASE", early_release), (gemv_module, "STEP_L2_AHEAD", l2_ahead),
-                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up))
+                (paged_attention_module, "SHARE_TILES", share_tiles), (gemv_module, "STEP_FIX_UP", fix_up),
+                (kv_cache_module.KVCache, "_upload", kv_cache_module.KVCache._upload if upload else _copied_upload))
     saved = [m.stage for m in modules], [getattr(m, name) for m, name, _ in switches]
-    saved_upload = kv_cache_module.KVCache._upload
     if not pinned:
         for m in modules:
             m.stage = _pageable
-    if not upload:
-        kv_cache_module.KVCache._upload = _copied_upload
     for m, name, value in switches:
         setattr(m, name, value)
     try:
@@ -220,7 +218,6 @@ def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
     finally:
         for m, fn in zip(modules, saved[0], strict=True):
             m.stage = fn
-        kv_cache_module.KVCache._upload = saved_upload
         for (m, name, _), value in zip(switches, saved[1], strict=True):
             setattr(m, name, value)
 
