@@ -93,7 +93,14 @@ def test_the_typical_step_is_not_one_with_an_extra_write():
     assert "index_put" not in set(ops.op) and len(ops) == 4
 
 
-def test_step_loop_needs_graphs():
+def test_step_loop_needs_graphs_and_refuses_bad_arguments_by_name():
     llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=None)))
     with pytest.raises(ValueError, match="llm: needs CUDA graphs"):
         step_loop(llm)
+    llm.engine = SimpleNamespace(runner=SimpleNamespace(graphs=object()),
+                                 block_manager=SimpleNamespace(max_rows=8))
+    with pytest.raises(ValueError, match="new_tokens=1"):
+        step_loop(llm, new_tokens=1)
+    for batches in ((), (0,), (16,), (True,), (2.0,)):
+        with pytest.raises(ValueError, match="batches="):
+            step_loop(llm, batches=batches)

@@ -131,6 +131,9 @@ def step_loop(llm, batches=(1, 8, 32), prompt_len: int = 128, new_tokens: int = 
     for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if not isinstance(value, int) or value < 2:
             raise ValueError(f"{name}={value!r}: must be an int >= 2")
+    rows = llm.engine.block_manager.max_rows
+    if not batches or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= rows for b in batches):
+        raise ValueError(f"batches={batches!r}: each must be an int from 1 to the engine's {rows} rows")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     loops, ops = [], []
     for batch in batches:
