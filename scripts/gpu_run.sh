@@ -4,7 +4,7 @@
 # a percent-format notebook is valid Python). Results land in data/ and figures/ under the
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp] [varlen]
-#                      [mixed] [loop] [upload]
+#                      [mixed] [loop] [upload] [between]
 #   (default: the first three)
 # tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism, with
 # its path opted into ($NANOLAB_NCCL_TP, which LLM otherwise refuses), each test's stacks dumped
@@ -17,6 +17,8 @@
 # between two decode steps), into data/day61_loop_*.
 # upload runs the engine without and with the plan's upload kernel and the read-back's own stream
 # (lever arms 25 and 29) in one process, profiled at batches 1 and 8, into data/day61_upload_*.
+# between times one engine with its work between two steps as it was before the upload kernel and as it
+# is, alternating, and profiles both ways, into data/day61_between_*.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -47,6 +49,7 @@ for part in "${parts[@]}"; do
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         upload) python3 -m nanolab levers --only levers --model llama-3.2-1b --arms 25,29 \
                     --shapes 1@128,8@128,32@128,64@128 --profile 1@128,8@128 --stem day61_upload || status=1 ;;
+        between) python3 -m nanolab levers --only between --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;
         *) echo "unknown part $part" >&2; status=2 ;;

@@ -136,3 +136,20 @@ def test_decode_plans_upload_their_inputs_while_the_gpu_lags_on_cuda():
         assert positions.view(-1).tolist() == [3 + step, 0, 0, 0]
         assert lens.tolist() == [4 + step, 1, 1, 1]
         assert slots.tolist() == [cache.blocks.table(row).slot(3 + step), -1, -1, -1]
+
+
+def test_the_old_work_between_steps_decodes_the_same_tokens_on_cuda():
+    # `lab.steploop.between_steps_ab` times one engine both ways: the four copies and the read-back
+    # on the step's stream must give the tokens the upload kernel and the own stream give.
+    from nanolab.lab.levers import between_steps_before
+
+    llm = LLM("tiny", device="cuda", max_num_seqs=8)
+    assert llm.engine.runner.graphs is not None
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(512)[:6]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    now = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    own = llm.engine._readback
+    with between_steps_before(llm.engine):
+        before = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert before == now and llm.engine._readback is own
+    assert_all_free(llm.engine)

@@ -14,6 +14,8 @@ from nanolab.lab.levers import once_a_step
 from nanolab.lab.plots.floor import (
     PARTS,
     best_of_sweep,
+    between_steps_timeline,
+    plot_between_steps,
     plot_chunked_itl,
     plot_floor_roofline,
     plot_folds,
@@ -187,6 +189,39 @@ def test_mixed_anatomy_stacks_each_step_and_ticks_the_gpu():
         assert gpu.get_offsets()[0, 0] == pytest.approx(busy)
         assert np.ma.is_masked(gpu.get_offsets()[1, 0])  # chunk 1 was not profiled: no tick
         assert ax.lines[0].get_xdata()[0] == 1.2  # the decode step
+
+
+def between_ops() -> tuple[pd.DataFrame, pd.DataFrame]:
+    before, after = "four copies", "one kernel"
+    ops = pd.DataFrame({
+        "variant": [before] * 3 + [after] * 3 + [after], "batch": [8] * 6 + [1],
+        "order": [0, 1, 2, 0, 1, 2, 0], "kind": ["kernel", "gpu_memcpy", "gpu_memcpy", "kernel", "kernel",
+                                                 "gpu_memcpy", "kernel"],
+        "op": ["_pick", "Memcpy DtoH (Device -> Pinned)", "Memcpy HtoD (Pinned -> Device)", "_pick", "_upload",
+               "Memcpy DtoH (Device -> Pinned)", "_pick"],
+        "stream": [7, 7, 7, 7, 7, 45, 7], "us": [1.0, 2.0, 1.0, 1.0, 2.0, 2.0, 1.0],
+        "gap_us": [2.0, 5.0, 3.0, 2.0, 1.0, -1.5, 2.0]})
+    loop = pd.DataFrame({"variant": [before, after], "batch": 8, "between_us": [16.0, 8.0]})
+    return ops, loop
+
+
+def test_between_steps_places_each_op_after_its_gap_and_overlaps_on_negative_gaps():
+    ops, _ = between_ops()
+    before = between_steps_timeline(ops[(ops.variant == "four copies")])
+    assert list(before.start_us) == [2.0, 8.0, 13.0] and list(before.end_us) == [3.0, 10.0, 14.0]
+    after = between_steps_timeline(ops[(ops.variant == "one kernel") & (ops.batch == 8)].iloc[::-1])
+    assert list(after.start_us) == [2.0, 4.0, 4.5]  # in order, whatever the rows' order; the read-back overlaps
+
+
+def test_between_steps_draws_each_variant_on_its_stream_lanes_and_the_next_replay():
+    ops, loop = between_ops()
+    fig = plot_between_steps(ops, loop, batch=8)
+    assert [ax.get_title() for ax in fig.axes] == ["four copies", "one kernel"]
+    for ax, lanes, replay in zip(fig.axes, ([0, 0, 0], [0, 0, 1]), (16.0, 8.0)):
+        assert [round(p.get_y() + p.get_height() / 2) for p in bars(ax)] == lanes
+        assert ax.lines[0].get_xdata()[0] == replay
+    colours = [p.get_facecolor() for p in bars(fig.axes[0])]
+    assert len({tuple(c) for c in colours}) == 3  # a kernel, a read-back and an upload copy
 
 
 def test_the_figures_stay_out_of_pyplot():

@@ -395,3 +395,18 @@ def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
     assert "run_varlen" in vars(engine.runner)
     clock.close()
     assert "run_varlen" not in vars(engine.runner)
+
+
+def test_between_steps_before_swaps_the_upload_and_the_read_back_stream_and_restores_them(monkeypatch):
+    from types import SimpleNamespace
+
+    from nanolab.lab.levers import between_steps_before
+
+    step_stream, own = object(), object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: step_stream)
+    engine = SimpleNamespace(device=torch.device("cuda"), _readback=own)
+    upload = kv_cache.KVCache._upload
+    with pytest.raises(RuntimeError), between_steps_before(engine):
+        assert engine._readback is step_stream and kv_cache.KVCache._upload is not upload
+        raise RuntimeError("a timing failed")
+    assert engine._readback is own and kv_cache.KVCache._upload is upload

@@ -176,6 +176,20 @@ def _copied_upload(cache, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
 
 
 @contextlib.contextmanager
+def between_steps_before(engine: Engine):
+    """Run `engine`, as built, with its work between two steps as it was before the upload kernel:
+    the plan in four copies (`_copied_upload`) and the tokens read back on the step's own stream.
+    Nothing inside its graphs or compiled step changes, so one engine can be timed both ways."""
+    saved = kv_cache_module.KVCache._upload, engine._readback
+    kv_cache_module.KVCache._upload = _copied_upload
+    engine._readback = torch.cuda.current_stream(engine.device)  # wait_stream on itself is a no-op
+    try:
+        yield
+    finally:
+        kv_cache_module.KVCache._upload, engine._readback = saved
+
+
+@contextlib.contextmanager
 def staging(pinned: bool, rope_write: bool = True, prompts_by_sdpa: bool = True,
             fold_shares: bool = paged_attention_module.FOLD_SHARES,
             ops_pdl: bool = False, skip_empty: bool = True, step_rows: int = gemv_module.STEP_ROWS,
@@ -792,8 +806,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None,
                         choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds", "mixed",
-                                 "loop"))
-    parser.add_argument("--trials", type=int, default=3, help="--only spread: fresh compiles of each arm")
+                                 "loop", "between"))
+    parser.add_argument("--trials", type=int, default=None, help="--only spread: fresh compiles of each arm "
+                        "(default 3); --only between: rounds of both ways (default 8)")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
                         "DEFAULT_ARMS)")
     parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
@@ -836,11 +851,11 @@ def main(args: argparse.Namespace) -> int:
         keep({"day61_fp32_agreement": fp32_agreement(path)})
         print(tables[f"{args.stem}_fp32_agreement"].to_string(index=False))
         return 0
+    if args.trials is not None and args.trials < 1:
+        raise ValueError(f"--trials must be at least 1, got {args.trials}")
     if args.only == "spread":
-        if args.trials < 1:
-            raise ValueError(f"--trials must be at least 1, got {args.trials}")
         arms = SPREAD_ARMS if args.arms is None else tuple(ARMS[int(i)] for i in args.arms.split(","))
-        keep(tuning_spread(path, dtype, arms=arms, trials=args.trials, steps=args.steps, repeats=args.repeats,
+        keep(tuning_spread(path, dtype, arms=arms, trials=args.trials or 3, steps=args.steps, repeats=args.repeats,
                            checkpoint=keep))
         spread = tables[f"{args.stem}_tuning_spread"]
         print(spread.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
@@ -870,6 +885,18 @@ def main(args: argparse.Namespace) -> int:
         keep(step_loop(llm))
         print(tables[f"{args.stem}_loop"].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
         print(tables[f"{args.stem}_loop_ops"].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(label.caption())
+        return 0
+    if args.only == "between":
+        from nanolab import LLM
+        from nanolab.lab.steploop import between_steps_ab
+
+        llm = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=64, enable_chunked_prefill=False)
+        keep(between_steps_ab(llm, trials=args.trials or 8, repeats=args.repeats))
+        ab = tables[f"{args.stem}_between_ab"]
+        print(ab.pivot_table(index="batch", columns="variant", values="ms_per_step", aggfunc="median")
+              .to_string(float_format=lambda x: f"{x:.4f}"))
+        print(tables[f"{args.stem}_between_loop"].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
         print(label.caption())
         return 0
     if args.only == "folds":

@@ -4,7 +4,9 @@ and measured tables."""
 from nanolab.lab.plots.capture import plot_capture_buckets
 from nanolab.lab.plots.engine import plot_block_tables, plot_decode_speed
 from nanolab.lab.plots.floor import (
+    between_steps_timeline,
     lever_run_waterfall,
+    plot_between_steps,
     plot_chunked_itl,
     plot_floor_roofline,
     plot_folds,
@@ -20,7 +22,8 @@ from nanolab.lab.plots.plan import plot_decode_plan
 from nanolab.lab.plots.results import plot_headline
 from nanolab.lab.plots.streamed import plot_launch_sweep, plot_streamed_engine, plot_streamed_read
 
-__all__ = ["lever_run_waterfall", "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
+__all__ = ["between_steps_timeline", "lever_run_waterfall", "plot_between_steps", "plot_block_tables",
+           "plot_capture_buckets", "plot_chunked_itl", "plot_decode_plan",
            "plot_decode_speed", "plot_floor_roofline", "plot_folds", "plot_headline", "plot_kernel_draws",
            "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_anatomy",
            "plot_mixed_steps", "plot_paper_speedup", "plot_projections",

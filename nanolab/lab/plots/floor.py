@@ -1,8 +1,9 @@
 """Day 61's figures: the levers as a waterfall of one decode step, nanolab and its peers against the
-bandwidth floor, the projections alone against cuBLAS, and the server's ITL with chunked prefill on
-and off. Each takes the committed tables as they are saved (`lab.levers`, `lab.floorbench`,
-`lab.graphbench`) and returns a Figure. The figures are made without pyplot, so a notebook shows
-each once, where it calls `show`, and not again at the end of the cell."""
+bandwidth floor, the projections alone against cuBLAS, the server's ITL with chunked prefill on
+and off, and what the GPU runs between two decode steps. Each takes the committed tables as they
+are saved (`lab.levers`, `lab.floorbench`, `lab.graphbench`, `lab.steploop`) and returns a Figure.
+The figures are made without pyplot, so a notebook shows each once, where it calls `show`, and
+not again at the end of the cell."""
 
 from __future__ import annotations
 
@@ -358,4 +359,59 @@ def plot_mixed_anatomy(anatomy: pd.DataFrame, kernels: pd.DataFrame | None = Non
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
+    return fig
+
+
+def between_steps_timeline(ops: pd.DataFrame) -> pd.DataFrame:
+    """`day61_loop_ops`'s rows for one step (order, stream, us, gap_us, each gap from the end of what
+    ran before) with `start_us` and `end_us` from the replay's end: each starts its gap after the
+    latest end so far, and a negative gap overlaps it on another stream."""
+    t, starts = 0.0, []
+    for row in ops.sort_values("order").itertuples():
+        starts.append(t + row.gap_us)
+        t = max(t, starts[-1] + row.us)
+    out = ops.sort_values("order").assign(start_us=starts)
+    return out.assign(end_us=out.start_us + out.us)
+
+
+def _op_label(op: str) -> str:
+    if op.startswith("Memcpy"):  # "Memcpy HtoD (Pinned -> Device)" -> "HtoD"
+        return op.split()[1]
+    return op
+
+
+def plot_between_steps(ops: pd.DataFrame, loop: pd.DataFrame, batch: int) -> Figure:
+    """What the GPU runs from one replay's end to the next replay's start at `batch`, one panel per
+    variant (`day61_between_loop_ops` and `day61_between_loop`, in the order the variants appear):
+    each operation a bar on its stream's lane (kernels blue, copies by direction), at the times
+    `between_steps_timeline` gives, and a dashed line at the median start of the next replay."""
+    ops = ops[ops.batch == batch]
+    variants = list(dict.fromkeys(ops.variant))
+    colours = {"kernel": "C0", "HtoD": "C1", "DtoH": "C2", "DtoD": "C7"}
+    fig = Figure(figsize=(8.5, 1.4 + 1.5 * len(variants)))
+    axes = fig.subplots(len(variants), 1, sharex=True, squeeze=False)[:, 0]
+    right = 0.0
+    for ax, variant in zip(axes, variants, strict=True):
+        steps = between_steps_timeline(ops[ops.variant == variant])
+        streams = list(dict.fromkeys(steps.stream))
+        for row in steps.itertuples():
+            label = _op_label(row.op)
+            lane = streams.index(row.stream)
+            colour = colours["kernel"] if row.kind == "kernel" else colours.get(label, "C3")
+            ax.barh(lane, row.us, left=row.start_us, height=0.5, color=colour, edgecolor="k", lw=0.5)
+            ax.text(row.start_us, lane - 0.3, label, ha="left", va="bottom", fontsize=6.5, rotation=25)
+        right = max(right, float(steps.end_us.max()))
+        next_start = loop[(loop.variant == variant) & (loop.batch == batch)].between_us
+        if len(next_start):
+            x = float(next_start.iloc[0])
+            right = max(right, x)
+            ax.axvline(x, color="k", ls="--", lw=1)
+            ax.text(x + 0.3, len(streams) - 0.55, f"next replay starts: {x:.1f} us", fontsize=7, va="bottom")
+        ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams], fontsize=7)
+        ax.set_ylim(len(streams) - 0.5, -1.2)
+        ax.set_title(variant, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlim(0, right + 8)
+    axes[-1].set_xlabel(f"us after the last kernel of a batch-{batch} replay")
+    fig.tight_layout()
     return fig
