@@ -1450,10 +1450,65 @@ else:
 #
 # This run's mixed steps are longer than the server's (7.4 to 8.6 ms in the traces above): its
 # rows, its events and the waits of its timed sampler are its own. Neither the server's steps nor
-# these grow with their tokens, and here the host sets their length, so the lever is to take the
-# host out of the forward: capture the mixed step in CUDA graphs over a list of token counts,
-# with the varlen read outside them (vLLM's piecewise graphs), or make each launch cheaper.
-# Neither is built yet.
+# these grow with their tokens, and here the host sets their length.
+#
+# ### The host's time, by part
+#
+# `levers --only mixedhost` (`lab.mixedsteps.mixed_host_parts`) splits it. The same sixteen rows
+# run, a prompt of 64, 512 or 1,536 tokens arrives (each fits one step), and timers on every
+# module of the model, on the planning, on the rotation and K/V write and on the attention read
+# charge each part its own time, with what it calls that is timed too taken out. The timers cost
+# something themselves, so as many steps again ran without them (`plain_us`).
+
+# %%
+host = lab.load_table("day61_mixed_host", "h200")
+if host is None:
+    print("data/day61_mixed_host_h200.csv is not committed:\n  `python -m nanolab levers --only mixedhost` "
+          "(or `scripts/gpu_run.sh mixedhost`) on an H200 makes it")
+else:
+    print("measured on:", lab.table_label(host).caption().replace("; ", ";\n  "))
+    by_part = host.pivot_table(index="part", columns="prompt_len", values="us", sort=False)
+    by_part["calls a step"] = host.groupby("part", sort=False).calls.first()
+    lab.show(by_part.round(0))
+    totals = host.groupby("prompt_len").agg(tokens=("tokens", "first"), parts_us=("us", "sum"),
+                                             timed_us=("run_varlen_us", "first"), untimed_us=("plain_us", "first"),
+                                             timed_calls=("calls", "sum"))
+    totals["timer cost a call (us)"] = (totals.timed_us - totals.untimed_us) / totals.timed_calls
+    launches = ["attention read", "rotation and K/V write", "mlp: SwiGLU, the rest"]
+    totals["three Triton launches a layer (share)"] = (host[host.part.isin(launches)].groupby("prompt_len").us.sum()
+                                                       / totals.parts_us)
+    lab.show(totals.round(2))
+    fig = lab.plot_mixed_host(host)
+    if ON_GPU or not lab.figure_path("day61_mixed_host", "h200").exists():
+        lab.save_figure(fig, "day61_mixed_host", lab.table_label(host))
+    lab.show(fig)
+
+# %% [markdown]
+# *Figure 61.15: the host's time inside an eager mixed step, by part, for each prompt, the
+# largest at the top, with each part's calls a step in brackets. Read the top three rows: each
+# holds one Triton launch a layer.*
+#
+# With its timers the forward took 14.2 to 15.0 ms, and 11.4 or 11.5 without them at 64 and 512
+# tokens: the step's 183 timed calls cost 15 to 20 us each, so every part includes about that
+# much a call. At 1,536 tokens the untimed step was the longer one, 17.0 ms against 15.0. There
+# the GPU's forward takes longer than the host's, and something inside `run_varlen` waited for
+# it; this table does not say what.
+# - The three parts that launch a Triton kernel each layer come first: the attention read (137
+#   to 147 us a call), the rotation and K/V write (116 to 122), and the MLP's own time, which is
+#   `silu_mul`'s launch (99 to 107). Together they take 5.7 to 6.0 ms, 38 to 41% of the timed
+#   step, for 48 launches.
+# - A projection costs 37 to 62 us a call on the host, a layer norm 30 to 37, and a layer's two
+#   residual adds, with what else the layer does itself, 82 to 86. Each is one eager torch op,
+#   or two, on this machine's host.
+# - Planning grows with the tokens, from 0.59 to 1.36 ms: `plan_varlen` builds each token's
+#   write slot and position in Python lists.
+#
+# So the lever is to take the host out of the forward, and which way matters. A piecewise graph
+# with the varlen read left outside it (vLLM's default) would still pay the read's sixteen
+# launches, about 2 ms a step here. A graph over the whole mixed step would take all of it, with
+# the token count padded to a bucket and the read's grid cut for the bucket. Launching the Triton
+# kernels through a cached launcher would take the larger part of the three. Neither is built
+# yet.
 #
 # ## bf16 against fp32
 #
@@ -1690,4 +1745,6 @@ else:
 #   decoded the whole-prompt engine's tokens. The tail aim is still missed, and p99 lands on the
 #   mixed steps. Compiling them, or cutting the budget to 512 tokens, did not shorten them. Taken
 #   apart, a mixed step is about 10 ms of the host inside its forward, with the GPU busy for a
-#   third of it: the next lever is to take the host out of that forward.
+#   third of it. Timed part by part, about 40% of that host time is three Triton launches a
+#   layer, at 100 to 150 us each: the next lever is a graph over the whole mixed step, read
+#   included, or cheaper launches.

@@ -5,6 +5,7 @@
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp] [varlen]
 #                      [mixed] [loop] [upload] [between]
+#                      [mixedhost]
 #   (default: the first three)
 # tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism, with
 # its path opted into ($NANOLAB_NCCL_TP, which LLM otherwise refuses), each test's stacks dumped
@@ -19,6 +20,7 @@
 # (lever arms 25 and 29) in one process, profiled at batches 1 and 8, into data/day61_upload_*.
 # between times one engine with its work between two steps as it was before the upload kernel and as it
 # is, alternating, and profiles both ways, into data/day61_between_*.
+# mixedhost splits the host's time inside an eager mixed step's run_varlen by part, into data/day61_mixed_host_*.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -45,6 +47,7 @@ for part in "${parts[@]}"; do
         varlen) python3 -m pytest -q -p no:cacheprovider tests/test_compile_decode.py -k mixed || status=1
             python3 -m nanolab graphbench --device cuda --model llama-3.2-1b --arms graphs-chunked,graphs-compiled \
                 --prefix day61_varlen ${VARLEN_ARGS:---rates 16,32 --max-rate 32 --no-offline} || status=1 ;;
+        mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         upload) python3 -m nanolab levers --only levers --model llama-3.2-1b --arms 25,29 \

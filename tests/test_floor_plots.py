@@ -22,6 +22,7 @@ from nanolab.lab.plots.floor import (
     plot_kernel_draws,
     plot_lever_waterfall,
     plot_mixed_anatomy,
+    plot_mixed_host,
     plot_mixed_steps,
     plot_projections,
     plot_tuning_spread,
@@ -222,6 +223,18 @@ def test_between_steps_draws_each_variant_on_its_stream_lanes_and_the_next_repla
         assert ax.lines[0].get_xdata()[0] == replay
     colours = [p.get_facecolor() for p in bars(fig.axes[0])]
     assert len({tuple(c) for c in colours}) == 3  # a kernel, a read-back and an upload copy
+
+
+def test_mixed_host_bars_each_part_per_prompt_largest_on_top():
+    host = pd.DataFrame({"prompt_len": [64, 64, 512, 512], "part": ["read", "plan", "read", "plan"],
+                         "calls": [16, 1, 16, 1], "us": [2000.0, 500.0, 2100.0, 2500.0], "tokens": [80, 80, 528, 528]})
+    fig = plot_mixed_host(host)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["read  (x16)", "plan  (x1)"]  # by the 512 prompt's time
+    widths = {round(p.get_y() + p.get_height() / 2, 2): p.get_width() for p in bars(ax)}
+    assert widths == {-0.2: 2.0, 0.2: 2.1, 0.8: 0.5, 1.2: 2.5}  # ms; the shorter prompt's bar below
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["64-token prompt (80 tokens)",
+                                                                   "512-token prompt (528 tokens)"]
 
 
 def test_the_figures_stay_out_of_pyplot():

@@ -410,3 +410,75 @@ def test_between_steps_before_swaps_the_upload_and_the_read_back_stream_and_rest
         assert engine._readback is step_stream and kv_cache.KVCache._upload is not upload
         raise RuntimeError("a timing failed")
     assert engine._readback is own and kv_cache.KVCache._upload is upload
+
+
+def test_host_parts_charge_each_part_its_own_time_and_come_off_cleanly():
+    """`mixedsteps._HostParts` on a made-up runner whose every call advances a fake clock by a known
+    amount: each part is charged its own time, not its children's, and everything it installed is
+    gone after `close()`, the instance's own wrappers beneath it included."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from nanolab.engine.kv_cache import CacheView
+    from nanolab.lab.mixedsteps import _HostParts
+    from nanolab.model import llama
+
+    now = [0.0]
+
+    class Part(nn.Module):
+        def __init__(self, cost: float, **children) -> None:
+            super().__init__()
+            self.cost = cost
+            for name, child in children.items():
+                self.add_module(name, child)
+
+        def forward(self):
+            now[0] += self.cost
+            for child in self.children():
+                for module in (child if isinstance(child, nn.ModuleList) else [child]):
+                    module()
+
+    model = Part(3.0, layers=nn.ModuleList([Part(4.0, mlp=Part(5.0, down_proj=Part(6.0)))]))
+
+    def plan_varlen():
+        now[0] += 2.0
+
+    def own_wrapper():  # an instance attribute already there, as `_StepClock` leaves one
+        now[0] += 1.0
+        runner.kv_cache.plan_varlen()
+        model()
+
+    runner = SimpleNamespace(model=model, run_varlen=own_wrapper, kv_cache=SimpleNamespace(plan_varlen=plan_varlen))
+    originals = (CacheView.read, CacheView.write_rotated, llama.rope_cos_sin)
+    parts = _HostParts(clock=lambda: now[0])
+    parts.attach(SimpleNamespace(runner=runner))
+    assert CacheView.read is not originals[0]
+    runner.run_varlen()
+    spent = parts.take()
+    parts.close()
+    assert {part: us / 1e6 for part, (_, us) in spent.items()} == {
+        "run_varlen: ids, the view, the rest": 1.0, "plan (plan_varlen)": 2.0,
+        "model: the sampled rows' gather, the rest": 3.0, "decoder layer: residual adds, the rest": 4.0,
+        "mlp: SwiGLU, the rest": 5.0, "down_proj": 6.0}
+    assert all(calls == 1 for calls, _ in spent.values()) and parts.take() == {}
+    assert (CacheView.read, CacheView.write_rotated, llama.rope_cos_sin) == originals
+    assert runner.run_varlen is own_wrapper and runner.kv_cache.plan_varlen is plan_varlen
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_mixed_host_parts_split_every_mixed_step_of_the_tiny_model():
+    from nanolab.lab.mixedsteps import mixed_host_parts
+    from nanolab.model.weights import resolve_weights
+
+    path = resolve_weights("tiny")
+    table = mixed_host_parts(path, torch.float32, rows=3, context=16, prompt_lens=(8, 20), repeats=2, budget=32,
+                             progress=False)["day61_mixed_host"]
+    layers = ModelConfig.from_dir(path).num_hidden_layers
+    for prompt_len, t in table.groupby("prompt_len"):
+        calls = t.set_index("part").calls
+        assert calls["qkv_proj"] == calls["attention read"] == calls["input_layernorm"] == layers
+        assert calls["plan (plan_varlen)"] == calls["lm_head"] == 1
+        assert (t.tokens == prompt_len + 3).all() and (t.us >= 0).all()
+    with pytest.raises(ValueError, match="prompt_lens="):
+        mixed_host_parts(path, torch.float32, rows=3, budget=32, prompt_lens=(30,), progress=False)

@@ -40,7 +40,7 @@ _EXPORTS = {
                           "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl",
                           "plot_decode_plan", "plot_decode_speed", "plot_floor_roofline", "plot_folds",
                           "plot_kernel_draws", "plot_launch_sweep", "plot_lever_waterfall", "plot_mixed_anatomy",
-                          "plot_mixed_steps",
+                          "plot_mixed_host", "plot_mixed_steps",
                           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",
                           "plot_tp_steps", "plot_tuning_spread"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],

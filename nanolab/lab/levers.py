@@ -806,7 +806,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=None,
                         choices=("levers", "projections", "chain", "agreement", "prefill", "spread", "folds", "mixed",
-                                 "loop", "between"))
+                                 "loop", "between", "mixedhost"))
     parser.add_argument("--trials", type=int, default=None, help="--only spread: fresh compiles of each arm "
                         "(default 3); --only between: rounds of both ways (default 8)")
     parser.add_argument("--arms", default=None, help="comma-separated indices into ARMS (default: the kept levers, "
@@ -875,6 +875,15 @@ def main(args: argparse.Namespace) -> int:
         kernels = tables.get(f"{args.stem}_mixed_kernels")
         if kernels is not None:
             print(kernels.groupby("arm", sort=False).head(12).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+        print(label.caption())
+        return 0
+    if args.only == "mixedhost":
+        from nanolab.lab.mixedsteps import mixed_host_parts
+
+        keep(mixed_host_parts(path, dtype, repeats=args.repeats))
+        host = tables[f"{args.stem}_mixed_host"]
+        print(host.drop(columns=["running_rows", "context", "budget"]).to_string(
+            index=False, float_format=lambda x: f"{x:.1f}"))
         print(label.caption())
         return 0
     if args.only == "loop":

@@ -9,23 +9,32 @@ prompt's chunk. Day 61.
 - sampling and its read-back, which waits for the forward to finish;
 - the rest of `Engine.step` (scheduling, emitting).
 A profile of a few mixed steps gives the GPU's busy time by kernel. Decode steps of the same rows
-are timed beside them. Nothing here asserts a time.
+are timed beside them.
+
+`mixed_host_parts` splits the host's time inside an eager mixed step's `run_varlen` by the code
+that spends it: planning, each kind of module of the model (its own time, its children's taken
+out), the rotation and K/V write, the attention read, and what `run_varlen` does around them.
+Nothing here asserts a time.
 
     python -m nanolab levers --only mixed --model llama-3.2-1b
+    python -m nanolab levers --only mixedhost --model llama-3.2-1b
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 import pandas as pd
 import torch
 
 from nanolab import Engine, SamplingParams, load_model
+from nanolab.engine import kv_cache as kv_cache_module
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.runner import compile_decode
 from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.timing import prefill, random_prompts, timed_steps
+from nanolab.model import llama as llama_module
 from nanolab.progress import progress_bar
 from nanolab.sampling import sample_tokens
 
@@ -129,6 +138,27 @@ def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> 
     return kernel_table(prof, max(steps, 1), arm).assign(prompt_len=len(prompt))
 
 
+RUNNING_TOKENS = 512  # each running row's new tokens: more decode steps than a run takes
+
+
+def _running_engine(model, arm: str, rows: int, context: int, longest_prompt: int, budget: int,
+                    sampler=sample_tokens) -> Engine:
+    """The server's engine for `arm` ("eager" or "compiled") with `rows` rows running, each past a
+    `context`-token prompt: graphs, the streamed read and asynchronous scheduling on CUDA, chunked
+    prefill with a `budget` of tokens a step, and room for one more prompt of `longest_prompt`."""
+    cuda = model.lm_head.weight.is_cuda
+    torch._dynamo.reset()
+    forward = compile_decode(model, varlen=arm == "compiled") if cuda else None
+    blocks = rows * cdiv(context + RUNNING_TOKENS, 16) + cdiv(longest_prompt + 64, 16) + 16
+    engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2, sampler=sampler,
+                    read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
+                    async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
+    if (arm == "compiled") != engine.runner.compiled_varlen:
+        raise RuntimeError(f"the {arm} arm's engine does not run its mixed steps as the arm says")
+    prefill(engine, random_prompts(rows, context, model.config.vocab_size, seed=2), RUNNING_TOKENS)
+    return engine
+
+
 def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512,
                        prompt_lens=MIXED_PROMPTS, repeats: int = 5, budget: int = 2048,
                        arms=("eager", "compiled"), device: torch.device | str | None = None, profile_prompt: int = 512,
@@ -146,23 +176,14 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
     cuda = device.type == "cuda"
     model = load_model(model_path, dtype=dtype, device=device)
     vocab = model.config.vocab_size
-    new_tokens = 512  # the running rows' length: more decode steps than the run takes
     records, kernels = [], []
     for arm in progress_bar(arms, desc="mixed steps", enabled=progress):
         if arm not in ("eager", "compiled"):
             raise ValueError(f"arms: unknown arm {arm!r}; known: eager, compiled")
         if arm == "compiled" and not cuda:
             raise ValueError("arms: 'compiled' needs CUDA (the compiled varlen graph reads through the streamed read)")
-        torch._dynamo.reset()
-        forward = compile_decode(model, varlen=arm == "compiled") if cuda else None
-        blocks = rows * cdiv(context + new_tokens, 16) + cdiv(max(prompt_lens, default=0) + 64, 16) + 16
         clock = _StepClock(device)
-        engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2, sampler=clock.sampler,
-                        read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
-                        async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
-        if (arm == "compiled") != engine.runner.compiled_varlen:
-            raise RuntimeError(f"the {arm} arm's engine does not run its mixed steps as the arm says")
-        prefill(engine, random_prompts(rows, context, vocab, seed=2), new_tokens)
+        engine = _running_engine(model, arm, rows, context, max(prompt_lens, default=0), budget, clock.sampler)
         clock.attach(engine)
         try:
             _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
@@ -193,3 +214,128 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
     if kernels:
         out["day61_mixed_kernels"] = pd.concat(kernels, ignore_index=True)
     return out
+
+
+def _part_of(name: str) -> str:
+    """A module's qualified name -> its part: "layers.3.self_attn.qkv_proj" -> "qkv_proj"; the
+    containers' own time is what they do around their children."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "":
+        return "model: the sampled rows' gather, the rest"
+    if leaf.isdigit():
+        return "decoder layer: residual adds, the rest"
+    return {"self_attn": "attention: views, the rest", "mlp": "mlp: SwiGLU, the rest"}.get(leaf, leaf)
+
+
+class _HostParts:
+    """Host time inside `run_varlen`, by part, each part's own (the time of what it calls that is
+    timed too taken out): a stack of timers that module hooks and wrapped functions push and pop.
+    `attach(engine)` installs them; `take()` returns {part: (calls, us)} since the last take; close()
+    removes them. The hooks add a few microseconds a call of their own."""
+
+    FUNCTIONS = ((kv_cache_module.CacheView, "write_rotated", "rotation and K/V write"),
+                 (kv_cache_module.CacheView, "read", "attention read"),
+                 (llama_module, "rope_cos_sin", "rotary tables"))
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.stack: list[list[float]] = []
+        self.spent: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        self.undo: list = []
+
+    def push(self) -> None:
+        self.stack.append([self.clock(), 0.0])
+
+    def pop(self, part: str) -> None:
+        start, children = self.stack.pop()
+        inclusive = self.clock() - start
+        if self.stack:
+            self.stack[-1][1] += inclusive
+        rec = self.spent[part]
+        rec[0] += 1
+        rec[1] += 1e6 * (inclusive - children)
+
+    def timed(self, fn, part: str):
+        def wrapper(*args, **kwargs):
+            self.push()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.pop(part)
+        return wrapper
+
+    def attach(self, engine: Engine) -> None:
+        runner = engine.runner
+        for owner, name, part in self.FUNCTIONS:
+            original = getattr(owner, name)
+            setattr(owner, name, self.timed(original, part))
+            self.undo.append(lambda owner=owner, name=name, original=original: setattr(owner, name, original))
+        for target, name, part in ((runner, "run_varlen", "run_varlen: ids, the view, the rest"),
+                                   (runner.kv_cache, "plan_varlen", "plan (plan_varlen)")):
+            own = vars(target).get(name)  # an instance's own wrapper (`_StepClock`'s) stays beneath
+            setattr(target, name, self.timed(getattr(target, name), part))
+            self.undo.append(lambda target=target, name=name, own=own:
+                             setattr(target, name, own) if own is not None else delattr(target, name))
+        for name, module in runner.model.named_modules():
+            part = _part_of(name)
+            pre = module.register_forward_pre_hook(lambda *_: self.push())
+            post = module.register_forward_hook(lambda *_, part=part: self.pop(part))
+            self.undo += [pre.remove, post.remove]
+
+    def take(self) -> dict[str, tuple[int, float]]:
+        spent, self.spent = self.spent, defaultdict(lambda: [0, 0.0])
+        return {part: (int(calls), us) for part, (calls, us) in spent.items()}
+
+    def close(self) -> None:
+        for undo in reversed(self.undo):
+            undo()
+        self.undo = []
+
+
+def mixed_host_parts(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512, prompt_lens=(64, 512, 1536),
+                     repeats: int = 5, budget: int = 2048, device: torch.device | str | None = None,
+                     progress: bool = True) -> dict[str, pd.DataFrame]:
+    """`day61_mixed_host`: the host's time inside the eager mixed step's `run_varlen` by part
+    (`_HostParts`), the median over `repeats` mixed steps of each `prompt_lens` prompt (each fits
+    one step) joining `rows` running rows, as us a step and calls a step, with the whole
+    `run_varlen` timed with the parts' timers in place (`run_varlen_us`), and without (`plain_us`,
+    the median of as many mixed steps again)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= budget - rows for n in prompt_lens) \
+            or not prompt_lens:
+        raise ValueError(f"prompt_lens={prompt_lens!r}: each must fit one step beside the {rows} rows "
+                         f"(1 to {budget - rows})")
+    model = load_model(model_path, dtype=dtype, device=device)
+    vocab = model.config.vocab_size
+    clock, parts = _StepClock(device), _HostParts()
+    engine = _running_engine(model, "eager", rows, context, max(prompt_lens), budget, clock.sampler)
+    records = []
+    try:
+        clock.attach(engine)
+        _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
+        for n, prompt_len in enumerate(progress_bar(prompt_lens, desc="mixed host", enabled=progress)):
+            plain = []
+            for r in range(repeats):
+                prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
+                plain += [rec["forward_host_ms"] for rec in _mixed_steps(engine, clock, prompt)]
+            parts.attach(engine)
+            try:
+                for r in range(repeats):
+                    prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r + 50)[0].tolist()
+                    steps = _mixed_steps(engine, clock, prompt)
+                    if len(steps) != 1:
+                        raise RuntimeError(f"a {prompt_len}-token prompt took {len(steps)} mixed steps, not one")
+                    for part, (calls, us) in parts.take().items():
+                        records.append({"prompt_len": prompt_len, "repeat": r, "part": part, "calls": calls,
+                                        "us": us, "run_varlen_us": 1e3 * steps[0]["forward_host_ms"],
+                                        "plain_us": 1e3 * float(pd.Series(plain).median()),
+                                        "tokens": steps[0]["tokens"]})
+            finally:
+                parts.close()
+    finally:
+        clock.close()
+        parts.close()
+    table = (pd.DataFrame(records).groupby(["prompt_len", "part"], sort=False)
+             .median(numeric_only=True).drop(columns="repeat").reset_index())
+    table = table.sort_values(["prompt_len", "us"], ascending=[True, False], ignore_index=True)
+    return {"day61_mixed_host": table.assign(running_rows=rows, context=context, budget=budget)}

@@ -415,3 +415,26 @@ def plot_between_steps(ops: pd.DataFrame, loop: pd.DataFrame, batch: int) -> Fig
     axes[-1].set_xlabel(f"us after the last kernel of a batch-{batch} replay")
     fig.tight_layout()
     return fig
+
+
+def plot_mixed_host(host: pd.DataFrame) -> Figure:
+    """`day61_mixed_host`: the host's us inside an eager mixed step's `run_varlen` by part, one bar
+    per prompt length in each part's row, parts ordered by their time at the longest prompt, each
+    labelled with its calls a step (the longest prompt's), the largest at the top."""
+    prompts = sorted(host.prompt_len.unique())
+    order = host[host.prompt_len == prompts[-1]].sort_values("us").part.tolist()
+    fig = Figure(figsize=(8.5, 1.5 + 0.32 * len(order)))
+    ax = fig.subplots()
+    height = 0.8 / len(prompts)
+    for i, prompt_len in enumerate(prompts):
+        rows = host[host.prompt_len == prompt_len].set_index("part").reindex(order)
+        y = np.arange(len(order)) + (i - (len(prompts) - 1) / 2) * height
+        tokens = int(rows.tokens.dropna().iloc[0])
+        ax.barh(y, rows.us / 1000, height=height, color=f"C{i}", label=f"{prompt_len}-token prompt ({tokens} tokens)")
+    calls = host[host.prompt_len == prompts[-1]].set_index("part").calls.reindex(order)
+    ax.set_yticks(np.arange(len(order)), [f"{p}  (x{int(c)})" for p, c in zip(order, calls, strict=True)], fontsize=7)
+    ax.set_xlabel("ms of host time a mixed step, each part's own (calls a step in brackets)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
