@@ -735,12 +735,9 @@ if final is not None:
 # is warm in L2 and each launch follows another as in the step (`levers --only chain`).
 
 # %%
-chain = lab.load_table("day61_chain_chained_projections", "h200")
-if chain is None:
-    print("data/day61_chain_chained_projections_h200.csv is not committed: "
-          "`python -m nanolab levers --only chain --stem day61_chain` on an H200 makes it")
-else:
-    print("measured on:", lab.table_label(chain).caption().replace("; ", ";\n  "))
+chain = lab.measured_table("day61_chain_chained_projections",
+                           "python -m nanolab levers --only chain --stem day61_chain")
+if chain is not None:
     picked = chain[chain.arm.str.contains("step_config")].set_index("projection")
     fastest = chain[chain.arm != "cublas"].sort_values("us").groupby("projection").head(1).set_index("projection")
     cublas = chain[chain.arm == "cublas"].set_index("projection")
@@ -954,11 +951,8 @@ if fused_step is not None:
 # plain, then with each of its folds.
 
 # %%
-folds = lab.load_table("day61_folds", "h200")
-if folds is None:
-    print("data/day61_folds_h200.csv is not committed:\n  `python -m nanolab levers --only folds` on an H200 makes it")
-else:
-    print("measured on:", lab.table_label(folds).caption().replace("; ", ";\n  "))
+folds = lab.measured_table("day61_folds", "python -m nanolab levers --only folds")
+if folds is not None:
     lab.show(folds[folds.fold != "none"].pivot_table(index=["projection", "fold"], columns="rows", values="us_added")
              .round(1)
              .add_prefix("us added at rows = "))
@@ -1039,12 +1033,8 @@ else:
 # end-to-end measure.
 
 # %%
-between = lab.load_table("day61_between_ab", "h200")
-if between is None:
-    print("data/day61_between_ab_h200.csv is not committed:\n  `python -m nanolab levers --only between` "
-          "(or `scripts/gpu_run.sh between`) on an H200 makes it")
-else:
-    print("measured on:", lab.table_label(between).caption().replace("; ", ";\n  "))
+between = lab.measured_table("day61_between_ab", "python -m nanolab levers --only between")
+if between is not None:
     ways = list(dict.fromkeys(between.variant))
     print(f"{between.trial.nunique()} rounds; prompts of {between.prompt_len.iloc[0]} tokens, "
           f"{between.steps.iloc[0]} steps timed")
@@ -1411,13 +1401,9 @@ else:
 # A profile of the 512-token prompt's step gives its kernels' time.
 
 # %%
-anatomy = lab.load_table("day61_mixed_anatomy", "h200")
-mixed_kernels = lab.load_table("day61_mixed_kernels", "h200")
-if anatomy is None or mixed_kernels is None:
-    print("data/day61_mixed_anatomy_h200.csv is not committed:\n  `python -m nanolab levers --only mixed` "
-          "(or `scripts/gpu_run.sh mixed`) on an H200 makes it")
-else:
-    print("measured on:", lab.table_label(anatomy).caption().replace("; ", ";\n  "))
+anatomy = lab.measured_table("day61_mixed_anatomy", "python -m nanolab levers --only mixed")
+mixed_kernels = lab.load_table("day61_mixed_kernels", "h200")  # the same run's
+if anatomy is not None:
     lab.show(anatomy[["arm", "phase", "prompt_len", "chunk", "tokens", "step_ms", "forward_host_ms",
                       "forward_span_ms", "sample_ms", "rest_ms", "steps"]].round(2))
     busy = mixed_kernels.groupby("arm", sort=False).us_per_step.sum() / 1000
@@ -1461,12 +1447,8 @@ else:
 # something themselves, so as many steps again ran without them (`plain_us`).
 
 # %%
-host = lab.load_table("day61_mixed_host", "h200")
-if host is None:
-    print("data/day61_mixed_host_h200.csv is not committed:\n  `python -m nanolab levers --only mixedhost` "
-          "(or `scripts/gpu_run.sh mixedhost`) on an H200 makes it")
-else:
-    print("measured on:", lab.table_label(host).caption().replace("; ", ";\n  "))
+host = lab.measured_table("day61_mixed_host", "python -m nanolab levers --only mixedhost")
+if host is not None:
     by_part = host.pivot_table(index="part", columns="prompt_len", values="us", sort=False)
     by_part["calls a step"] = host.groupby("part", sort=False).calls.first()
     lab.show(by_part.round(0))

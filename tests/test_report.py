@@ -114,3 +114,14 @@ def test_chapter_target_on_the_cpu(monkeypatch):
     assert chapter_target("tiny") == (torch.device("cpu"), "tiny", torch.float32)
     monkeypatch.setenv("NANOLAB_MODEL", "/weights/llama")
     assert chapter_target("tiny")[1] == "/weights/llama"
+
+
+def test_a_measured_table_comes_with_where_it_ran_and_a_missing_one_says_how_to_make_it(out_dirs, capsys):
+    assert report.measured_table("day99_thing", "python -m nanolab thing") is None
+    assert capsys.readouterr().out == ("data/day99_thing_h200.csv is not committed:\n"
+                                       "  `python -m nanolab thing` on an H200 makes it\n")
+    label = report.run_label(torch.device("cpu"), "tiny", torch.float32)
+    report.save_table(pd.DataFrame({"x": [1]}), "day99_thing", label)
+    table = report.measured_table("day99_thing", "unused", slug="cpu", where="a CPU")
+    assert list(table.x) == [1]
+    assert capsys.readouterr().out.startswith("measured on: " + label.caption().split(";")[0])

@@ -424,13 +424,15 @@ def show_lever_run(stem: str, values: str, command: str, slug: str = "h200"
     it: its label, `values` by batch and arm, and the parts by arm of each profiled batch (a part
     an arm lacks is 0). Returns (levers table, the smallest profiled batch's parts by arm, arms in
     run order), or None with how to make it (`command`) when data/ lacks it."""
-    from nanolab.lab.report import load_table, show, table_label
+    from nanolab.lab.report import load_table, measured_table, show
 
-    levers, parts = (load_table(f"{stem}_{name}", slug) for name in ("levers", "parts"))
-    if levers is None or parts is None:
-        print(f"data/{stem}_levers_{slug}.csv is not committed:\n  `{command}` on an H200 makes it")
+    levers = measured_table(f"{stem}_levers", command, slug)
+    parts = load_table(f"{stem}_parts", slug)  # the same run's
+    if levers is None:
         return None
-    print("measured on:", table_label(levers).caption().replace("; ", ";\n  "))
+    if parts is None:
+        print(f"data/{stem}_parts_{slug}.csv, the same run's parts, is missing: `{command}` makes both")
+        return None
     order = list(dict.fromkeys(levers.arm))
     show(levers.pivot_table(index=["batch", "context"], columns="arm", values=values)[order].round(3))
     by_batch = {b: p.pivot_table(index="part", columns="arm", values="ms", aggfunc="sum")[order].fillna(0.0)

@@ -190,6 +190,17 @@ def load_table(stem: str, slug: str) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
+def measured_table(stem: str, command: str, slug: str = "h200", where: str = "an H200") -> pd.DataFrame | None:
+    """`load_table(stem, slug)` as a chapter shows it: with the caption of where it was measured,
+    or, when data/ lacks it, None and which `command` makes it on `where`."""
+    table = load_table(stem, slug)
+    if table is None:
+        print(f"data/{stem}_{slug}.csv is not committed:\n  `{command}` on {where} makes it")
+    else:
+        print("measured on:", table_label(table).caption().replace("; ", ";\n  "))
+    return table
+
+
 def committed_tables(stem: str) -> dict[str, pd.DataFrame]:
     """Every device's table for `stem` in data/, keyed by slug: the committed GPU runs and the local one."""
     tables = {}
