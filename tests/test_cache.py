@@ -146,6 +146,36 @@ def test_a_chunk_continues_its_row_and_only_sampled_rows_give_logits() -> None:
         cache.plan_varlen((rows[0], rows[0]), (1, 1))
 
 
+@pytest.mark.parametrize("starts", [(0, 0, 0, 0), (3, 5, 1, 0), (4, 7, 2, 9)])
+def test_varlen_slots_and_positions_follow_each_table_long_segments_and_short(starts) -> None:
+    # A long segment (more than a block) is sliced from its blocks in tensor ops, a short one (a
+    # decode row) token by token; either starts mid-block and crosses blocks. Every slot must be
+    # the table's own, in segment order, whatever the mix.
+    cache = small_cache(num_blocks=64)
+    rows = tuple(cache.blocks.open_row() for _ in range(4))
+    for row, a in zip(rows, starts):
+        if a:
+            cache.plan_varlen((row,), (a,))
+    counts = (1, 9, 2, 14)  # short, long, short, long
+    plan = cache.plan_varlen(rows, counts)
+    tables = [cache.blocks.table(row) for row in rows]
+    assert plan.write_slots.tolist() == [t.slot(p) for t, a, n in zip(tables, starts, counts) for p in range(a, a + n)]
+    assert plan.positions.tolist() == [[p for a, n in zip(starts, counts) for p in range(a, a + n)]]
+    assert plan.table_rows.tolist() == list(rows)
+    assert plan.context_lens.tolist() == [a + n for a, n in zip(starts, counts)]
+    assert plan.query_start_loc.tolist() == [0, 1, 10, 12, 26] and plan.logits_index.tolist() == [0, 9, 11, 25]
+    storages = {t.untyped_storage().data_ptr() for t in (plan.table_rows, plan.write_slots, plan.query_start_loc,
+                                                          plan.context_lens, plan.positions, plan.logits_index)}
+    assert len(storages) in (1, 6)  # one host buffer on the CPU; on a GPU, six tensors of their own
+
+
+def test_host_int64_makes_int64_tensors_from_ints() -> None:
+    from nanolab.engine.kv_cache import host_int64
+
+    assert host_int64([3, -1, 2**40]).tolist() == [3, -1, 2**40] and host_int64([]).shape == (0,)
+    assert host_int64((1, 2)).dtype == torch.int64
+
+
 def test_decode_plan_appends_one_token_per_row() -> None:
     cache, gen = small_cache(), torch.Generator().manual_seed(1)
     rows = (cache.blocks.open_row(), cache.blocks.open_row())

@@ -13,6 +13,7 @@ chosen once, when the cache is built: the streamed Triton kernels (`paged_attent
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,15 @@ def stage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     the H200 box). torch's caching host allocator keeps a pinned block until the copies reading it
     have run, so the next step cannot overwrite it early."""
     return t.pin_memory() if device.type == "cuda" else t
+
+
+def host_int64(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """A host int64 tensor [n] of `values`, made through `array.array`: `torch.tensor` over a list
+    of 1,552 ints took 0.24 ms on the dev box's CPU, this 0.03."""
+    buffer = array.array("q", values)
+    if not buffer:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(buffer, dtype=torch.int64)  # shares the array's memory, and keeps it alive
 
 
 def default_read(device: torch.device) -> str:
@@ -170,18 +180,50 @@ class KVCache:
         tables = [self.blocks.table(row) for row in rows]
         starts = [t.num_tokens for t in tables]
         self._grow(tables, rows, counts)
-        write_slots = [t.slot(p) for t, a, n in zip(tables, starts, counts, strict=True) for p in range(a, a + n)]
-        positions = [p for a, n in zip(starts, counts, strict=True) for p in range(a, a + n)]
+        slots, positions = self._varlen_slots(tables, starts, counts)
         loc = list(itertools.accumulate(counts, initial=0))
         logits_index = [end - 1 for end, due in zip(loc[1:], sampled, strict=True) if due]
         lens = tuple(t.num_tokens for t in tables)
-        dev = self.device
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(dev)
+        n = loc[-1]
+        # All six leave the host in one staged buffer, each for a device tensor of its own (no two
+        # of a plan's tensors share storage): on CUDA six copies the stream queues, none a round trip.
+        host = stage(torch.cat([host_int64(rows), *slots, host_int64(loc), host_int64(lens), *positions,
+                                host_int64(logits_index)]), self.device)
+        table_rows, write_slots_, loc_, lens_, positions_, logits_index_ = (
+            part.to(self.device, non_blocking=True)
+            for part in host.split([len(rows), n, len(loc), len(lens), n, len(logits_index)]))
         return VarlenPlan(
-            table_rows=as_tensor(rows), write_slots=as_tensor(write_slots), query_start_loc=as_tensor(loc),
-            context_lens=as_tensor(lens), positions=as_tensor(positions)[None], logits_index=as_tensor(logits_index),
-            block_table=self.block_table, block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens,
-            rows=rows)
+            table_rows=table_rows, write_slots=write_slots_, query_start_loc=loc_, context_lens=lens_,
+            positions=positions_[None], logits_index=logits_index_, block_table=self.block_table,
+            block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens, rows=rows)
+
+    def _varlen_slots(self, tables, starts, counts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The pool slot and the position of every token of a varlen step, segment after segment,
+        as host int64 pieces to concatenate: a segment longer than a block (a prompt's chunk) in
+        tensor ops over its blocks, the short ones (decode rows) as ints, gathered between them."""
+        bs = self.block_size
+        slots, positions, short_slots, short_positions = [], [], [], []
+
+        def gather_short() -> None:
+            if short_slots:
+                slots.append(host_int64(short_slots))
+                positions.append(host_int64(short_positions))
+                short_slots.clear()
+                short_positions.clear()
+
+        for t, a, n in zip(tables, starts, counts, strict=True):
+            if n <= bs:
+                short_slots.extend(t.blocks[p // bs] * bs + p % bs for p in range(a, a + n))
+                short_positions.extend(range(a, a + n))
+                continue
+            gather_short()
+            first = a // bs  # the segment's slots are its blocks' slots, from a's offset in the first
+            blocks = host_int64(t.blocks[first:(a + n - 1) // bs + 1])  # [blocks]
+            every = (blocks[:, None] * bs + torch.arange(bs)).view(-1)  # [blocks * bs]
+            slots.append(every[a - first * bs: a - first * bs + n])
+            positions.append(torch.arange(a, a + n))
+        gather_short()
+        return slots, positions
 
     def plan_decode(self, rows, *, batch_size: int | None = None, width: int | None = None) -> DecodePlan:
         """Grow every row's table by this step's token and return where everything goes.

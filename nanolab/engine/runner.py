@@ -11,13 +11,14 @@ eagerly over one flattened varlen plan, or compiled where the decode forward com
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs, planned_step
-from nanolab.engine.kv_cache import KVCache, stage
+from nanolab.engine.kv_cache import KVCache, host_int64, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
 from nanolab.kernels import pdl as pdl_module
@@ -214,14 +215,14 @@ class ModelRunner:
         through that graph, unless every segment is a whole prompt (those attend through torch's
         fused attention, one call a prompt)."""
         plan = self.kv_cache.plan_varlen([s.row for s in seqs], num_scheduled_tokens, sampled)
-        ids = [t for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)
-               for t in s.token_ids[a:a + n]]
+        ids = list(itertools.chain.from_iterable(
+            s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
-        ids = torch.tensor([ids], dtype=torch.int64)  # [1, num_tokens]
+        ids = stage(host_int64(ids), self.device).to(self.device, non_blocking=True)[None]  # [1, num_tokens]
         view = self.kv_cache.view(plan)
         if self.compiled_varlen and not plan.whole_prompts:
-            return self.forward.run_varlen(ids.to(self.device), plan.positions, view, plan.logits_index)
-        return self.model(ids.to(self.device), plan.positions, cache=view, logits_index=plan.logits_index)
+            return self.forward.run_varlen(ids, plan.positions, view, plan.logits_index)
+        return self.model(ids, plan.positions, cache=view, logits_index=plan.logits_index)
 
     def plan_step(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> tuple[DecodePlan, torch.Tensor]:
         """Plan a decode step, padded to its bucket when it has one, and its input ids [batch, 1]:
