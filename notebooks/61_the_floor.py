@@ -1482,8 +1482,11 @@ if host is not None:
 # - A projection costs 37 to 62 us a call on the host, a layer norm 30 to 37, and a layer's two
 #   residual adds, with what else the layer does itself, 82 to 86. Each is one eager torch op,
 #   or two, on this machine's host.
-# - Planning grows with the tokens, from 0.59 to 1.36 ms: `plan_varlen` builds each token's
-#   write slot and position in Python lists.
+# - Planning grows with the tokens, from 0.59 to 1.36 ms: in this run `plan_varlen` built each
+#   token's write slot and position in Python lists and made tensors of them one element at a
+#   time. It now slices a long segment's slots from its blocks in tensor ops and makes its int64
+#   tensors through `array`, with the same six copies to the GPU; that change has not been timed
+#   on the H200 yet.
 #
 # So the lever is to take the host out of the forward, and which way matters. A piecewise graph
 # with the varlen read left outside it (vLLM's default) would still pay the read's sixteen

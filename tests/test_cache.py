@@ -166,7 +166,7 @@ def test_varlen_slots_and_positions_follow_each_table_long_segments_and_short(st
     assert plan.query_start_loc.tolist() == [0, 1, 10, 12, 26] and plan.logits_index.tolist() == [0, 9, 11, 25]
     storages = {t.untyped_storage().data_ptr() for t in (plan.table_rows, plan.write_slots, plan.query_start_loc,
                                                           plan.context_lens, plan.positions, plan.logits_index)}
-    assert len(storages) in (1, 6)  # one host buffer on the CPU; on a GPU, six tensors of their own
+    assert len(storages) in (1, 6)  # views of one host buffer on the CPU; on a GPU, six tensors of their own
 
 
 def test_host_int64_makes_int64_tensors_from_ints() -> None:

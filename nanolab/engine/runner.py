@@ -218,7 +218,7 @@ class ModelRunner:
         ids = list(itertools.chain.from_iterable(
             s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
-        ids = stage(host_int64(ids), self.device).to(self.device, non_blocking=True)[None]  # [1, num_tokens]
+        ids = host_int64(ids).to(self.device)[None]  # [1, num_tokens]
         view = self.kv_cache.view(plan)
         if self.compiled_varlen and not plan.whole_prompts:
             return self.forward.run_varlen(ids, plan.positions, view, plan.logits_index)
