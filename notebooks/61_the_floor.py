@@ -1045,8 +1045,9 @@ if between is not None:
     table["range (us)"] = paired.apply(lambda d: f"{d.min():.1f} to {d.max():.1f}")
     table["rounds faster"] = paired.apply(lambda d: f"{(d < 0).sum()} of {len(d)}")
     lab.show(table.round(4))
-    between_loop = lab.load_table("day61_between_loop", "h200")
+    between_loop = lab.load_table("day61_between_loop", "h200")  # the same run's profiles
     between_ops = lab.load_table("day61_between_loop_ops", "h200")
+    assert between_loop is not None and between_ops is not None, "day61_between_ab's run also writes its profiles"
     lab.show(between_loop.set_index(["variant", "batch"])[["outside_ops", "outside_busy_us", "between_us",
                                                             "period_us", "graph_span_us"]].round(1))
     fig = lab.plot_between_steps(between_ops, between_loop, batch=8)
@@ -1061,18 +1062,18 @@ if between is not None:
 # dashed line is where the next replay started, the median over the call's steps. Look at the
 # orange run of copies in the top panel: the one `_upload` kernel below replaces all four.*
 #
-# The change took a median of 12.7 us off a step at batch 1, 13.4 at 8, 14.8 at 32 and 13.6 at
-# 64: the 10 to 15 us predicted. Every round was faster at batches 1 to 32, and seven of eight at
-# 64. At batches 1 and 8 the rounds agree to within 1.4 us. At 32 and 64 they spread from 7 to 20
-# us faster, and one round at 64 was 2.3 us slower. The profiles show where the time went.
-# Between two replays the GPU ran eight operations and now runs five, 1.3 us less work in all;
-# the wait from one replay's end to the next one's start fell from 29.1 to 14.2 us at batch 1
-# and from 37.5 to 14.4 at batch 8. Under the old way the read-back and the first copy each
-# started 7 to 8 us after the operation before them, and each later copy about 2 us after the
-# one before. The upload kernel starts about 1 us after the pick, and the read-back now runs on
-# its own stream beside the next replay's first kernels. The replay itself did not change: its
-# graph spans 1079 us at batch 8 both ways. In this run's own timing the engine's batch-8 step is
-# 1.084 ms, under its 1.10 target.
+# The change took a median of 12.7 us off a step at batch 1, 13.4 at 8, 14.8 at 32 and 13.6 at 64:
+# the 10 to 15 us predicted. Every round was faster at batches 1 to 32, and seven of eight at 64.
+# At batches 1 and 8 the rounds agree to within 1.5 us. At 32 and 64 they spread from 7 to 20 us
+# faster, and one round at 64 was 2.3 us slower. The profiles show where the time went. Between
+# two replays the GPU ran eight operations and now runs five, 1.3 us less work in all; the wait
+# from one replay's end to the next one's start fell from 29.1 to 14.2 us at batch 1 and from 37.5
+# to 14.4 at batch 8. Under the old way, at batch 8, the read-back and the first copy each started
+# 7 to 8 us after the operation before them (at batch 1, 3.6 and 3.8 us), and each later copy
+# about 2 us after the one before at either batch. The upload kernel starts about 1 us after the pick, and the
+# read-back now runs on its own stream beside the next replay's first kernels. The replay itself
+# did not change: its graph spans 1079 us at batch 8 both ways. In this run's own timing the
+# engine's batch-8 step is 1.084 ms, under its 1.10 target.
 #
 # The first run of this comparison, `levers --arms 25,29`, built the engine twice, once per arm,
 # and could not settle it. Its second arm is the engine's defaults, and its batch-1 profile
@@ -1092,7 +1093,8 @@ if upload_run is not None:
 # change does not touch, was 0.14 ms slower at batch 1 in the second build. Two compiles draw
 # two sets of tuned kernels, and this draw's projections took 1.02 ms of the batch-1 step
 # against 0.94 ms in the first. At batch 8 the second arm's host was slow as well: its planning,
-# sampling and the rest of its step took 20 to 32% longer than the first arm's, and its step
+# the replay's launch and the rest of its step took 20 to 32% longer than the first arm's, its
+# sampling 10%, and its step
 # (1.41 ms) ran 0.24 ms past its own replay. The one-engine run above shows nothing like it at
 # batch 8 (1.084 ms). Timing one engine both ways takes both effects out.
 
@@ -1170,7 +1172,7 @@ if before is not None:
 # they moved by 36 to 89, so they say little about the change. gpt-fast, untouched, moved by
 # -149 us at batch 1 and -256 at batch 8 between the same two processes: a whole `generate` moves
 # this much from one process to the next. The one-engine run above settles the change: 12.7 to
-# 14.8 us a step, every round faster.
+# 14.8 us a step, every round faster at batches 1 to 32 and seven of eight at 64.
 
 # %%
 side = floor.pivot_table(index=["batch", "context"], columns="label", values="ms_per_step")
@@ -1486,7 +1488,11 @@ if host is not None:
 #   token's write slot and position in Python lists and made tensors of them one element at a
 #   time. It now slices a long segment's slots from its blocks in tensor ops and makes its int64
 #   tensors through `array`, with the same six copies to the GPU; that change has not been timed
-#   on the H200 yet.
+#   on the H200 yet. A version that also staged the six vectors in pinned memory, as six queued
+#   copies, ran once in another process (`data/day61_mixed_host_staged_h200.csv`): its plan took
+#   0.83, 0.75 and 0.95 ms at the three prompts: slower at 64 tokens, faster at 512 and 1,536.
+#   One run against another, in two processes, does not settle that, so the copies stay as they
+#   were until one process times both.
 #
 # So the lever is to take the host out of the forward, and which way matters. A piecewise graph
 # with the varlen read left outside it (vLLM's default) would still pay the read's sixteen
@@ -1730,6 +1736,6 @@ else:
 #   decoded the whole-prompt engine's tokens. The tail aim is still missed, and p99 lands on the
 #   mixed steps. Compiling them, or cutting the budget to 512 tokens, did not shorten them. Taken
 #   apart, a mixed step is about 10 ms of the host inside its forward, with the GPU busy for a
-#   third of it. Timed part by part, about 40% of that host time is three Triton launches a
-#   layer, at 100 to 150 us each: the next lever is a graph over the whole mixed step, read
-#   included, or cheaper launches.
+#   third of it. Timed part by part, three Triton launches a layer, at 100 to 150 us each, take
+#   about 40% of the timed step's host time: the next lever is a graph over the whole mixed
+#   step, read included, or cheaper launches.

@@ -141,7 +141,8 @@ def test_decode_plans_upload_their_inputs_while_the_gpu_lags_on_cuda():
 def test_the_old_work_between_steps_decodes_the_same_tokens_on_cuda():
     # `lab.steploop.between_steps_ab` times one engine both ways: the four copies and the read-back
     # on the step's stream must give the tokens the upload kernel and the own stream give.
-    from nanolab.lab.levers import between_steps_before
+    from nanolab.engine.kv_cache import KVCache
+    from nanolab.lab.levers import _copied_upload, between_steps_before
 
     llm = LLM("tiny", device="cuda", max_num_seqs=8)
     assert llm.engine.runner.graphs is not None
@@ -150,6 +151,7 @@ def test_the_old_work_between_steps_decodes_the_same_tokens_on_cuda():
     now = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     own = llm.engine._readback
     with between_steps_before(llm.engine):
+        assert KVCache._upload is _copied_upload and llm.engine._readback is torch.cuda.current_stream()
         before = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert before == now and llm.engine._readback is own
     assert_all_free(llm.engine)

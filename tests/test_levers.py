@@ -482,3 +482,6 @@ def test_mixed_host_parts_split_every_mixed_step_of_the_tiny_model():
         assert (t.tokens == prompt_len + 3).all() and (t.us >= 0).all()
     with pytest.raises(ValueError, match="prompt_lens="):
         mixed_host_parts(path, torch.float32, rows=3, budget=32, prompt_lens=(30,), progress=False)
+    for name in ("rows", "context", "repeats", "budget"):
+        with pytest.raises(ValueError, match=f"^{name}=0"):
+            mixed_host_parts(path, torch.float32, progress=False, **{name: 0})

@@ -125,3 +125,5 @@ def test_a_measured_table_comes_with_where_it_ran_and_a_missing_one_says_how_to_
     table = report.measured_table("day99_thing", "unused", slug="cpu", where="a CPU")
     assert list(table.x) == [1]
     assert capsys.readouterr().out.startswith("measured on: " + label.caption().split(";")[0])
+    assert report.measured_table("day99_other", "make it", slug="h200x2") is None
+    assert "`make it` on the h200x2 machine makes it" in capsys.readouterr().out

@@ -187,7 +187,8 @@ class KVCache:
         n = loc[-1]
         # Six copies from pageable memory, each a device tensor of its own. Staged in pinned memory
         # as six queued copies, the plan came out slower at 80 tokens on the H200's host and faster
-        # at 1,552 (one run of `levers --only mixedhost` each way): a pinned copy records an event.
+        # at 528 and 1,552, two processes apart (`data/day61_mixed_host_staged_h200.csv` against
+        # `day61_mixed_host`): not settled, so not kept.
         host = torch.cat([host_int64(rows), *slots, host_int64(loc), host_int64(lens), *positions,
                           host_int64(logits_index)])
         table_rows, write_slots_, loc_, lens_, positions_, logits_index_ = (

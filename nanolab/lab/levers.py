@@ -179,7 +179,9 @@ def _copied_upload(cache, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
 def between_steps_before(engine: Engine):
     """Run `engine`, as built, with its work between two steps as it was before the upload kernel:
     the plan in four copies (`_copied_upload`) and the tokens read back on the step's own stream.
-    Nothing inside its graphs or compiled step changes, so one engine can be timed both ways."""
+    Nothing inside its graphs or compiled step changes, so one engine can be timed both ways. The
+    copies replace `KVCache._upload` on the class, for every cache in the process while this
+    holds; both come back on exit, an exception's included."""
     saved = kv_cache_module.KVCache._upload, engine._readback
     kv_cache_module.KVCache._upload = _copied_upload
     engine._readback = torch.cuda.current_stream(engine.device)  # wait_stream on itself is a no-op

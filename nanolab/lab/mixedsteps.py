@@ -301,6 +301,9 @@ def mixed_host_parts(model_path, dtype=torch.bfloat16, rows: int = 16, context: 
     `run_varlen` timed with the parts' timers in place (`run_varlen_us`), and without (`plain_us`,
     the median of as many mixed steps again)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for name, value in (("rows", rows), ("context", context), ("repeats", repeats), ("budget", budget)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an int >= 1")
     if any(not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= budget - rows for n in prompt_lens) \
             or not prompt_lens:
         raise ValueError(f"prompt_lens={prompt_lens!r}: each must fit one step beside the {rows} rows "
@@ -318,8 +321,8 @@ def mixed_host_parts(model_path, dtype=torch.bfloat16, rows: int = 16, context: 
             for r in range(repeats):
                 prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
                 plain += [rec["forward_host_ms"] for rec in _mixed_steps(engine, clock, prompt)]
-            parts.attach(engine)
             try:
+                parts.attach(engine)  # over the clock's wrapper: it comes off first
                 for r in range(repeats):
                     prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r + 50)[0].tolist()
                     steps = _mixed_steps(engine, clock, prompt)
@@ -333,8 +336,8 @@ def mixed_host_parts(model_path, dtype=torch.bfloat16, rows: int = 16, context: 
             finally:
                 parts.close()
     finally:
-        clock.close()
         parts.close()
+        clock.close()
     table = (pd.DataFrame(records).groupby(["prompt_len", "part"], sort=False)
              .median(numeric_only=True).drop(columns="repeat").reset_index())
     table = table.sort_values(["prompt_len", "us"], ascending=[True, False], ignore_index=True)

@@ -190,11 +190,13 @@ def load_table(stem: str, slug: str) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.exists() else None
 
 
-def measured_table(stem: str, command: str, slug: str = "h200", where: str = "an H200") -> pd.DataFrame | None:
+def measured_table(stem: str, command: str, slug: str = "h200", where: str | None = None) -> pd.DataFrame | None:
     """`load_table(stem, slug)` as a chapter shows it: with the caption of where it was measured,
-    or, when data/ lacks it, None and which `command` makes it on `where`."""
+    or, when data/ lacks it, None and which `command` makes it on `where` (default: an H200 for
+    slug "h200", else the machine the slug names)."""
     table = load_table(stem, slug)
     if table is None:
+        where = where or ("an H200" if slug == "h200" else f"the {slug} machine")
         print(f"data/{stem}_{slug}.csv is not committed:\n  `{command}` on {where} makes it")
     else:
         print("measured on:", table_label(table).caption().replace("; ", ";\n  "))
