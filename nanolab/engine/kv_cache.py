@@ -214,7 +214,7 @@ class KVCache:
 
         for t, a, n in zip(tables, starts, counts, strict=True):
             if n <= bs:
-                short_slots.extend(t.blocks[p // bs] * bs + p % bs for p in range(a, a + n))
+                short_slots.extend(t.slot(p) for p in range(a, a + n))
                 short_positions.extend(range(a, a + n))
                 continue
             gather_short()
