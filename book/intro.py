@@ -24,7 +24,7 @@
 # a user would otherwise reach for, and against the floor: the time to read every weight once at
 # the bandwidth the card delivers.
 
-# %%
+# %% tags=["remove-input"]
 import nanolab.lab as lab
 
 floor = lab.load_table("day61_floor", "h200")
@@ -33,7 +33,7 @@ assert floor is not None and roofline is not None, "data/day61_*_h200.csv"
 label = lab.table_label(floor[floor.arm == "nanolab"])
 print(f"measured on: {label.caption()}")
 
-# %%
+# %% tags=["remove-input"]
 fig = lab.caption_figure(lab.plot_headline(floor, roofline), label)
 if not lab.figure_path("headline", "h200").exists():
     lab.save_figure(fig, "headline", label)  # drawn from the H200 tables
@@ -44,7 +44,7 @@ lab.show(fig)
 # blue line is nanolab; the dashed black line is the floor no engine can beat without reading
 # fewer bytes. The numbers at the left are each engine's step at batch 1.*
 
-# %%
+# %% tags=["remove-input"]
 at_128 = floor[floor.context == 128]
 ours = at_128[at_128.arm == "nanolab"].set_index("batch")
 peers = at_128[(at_128.arm != "nanolab") & (at_128.batch == 1)]
@@ -74,8 +74,13 @@ print(f"nanolab at batch 1: {ours.ms_per_step[1]:.3f} ms a step, "
 #   without.
 # - {doc}`Days 59 and 60 <../notebooks/59_streamed_kernel>`: a paged-attention kernel in Triton
 #   that streams the cache.
-# - {doc}`Day 61 <../notebooks/61_the_floor>`: how close a decode step gets to the bandwidth floor,
-#   one lever at a time.
+# - Day 61, in four chapters: {doc}`the floor and batch 1 <../notebooks/61_the_floor>`, how close a
+#   decode step gets to the bandwidth floor, one lever at a time;
+#   {doc}`batch 8 and the step-to-step upload <../notebooks/61b_batch_eight>`;
+#   {doc}`against the peers, TTFT and chunked prefill <../notebooks/61c_against_the_peers>`; and
+#   {doc}`bf16 against fp32, and the CPU <../notebooks/61d_the_cpu>`.
+# - {doc}`Day 62 <../notebooks/62_two_gpus>`: tensor parallelism over two GPUs, checked against one
+#   process and measured on two H200s.
 #
 # ## Rerunning it
 #

@@ -2,7 +2,7 @@
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
 `capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`.
 
-Engine core (before Day 49). Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
+Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
 Ctrl-C ends quietly with 130. `serve` and the benches are imported only when run, so a missing
 optional extra (`serve`, `lab`) fails only the command that needs it.
@@ -16,6 +16,8 @@ import importlib.util
 import logging
 import os
 import sys
+
+from nanolab.config import EngineConfig
 
 # Commands whose module is imported only when they run: name -> (module, extra, help). The module
 # provides `add_arguments(parser)` and `main(args) -> int`.
@@ -54,7 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM.from_config(EngineConfig.from_cli_args(args))
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     streamed = False
     try:
@@ -113,9 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--model", default="smollm2-135m", help="a preset name or a Hugging Face model folder")
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    gen.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", help="a stop string; repeat for several")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="shard the model over this many processes")
+    EngineConfig.add_cli_args(gen)
     gen.set_defaults(run=_generate)
 
     weights = sub.add_parser("weights", help="prepare a preset's weights (convert or synthesize) and print the folder")

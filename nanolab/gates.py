@@ -1,6 +1,6 @@
 """`Gate`: a check that returns its verdict together with the numbers behind it.
 
-Introduced on Day 50. Notebooks assert gates (`assert gate, gate`), so a failing gate prints
+Notebooks assert gates (`assert gate, gate`), so a failing gate prints
 what it measured, and a gate that could not fail would be visible as one whose numbers never
 move.
 """

@@ -1,4 +1,4 @@
-"""`LLM`: the user-facing engine, shaped like vLLM's offline API. Engine core (before Day 49).
+"""`LLM`: the user-facing engine, shaped like vLLM's offline API.
 
     from nanolab import LLM, SamplingParams
     llm = LLM(model="smollm2-135m")
@@ -9,17 +9,14 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
+from nanolab.config import DEFAULT_MODEL, EngineConfig, resolve_device, resolve_dtype
 from nanolab.engine.detokenizer import TextDeltas
-from nanolab.engine.kv_cache import READS, kv_bytes_per_block
-from nanolab.engine.llm_engine import Engine, check_int
-from nanolab.engine.parallel import NCCL_OPT_IN, LeaderRunner, Workers, WorkerSpec, nccl_opted_in
-from nanolab.engine.runner import ModelRunner, compile_decode
+from nanolab.engine.llm_engine import Engine, pool_size
+from nanolab.engine.parallel import LeaderRunner, Workers, WorkerSpec
+from nanolab.engine.runner import ModelRunner
 from nanolab.engine.sequence import Sequence
 from nanolab.model.config import ModelConfig
 from nanolab.model.llama import load_model
@@ -28,8 +25,6 @@ from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.progress import progress_bar
 from nanolab.sampling import SamplingParams
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
@@ -66,158 +61,53 @@ class RequestOutput:
         return self.outputs[0].error
 
 
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    """A torch dtype, its name ("bfloat16", "bf16", "float32", ...) or "auto" (bf16 on CUDA,
-    fp32 on the CPU)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if not isinstance(dtype, str) or dtype not in names:
-        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(names)} or a torch.dtype")
-    return names[dtype]
-
-
-def resolve_device(device) -> torch.device:
-    """`device` ("cpu", "cuda", "cuda:1", a torch.device, or None for CUDA when available) as a
-    torch.device nanolab can run on. Raises ValueError naming `device` for anything else, and for
-    a CUDA device this machine does not have."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device={device!r}: must be a str such as 'cpu' or 'cuda', or a torch.device")
-    shown = str(device)
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device={shown!r}: torch does not accept it ({e})") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={shown!r}: nanolab runs on 'cpu' or 'cuda'")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={shown!r}: CUDA is not available on this machine (torch "
-                             f"{torch.__version__} sees no CUDA device); use device='cpu'")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device={shown!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return resolved
-
-
-def default_kv_cache_bytes(device: torch.device) -> int:
-    """The KV pool's budget: 1 GiB on the CPU; on CUDA, 40% of what is free once the weights
-    are loaded."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(0.4 * free)
-    return 1 << 30
-
-
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype = "auto", block_size: int = 16, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, enforce_eager: bool = False, read: str = "auto",
-                 compile: bool | None = None, async_scheduling: bool | None = None,
-                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int = 2048,
-                 tensor_parallel_size: int = 1, compile_varlen: bool = False) -> None:
-        """`enforce_eager` (vLLM's name) turns CUDA graphs off; on a CUDA device they are on, and the
-        capture list is warmed here, with a progress bar. `compile` captures the decode step compiled
-        by inductor (`runner.compile_decode`; about a minute at start for Llama-3.2-1B on the H200)
-        and `async_scheduling` launches each decode step before reading back the last one
-        (`Engine`); both default to on with CUDA graphs and off without. `read` picks the reads:
-        "streamed", "reference", or "auto" (streamed on CUDA). `enable_chunked_prefill` and
-        `max_num_batched_tokens` are the engine's step budget (`Engine`). The pool is `num_blocks`
-        blocks, else as many as `kv_cache_bytes` holds, else `default_kv_cache_bytes`.
-        `tensor_parallel_size` > 1 shards the model over that many processes on this host
-        (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its
-        steps, every rank compiled when `compile` is on, and with asynchronous scheduling as one
-        process has it. For now only on the CPU (gloo): on CUDA it is refused until its NCCL path
-        has run on two GPUs. `close()` ends the workers. `compile_varlen`, with `compile` and the
-        streamed read, runs the steps that mix decode rows with prompt chunks through a compiled
-        graph of their own too (`runner.DecodeForward.run_varlen`); off until it is measured, and
-        one process only.
+    """The engine behind vLLM's offline API. `LLM(model, **fields)` takes `EngineConfig`'s fields
+    as keywords (`LLM.from_config` takes a config), checks them all before any weights are read (a
+    bad one raises ValueError naming it), loads the weights where the config says, and builds the
+    `Engine`. On CUDA the decode buckets' graphs are captured here, with a progress bar.
+    `tensor_parallel_size` > 1 shards the model over that many processes on this host
+    (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its steps.
+    `close()`, or `with LLM(...) as llm:`, ends them."""
 
-        Every argument is checked before any weights are read: a bad one raises ValueError naming it
-        (a device this machine lacks is one)."""
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model={model!r}: must be a preset name or a model folder's path")
-        check_int("block_size", block_size)
-        check_int("max_num_seqs", max_num_seqs)
-        check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
-        check_int("num_blocks", num_blocks, optional=True)
-        check_int("kv_cache_bytes", kv_cache_bytes, optional=True)
-        check_int("max_num_batched_tokens", max_num_batched_tokens)
-        check_int("tensor_parallel_size", tensor_parallel_size)
-        if not isinstance(enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
-        if not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager={enforce_eager!r}: must be a bool")
-        if not isinstance(compile_varlen, bool):
-            raise ValueError(f"compile_varlen={compile_varlen!r}: must be a bool")
-        if compile_varlen and tensor_parallel_size > 1:
-            raise ValueError(f"compile_varlen=True: one process only, not tensor_parallel_size={tensor_parallel_size}")
-        for name, value in (("compile", compile), ("async_scheduling", async_scheduling)):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r}: must be a bool or None (on with CUDA graphs)")
-        if not isinstance(read, str) or read not in ("auto", *READS):
-            raise ValueError(f"read={read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
-        device = resolve_device(device)
-        if compile_varlen and not (compile or (compile is None and device.type == "cuda" and not enforce_eager)):
-            raise ValueError("compile_varlen=True: needs the compiled decode step (compile, on by default with graphs)")
-        self.device = device
-        self.dtype = resolve_dtype(dtype, device)
-        self.model_name = model
-        self.path = resolve_weights(model)
+    def __init__(self, model: str = DEFAULT_MODEL, **fields) -> None:
+        self._build(EngineConfig(model=model, **fields))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        llm = cls.__new__(cls)
+        llm._build(config)
+        return llm
+
+    def _build(self, config: EngineConfig) -> None:
+        self.engine_config = config
+        self.device = device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, device)
+        self.model_name = config.model
+        self.path = resolve_weights(config.model)
         c = ModelConfig.from_dir(self.path)
-        check_shardable(c, tensor_parallel_size)
-        if device.type == "cuda" and tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s), one per rank")
-        if tensor_parallel_size > 1 and device.type == "cuda" and device.index not in (None, 0):
-            raise ValueError(f"device={device}: a tensor-parallel group puts rank r on cuda:r, rank 0 on cuda:0")
-        if tensor_parallel_size > 1 and device.type == "cuda" and not nccl_opted_in():
-            # The NCCL path (graphs captured on every rank) hung in its first test on two H200s and
-            # is not yet found; a group of gloo ranks on the CPU is what is tested and served.
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} on {device}: tensor parallelism runs on "
-                             f"the CPU (gloo) for now; its NCCL path is not yet working (set {NCCL_OPT_IN}=1 "
-                             "to run it anyway)")
-        per_block = kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, self.dtype)
-        if num_blocks is None and kv_cache_bytes is not None:
-            if kv_cache_bytes < per_block:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: holds no block; one block of {block_size} tokens "
-                                 f"is {per_block} bytes for this model")
-            num_blocks = kv_cache_bytes // per_block
+        tp = config.tensor_parallel_size
+        check_shardable(c, tp)
         self.tokenizer = Tokenizer.from_dir(self.path)
-        self.tensor_parallel_size = tensor_parallel_size
-        graphs = device.type == "cuda" and not enforce_eager
-        self.compiled = graphs if compile is None else compile
-        prepack = None  # oneDNN's prepacked matmuls: the default for fp32 on the CPU, compiled or not
+        self.tensor_parallel_size = tp
+        self.compiled = config.compiled(device)
         self.workers, runner = None, ModelRunner
-        if tensor_parallel_size > 1:  # the workers load their shards while this process loads its own
-            self.workers = Workers(tensor_parallel_size, WorkerSpec(str(self.path), self.dtype, device.type,
-                                                                    block_size, max_num_seqs, read, prepack, graphs,
-                                                                    self.compiled))
+        if tp > 1:  # the workers load their shards while this process loads its own
+            self.workers = Workers(tp, WorkerSpec(str(self.path), self.dtype, device.type, config.block_size,
+                                                  config.max_num_seqs, config.read, None, config.cuda_graphs(device),
+                                                  self.compiled, config.distributed_timeout_s))
             runner = functools.partial(LeaderRunner, workers=self.workers)
         try:
-            self.model = load_model(self.path, dtype=self.dtype, device=device, prepack=prepack,
+            self.model = load_model(self.path, dtype=self.dtype, device=device,
                                     tp=self.workers.tp if self.workers else None)
-            if num_blocks is None:
-                # On CUDA the default budget is a share of what the weights left free.
-                num_blocks = max(1, default_kv_cache_bytes(device) // per_block)
-            if max_model_len is None:
-                # As vLLM does, the context is what the pool can hold: a request that could grow past
-                # the pool is refused, so a larger context would refuse every request without max_tokens.
-                max_model_len = min(self.model.config.max_position_embeddings, num_blocks * block_size)
             if self.workers:
+                # The pool is sized from what this rank's shard left free, and every rank takes it.
+                num_blocks, max_model_len = pool_size(config, c, device, self.dtype)
+                config = config.replace(num_blocks=num_blocks, max_model_len=max_model_len)
                 self.workers.size_caches(num_blocks, max_model_len)
-            forward = compile_decode(self.model, varlen=compile_varlen) if self.compiled else None
-            self.engine = Engine(self.model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                 max_model_len=max_model_len, detokenize=self.tokenizer.decode, cuda_graphs=graphs,
-                                 read=read, forward=forward,
-                                 async_scheduling=graphs if async_scheduling is None else async_scheduling,
-                                 enable_chunked_prefill=enable_chunked_prefill,
-                                 max_num_batched_tokens=max_num_batched_tokens, runner=runner)
+            self.engine = Engine(self.model, config, runner=runner, detokenize=self.tokenizer.decode)
         except BaseException:
             if self.workers is not None:  # they wait on this process: send them home before raising
                 self.workers.close()

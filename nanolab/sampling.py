@@ -1,7 +1,4 @@
-"""`SamplingParams` (vLLM's field names and defaults) and the sampler.
-
-Introduced with the engine core (before Day 49).
-"""
+"""`SamplingParams` (vLLM's field names and defaults) and the sampler."""
 
 from __future__ import annotations
 

@@ -89,9 +89,9 @@ print()
 # rectangle; Day 59 stops building it.
 
 # %%
-from nanolab import Engine
+from nanolab import Engine, EngineConfig
 
-demo = Engine(llm.model, num_blocks=48, block_size=4)
+demo = Engine(llm.model, EngineConfig(num_blocks=48, block_size=4, enforce_eager=True))
 texts = ["Paged attention splits",
          "Blocks return to the pool when a request ends, however it ends.", "Hi"]
 greedy32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

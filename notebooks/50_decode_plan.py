@@ -57,10 +57,11 @@ print(label.caption().replace("; ", ";\n"))
 import pandas as pd
 import torch
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
 
-engine = Engine(model, num_blocks=64, block_size=16, read="reference")  # the read of Days 49 to 58
+# The read of Days 49 to 58, eagerly.
+engine = Engine(model, EngineConfig(num_blocks=64, block_size=16, read="reference", enforce_eager=True))
 prompts = [list(range(20, 20 + n)) for n in (5, 13, 2)]
 greedy8 = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 seqs = [engine.add_request(p, greedy8) for p in prompts]

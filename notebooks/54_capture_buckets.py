@@ -159,7 +159,7 @@ lab.show(rectangles.round(1))
 # %%
 import torch
 
-from nanolab import Engine, SamplingParams, load_model
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.engine.plan import check_plan_addressing
 
 model = load_model(path, dtype=DTYPE, device=DEVICE)
@@ -168,7 +168,8 @@ prompts = lab.random_prompts(3, 40, model.config.vocab_size, seed=2).tolist()
 params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-bucketed = Engine(model, num_blocks=64, max_num_seqs=8, buckets=buckets, read="reference")
+bucketed = Engine(model, EngineConfig(num_blocks=64, max_num_seqs=8, read="reference", enforce_eager=True),
+                  buckets=buckets)
 seqs = [bucketed.add_request(p, params) for p in prompts]
 bucketed.step()  # the prefill
 plan, _ = bucketed.runner.plan_step(seqs)
@@ -181,10 +182,10 @@ bucketed.abort_request(seqs[0].request_id)  # the step was planned and not run; 
 for s in seqs[1:]:
     bucketed.abort_request(s.request_id)
 
-engine_args = dict(num_blocks=64, max_num_seqs=8, read="reference")
+config = EngineConfig(num_blocks=64, max_num_seqs=8, read="reference", enforce_eager=True)
 new_tokens = params.max_tokens
-with_buckets = lab.engine_greedy(Engine(model, buckets=buckets, **engine_args), prompts, new_tokens)
-without = lab.engine_greedy(Engine(model, **engine_args), prompts, new_tokens)
+with_buckets = lab.engine_greedy(Engine(model, config, buckets=buckets), prompts, new_tokens)
+without = lab.engine_greedy(Engine(model, config), prompts, new_tokens)
 same = with_buckets == without
 print(f"{MODEL}, {DTYPE}: greedy tokens with buckets equal those without: {same}")
 # in bf16 a padded matmul can round differently, and random weights have near-ties
@@ -199,10 +200,9 @@ if DTYPE == torch.float32:
 # derivation is replayed with the step. Capture runs largest shape first. Each shape gets one eager
 # warm-up on a side stream, so library set-up and allocator growth happen outside the capture,
 # then one capture. The plan used for capture is all padding, so a warm-up cannot disturb a live
-# row. `Engine(cuda_graphs=True)`, which `LLM` turns on for a CUDA device unless
-# `enforce_eager=True`, captures the list at start behind a progress bar. It keeps the report. A
-# step whose bucket is in the list copies its token ids into the one static input buffer and
-# replays; any other step runs eagerly.
+# row. An engine on a CUDA device, unless its config says `enforce_eager=True`, captures the list
+# at start behind a progress bar. It keeps the report. A step whose bucket is in the list copies
+# its token ids into the one static input buffer and replays; any other step runs eagerly.
 #
 # On the H200 the measurement is `nanolab.lab.capturebench` (also `python -m nanolab capturebench`).
 # It runs Llama-3.2-1B shapes in bf16 with random weights, in one process, in four arms:

@@ -83,7 +83,7 @@ print(label.caption().replace("; ", ";\n"))
 import pandas as pd
 
 from nanolab import ModelConfig
-from nanolab.lab.graphbench import SEED_RATES
+from nanolab.lab.workload import SEED_RATES
 
 workloads = []
 for kind in ("cuda", "cpu"):

@@ -163,7 +163,7 @@ assert walked == work.walked == 30 and work.rect_tiles == 128
 # either read.
 
 # %%
-from nanolab import Engine, load_model
+from nanolab import Engine, EngineConfig, load_model
 
 model = load_model(path, dtype=DTYPE, device=DEVICE)
 prompts = lab.random_prompts(3, 24, model.config.vocab_size, seed=3).tolist()
@@ -173,7 +173,7 @@ exact_model = model if DTYPE == torch.float32 else \
     load_model(path, dtype=torch.float32, device=DEVICE)
 for m in dict.fromkeys((exact_model, model)):
     dtype = next(m.parameters()).dtype
-    greedy = {read: lab.engine_greedy(Engine(m, num_blocks=32, read=read), prompts, 6)
+    greedy = {read: lab.engine_greedy(Engine(m, EngineConfig(num_blocks=32, read=read, enforce_eager=True)), prompts, 6)
               for read in ("streamed", "reference")}
     same = greedy["streamed"] == greedy["reference"]
     print(f"{MODEL}, {dtype}: the streamed read decodes the reference's greedy tokens: {same}")
@@ -212,8 +212,8 @@ lab.show(exactness)
 
 # %%
 steps = 3
-arms = {"reference": Engine(model, num_blocks=32, read="reference"),
-        "streamed": Engine(model, num_blocks=32, read="streamed")}
+arms = {read: Engine(model, EngineConfig(num_blocks=32, read=read, enforce_eager=True))
+        for read in ("reference", "streamed")}
 timing = []
 for name, engine in arms.items():
     batch = lab.random_prompts(2, 24, model.config.vocab_size)

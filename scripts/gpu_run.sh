@@ -3,24 +3,19 @@
 # transformers and pytest (the H200 image has no jupytext, so notebooks run as plain scripts;
 # a percent-format notebook is valid Python). Results land in data/ and figures/ under the
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
-#   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp] [varlen]
-#                      [mixed] [loop] [upload] [between]
-#                      [mixedhost]
+#   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
+#                      [floor] [mixed] [loop] [mixedhost]
 #   (default: the first three)
-# tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism, with
-# its path opted into ($NANOLAB_NCCL_TP, which LLM otherwise refuses), each test's stacks dumped
+# cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI).
+# floor runs floorbench (chapter 61c's table: nanolab, HF's default and eager paths, and gpt-fast from
+# $GPT_FAST, default third_party/gpt-fast, when that checkout is there), $FLOOR_ARGS added.
+# tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism (the
+# path LLM refuses unless `unverified_nccl=True`, which they pass), each test's stacks dumped
 # if it runs past $TP_DUMP_S, then the two-GPU bench of chapter 62 (tpbench, $TPBENCH_ARGS).
-# varlen measures the compiled mixed steps (`--compile-varlen`): their CUDA test, then the server under
-# chapter 61's load with chunked prefill eager and compiled ($VARLEN_ARGS), into data/day61_varlen_*.
-# mixed splits the mixed steps of chunked prefill (host, GPU span, sampling, kernels), eager and compiled,
-# into data/day61_mixed_*.
-# loop profiles whole generate calls and splits the GPU's timeline at each graph replay (what runs
-# between two decode steps), into data/day61_loop_*.
-# upload runs the engine without and with the plan's upload kernel and the read-back's own stream
-# (lever arms 25 and 29) in one process, profiled at batches 1 and 8, into data/day61_upload_*.
-# between times one engine with its work between two steps as it was before the upload kernel and as it
-# is, alternating, and profiles both ways, into data/day61_between_*.
-# mixedhost splits the host's time inside an eager mixed step's run_varlen by part, into data/day61_mixed_host_*.
+# mixed splits the mixed steps of chunked prefill (host, GPU span, sampling, kernels), into
+# data/day61_mixed_*. loop profiles whole generate calls and splits the GPU's timeline at each
+# graph replay (what runs between two decode steps), into data/day61_loop_*. mixedhost splits the
+# host's time inside an eager mixed step's run_varlen by part, into data/day61_mixed_host_*.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -40,19 +35,18 @@ for part in "${parts[@]}"; do
         capture) python3 -m nanolab capturebench --model llama-3.2-1b --dtype bfloat16 ${CAPTURE_ARGS:-} || status=1 ;;
         stream) python3 -m nanolab streambench || status=1 ;;
         tune) python3 -m nanolab streambench --tune || status=1 ;;
-        tp) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NANOLAB_NCCL_TP=1
+        tp) export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
             timeout "${TP_TEST_S:-300}" python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout="${TP_DUMP_S:-120}" \
                 tests/test_tensor_parallel.py -k nccl || status=1
             python3 -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b ${TPBENCH_ARGS:-} || status=1 ;;
-        varlen) python3 -m pytest -q -p no:cacheprovider tests/test_compile_decode.py -k mixed || status=1
-            python3 -m nanolab graphbench --device cuda --model llama-3.2-1b --arms graphs-chunked,graphs-compiled \
-                --prefix day61_varlen ${VARLEN_ARGS:---rates 16,32 --max-rate 32 --no-offline} || status=1 ;;
+        cuda) python3 -m pytest -q -p no:cacheprovider -rs \
+                  $(grep -lE "needs_cuda|cuda.is_available|mark.cuda" tests/test_*.py) || status=1 ;;
+        floor) gpt=${GPT_FAST:-third_party/gpt-fast}
+            python3 -m nanolab floorbench --model llama-3.2-1b $([[ -d $gpt ]] && echo --gpt-fast "$gpt") \
+                ${FLOOR_ARGS:-} || status=1 ;;
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
-        upload) python3 -m nanolab levers --only levers --model llama-3.2-1b --arms 25,29 \
-                    --shapes 1@128,8@128,32@128,64@128 --profile 1@128,8@128 --stem day61_upload || status=1 ;;
-        between) python3 -m nanolab levers --only between --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;
         *) echo "unknown part $part" >&2; status=2 ;;

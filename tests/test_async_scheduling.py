@@ -9,7 +9,7 @@ import torch
 from conftest import bounded
 from test_cache_properties import check_drained
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 
 BLOCK = 4
 
@@ -48,9 +48,9 @@ class Spy:
         return self.runner.decode(seqs, ids)
 
 
-def engines(model, **kw) -> tuple[Engine, Engine, Spy]:
-    sync = Engine(model, block_size=BLOCK, **kw)
-    fast = Engine(model, block_size=BLOCK, async_scheduling=True, **kw)
+def engines(model, **fields) -> tuple[Engine, Engine, Spy]:
+    sync = Engine(model, EngineConfig(block_size=BLOCK, **fields))
+    fast = Engine(model, EngineConfig(block_size=BLOCK, async_scheduling=True, **fields))
     sync.runner, fast.runner = Spy(sync.runner), Spy(fast.runner)
     return sync, fast, fast.runner
 
@@ -77,7 +77,7 @@ def test_a_stop_token_in_flight_is_dropped(sharp_gqa24):
     """A request that samples EOS has one more step launched before the engine sees it; that step's
     token is dropped, and the request ends exactly as the synchronous engine ends it."""
     model = sharp_gqa24.model
-    probe = run(Engine(model, num_blocks=64, block_size=BLOCK), [[8, 9, 10, 11, 12]],
+    probe = run(Engine(model, EngineConfig(num_blocks=64, block_size=BLOCK)), [[8, 9, 10, 11, 12]],
                 [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])[0].output_token_ids
     assert probe[0] != probe[1]
     sync, fast, spy = engines(model, num_blocks=64)
@@ -137,13 +137,13 @@ def test_preemption_falls_back_to_the_scheduler(sharp_gqa24):
 
 def test_async_scheduling_is_checked(tiny_model):
     with pytest.raises(ValueError, match="async_scheduling"):
-        Engine(tiny_model, num_blocks=8, async_scheduling=1)
+        Engine(tiny_model, EngineConfig(num_blocks=8, async_scheduling=1))
 
 
 def test_logits_are_not_kept_in_flight(sharp_gqa24):
     """Under asynchronous scheduling a decode step's logits are overwritten before its tokens are
     read, so its outputs carry none; prefill outputs still do."""
-    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, async_scheduling=True)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=32, block_size=BLOCK, async_scheduling=True))
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     first = engine.step()
     assert isinstance(first[0].logits, torch.Tensor)
@@ -155,7 +155,7 @@ def test_a_failure_after_an_overlapped_step_reports_each_output_as_it_was(sharp_
     """Step t + 1's forward raises while step t is in flight: one call returns t's token (the request
     still running) and then the failure. Each output carries the state it was made in, so a
     consumer that retires a request on `finished` (the server's engine core) sees it end once."""
-    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, async_scheduling=True)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=32, block_size=BLOCK, async_scheduling=True))
     seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()  # a decode launched, in flight
@@ -174,7 +174,7 @@ def test_a_failure_after_an_overlapped_step_reports_each_output_as_it_was(sharp_
 
 
 def test_turning_async_off_mid_flight_reads_the_step_back(sharp_gqa24):
-    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, async_scheduling=True)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=32, block_size=BLOCK, async_scheduling=True))
     seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.step()
     engine.step()

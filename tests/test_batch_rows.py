@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import assert_logits_match_reference, bounded, logit_recorder, run_until_done
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.kernels import INTERPRETED
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,7 +56,7 @@ def step(engine: Engine, rec: Recorder) -> None:
 
 @pytest.mark.parametrize("read", READS)
 def test_aborts_leave_holes_that_joins_fill(sharp_model, read):
-    engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=96, block_size=4, read=read))
     rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(14)) for p in prompts(6, seed=1)]
     for _ in range(3):
@@ -79,7 +79,7 @@ def test_aborts_leave_holes_that_joins_fill(sharp_model, read):
 @pytest.mark.parametrize("read", READS)
 def test_joins_mid_run(sharp_model, read):
     """Requests join while others decode, some after a finished request freed its row."""
-    engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=96, block_size=4, read=read))
     rec = Recorder(engine)
     first = [engine.add_request(p, greedy(n)) for p, n in zip(prompts(4, seed=3), (3, 12, 5, 12))]
     joined = []
@@ -96,7 +96,7 @@ def test_joins_mid_run(sharp_model, read):
 
 @pytest.mark.parametrize("read", READS)
 def test_preemption_readmits_into_other_rows(sharp_model, read):
-    engine = Engine(sharp_model.model, num_blocks=14, block_size=4, read=read)
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=14, block_size=4, read=read))
     rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(16)) for p in prompts(5, seed=5, lo=6, hi=14)]
     run_until_done(engine, on_step=rec)
@@ -109,7 +109,7 @@ def test_preemption_readmits_into_other_rows(sharp_model, read):
 @pytest.mark.parametrize("read", READS)
 def test_reversed_batch_order(sharp_model, read):
     """The scheduler's running list reversed after the prefill: batch row i owns table row n-1-i."""
-    engine = Engine(sharp_model.model, num_blocks=96, block_size=4, read=read)
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=96, block_size=4, read=read))
     rec = Recorder(engine)
     seqs = [engine.add_request(p, greedy(10)) for p in prompts(5, seed=6)]
     step(engine, rec)

@@ -9,7 +9,7 @@ import torch
 from conftest import make_cache, needs_smollm2
 from test_engine import assert_all_free, ragged_prompts, run
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import KVCache
 from nanolab.engine.plan import check_plan_addressing, check_plan_rows
@@ -168,17 +168,18 @@ def test_buckets_refuse_an_unsorted_axis():
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_bucketed_engine_decodes_the_same_tokens(tiny_model, block_size):
     prompts = ragged_prompts(512)
-    plain = run(Engine(tiny_model, num_blocks=96, block_size=block_size), prompts, join_after=3)
-    engine = Engine(tiny_model, num_blocks=96, block_size=block_size,
-                    buckets=DecodeBuckets((1, 2, 4, 8), (32, 64, 128)))
+    plain = run(Engine(tiny_model, EngineConfig(num_blocks=96, block_size=block_size)), prompts, join_after=3)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=96, block_size=block_size), buckets=DecodeBuckets((1, 2, 4, 8),
+                                                                                                          (32, 64,
+                                                                                                           128)))
     assert run(engine, prompts, join_after=3) == plain
     assert_all_free(engine)
 
 
 def test_a_batch_outside_the_list_runs_unpadded(tiny_model):
-    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=DecodeBuckets((1, 2), (16,)))
+    engine = Engine(tiny_model, EngineConfig(num_blocks=96, block_size=4), buckets=DecodeBuckets((1, 2), (16,)))
     prompts = ragged_prompts(512)[:4]
-    plain = run(Engine(tiny_model, num_blocks=96, block_size=4), prompts)
+    plain = run(Engine(tiny_model, EngineConfig(num_blocks=96, block_size=4)), prompts)
     assert run(engine, prompts) == plain
 
 
@@ -186,18 +187,18 @@ def test_a_batch_outside_the_list_runs_unpadded(tiny_model):
 def test_bucketed_engine_on_smollm2(smollm2_model):
     prompts = ragged_prompts(smollm2_model.config.vocab_size)[:5]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = run(Engine(smollm2_model, num_blocks=64), prompts, params)
-    bucketed = run(Engine(smollm2_model, num_blocks=64, buckets=DecodeBuckets.default(8, 256, 64)), prompts, params)
+    plain = run(Engine(smollm2_model, EngineConfig(num_blocks=64)), prompts, params)
+    bucketed = run(Engine(smollm2_model, EngineConfig(num_blocks=64), buckets=DecodeBuckets.default(8, 256, 64)),
+                   prompts, params)
     assert bucketed == plain
 
 
-def test_graphs_need_cuda(tiny_model):
-    if torch.cuda.is_available():
-        pytest.skip("this checks the refusal on a CPU-only machine")
-    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        Engine(tiny_model, num_blocks=16, cuda_graphs=True)
+def test_graphs_are_cuda_only(tiny_model):
+    """Graphs are the config's default, and follow the model: an engine on the CPU has none."""
+    engine = Engine(tiny_model, EngineConfig(num_blocks=16))
+    assert engine.runner.graphs is None and not engine.async_scheduling
     with pytest.raises(ValueError, match="pad a DecodePlan"):
-        Engine(tiny_model, num_blocks=16, runner=unplanned_runner(), buckets=DecodeBuckets.default())
+        Engine(tiny_model, EngineConfig(num_blocks=16), runner=unplanned_runner(), buckets=DecodeBuckets.default())
 
 
 def test_decode_shape_reports_the_buckets_a_run_really_used(tiny_model):
@@ -210,7 +211,8 @@ def test_decode_shape_reports_the_buckets_a_run_really_used(tiny_model):
         assert tuple(ids.shape) == (shapes[-1][0], 1)
         return tiny_model(ids, positions, cache=cache)
 
-    engine = Engine(tiny_model, num_blocks=96, block_size=4, buckets=buckets, read="reference", forward=probe)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=96, block_size=4, read="reference"), buckets=buckets,
+                    forward=probe)
     run(engine, ragged_prompts(512)[:5], join_after=2)
     assert set(shapes) <= set(buckets.shapes) and len(set(shapes)) < len(shapes)
     # Two rows alone, then all five padded to 8, then the three that joined late, padded to 4.

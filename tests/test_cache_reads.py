@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
 
-from nanolab import Engine, SamplingParams, load_model
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import CacheView
 from nanolab.engine.plan import DecodePlan
@@ -45,7 +45,7 @@ def test_the_sharp_model_depends_on_what_the_decode_step_reads(sharp_model, monk
     """The premise of every logits test here: a decode read that returns zeros changes most greedy
     tokens and moves the logits by far more than the tolerance."""
     params = greedy(12)
-    good_seqs, good = run_recorded(Engine(sharp_model.model, num_blocks=64, block_size=4),
+    good_seqs, good = run_recorded(Engine(sharp_model.model, EngineConfig(num_blocks=64, block_size=4)),
                                    prompts(320), params)
     real = CacheView.read
 
@@ -54,7 +54,8 @@ def test_the_sharp_model_depends_on_what_the_decode_step_reads(sharp_model, monk
         return torch.zeros_like(out) if isinstance(self.plan, DecodePlan) else out
 
     monkeypatch.setattr(CacheView, "read", zero_decode_read)
-    bad_seqs, bad = run_recorded(Engine(sharp_model.model, num_blocks=64, block_size=4), prompts(320), params)
+    bad_seqs, bad = run_recorded(Engine(sharp_model.model, EngineConfig(num_blocks=64, block_size=4)), prompts(320),
+                                 params)
     tokens = [(a, b) for s, t in zip(good_seqs, bad_seqs) for a, b in zip(s.output_token_ids[1:],
                                                                            t.output_token_ids[1:])]
     same = sum(a == b for a, b in tokens)
@@ -68,7 +69,7 @@ def test_the_sharp_model_depends_on_what_the_decode_step_reads(sharp_model, monk
 def test_the_reference_agrees_with_a_one_shot_engine_prefill(sharp_model):
     """The reference itself: transformers' last-position logits equal nanolab's prefill's."""
     for p in prompts(320):
-        engine = Engine(sharp_model.model, num_blocks=16, block_size=4)
+        engine = Engine(sharp_model.model, EngineConfig(num_blocks=16, block_size=4))
         seqs, logits = run_recorded(engine, [p], greedy(1))
         assert_logits_match_reference(sharp_model, seqs, logits)
 
@@ -81,7 +82,7 @@ BUCKETS = {
 
 @pytest.mark.parametrize("buckets", BUCKETS.values(), ids=BUCKETS.keys())
 def test_reference_read_logits_match_a_one_shot_forward(sharp_model, buckets):
-    engine = Engine(sharp_model.model, num_blocks=64, block_size=4, buckets=buckets, read="reference")
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=64, block_size=4, read="reference"), buckets=buckets)
     seqs, logits = run_recorded(engine, prompts(320), greedy(16))
     assert_logits_match_reference(sharp_model, seqs, logits)
 
@@ -90,21 +91,21 @@ def test_reference_read_logits_match_a_one_shot_forward(sharp_model, buckets):
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("buckets", [None, DecodeBuckets((1, 2, 4, 8), None)], ids=["eager", "buckets"])
 def test_streamed_read_logits_match_a_one_shot_forward(sharp_model, buckets, block_size):
-    engine = Engine(sharp_model.model, num_blocks=256 // block_size, block_size=block_size, buckets=buckets,
-                    read="streamed")
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=256 // block_size, block_size=block_size,
+                                                    read="streamed"), buckets=buckets)
     seqs, logits = run_recorded(engine, prompts(320), greedy(12))
     assert_logits_match_reference(sharp_model, seqs, logits)
 
 
 @pytest.mark.parametrize("read", ["reference", pytest.param("streamed", marks=interpreted)])
 def test_logits_at_a_head_dim_that_is_not_a_power_of_two(sharp_gqa24, read):
-    engine = Engine(sharp_gqa24.model, num_blocks=64, block_size=4, read=read)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=64, block_size=4, read=read))
     seqs, logits = run_recorded(engine, prompts(320, lengths=(5, 16, 11)), greedy(8))
     assert_logits_match_reference(sharp_gqa24, seqs, logits)
 
 
 def test_unplanned_decode_logits_match_a_one_shot_forward(sharp_model):
-    engine = Engine(sharp_model.model, num_blocks=64, block_size=4, runner=unplanned_runner())
+    engine = Engine(sharp_model.model, EngineConfig(num_blocks=64, block_size=4), runner=unplanned_runner())
     seqs, logits = run_recorded(engine, prompts(320), greedy(12))
     assert_logits_match_reference(sharp_model, seqs, logits)
 
@@ -116,8 +117,8 @@ def test_graphed_cuda_logits_match_a_one_shot_forward(sharp_model, read):
     step a CUDA graph replay, in fp32, against transformers on the CPU."""
     model = load_model(sharp_model.path, dtype=torch.float32, device="cuda")
     buckets = DecodeBuckets((1, 2, 4, 8), (16, 32, 64) if read == "reference" else None)
-    engine = Engine(model, num_blocks=64, block_size=4, buckets=buckets, read=read, cuda_graphs=True,
-                    progress=False)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read=read, compile=False, async_scheduling=False),
+                    buckets=buckets, progress=False)
     assert engine.kv_cache.read == read and len(engine.runner.graphs.graphs) == len(buckets)
     seqs, logits = run_recorded(engine, prompts(320), greedy(12))
     assert_logits_match_reference(sharp_model, seqs, {k: [row.cpu() for row in v] for k, v in logits.items()})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from nanolab import Engine
+from nanolab import Engine, EngineConfig
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.lab.capturebench import CaptureBench, graph_agreement, rows_equal, table_stems
 from nanolab.lab.reference import engine_greedy, hf_greedy, load_hf
@@ -15,7 +15,7 @@ from nanolab.lab.timing import random_prompts
 
 def test_engine_greedy_decodes_transformers_tokens(tiny_model, tiny_path):
     prompts = random_prompts(3, 9, tiny_model.config.vocab_size, seed=4).tolist()
-    engine = Engine(tiny_model, num_blocks=32)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32))
     ours = engine_greedy(engine, prompts, 5)
     hf = load_hf(tiny_path)
     assert ours == [hf_greedy(hf, p, 5) for p in prompts]
@@ -25,11 +25,11 @@ def test_engine_greedy_decodes_transformers_tokens(tiny_model, tiny_path):
 
 def test_graph_agreement_counts_rows(tiny_model):
     prompts = random_prompts(4, 7, tiny_model.config.vocab_size, seed=5).tolist()
-    plain = engine_greedy(Engine(tiny_model, num_blocks=32), prompts, 4)
+    plain = engine_greedy(Engine(tiny_model, EngineConfig(num_blocks=32)), prompts, 4)
     buckets = DecodeBuckets((1, 2, 4, 8), (32, 64))
-    padded = Engine(tiny_model, num_blocks=32, buckets=buckets, read="reference")
+    padded = Engine(tiny_model, EngineConfig(num_blocks=32, read="reference"), buckets=buckets)
     # On a CPU the "graphed" engine is one more padded engine: the counts are the plumbing's.
-    graphed = Engine(tiny_model, num_blocks=32, buckets=buckets, read="reference")
+    graphed = Engine(tiny_model, EngineConfig(num_blocks=32, read="reference"), buckets=buckets)
     counts = graph_agreement(graphed, padded, prompts, plain, 4)
     assert counts == {"rows equal, graphs vs same shapes eager": 4, "rows equal, graphs vs unpadded eager": 4}
     wrong = [plain[0], [t + 1 for t in plain[1]], *plain[2:]]

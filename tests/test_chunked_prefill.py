@@ -20,7 +20,7 @@ from conftest import assert_logits_match_reference, logit_recorder, make_cache, 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.scheduler import Scheduler
 from nanolab.engine.sequence import Sequence, SequenceStatus
@@ -61,8 +61,10 @@ def run(engine: Engine, prompt_list, new_tokens: int = 8):
 def test_chunked_equals_whole_prompts_and_hf(sharp_gqa24, budget, read):
     sharp = sharp_gqa24
     whole_seqs, whole_logits, whole_steps = run(
-        Engine(sharp.model, num_blocks=64, block_size=BLOCK, read=read, enable_chunked_prefill=False), prompts())
-    engine = Engine(sharp.model, num_blocks=64, block_size=BLOCK, read=read, max_num_batched_tokens=budget)
+        Engine(sharp.model, EngineConfig(num_blocks=64, block_size=BLOCK, read=read,
+                                         enable_chunked_prefill=False)), prompts())
+    engine = Engine(sharp.model, EngineConfig(num_blocks=64, block_size=BLOCK, read=read,
+                                              max_num_batched_tokens=budget))
     seqs, logits, steps = run(engine, prompts())
     assert {p for p, _ in whole_steps} == {"prefill", "decode"}
     assert "mixed" in {p for p, _ in steps}, "no step ran a chunk beside decode rows"
@@ -83,9 +85,10 @@ def test_chunked_equals_whole_prompts_on_smollm2(smollm2_model):
     vocab = smollm2_model.config.vocab_size
     g = torch.Generator().manual_seed(2)
     prompt_list = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (4, 21, 13)]
-    whole_seqs, whole_logits, _ = run(Engine(smollm2_model, num_blocks=16, enable_chunked_prefill=False),
+    whole_seqs, whole_logits, _ = run(Engine(smollm2_model, EngineConfig(num_blocks=16, enable_chunked_prefill=False)),
                                       prompt_list, 4)
-    seqs, logits, steps = run(Engine(smollm2_model, num_blocks=16, max_num_batched_tokens=5), prompt_list, 4)
+    seqs, logits, steps = run(Engine(smollm2_model, EngineConfig(num_blocks=16, max_num_batched_tokens=5)),
+                              prompt_list, 4)
     assert "mixed" in {p for p, _ in steps}
     assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in whole_seqs]
     for a, b in zip(seqs, whole_seqs):
@@ -94,7 +97,7 @@ def test_chunked_equals_whole_prompts_on_smollm2(smollm2_model):
 
 
 def test_a_prompt_longer_than_the_budget_is_fed_in_chunks_and_sampled_once(sharp_gqa24):
-    engine = Engine(sharp_gqa24.model, num_blocks=64, block_size=BLOCK, max_num_batched_tokens=7)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=64, block_size=BLOCK, max_num_batched_tokens=7))
     (seq,) = [engine.add_request(prompts((22,))[0], greedy(3))]
     fed, outputs = [], []
     while engine.has_unfinished_requests():
@@ -110,8 +113,9 @@ def test_a_decode_row_in_a_mixed_step_reads_as_in_a_decode_step(sharp_gqa24, rea
     request's prompt chunk (a mixed step); in the other it decodes alone (a decode-only step). Its
     logits must agree."""
     first, late = prompts((11, 13), seed=4)
-    alone = Engine(sharp_gqa24.model, num_blocks=64, block_size=BLOCK, read=read)
-    mixed = Engine(sharp_gqa24.model, num_blocks=64, block_size=BLOCK, read=read, max_num_batched_tokens=6)
+    alone = Engine(sharp_gqa24.model, EngineConfig(num_blocks=64, block_size=BLOCK, read=read))
+    mixed = Engine(sharp_gqa24.model, EngineConfig(num_blocks=64, block_size=BLOCK, read=read,
+                                                   max_num_batched_tokens=6))
     rows = {}
     for engine in (alone, mixed):
         seq = engine.add_request(first, greedy(6))
@@ -131,7 +135,7 @@ def test_a_decode_row_in_a_mixed_step_reads_as_in_a_decode_step(sharp_gqa24, rea
 
 
 def test_a_forward_failure_mid_prefill_frees_everything(sharp_gqa24):
-    engine = Engine(sharp_gqa24.model, num_blocks=32, block_size=BLOCK, max_num_batched_tokens=5)
+    engine = Engine(sharp_gqa24.model, EngineConfig(num_blocks=32, block_size=BLOCK, max_num_batched_tokens=5))
     long, short = engine.add_requests(prompts((17, 3), seed=5), [greedy(4), greedy(4)])
     engine.step()  # long's first chunk
     assert long.num_computed_tokens == 5 and not long.output_token_ids
@@ -151,12 +155,13 @@ def test_a_forward_failure_mid_prefill_frees_everything(sharp_gqa24):
 
 def test_engine_flag_and_budget_are_checked(tiny_model):
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
-        Engine(tiny_model, num_blocks=8, enable_chunked_prefill=1)
+        Engine(tiny_model, EngineConfig(num_blocks=8, enable_chunked_prefill=1))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Engine(tiny_model, num_blocks=8, max_num_batched_tokens=0)
-    assert Engine(tiny_model, num_blocks=8, max_num_batched_tokens=5).scheduler.max_num_batched_tokens == 5
+        Engine(tiny_model, EngineConfig(num_blocks=8, max_num_batched_tokens=0))
+    assert Engine(tiny_model, EngineConfig(num_blocks=8,
+                                           max_num_batched_tokens=5)).scheduler.max_num_batched_tokens == 5
     # Without chunks a whole prompt must fit one step: the budget is raised to the context.
-    whole = Engine(tiny_model, num_blocks=8, max_num_batched_tokens=5, enable_chunked_prefill=False)
+    whole = Engine(tiny_model, EngineConfig(num_blocks=8, max_num_batched_tokens=5, enable_chunked_prefill=False))
     assert whole.scheduler.max_num_batched_tokens == whole.max_model_len
 
 

@@ -11,12 +11,11 @@ import torch
 from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
 from test_cache_properties import check_drained
 
-from nanolab import Engine, SamplingParams, load_model
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.engine.runner import CPU_OPTIONS, compile_decode, steady_tuning
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
-from nanolab.lab.levers import opaque_projections
-from nanolab.model import layers
+from nanolab.lab.leverarms import opaque_projections
 from nanolab.model.layers import linear_op, packed_linear_op
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
@@ -45,7 +44,7 @@ def test_compiled_decode_matches_the_reference(sharp_gqa24, read):
     torch._dynamo.reset()
     model = plain(sharp_gqa24)
     forward = Counting(compile_decode(model))
-    engine = Engine(model, num_blocks=64, block_size=4, read=read, forward=forward)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read=read), forward=forward)
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
     logits, on_step = logit_recorder()
@@ -62,7 +61,7 @@ def test_opaque_projections_compile_to_the_reference(sharp_gqa24):
     model = plain(sharp_gqa24)
     opaque_projections(model, ("lm_head", "down"))
     forward = compile_decode(model)
-    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read="reference"), forward=forward)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
     logits, on_step = logit_recorder()
@@ -90,7 +89,7 @@ def test_prepacked_matmuls_compile_to_the_reference(sharp_gqa24):
         assert model.lm_head.packed is not None
         forward = compile_decode(model)
         assert forward.options == CPU_OPTIONS  # a CPU model's wrapper is C++
-        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward)
+        engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read="reference"), forward=forward)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
         logits, on_step = logit_recorder()
@@ -125,35 +124,38 @@ def test_prepacked_matmuls_compile_to_the_reference(sharp_gqa24):
         packed_linear_op(x, again.layers[0].mlp.down_proj.weight)
 
 
-@pytest.mark.parametrize("reduction", [True, False])
-def test_one_row_matmuls_compile_to_a_reduction_on_the_cpu(sharp_gqa24, monkeypatch, reduction):
+def test_one_row_matmuls_compile_to_a_reduction_on_the_cpu(sharp_gqa24):
     """A compiled one-row step on the CPU writes each matmul as a product and a sum
-    (`layers.ONE_ROW_REDUCTION`), which inductor lowers into its own reduction: the graph calls no
-    prepacked matmul, and every step's logits equal the reference's. Switched off, the same step
-    calls the packed matmul."""
-    monkeypatch.setattr(layers, "ONE_ROW_REDUCTION", reduction)
+    (`layers.Linear.forward`), which inductor lowers into its own reduction: the one-row graph
+    calls no matmul of any kind, and every step's logits equal the reference's. The graph that
+    batches of 2 and 3 share calls the prepacked matmul, which the same check finds there, and
+    the one-row test adds no guard to it."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
     torch._dynamo.reset()
     model = load_model(sharp_gqa24.path, dtype=torch.float32, device="cpu", prepack=True)
-    engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=compile_decode(model))
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read="reference"), forward=compile_decode(model))
     seqs = engine.add_requests(PROMPTS[-1:], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])
     logits, on_step = logit_recorder()
-    with torch._inductor.utils.fresh_cache():
-        code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)[1]
-    assert code, "nothing was compiled"
-    assert any("packed_linear" in c for c in code) != reduction
     matmuls = ("packed_linear", "aten.mm", "cpu_mm_out", "addmm", "_linear_pointwise", "mkldnn")
-    if reduction:  # no matmul of any kind left in the one-row graph: inductor reduces
-        assert not [m for m in matmuls if any(m in c for c in code)]
-    assert_logits_match_reference(sharp_gqa24, seqs, logits)
-    # Batches of 2 and then 3 share one dynamic graph: the one-row test adds no guard to it. (That
-    # graph's matmuls are the packed ones: `test_prepacked_matmuls_compile_to_the_reference`.)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     graphs = torch._dynamo.utils.counters["stats"]
-    for rows in (2, 3):
-        before = graphs["unique_graphs"]
-        engine.add_requests(PROMPTS[:rows], [params] * rows)
-        run_until_done(engine)
-        assert graphs["unique_graphs"] == before + (rows == 2), f"batch {rows}: {graphs['unique_graphs'] - before}"
+    with torch._inductor.utils.fresh_cache():  # every graph compiled here, its code returned
+        code = torch._inductor.utils.run_and_get_code(run_until_done, engine, on_step=on_step)[1]
+        assert code, "nothing was compiled"
+        assert not [m for m in matmuls if any(m in c for c in code)]  # no matmul left in the one-row graph
+        assert_logits_match_reference(sharp_gqa24, seqs, logits)
+        code = []  # as run_and_get_code collects it, without its reset: the one-row graph stays
+        with mock.patch.object(GraphLowering, "save_output_code", code.append):
+            for rows in (2, 3):
+                before = graphs["unique_graphs"]
+                engine.add_requests(PROMPTS[:rows], [params] * rows)
+                run_until_done(engine)
+                assert graphs["unique_graphs"] == before + (rows == 2), \
+                    f"batch {rows}: {graphs['unique_graphs'] - before}"
+        assert any("packed_linear" in c for c in code)
     torch._dynamo.reset()
 
 
@@ -175,10 +177,15 @@ def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_depende
     `steady_tuning` when `steady`, and every batch with the engine's ops launched as programmatic
     dependents when `pdl`; both are put back after the call. On the CPU, `compile_decode` turns
     neither on."""
+    import contextvars
+
     from torch._inductor.runtime import triton_heuristics
     from torch._inductor.runtime.benchmarking import TritonBenchmarker
 
-    from nanolab.kernels import pdl
+    def launching_dependents() -> bool:
+        """The scoped setting `kernels.pdl.launching_dependents` holds in this context (what
+        `ops_pdl` asks before the device: a CPU never launches as a dependent)."""
+        return {var.name: on for var, on in contextvars.copy_context().items()}.get("nanolab.ops_pdl", False)
 
     default = compile_decode(tiny_model)
     assert not (default.pdl or default.steady or default.tune_batch_1)
@@ -186,7 +193,7 @@ def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_depende
 
     def record(name):
         def forward(ids, positions, cache=None):
-            seen.append((name, pdl.OPS_PDL, type(triton_heuristics.benchmarker) is TritonBenchmarker))
+            seen.append((name, launching_dependents(), type(triton_heuristics.benchmarker) is TritonBenchmarker))
         return forward
 
     try:
@@ -198,7 +205,7 @@ def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_depende
     finally:
         tiny_model.lm_head.opaque = False  # compile_decode marked the session's model
     assert seen == [("single", True, True), ("batched", True, False)]
-    assert pdl.OPS_PDL is False and type(triton_heuristics.benchmarker) is not TritonBenchmarker
+    assert not launching_dependents() and type(triton_heuristics.benchmarker) is not TritonBenchmarker
 
 
 def test_the_read_op_is_the_kernel():
@@ -222,8 +229,9 @@ def test_compiled_graphs_with_async_scheduling_on_cuda(sharp_gqa24):
     model = plain(sharp_gqa24, "cuda")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    def decode(**kw):
-        engine = Engine(model, num_blocks=64, block_size=4, progress=False, **kw)
+    def decode(forward=None, **fields):
+        config = EngineConfig(num_blocks=64, block_size=4, compile=False, async_scheduling=False).replace(**fields)
+        engine = Engine(model, config, forward=forward, progress=False)
         seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
         logits, on_step = logit_recorder()
         # An asynchronous step's logits are overwritten before its tokens are read: none to record.
@@ -232,11 +240,11 @@ def test_compiled_graphs_with_async_scheduling_on_cuda(sharp_gqa24):
         return seqs, logits
 
     forward = compile_decode(model)
-    eager, _ = decode()
-    synced, logits = decode(forward=forward, cuda_graphs=True)
+    eager, _ = decode(enforce_eager=True)
+    synced, logits = decode(forward=forward)
     assert_logits_match_reference(sharp_gqa24, synced, {k: [r.cpu() for r in v] for k, v in logits.items()},
                                   atol=1e-3, rtol=1e-3)
-    overlapped, _ = decode(forward=forward, cuda_graphs=True, async_scheduling=True)
+    overlapped, _ = decode(forward=forward, async_scheduling=True)
     expected = [s.output_token_ids for s in eager]
     assert [s.output_token_ids for s in synced] == expected
     assert [s.output_token_ids for s in overlapped] == expected
@@ -259,7 +267,8 @@ def test_batch_1_decodes_through_its_own_tuned_graph_on_cuda(sharp_gqa24):
                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert not model.lm_head.step_kernel
     forward.single, forward.batched = Counting(forward.single), Counting(forward.batched)
-    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=forward, cuda_graphs=True)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, compile=False, async_scheduling=False),
+                    progress=False, forward=forward)
     assert forward.single.calls and forward.batched.calls, "capture did not build both graphs"
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     logits, on_step = logit_recorder()
@@ -285,8 +294,8 @@ def test_folded_step_matches_the_reference_on_cuda(sharp_gqa24, monkeypatch):
                         or real(x, w, *a, **kw))
     torch._dynamo.reset()
     model = plain(sharp_gqa24, "cuda")
-    engine = Engine(model, num_blocks=64, block_size=4, progress=False, forward=folds.folded_decode(model),
-                    cuda_graphs=True)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, compile=False, async_scheduling=False),
+                    progress=False, forward=folds.folded_decode(model))
     assert any(folded), "the captured batch steps did not fold the norms into their GEMVs"
     params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))
@@ -296,44 +305,3 @@ def test_folded_step_matches_the_reference_on_cuda(sharp_gqa24, monkeypatch):
                                   atol=1e-3, rtol=1e-3)
     check_drained(engine.kv_cache, engine.scheduler)
     torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("budget", [24, 48], ids=["full steps of head_dim tokens", "chunks past a query tile"])
-def test_mixed_varlen_steps_compile_once_to_the_reference(sharp_gqa24, budget):
-    """With `varlen`, the steps that mix decode rows and prompt chunks run through one compiled graph
-    whose token count is symbolic (the varlen read one opaque op, `varlen_attention_op`): every
-    step's logits equal the one-shot reference's, and steps of other token counts and other mixes
-    of segments reuse the graph instead of compiling their own. On a CPU in Triton's interpreter,
-    on a GPU compiled (fp32, to 1e-3)."""
-    from torch._dynamo.utils import counters
-
-    device = "cpu" if INTERPRETED else "cuda"
-    torch._dynamo.reset()
-    counters.clear()
-    model = plain(sharp_gqa24, device)
-    forward = compile_decode(model, varlen=True)
-    varlen = forward.run_varlen = Counting(forward.run_varlen)
-    # 24 tokens, the head dim: a full step's token count equals a pool's size, which duck sizing
-    # would tie together and recompile for the next step. 48: chunks longer than one query tile of
-    # the varlen read (32 tokens here), so a grid cut short of the step's tokens would miss some.
-    engine = Engine(model, num_blocks=96, block_size=4, read="streamed", forward=forward,
-                    max_num_batched_tokens=budget)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    prompts = PROMPTS + [list(range(30, 100)), [40, 41, 42, 43], list(range(100, 140)), list(range(140, 178))]
-    seqs = engine.add_requests(prompts, [params] * len(prompts))
-    logits, on_step = logit_recorder()
-    mixes = set()
-
-    def record(outputs):
-        on_step(outputs)
-        step = engine.last_step
-        if step is not None and step.phase != "decode":
-            mixes.add((step.tokens, step.rows))
-
-    run_until_done(engine, on_step=record)
-    assert varlen.calls >= 3 and len(mixes) >= 3, f"too few mixed steps went through the compiled graph: {mixes}"
-    tol = {} if device == "cpu" else dict(atol=1e-3, rtol=1e-3)
-    assert_logits_match_reference(sharp_gqa24, seqs, {k: [r.cpu() for r in v] for k, v in logits.items()}, **tol)
-    check_drained(engine.kv_cache, engine.scheduler)
-    # The decode graphs and one varlen graph: not one graph per mix.
-    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])

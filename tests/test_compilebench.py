@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nanolab.lab.history
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.lab.compilebench import (
     CompileResult,
     _DecodeProbe,
@@ -74,7 +74,7 @@ def result(**fields) -> CompileResult:
 
 def started_engine(model, planned: bool, steps: int, bounds: str = "cache", forward=None):
     runner = {} if planned else {"runner": unplanned_runner(bounds)}
-    engine = Engine(model, num_blocks=16, read="reference", forward=forward, **runner)
+    engine = Engine(model, EngineConfig(num_blocks=16, read="reference", enforce_eager=True), forward=forward, **runner)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for n in (PROMPT_LEN, PROMPT_LEN + 3):

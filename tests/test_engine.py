@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import bounded, needs_smollm2, run_until_done
 
-from nanolab import LLM, Engine, SamplingParams
+from nanolab import LLM, Engine, EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -41,8 +41,8 @@ def assert_all_free(engine: Engine) -> None:
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_batch_invariance_tiny(tiny_model, block_size):
     prompts = ragged_prompts(tiny_model.config.vocab_size)
-    alone = [run(Engine(tiny_model, num_blocks=64, block_size=block_size), [p])[0] for p in prompts]
-    engine = Engine(tiny_model, num_blocks=256, block_size=block_size)
+    alone = [run(Engine(tiny_model, EngineConfig(num_blocks=64, block_size=block_size)), [p])[0] for p in prompts]
+    engine = Engine(tiny_model, EngineConfig(num_blocks=256, block_size=block_size))
     assert run(engine, prompts) == alone
     assert run(engine, prompts, join_after=5) == alone
     assert_all_free(engine)
@@ -52,8 +52,8 @@ def test_batch_invariance_tiny(tiny_model, block_size):
 def test_batch_invariance_smollm2(smollm2_model):
     prompts = ragged_prompts(smollm2_model.config.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    alone = [run(Engine(smollm2_model, num_blocks=16), [p], params)[0] for p in prompts]
-    engine = Engine(smollm2_model, num_blocks=128)
+    alone = [run(Engine(smollm2_model, EngineConfig(num_blocks=16)), [p], params)[0] for p in prompts]
+    engine = Engine(smollm2_model, EngineConfig(num_blocks=128))
     assert run(engine, prompts, params) == alone
     assert run(engine, prompts, params, join_after=3) == alone
     assert_all_free(engine)
@@ -61,16 +61,16 @@ def test_batch_invariance_smollm2(smollm2_model):
 
 def test_preemption_recomputes_and_changes_nothing(tiny_model):
     prompts = ragged_prompts(tiny_model.config.vocab_size)
-    expected = run(Engine(tiny_model, num_blocks=256, block_size=4), prompts)
+    expected = run(Engine(tiny_model, EngineConfig(num_blocks=256, block_size=4)), prompts)
     # 24 blocks of 4 cannot hold eight requests of up to 57 tokens: the scheduler must preempt.
-    tight = Engine(tiny_model, num_blocks=24, block_size=4)
+    tight = Engine(tiny_model, EngineConfig(num_blocks=24, block_size=4))
     assert run(tight, prompts) == expected
     assert tight.scheduler.num_preemptions > 0
     assert_all_free(tight)
 
 
 def test_abort_returns_blocks_wherever_the_request_is(tiny_model):
-    engine = Engine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=2)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=2))
     seqs = [engine.add_request(p, GREEDY) for p in ragged_prompts(512)]
     for _ in range(3):
         engine.step()
@@ -83,7 +83,7 @@ def test_abort_returns_blocks_wherever_the_request_is(tiny_model):
 
 
 def test_max_tokens_and_model_len(tiny_model):
-    engine = Engine(tiny_model, num_blocks=64, block_size=4, max_model_len=20)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64, block_size=4, max_model_len=20))
     a = engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     b = engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     run_until_done(engine)
@@ -93,9 +93,9 @@ def test_max_tokens_and_model_len(tiny_model):
 
 def test_eos_stops_unless_ignored(tiny_model):
     prompt = ragged_prompts(512)[3]
-    first = run(Engine(tiny_model, num_blocks=32), [prompt])[0]
+    first = run(Engine(tiny_model, EngineConfig(num_blocks=32)), [prompt])[0]
     eos = first[5]  # pretend the sixth greedy token is the model's EOS
-    engine = Engine(tiny_model, num_blocks=32)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32))
     engine.eos_token_ids = frozenset({eos})
     stopped = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24))
     ignored = engine.add_request(prompt, GREEDY)
@@ -117,8 +117,10 @@ def test_eos_stops_unless_ignored(tiny_model):
 )
 def test_bad_requests_are_refused_and_others_keep_running(tiny_model, prompt, params, match):
     prompts = ragged_prompts(512)[:3]
-    expected = run(Engine(tiny_model, num_blocks=64, block_size=16), prompts)
-    engine = Engine(tiny_model, num_blocks=64, block_size=16)
+    # A context longer than the pool holds, so a request can ask for more than the pool.
+    config = EngineConfig(num_blocks=64, block_size=16, max_model_len=2048)
+    expected = run(Engine(tiny_model, config), prompts)
+    engine = Engine(tiny_model, config)
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
     free = engine.block_manager.allocator.num_free
@@ -177,7 +179,7 @@ class TestLLM:
         assert not llm.engine.has_unfinished_requests()
 
     def test_dtype_names(self):
-        from nanolab.llm import resolve_dtype
+        from nanolab.config import resolve_dtype
 
         cpu = torch.device("cpu")
         assert resolve_dtype("bf16", cpu) is torch.bfloat16 and resolve_dtype(torch.float16, cpu) is torch.float16

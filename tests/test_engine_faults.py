@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_cache_properties import check_drained
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.async_llm import AsyncLLM
 from nanolab.sampling import sample, sample_tokens
 
@@ -64,7 +64,7 @@ class FlakyRunner:
 @functools.cache
 def alone(model_key: int, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     model = _MODELS[model_key]
-    engine = Engine(model, num_blocks=64, block_size=BLOCK, max_num_seqs=1)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=BLOCK, max_num_seqs=1))
     seq = engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     for _ in bounded(engine.has_unfinished_requests):
         engine.step()
@@ -90,9 +90,9 @@ def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, nu
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
-    engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=budget, sampler=poisoned_sampler(poisoned),
-                    async_scheduling=async_scheduling)
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=budget, async_scheduling=async_scheduling),
+                    sampler=poisoned_sampler(poisoned))
     engine.runner = flaky = FlakyRunner(engine.runner)
     seqs, fated = [], {}
 
@@ -146,8 +146,8 @@ def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24, async_schedulin
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
-    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=poisoned_sampler(poisoned),
-                    async_scheduling=async_scheduling)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=BLOCK, async_scheduling=async_scheduling),
+                    sampler=poisoned_sampler(poisoned))
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True) for _ in prompts]
     seqs = engine.add_requests(prompts, params)
@@ -162,7 +162,7 @@ def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24, async_schedulin
 
 
 def test_adding_a_batch_is_all_or_nothing(tiny_model):
-    engine = Engine(tiny_model, num_blocks=16, block_size=BLOCK)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
     good = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match="request 2"):
         engine.add_requests([[5, 6], [7], [True, 8]], [good] * 3)
@@ -172,12 +172,12 @@ def test_adding_a_batch_is_all_or_nothing(tiny_model):
     check_drained(engine.kv_cache, engine.scheduler)
 
 
-@pytest.mark.parametrize("field, value", [("max_num_seqs", 0), ("num_blocks", 0), ("block_size", 0),
-                                          ("max_model_len", 1), ("max_num_seqs", True), ("num_blocks", 2.0)])
-def test_engine_arguments_are_checked(tiny_model, field, value):
-    kwargs = {"num_blocks": 16, field: value}
-    with pytest.raises(ValueError, match=field):
-        Engine(tiny_model, **kwargs)
+def test_an_engine_takes_its_choices_as_one_config(tiny_model):
+    """Every field is checked by `EngineConfig` (tests/test_validation.py); the engine takes one."""
+    with pytest.raises(TypeError, match="EngineConfig"):
+        Engine(tiny_model, {"num_blocks": 16})
+    with pytest.raises(ValueError, match="max_model_len=1"):
+        Engine(tiny_model, EngineConfig(num_blocks=16, max_model_len=1))
 
 
 # The same promises online: requests arrive from asyncio while the loop thread steps, and clients
@@ -194,7 +194,7 @@ def test_online_engine_survives_disconnects(sharp_gqa24, arrivals, num_blocks, m
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
-    engine = Engine(model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs),
                     sampler=poisoned_sampler(poisoned))
 
     async def client(llm: AsyncLLM, prompt, max_tokens, delay, leave_after, poison):
@@ -238,7 +238,7 @@ def test_online_engine_survives_disconnects(sharp_gqa24, arrivals, num_blocks, m
 
 
 def test_an_abort_frees_blocks_before_the_next_step(tiny_model):
-    engine = Engine(tiny_model, num_blocks=64, block_size=BLOCK)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64, block_size=BLOCK))
     steps_after_abort = []
 
     async def main():
@@ -273,7 +273,7 @@ def seq_free(engine) -> bool:
 def test_online_engine_reports_a_dead_loop(tiny_model):
     """A failure the engine cannot pin on a request (here, in the scheduler) ends every open
     stream with the error and marks the engine dead; nothing is left holding blocks."""
-    engine = Engine(tiny_model, num_blocks=16, block_size=BLOCK)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
 
     def broken():
         raise RuntimeError("scheduler bug")
@@ -309,12 +309,12 @@ def test_a_failed_batch_leaves_seeded_draws_alone(sharp_gqa24):
         return tokens
 
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
-    solo = Engine(model, num_blocks=64, block_size=BLOCK)
+    solo = Engine(model, EngineConfig(num_blocks=64, block_size=BLOCK))
     alone_seq = solo.add_request([5, 6, 7], seeded)
     for _ in bounded(solo.has_unfinished_requests):
         solo.step()
 
-    engine = Engine(model, num_blocks=64, block_size=BLOCK, sampler=sampler)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=BLOCK), sampler=sampler)
     bad = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     poisoned.add(id(bad))
     seq, failed = engine.add_requests([[5, 6, 7], [9, 10]], [seeded, bad])

@@ -10,7 +10,6 @@ import pytest
 from matplotlib.collections import LineCollection
 from matplotlib.patches import Rectangle
 
-from nanolab.lab.levers import once_a_step
 from nanolab.lab.plots.floor import (
     PARTS,
     best_of_sweep,
@@ -27,6 +26,7 @@ from nanolab.lab.plots.floor import (
     plot_projections,
     plot_tuning_spread,
 )
+from nanolab.lab.tuningspread import once_a_step
 
 
 def bars(ax) -> list[Rectangle]:

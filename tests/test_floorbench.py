@@ -13,7 +13,7 @@ import torch
 from conftest import make_cache, prefill_logits
 
 import nanolab.__main__ as cli
-from nanolab import LLM, Engine, load_model
+from nanolab import LLM, Engine, EngineConfig, load_model
 from nanolab.lab import report
 from nanolab.lab.costs import kv_read_bytes, step_read_bytes, weight_bytes
 from nanolab.lab.floorbench import (
@@ -297,7 +297,7 @@ def test_gpt_fast_logits_equal_nanolabs(name, tmp_path_factory, one_thread):
 
     # Its generate loop, uncompiled, decodes nanolab's greedy tokens for every row.
     new = 6
-    expected = engine_greedy(Engine(model, num_blocks=16), prompt.repeat(2, 1).tolist(), new)
+    expected = engine_greedy(Engine(model, EngineConfig(num_blocks=16)), prompt.repeat(2, 1).tolist(), new)
     run = gpt_fast_generate(gf, theirs, prompt.repeat(2, 1), compile=False)
     torch.manual_seed(0)
     out, _ = run(new)

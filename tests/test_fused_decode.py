@@ -11,7 +11,7 @@ from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, 
 from test_cache_properties import check_drained
 from test_compile_decode import Counting
 
-from nanolab import Engine, SamplingParams, load_model
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.argmax import argmax
 from nanolab.kernels.pdl import supports_pdl
@@ -25,8 +25,9 @@ def run(sharp, *, max_rows=MAX_ROWS, cuda_graphs=False, pdl=None, max_tokens=7):
     model = load_model(sharp.path, dtype=torch.float32, device=DEVICE, prepack=False)
     fallback = Counting(model)  # counts the steps FusedDecode hands on
     forward = FusedDecode(model, fallback, max_rows=max_rows, pdl=pdl)
-    engine = Engine(model, num_blocks=64, block_size=4, read="streamed", forward=forward, cuda_graphs=cuda_graphs,
-                    progress=False)
+    config = EngineConfig(num_blocks=64, block_size=4, read="streamed", enforce_eager=not cuda_graphs,
+                          async_scheduling=False)  # each step's logits come back with its tokens
+    engine = Engine(model, config, forward=forward, progress=False)
     fallback.calls = 0  # capturing the buckets past max_rows called it
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seqs = engine.add_requests(PROMPTS, [params] * len(PROMPTS))

@@ -5,6 +5,7 @@ real server's run is the chapter's (notebooks/58_graphbench.py)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 
@@ -12,35 +13,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from nanolab.lab.graphbench import (
-    SLO,
-    WORKLOADS,
-    PlannedRequest,
-    PlanRun,
-    RequestResult,
-    ServeProcess,
-    Workload,
+from nanolab.lab.compaction import (
     check_compaction,
-    check_requests,
-    free_port,
-    graphbench_ratios,
-    rate_schedule,
     read_step_log,
-    request_plan,
-    run_arm,
-    run_graphbench,
-    run_plan,
-    run_plan_async,
-    serve_command,
-    serving_metrics,
     slice_steps,
     smallest_bucket,
-    split_arm,
     step_summary,
-    sustained_rates,
-    time_offline,
     weighted_median_rows,
 )
+from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench
+from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
+from nanolab.lab.offlinesteps import time_offline
+from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
+from nanolab.lab.servingmetrics import SLO, check_requests, serving_metrics, sustained_rates
+from nanolab.lab.workload import WORKLOADS, PlannedRequest, Workload, rate_schedule, request_plan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -345,14 +331,15 @@ def test_run_arm_on_the_stand_in(fake_script, tmp_path):
 
 def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_path):
     assert split_arm("graphs") == ("graphs", None) and split_arm("eager-whole") == ("eager", "whole")
-    with pytest.raises(ValueError, match="unknown arm"):
-        split_arm("graphs-sometimes")
+    for unknown in ("graphs-sometimes", "graphs-compiled", "compiled"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            split_arm(unknown)
     argv = lambda **kw: serve_command("m", 1, device="cpu", eager=True, step_log=tmp_path / "s", **kw)
     assert "--no-enable-chunked-prefill" in argv(chunked_prefill=False)
     assert "--enable-chunked-prefill" in argv(chunked_prefill=True)
     assert not any("chunked" in a for a in argv())  # the server's default
-    assert "--compile-varlen" in argv(chunked_prefill=True, compile_varlen=True)
-    assert split_arm("graphs-compiled") == ("graphs", "compiled")
+    assert argv(max_num_batched_tokens=512)[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--max-num-batched-tokens" not in argv()
     seen = {}
 
     def command(model, port, *, device, eager, step_log, **kw):
@@ -362,28 +349,52 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     arm = run_arm("graphs-whole", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
                   command=command, log=lambda _: None)
     assert seen["chunked_prefill"] is False
+    assert "max_num_batched_tokens" not in seen  # the server's default budget
     rates = pd.DataFrame(arm.rates)
     assert list(rates.arm) == ["graphs-whole"] and list(rates.prefill) == ["whole"]
     assert {"mixed_steps", "mixed_p50_ms"} <= set(rates.columns)
     assert check_compaction(arm.steps, BUCKETS, expect_graphs=True)  # "graphs-whole" replays graphs
-    seen.clear()
-    run_arm("graphs-compiled", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
-            command=command, log=lambda _: None)
-    assert seen["chunked_prefill"] is True and seen["compile_varlen"] is True
-    assert "max_num_batched_tokens" not in seen  # the server's default budget
-    seen.clear()
-    run_arm("graphs-chunked", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
-            command=command, log=lambda _: None, max_num_batched_tokens=512)
-    assert seen["max_num_batched_tokens"] == 512
-    assert argv(max_num_batched_tokens=512)[-2:] == ["--max-num-batched-tokens", "512"]
-    assert "--max-num-batched-tokens" not in argv()
+
+    # What run_arm hands the command is all this checks: no server needs to start for it.
+    class Built(Exception):
+        pass
+
+    def record(model, port, *, device, eager, step_log, **kw):
+        seen.clear()
+        seen.update(kw, eager=eager)
+        raise Built
+
+    with pytest.raises(Built):
+        run_arm("graphs-chunked", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+                command=record, log=lambda _: None, max_num_batched_tokens=512)
+    assert seen["chunked_prefill"] is True and seen["max_num_batched_tokens"] == 512 and not seen["eager"]
+    with pytest.raises(Built):
+        run_arm("eager", "fake-model", "cpu", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+                command=record, log=lambda _: None)
+    assert seen["eager"] and "chunked_prefill" not in seen  # a bare arm: the server's default prefill
+
+
+def test_the_server_takes_every_flag_serve_command_passes(tmp_path):
+    from nanolab.entrypoints.openai.api_server import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = serve_command("tiny", 8123, device="cpu", eager=True, step_log=tmp_path / "s", dtype="float32",
+                         read="reference", max_num_seqs=8, max_model_len=256, max_waiting=99, chunked_prefill=False,
+                         max_num_batched_tokens=512)
+    assert argv[1:4] == ["-m", "nanolab", "serve"]
+    args = parser.parse_args(argv[4:])
+    assert (args.model, args.host, args.port, args.device, args.dtype, args.read) == (
+        "tiny", "127.0.0.1", 8123, "cpu", "float32", "reference")
+    assert (args.enforce_eager, args.enable_chunked_prefill, args.max_num_batched_tokens) == (True, False, 512)
+    assert (args.max_num_seqs, args.max_model_len, args.max_waiting, args.step_log) == (8, 256, 99,
+                                                                                          str(tmp_path / "s"))
+    assert parser.parse_args(serve_command("tiny", 1, device="cpu", eager=False, step_log=tmp_path / "s",
+                                           chunked_prefill=True)[4:]).enable_chunked_prefill
 
 
 def test_the_recorded_default_budget_is_the_servers():
-    import argparse
-
     from nanolab.entrypoints.openai.api_server import add_arguments
-    from nanolab.lab.graphbench import SERVER_TOKEN_BUDGET
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -448,7 +459,9 @@ def test_median_rows_weighs_each_step_by_its_tokens_and_windows_slice():
 
 
 def test_offline_steps_time_each_batch(tiny_path, one_thread):
-    off = time_offline(str(tiny_path), "cpu", "eager", [2, 1, 2], context=12, steps=4, repeats=2)
+    # a 16 MiB pool, not the CPU's default 1 GiB: zeroing that took longer than the steps
+    off = time_offline(str(tiny_path), "cpu", "eager", [2, 1, 2], context=12, steps=4, repeats=2,
+                       kv_cache_bytes=16 << 20)
     assert list(off.batch) == [1, 2] and (off.steps == 8).all() and (off.context == 12).all()
     assert (off.ms_p50 > 0).all() and (off.ms_mean > 0).all()
 

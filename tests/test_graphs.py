@@ -9,7 +9,7 @@ import torch
 from conftest import needs_cuda
 from test_engine import assert_all_free, ragged_prompts, run
 
-from nanolab import Engine, SamplingParams, load_model
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs, planned_step
 
@@ -17,9 +17,12 @@ pytestmark = needs_cuda
 
 
 
-def ref_engine(model, **kw) -> Engine:
-    """Days 54 and 56 capture the reference read; tests/test_streamed_read.py captures Day 60's."""
-    return Engine(model, read="reference", **kw)
+def ref_engine(model, buckets=None, cuda_graphs=False, progress=True, **fields) -> Engine:
+    """Days 54 and 56 capture the reference read, over the eager step; tests/test_streamed_read.py
+    captures Day 60's."""
+    config = EngineConfig(read="reference", enforce_eager=not cuda_graphs, compile=False, async_scheduling=False,
+                          **fields)
+    return Engine(model, config, buckets=buckets, progress=progress)
 
 
 BUCKETS = DecodeBuckets((1, 2, 4, 8), (32, 64, 128))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_cache
 
-from nanolab import Engine
+from nanolab import Engine, EngineConfig
 from nanolab.lab.history import UnplannedView, context_bounds, host_slot_mapping, unplanned_runner
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.timing import prefill
@@ -70,9 +70,9 @@ def test_the_host_rectangle_pads_with_slot_0() -> None:
 def test_an_unplanned_engine_decodes_the_planned_tokens(tiny_model, bounds) -> None:
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 11, 6)]
-    kw = dict(num_blocks=48, block_size=4, read="reference")
-    planned = Engine(tiny_model, **kw)
-    unplanned = Engine(tiny_model, runner=unplanned_runner(bounds), **kw)
+    config = EngineConfig(num_blocks=48, block_size=4, read="reference")
+    planned = Engine(tiny_model, config)
+    unplanned = Engine(tiny_model, config, runner=unplanned_runner(bounds))
     assert engine_greedy(unplanned, prompts, 9) == engine_greedy(planned, prompts, 9)
     # The logits too: one decode step of each, from the same prefilled state.
     outs = []
@@ -87,6 +87,6 @@ def test_the_unplanned_runner_refuses_buckets_and_an_unknown_bound(tiny_model) -
     from nanolab.engine.buckets import DecodeBuckets
 
     with pytest.raises(ValueError, match="pad a DecodePlan"):
-        Engine(tiny_model, num_blocks=16, runner=unplanned_runner(), buckets=DecodeBuckets.default())
+        Engine(tiny_model, EngineConfig(num_blocks=16), runner=unplanned_runner(), buckets=DecodeBuckets.default())
     with pytest.raises(ValueError, match="bounds"):
-        Engine(tiny_model, num_blocks=16, runner=unplanned_runner("host"))
+        Engine(tiny_model, EngineConfig(num_blocks=16), runner=unplanned_runner("host"))

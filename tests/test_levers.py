@@ -1,6 +1,6 @@
 """Day 61's instruments on the CPU: the Triton GEMV (in Triton's interpreter) against float64, the
-sweep's tiles within shared memory, kernel classes, the waterfall's host share, and the staging
-switch that re-runs the pageable copies for the arm before the pinned lever."""
+sweep's tiles within shared memory, the levers' arms as engines built through the public
+constructor, kernel classes, the waterfall's host share, and a mixed step's parts."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import pandas as pd
 import pytest
 import torch
 
-from nanolab.engine import kv_cache, llm_engine, runner
-from nanolab.engine.block_manager import BlockManager
+from nanolab import Engine, EngineConfig, load_model
+from nanolab.engine import runner
 from nanolab.kernels import gemv as gemv_module
-from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, block_rows, gemv, step_config, step_linear
-from nanolab.lab.levers import breakdown, choose_config, kernel_class, projection_shapes, staging, sweep_configs
+from nanolab.kernels.gemv import MAX_ROWS, STEP_ROWS, GemvConfig, block_rows, gemv, step_config, step_linear
+from nanolab.lab.agreement import LogitsSampler, decode_logits
+from nanolab.lab.gemvbench import choose_config, projection_shapes, sweep_configs
+from nanolab.lab.stepparts import breakdown, kernel_class
 from nanolab.model.config import ModelConfig
+from nanolab.model.weights import resolve_weights
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests: CPU tensors only")
 
@@ -26,43 +29,21 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
     (40, 48, 512, GemvConfig(32, 128, 2)),  # rows in a 64-row tile, 24 of them padding
     (64, 32, 256, GemvConfig(32, 128, 1)),  # the most rows a launch takes
 ])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gemv_is_a_linear(m, n, k, config, prefetch):
+def test_gemv_is_a_linear(m, n, k, config):
     torch.manual_seed(m * n)
     x, w = torch.randn(m, k), torch.randn(n, k)
-    out = gemv(x, w, config, prefetch=prefetch)
+    out = gemv(x, w, config)
     ref = x.double() @ w.double().T
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
 
 
 @pytest.mark.parametrize("m, n, k, config", [
-    (3, 70, 1024, GemvConfig(32, 128, 2)),  # a column edge: the last program's ticket covers 6 columns
-    (5, 33, 2048, GemvConfig(16, 256, 8)),
-    (16, 64, 1024, GemvConfig(32, 256, 2)),
+    (3, 70, 1024, GemvConfig(32, 128, 1)),  # a column edge inside the last program
+    (5, 33, 2048, GemvConfig(16, 256, 4)),  # split-K: the residual added by `_sum_splits`
+    (40, 48, 512, GemvConfig(32, 128, 1)),  # 24 padding rows of a 64-row tile
 ])
-def test_split_k_fixed_up_in_the_kernel_equals_the_second_kernel(m, n, k, config):
-    """Split-K shares added by the last share to take its columns' ticket: bit-equal to
-    `_sum_splits` (same order, one rounding), in bf16 too, and every ticket back at 0 after each
-    launch (a graph replays the same one). The interpreter runs programs one at a time, so the
-    race the ticket orders is met only on a GPU (`test_cuda`)."""
-    from nanolab.kernels import tickets as tickets_module
-
-    torch.manual_seed(n * k)
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        for _ in range(2):
-            assert torch.equal(gemv(x, w, config, fix_up=True), gemv(x, w, config))
-            assert all(not held[-1].any() for held in tickets_module._TICKETS.values())
-
-
-@pytest.mark.parametrize("m, n, k, config, fix_up", [
-    (3, 70, 1024, GemvConfig(32, 128, 1), False),  # a column edge inside the last program
-    (5, 33, 2048, GemvConfig(16, 256, 4), False),  # split-K: the residual added by `_sum_splits`
-    (5, 33, 2048, GemvConfig(16, 256, 4), True),  # split-K: by the share that takes the last ticket
-    (40, 48, 512, GemvConfig(32, 128, 1), False),  # 24 padding rows of a 64-row tile
-])
-def test_gemv_folds_the_norm_swiglu_and_residual_around_the_product(m, n, k, config, fix_up):
+def test_gemv_folds_the_norm_swiglu_and_residual_around_the_product(m, n, k, config):
     """Each neighbour `step_projection` folds into the GEMV, against float64 torch: RMSNorm of x
     (its scale applied after the dot), SwiGLU of a [gate, up] x, and the residual added before the
     one rounding, one share of K for the norm and any number for the others."""
@@ -77,12 +58,12 @@ def test_gemv_folds_the_norm_swiglu_and_residual_around_the_product(m, n, k, con
 
     if config.split_k == 1:
         ref = F.linear(F.rms_norm(x.double(), (k,), g.double(), 1e-5), w.double())
-        close(gemv(x, w, config, norm=g, fix_up=fix_up), ref)
-        close(gemv(x, w, config, norm=g, residual=r, fix_up=fix_up), ref + r.double())
+        close(gemv(x, w, config, norm=g), ref)
+        close(gemv(x, w, config, norm=g, residual=r), ref + r.double())
     silu_up = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
-    close(gemv(gate_up, w, config, swiglu=True, fix_up=fix_up), F.linear(silu_up, w.double()))
-    close(gemv(gate_up, w, config, swiglu=True, residual=r, fix_up=fix_up), F.linear(silu_up, w.double()) + r.double())
-    close(gemv(x, w, config, residual=r, fix_up=fix_up), F.linear(x.double(), w.double()) + r.double())
+    close(gemv(gate_up, w, config, swiglu=True), F.linear(silu_up, w.double()))
+    close(gemv(gate_up, w, config, swiglu=True, residual=r), F.linear(silu_up, w.double()) + r.double())
+    close(gemv(x, w, config, residual=r), F.linear(x.double(), w.double()) + r.double())
 
 
 def test_gemv_refuses_folds_it_cannot_make():
@@ -166,13 +147,12 @@ def test_step_linear_takes_its_rows_to_gemv_and_the_rest_to_f_linear(monkeypatch
     calls = []
     real = gemv_module.gemv
     monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    monkeypatch.setattr(gemv_module, "STEP_ROWS", 16)
-    for m in (3, 16, 17):
+    for m in (3, STEP_ROWS, STEP_ROWS + 1):
         x = torch.randn(m, 1, 1024)
         out = step_linear(x, w)
         assert out.shape == (m, 1, 48)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert calls == [(3, 1, 1024), (16, 1, 1024)]
+    assert calls == [(3, 1, 1024), (STEP_ROWS, 1, 1024)]
 
 
 def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
@@ -180,10 +160,6 @@ def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
     through `step_linear` (its kernel in the interpreter), the LM head does not, the first decode
     step's logits match the same engine's without the lever, and switching it off puts
     `F.linear` back."""
-    from nanolab import Engine, load_model
-    from nanolab.lab.levers import decode_logits
-    from nanolab.model.weights import resolve_weights
-
     model = load_model(resolve_weights("tiny"), dtype=torch.float32, device=torch.device("cpu"))
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
     seen = []
@@ -194,7 +170,8 @@ def test_step_kernels_run_the_compiled_batched_step_through_gemv(monkeypatch):
         torch._dynamo.reset()
         forward = runner.compile_decode(model)  # on the CPU, marks none; compiling waits for the first call
         runner.mark_step_kernels(model, on)
-        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=forward, progress=False)
+        engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read="reference"), forward=forward,
+                        progress=False)
         return decode_logits(engine, prompts)
 
     try:
@@ -215,10 +192,7 @@ def test_folded_step_folds_every_norm_add_and_swiglu_into_the_projections(monkey
     GEMVs, the norms in the q/k/v and gate/up ones, the residual adds in the o and down ones and
     SwiGLU in down, and its first decode step's logits equal the engine's compiled step's (no
     fold); batch 1 is the model's own forward."""
-    from nanolab import Engine, load_model
     from nanolab.lab import folds
-    from nanolab.lab.levers import decode_logits
-    from nanolab.model.weights import resolve_weights
 
     model = load_model(resolve_weights("tiny"), dtype=torch.float32, device=torch.device("cpu"))
     seen = []
@@ -229,7 +203,8 @@ def test_folded_step_folds_every_norm_add_and_swiglu_into_the_projections(monkey
 
     def logits(build, prompts) -> torch.Tensor:
         torch._dynamo.reset()
-        engine = Engine(model, num_blocks=64, block_size=4, read="reference", forward=build(model), progress=False)
+        engine = Engine(model, EngineConfig(num_blocks=64, block_size=4, read="reference"), forward=build(model),
+                        progress=False)
         return decode_logits(engine, prompts)
 
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
@@ -270,28 +245,6 @@ def test_the_host_share_is_what_the_kernels_leave():
     assert parts["host (GPU idle)"] == pytest.approx(1.2 - 0.97)
 
 
-def test_staging_switch_restores_the_engine():
-    modules = (kv_cache, runner, llm_engine)
-    pinned = [m.stage for m in modules]
-    with pytest.raises(RuntimeError), staging(pinned=False):
-        assert all(m.stage is not p for m, p in zip(modules, pinned))
-        t = torch.ones(3)
-        assert all(m.stage(t, torch.device("cuda")) is t for m in modules)  # no pinning: the host tensor as is
-        raise RuntimeError("an arm failed")
-    assert [m.stage for m in modules] == pinned
-
-
-def test_staging_puts_the_four_copies_back_for_the_arms_before_the_upload_kernel():
-    own = kv_cache.KVCache._upload
-    cache = kv_cache.KVCache(BlockManager(8, 4, 2), num_layers=1, num_kv_heads=1, head_dim=4)
-    dsts = [torch.zeros(2, dtype=torch.int64) for _ in range(4)]
-    with staging(pinned=True, upload=False):
-        assert kv_cache.KVCache._upload is not own
-        cache._upload(torch.arange(8).view(4, 2), dsts)
-    assert kv_cache.KVCache._upload is own
-    assert [d.tolist() for d in dsts] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-
 def parts_of(stem: str, batch: int, order: list[str]) -> pd.DataFrame:
     from nanolab.lab.report import load_table
 
@@ -301,7 +254,7 @@ def parts_of(stem: str, batch: int, order: list[str]) -> pd.DataFrame:
 
 
 def test_a_committed_lever_run_is_shown_and_a_missing_one_says_how_to_make_it(capsys):
-    from nanolab.lab.levers import show_lever_run
+    from nanolab.lab.leverrun import show_lever_run
 
     levers, parts, order = show_lever_run("day61_batch1", "ms_per_step", "make it")
     assert order == list(dict.fromkeys(levers.arm)) and list(parts.columns) == order
@@ -321,19 +274,78 @@ def test_the_default_arms_add_each_kept_lever_to_the_one_before_and_end_at_the_e
     one lever, and the last is what the engine does by default."""
     from dataclasses import asdict
 
-    from nanolab.kernels import paged_attention
-    from nanolab.lab.levers import DEFAULT_ARMS
+    from nanolab.lab.leverarms import ARMS, DEFAULT_ARMS, SPREAD_ARMS
 
+    assert set(DEFAULT_ARMS) <= set(ARMS) and set(SPREAD_ARMS) <= set(ARMS)
+    assert len({a.name for a in ARMS}) == len(ARMS)
     for before, after in zip(DEFAULT_ARMS, DEFAULT_ARMS[1:]):
         changed = {k for k, v in asdict(after).items() if k != "name" and asdict(before)[k] != v}
         assert len(changed) == 1, f"{after.name}: {sorted(changed)}"
     last = DEFAULT_ARMS[-1]
-    assert last.compile and last.async_scheduling and last.rope_write and last.tune_batch_1
-    assert last.opaque == ("lm_head",) and last.skip_empty == paged_attention.SKIP_EMPTY_SHARES
-    assert last.step_pdl and last.steady
-    assert last.read_whole == paged_attention.SHARE_TILES and paged_attention.FOLD_SHARES
-    assert not (last.fold_shares or last.fused or last.autotune or last.fix_up or last.l2_ahead)
-    assert last.upload
+    assert last.compile and last.async_scheduling and last.tune_batch_1 and last.opaque == ("lm_head",)
+    assert last.step_pdl and last.steady and last.triton_projections
+    assert not (last.fused or last.autotune or last.step_fused)
+
+
+def test_every_arm_builds_its_forward_through_public_construction(tiny_model):
+    """Each arm's forward, as `lever_forward` builds it (nothing compiles until a call): the model
+    itself, the compiled step with the arm's options, the autotuned batch 1, the fused projections
+    over the compiled step, the folded step; with the arm's projections marked opaque or through
+    the GEMV, and back as they were after."""
+    from nanolab.lab.folds import FoldedStep
+    from nanolab.lab.leverarms import ARMS, AUTOTUNE_BATCH_1, lever_forward
+    from nanolab.lab.projections import FusedDecode
+
+    model = tiny_model
+    try:
+        for lever in ARMS:
+            forward = lever_forward(model, lever)
+            if not lever.compile:
+                assert forward is None, lever.name
+                continue
+            compiled = forward.fallback if lever.fused else forward
+            assert isinstance(forward, FusedDecode) == lever.fused and (not lever.fused or forward.pdl == lever.pdl)
+            assert isinstance(compiled, runner.DecodeForward), lever.name
+            if lever.autotune:
+                assert compiled.batch_1_options == AUTOTUNE_BATCH_1
+            else:
+                assert compiled.tune_batch_1 == lever.tune_batch_1 and compiled.pdl == lever.step_pdl
+                assert compiled.steady == lever.steady
+            assert isinstance(compiled.batched._orig_mod, FoldedStep) == lever.step_fused, lever.name
+            assert model.lm_head.opaque == ("lm_head" in lever.opaque)
+            assert model.layers[0].mlp.down_proj.opaque == ("down" in lever.opaque)
+            assert model.layers[0].self_attn.qkv_proj.step_kernel == lever.triton_projections
+    finally:
+        lever_forward(model, ARMS[0])  # the session's model as it was: nothing opaque, no GEMV
+        torch._dynamo.reset()
+    assert not model.lm_head.opaque and not model.layers[0].mlp.down_proj.step_kernel
+
+
+def test_the_levers_command_refuses_arms_it_does_not_have():
+    from nanolab.lab.leverarms import ARMS
+    from nanolab.lab.levers import parse_arms
+
+    assert parse_arms(None, ARMS[:2]) == ARMS[:2]
+    assert parse_arms(f"0,{len(ARMS) - 1}", ()) == (ARMS[0], ARMS[-1])
+    for bad in ("", "x", f"{len(ARMS)}", "-1", "1,,2"):
+        with pytest.raises(ValueError, match="--arms"):
+            parse_arms(bad, ())
+
+
+def test_decode_logits_reads_an_asynchronous_engine_through_its_sampler(tiny_model):
+    """An engine that overlaps its steps returns no logits: `decode_logits` reads them through the
+    `LogitsSampler` it was built with, and they equal a synchronous engine's. Without the sampler it
+    refuses. (On the CPU, asynchronous scheduling runs without graphs, as asked.)"""
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 8, 6, 2]]
+    config = EngineConfig(num_blocks=64, block_size=4, read="reference", enable_chunked_prefill=False)
+    ref = decode_logits(Engine(tiny_model, config, progress=False), prompts)
+    sampler = LogitsSampler()
+    overlapped = Engine(tiny_model, config.replace(async_scheduling=True), sampler=sampler, progress=False)
+    assert overlapped.async_scheduling
+    with pytest.raises(ValueError, match="sampler"):
+        decode_logits(overlapped, prompts)
+    torch.testing.assert_close(decode_logits(overlapped, prompts, sampler), ref)
+    assert not sampler.synchronous
 
 
 def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch):
@@ -344,7 +356,7 @@ def test_recording_tuning_keeps_each_chosen_config_and_every_timing(monkeypatch)
     import triton
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    from nanolab.lab.levers import config_text, recording_tuning
+    from nanolab.lab.tuningspread import config_text, recording_tuning
 
     best = SimpleNamespace(config=triton.Config({"XBLOCK": 4, "R0_BLOCK": 2048}, num_warps=16, num_stages=1))
     other = SimpleNamespace(config=triton.Config({"XBLOCK": 1, "R0_BLOCK": 1024}, num_warps=8, num_stages=2))
@@ -368,13 +380,10 @@ def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
     mixed steps of each prompt, chunk by chunk, each carrying those rows beside the prompt's tokens
     within the budget; the host's part inside `run_varlen` and sampling add up with the rest to
     the step, and a CPU has no GPU span. The engine's own methods are back afterwards."""
-    from nanolab import load_model
-    from nanolab.engine.llm_engine import Engine
     from nanolab.lab.mixedsteps import _StepClock, mixed_step_anatomy
-    from nanolab.model.weights import resolve_weights
 
     table = mixed_step_anatomy(resolve_weights("tiny"), torch.float32, rows=3, context=16, prompt_lens=(8, 40),
-                               repeats=2, budget=32, arms=("eager",), progress=False)["day61_mixed_anatomy"]
+                               repeats=2, budget=32, progress=False)["day61_mixed_anatomy"]
     decode, mixed = table[table.phase == "decode"], table[table.phase == "mixed"]
     assert len(decode) == 1 and decode.rows.iloc[0] == 3 and decode.tokens.iloc[0] == 3
     assert decode.rest_ms.isna().all()  # a decode step's parts are not split
@@ -383,63 +392,84 @@ def test_mixed_step_anatomy_splits_each_mixed_step_beside_a_decode_step():
     assert (mixed.rows == 4).all() and (mixed.steps == 2).all()
     parts = mixed.forward_host_ms + mixed.sample_ms + mixed.rest_ms
     assert (mixed.rest_ms >= 0).all() and ((parts - mixed.step_ms).abs() < 1e-6).all()
-    assert mixed.forward_span_ms.isna().all()
-    for arms in (("graphs",), ("compiled",)):  # an unknown arm; the compiled one without CUDA
-        with pytest.raises(ValueError, match="arms"):
-            mixed_step_anatomy(resolve_weights("tiny"), torch.float32, arms=arms, progress=False)
+    assert mixed.forward_span_ms.isna().all() and (table.arm == "eager").all()
 
     clock = _StepClock(torch.device("cpu"))
-    engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), num_blocks=16, progress=False,
-                    sampler=clock.sampler)
+    engine = Engine(load_model(resolve_weights("tiny"), dtype=torch.float32), EngineConfig(num_blocks=16),
+                    progress=False, sampler=clock.sampler)
     clock.attach(engine)
     assert "run_varlen" in vars(engine.runner)
     clock.close()
     assert "run_varlen" not in vars(engine.runner)
 
 
-def test_between_steps_before_swaps_the_upload_and_the_read_back_stream_and_restores_them(monkeypatch):
-    from types import SimpleNamespace
-
-    from nanolab.lab.levers import between_steps_before
-
-    step_stream, own = object(), object()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: step_stream)
-    engine = SimpleNamespace(device=torch.device("cuda"), _readback=own)
-    upload = kv_cache.KVCache._upload
-    with pytest.raises(RuntimeError), between_steps_before(engine):
-        assert engine._readback is step_stream and kv_cache.KVCache._upload is not upload
-        raise RuntimeError("a timing failed")
-    assert engine._readback is own and kv_cache.KVCache._upload is upload
-
-
 def test_host_parts_charge_each_part_its_own_time_and_come_off_cleanly():
-    """`mixedsteps._HostParts` on a made-up runner whose every call advances a fake clock by a known
-    amount: each part is charged its own time, not its children's, and everything it installed is
-    gone after `close()`, the instance's own wrappers beneath it included."""
+    """`mixedsteps._HostParts` on a made-up runner and model whose every call advances a fake clock by
+    a known amount: each part is charged its own time, not its children's (the rotary tables are the
+    gap between the embedding and the first layer; the read and the write are timed on the cache view
+    the model's layers are handed, whether the cache comes by keyword or by position), and everything
+    it installed is gone after `close()`, the instance's own wrappers beneath it included."""
     from types import SimpleNamespace
 
     from torch import nn
 
-    from nanolab.engine.kv_cache import CacheView
-    from nanolab.lab.mixedsteps import _HostParts
-    from nanolab.model import llama
+    from nanolab.lab.mixedsteps import _HostParts, _TimedView
 
     now = [0.0]
 
-    class Part(nn.Module):
-        def __init__(self, cost: float, **children) -> None:
+    class Leaf(nn.Module):
+        def __init__(self, cost: float) -> None:
             super().__init__()
             self.cost = cost
-            for name, child in children.items():
-                self.add_module(name, child)
+
+        def forward(self, *_):
+            now[0] += self.cost
+
+    class Mlp(Leaf):
+        def __init__(self) -> None:
+            super().__init__(5.0)
+            self.down_proj = Leaf(6.0)
 
         def forward(self):
-            now[0] += self.cost
-            for child in self.children():
-                for module in (child if isinstance(child, nn.ModuleList) else [child]):
-                    module()
+            super().forward()
+            self.down_proj()
 
-    model = Part(3.0, layers=nn.ModuleList([Part(4.0, mlp=Part(5.0, down_proj=Part(6.0)))]))
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = Mlp()
+
+        def forward(self, cache):
+            assert isinstance(cache, _TimedView) and cache.plan == "the plan"  # the view's own attributes show
+            now[0] += 4.0
+            cache.write_rotated()
+            cache.read()
+            self.mlp()
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = Leaf(8.0)
+            self.layers = nn.ModuleList([Layer()])
+
+        def forward(self, ids, positions, cache, logits_index=None):
+            now[0] += 3.0
+            self.embed_tokens(ids)
+            now[0] += 7.0  # the rotary tables
+            for layer in self.layers:
+                layer(cache)
+
+    class View:
+        plan = "the plan"
+
+        def write_rotated(self):
+            now[0] += 9.0
+
+        def read(self):
+            now[0] += 10.0
+
+    model = Model()
+    by_position = [False]
 
     def plan_varlen():
         now[0] += 2.0
@@ -447,29 +477,29 @@ def test_host_parts_charge_each_part_its_own_time_and_come_off_cleanly():
     def own_wrapper():  # an instance attribute already there, as `_StepClock` leaves one
         now[0] += 1.0
         runner.kv_cache.plan_varlen()
-        model()
+        model(None, None, View()) if by_position[0] else model(None, None, cache=View())
 
     runner = SimpleNamespace(model=model, run_varlen=own_wrapper, kv_cache=SimpleNamespace(plan_varlen=plan_varlen))
-    originals = (CacheView.read, CacheView.write_rotated, llama.rope_cos_sin)
     parts = _HostParts(clock=lambda: now[0])
     parts.attach(SimpleNamespace(runner=runner))
-    assert CacheView.read is not originals[0]
-    runner.run_varlen()
-    spent = parts.take()
+    expected = {"run_varlen: ids, the view, the rest": 1.0, "plan (plan_varlen)": 2.0,
+                "model: the sampled rows' gather, the rest": 3.0, "embed_tokens": 8.0, "rotary tables": 7.0,
+                "decoder layer: residual adds, the rest": 4.0, "rotation and K/V write": 9.0, "attention read": 10.0,
+                "mlp: SwiGLU, the rest": 5.0, "down_proj": 6.0}
+    for position in (False, True):
+        by_position[0] = position
+        runner.run_varlen()
+        spent = parts.take()
+        assert {part: us / 1e6 for part, (_, us) in spent.items()} == expected
+        assert all(calls == 1 for calls, _ in spent.values())
     parts.close()
-    assert {part: us / 1e6 for part, (_, us) in spent.items()} == {
-        "run_varlen: ids, the view, the rest": 1.0, "plan (plan_varlen)": 2.0,
-        "model: the sampled rows' gather, the rest": 3.0, "decoder layer: residual adds, the rest": 4.0,
-        "mlp: SwiGLU, the rest": 5.0, "down_proj": 6.0}
-    assert all(calls == 1 for calls, _ in spent.values()) and parts.take() == {}
-    assert (CacheView.read, CacheView.write_rotated, llama.rope_cos_sin) == originals
+    assert parts.take() == {}
     assert runner.run_varlen is own_wrapper and runner.kv_cache.plan_varlen is plan_varlen
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_mixed_host_parts_split_every_mixed_step_of_the_tiny_model():
     from nanolab.lab.mixedsteps import mixed_host_parts
-    from nanolab.model.weights import resolve_weights
 
     path = resolve_weights("tiny")
     table = mixed_host_parts(path, torch.float32, rows=3, context=16, prompt_lens=(8, 20), repeats=2, budget=32,
@@ -478,7 +508,7 @@ def test_mixed_host_parts_split_every_mixed_step_of_the_tiny_model():
     for prompt_len, t in table.groupby("prompt_len"):
         calls = t.set_index("part").calls
         assert calls["qkv_proj"] == calls["attention read"] == calls["input_layernorm"] == layers
-        assert calls["plan (plan_varlen)"] == calls["lm_head"] == 1
+        assert calls["plan (plan_varlen)"] == calls["lm_head"] == calls["rotary tables"] == 1
         assert (t.tokens == prompt_len + 3).all() and (t.us >= 0).all()
     with pytest.raises(ValueError, match="prompt_lens="):
         mixed_host_parts(path, torch.float32, rows=3, budget=32, prompt_lens=(30,), progress=False)

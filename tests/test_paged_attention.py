@@ -162,21 +162,14 @@ def test_tiles_walked_equal_streamed_work(variant):
     assert work.rect_tiles == 32
 
 
-@pytest.mark.parametrize("fold, skip, share_tiles", [
-    (True, False, 1), (True, True, 1), (True, True, 2), (True, True, 4), (False, True, 1), (False, True, 2),
-], ids=["folded, every share", "folded, live shares", "folded, 2-tile shares", "folded, one share a row",
-        "merge kernel", "merge kernel, 2-tile shares"])
-def test_every_share_is_folded_once_by_the_last(fold, skip, share_tiles, monkeypatch):
-    """Four shares that each walk keys of their own, folded by the last share to finish (or by
-    `_merge_splits`): equal to the reference on two batches in turn, and every ticket back at 0
-    after each read (a graph replays the same launch). With empty shares skipped only a row's live
-    shares take tickets; with shares of at least 4 tiles every row here has one, which writes
-    its output with no ticket. The partials are NaN until written, so a fold or a merge that read
-    a share no program wrote would fail. The interpreter runs programs one at a time, so the race
-    the ticket orders is met only on a GPU, where the reads repeat 50 times."""
-    monkeypatch.setattr(paged_attention_module, "FOLD_SHARES", fold)
-    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
-    monkeypatch.setattr(paged_attention_module, "SHARE_TILES", share_tiles)
+@pytest.mark.parametrize("share_tiles", [1, 2, 4], ids=["1-tile shares", "2-tile shares", "one share a row"])
+def test_every_share_is_folded_once_by_the_last(share_tiles, monkeypatch):
+    """Four shares that each walk keys of their own, folded by the last live share to finish:
+    equal to the reference on two batches in turn, and every ticket back at 0 after each read (a
+    graph replays the same launch). With shares of at least 4 tiles every row here has one live
+    share, which writes its output with no ticket. The partials are NaN until written, so a fold
+    that read a share no program wrote would fail. The interpreter runs programs one at a time, so
+    the race the ticket orders is met only on a GPU, where the reads repeat 50 times."""
     partials, made = paged_attention_module._partials, []
 
     def poisoned(*shape_and_device):
@@ -187,42 +180,42 @@ def test_every_share_is_folded_once_by_the_last(fold, skip, share_tiles, monkeyp
     for seed in (0, 1) if DEVICE == "cpu" else range(50):
         cache, plan, q, _ = _decode_batch([63, 50, 47], 4, 2, seed=seed)  # 4, 4 and 3 tiles of 16
         got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
-                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=8)
+                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=8, share_tiles=share_tiles)
         torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
-        # one live share a row, folded in the read: written straight to the output, no partial
-        assert all(t.isnan().all() for t in made[-1]) == (fold and share_tiles >= 4)
+        # one live share a row: written straight to the output, no partial
+        assert all(t.isnan().all() for t in made[-1]) == (share_tiles >= 4)
         for held in tickets_module._TICKETS.values():
             assert not held[-1].any()
 
 
-@pytest.mark.parametrize("skip", [True, False], ids=["empty shares skipped", "every share written"])
-def test_empty_shares_write_nothing_and_the_merge_reads_none(skip, monkeypatch):
-    """Rows of 4, 1 and 2 tiles read in 4 shares on a card of 8 SMs (24 programs), with the
-    partials NaN until written: with `SKIP_EMPTY_SHARES` a share past its row's tiles leaves its
-    partials NaN and the merge never reads them; without, every share writes. Either way the
-    output is the reference's. On 132 SMs the grid is under one program per SM, and every share
-    writes."""
-    monkeypatch.setattr(paged_attention_module, "SKIP_EMPTY_SHARES", skip)
-    monkeypatch.setattr(paged_attention_module, "FOLD_SHARES", False)  # the merge kernel's path
-    monkeypatch.setattr(paged_attention_module, "SHARE_TILES", 1)
+def test_empty_shares_write_nothing(monkeypatch):
+    """Rows of 4, 1 and 2 tiles read in 4 one-tile shares, with the partials NaN until written: a
+    share past its row's tiles leaves its partials NaN, and so does the one live share of the
+    1-tile row, which writes its output directly. The output is the reference's on a card of 8 SMs
+    (24 programs, three per SM) and of 132."""
     made = []
 
     def poisoned(*shape_and_device):
-        made.append(tuple(t.fill_(float("nan")) for t in paged_attention_module_partials(*shape_and_device)))
+        made.append(tuple(t.fill_(float("nan")) for t in partials(*shape_and_device)))
         return made[-1]
 
-    paged_attention_module_partials = paged_attention_module._partials
+    partials = paged_attention_module._partials
     monkeypatch.setattr(paged_attention_module, "_partials", poisoned)
     cache, plan, q, _ = _decode_batch([63, 5, 20], 4, 2)  # 64, 6 and 21 keys: 4, 1 and 2 tiles of 16
     for num_sms in (8, 132):
         got = mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens,
-                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=num_sms)
+                           plan.positions, block=BLOCK, variant="split", splits=4, num_sms=num_sms, share_tiles=1)
         torch.testing.assert_close(got, _reference(cache, plan, q), rtol=1e-5, atol=1e-5)
-    (_, small_card, _), (_, large_card, _) = made
-    written = ~small_card.isnan().all(dim=1)  # [rows, shares]: a share writes its m for every head it reads
-    assert written.tolist() == ([[True] * 4, [True] + [False] * 3, [True, True, False, False]] if skip
-                                else [[True] * 4] * 3)
-    assert not large_card.isnan().any()
+    for _, m, _ in made:
+        written = ~m.isnan().all(dim=1)  # [rows, shares]: a share writes its m for every head it reads
+        assert written.tolist() == [[True] * 4, [False] * 4, [True, True, False, False]]
+
+
+def test_share_tiles_must_be_positive():
+    cache, plan, q, _ = _decode_batch([20], 4, 2)
+    with pytest.raises(ValueError, match="share_tiles must be positive"):
+        mapping_read(q, cache.k_pools[0], cache.v_pools[0], plan.slot_mapping, plan.context_lens, plan.positions,
+                     block=BLOCK, variant="split", splits=2, share_tiles=0)
 
 
 def _refusal_cases(cache, plan, q):

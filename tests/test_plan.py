@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_cache
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.block_manager import BlockTable
 from nanolab.engine.kv_cache import KVCache
 from nanolab.engine.plan import check_plan_addressing, check_plan_current, check_plan_rows
@@ -43,7 +43,7 @@ def prefilled(cache: KVCache, lengths) -> list[int]:
 
 def engine_at_decode(model, prompts, **kw) -> tuple[Engine, list]:
     """An engine whose requests are prefilled and about to decode."""
-    engine = Engine(model, num_blocks=64, block_size=4, **kw)
+    engine = Engine(model, EngineConfig(num_blocks=64, block_size=4), **kw)
     seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) for p in prompts]
     engine.step()
     return engine, seqs
@@ -192,7 +192,7 @@ def test_planned_forward_never_reads_num_tokens(tiny_model, monkeypatch):
 def test_planned_and_unplanned_engines_decode_the_same_tokens(tiny_model):
     outs = []
     for runner in ({}, {"runner": unplanned_runner()}):
-        engine = Engine(tiny_model, num_blocks=40, block_size=4, read="reference", **runner)
+        engine = Engine(tiny_model, EngineConfig(num_blocks=40, block_size=4, read="reference"), **runner)
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         seqs = [engine.add_request(p, params) for p in PROMPTS * 3]
         drain(engine, max_steps=500)

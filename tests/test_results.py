@@ -3,7 +3,10 @@ committed tables, every value computed and labelled, and a missing table reporte
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
+import yaml
 
 from nanolab.lab import plots
 from nanolab.lab.report import load_table
@@ -21,6 +24,27 @@ def test_every_committed_headline_is_computed_and_labelled():
     ours = floor[(floor.arm == "nanolab") & (floor.batch == 1) & (floor.context == 128)].iloc[0]
     row = table[table.source.str.endswith("day61_floor_h200.csv")].iloc[0]
     assert row.value.startswith(f"{ours.ms_per_step:.3f} ms"), "the value is not the table's"
+
+
+def test_the_chapters_are_the_books_notebooks_in_its_order():
+    root = Path(__file__).resolve().parents[1]
+    toc = yaml.safe_load((root / "book" / "_toc.yml").read_text())
+    notebooks = [ch["file"].removeprefix("notebooks/") for part in toc["parts"] for ch in part["chapters"]
+                 if ch["file"].startswith("notebooks/")]
+    assert list(CHAPTERS) == notebooks
+    assert all((root / "notebooks" / f"{name}.py").exists() for name in CHAPTERS)
+    assert {h.chapter for h in HEADLINES} <= set(CHAPTERS)
+
+
+def test_a_headline_reads_its_own_devices_table():
+    """The CPU target's headline reads data/day61_floor_cpu.csv on a page of H200 results, and
+    carries the CPU run's label."""
+    cpu = tuple(h for h in HEADLINES if h.slug == "cpu")
+    table, missing = headline_table("h200", cpu)
+    assert cpu and not missing and (table.source == "data/day61_floor_cpu.csv").all()
+    floor = load_table("day61_floor", "cpu")
+    ours = floor[(floor.arm == "hf-default") & (floor.batch == 1)].iloc[0]
+    assert table.iloc[0].value == f"{ours.nanolab_speedup:.2f}x" and table.iloc[0].device == ours.device
 
 
 def test_a_missing_table_is_reported_not_shown():

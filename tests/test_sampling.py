@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import load_tiny, run_until_done
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.sampling import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,7 +137,7 @@ def test_same_seed_same_tokens() -> None:
 
 def run(requests: list[tuple[list[int], SamplingParams]], late: int = 0) -> list[list[int]]:
     """Every request's output tokens; the last `late` requests join after three steps."""
-    engine = Engine(load_tiny(), num_blocks=64, block_size=4, max_num_seqs=8)
+    engine = Engine(load_tiny(), EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8))
     first, rest = requests[: len(requests) - late], requests[len(requests) - late:]
     seqs = [engine.add_request(prompt, params) for prompt, params in first]
     for _ in range(3):

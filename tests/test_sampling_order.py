@@ -9,7 +9,7 @@ from conftest import run_until_done
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from nanolab import LLM, Engine, SamplingParams
+from nanolab import LLM, Engine, EngineConfig, SamplingParams
 from nanolab.sampling import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,14 +89,14 @@ def test_the_earliest_stop_string_in_the_text_wins(tiny_model, spans):
     """Stop strings cut from the output's own text, all completed by its 5th token: the match that
     starts earliest in the text wins, whatever order the list names them in."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    free = Engine(tiny_model, num_blocks=32, block_size=4, detokenize=letters)
+    free = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4), detokenize=letters)
     full = free.add_request([5, 6, 7], params)
     run_until_done(free)
     text = letters(full.output_token_ids)
     stop = [text[a:b] for a, b in spans]
     # Where the engine must stop: the first prefix whose text holds a stop string.
     n = next(n for n in range(1, 21) if any(s in text[:n] for s in stop))
-    engine = Engine(tiny_model, num_blocks=32, block_size=4, detokenize=letters)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4), detokenize=letters)
     seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop))
     run_until_done(engine)
     assert seq.finish_reason == "stop" and seq.output_token_ids == full.output_token_ids[:n]
@@ -126,7 +126,7 @@ def test_request_output_text_ends_where_the_earliest_stop_string_starts(sharp_gq
 # Seeded sampling under preemption: the request's generator continues through the recompute.
 
 def seeded_run(model, num_blocks: int) -> tuple[list[list[int]], int]:
-    engine = Engine(model, num_blocks=num_blocks, block_size=4)
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=4))
     g = torch.Generator().manual_seed(11)
     seqs = [engine.add_request(torch.randint(3, 320, (n,), generator=g).tolist(),
                                SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=20,
@@ -152,7 +152,7 @@ def test_stop_strings_are_found_without_decoding_the_whole_output(tiny_model):
         longest.append(len(ids))
         return letters(ids)
 
-    engine = Engine(tiny_model, num_blocks=64, block_size=4, detokenize=decode)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64, block_size=4), detokenize=decode)
     seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=150, ignore_eos=True,
                                                        stop=["never-matches"]))
     run_until_done(engine)

@@ -17,7 +17,7 @@ from conftest import make_cache, run_until_done
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.scheduler import Scheduler
 from nanolab.engine.sequence import Sequence, SequenceStatus
@@ -137,7 +137,7 @@ def test_the_decode_after_an_admission_never_preempts(requests, num_blocks, max_
 
 
 def test_the_engine_preempts_its_newest_request(tiny_model):
-    engine = Engine(tiny_model, num_blocks=10, block_size=4)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=10, block_size=4))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seqs = [engine.add_request([5, 6, 7], params) for _ in range(3)]
     victims = []

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanolab.lab.steploop import VARIANTS, between_steps_ab, loop_records, middle_step_ops, step_loop
+from nanolab.lab.steploop import loop_records, middle_step_ops, step_loop
 
 
 def trace(steps: int = 4, upload_ops: int = 4, graph_us: float = 100.0) -> list[dict]:
@@ -104,68 +104,3 @@ def test_step_loop_needs_graphs_and_refuses_bad_arguments_by_name():
     for batches in ((), (0,), (16,), (True,), (2.0,)):
         with pytest.raises(ValueError, match="batches="):
             step_loop(llm, batches=batches)
-
-
-def fake_llm(rows: int = 64) -> SimpleNamespace:
-    return SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(graphs=object()),
-                                                  block_manager=SimpleNamespace(max_rows=rows)),
-                           config=SimpleNamespace(vocab_size=512))
-
-
-def test_between_steps_ab_needs_graphs_and_refuses_bad_arguments_by_name():
-    llm = fake_llm()
-    llm.engine.runner.graphs = None
-    with pytest.raises(ValueError, match="llm: needs CUDA graphs"):
-        between_steps_ab(llm)
-    llm = fake_llm(rows=8)
-    for name in ("trials", "prompt_len", "steps", "repeats"):
-        for bad in (0, 1.5, True):
-            with pytest.raises(ValueError, match=f"{name}="):
-                between_steps_ab(llm, **{name: bad})
-    for name in ("batches", "loop_batches"):
-        for bad in ((), (0,), (16,), (True,)):
-            with pytest.raises(ValueError, match=f"^{name}="):
-                between_steps_ab(llm, **{"batches": (1,), name: bad})
-
-
-def test_between_steps_ab_times_both_ways_on_one_engine_first_way_alternating(monkeypatch):
-    import contextlib
-
-    import pandas as pd
-
-    from nanolab.lab import levers, steploop, timing
-
-    active, calls = [], []
-
-    @contextlib.contextmanager
-    def before(engine):
-        active.append(engine)
-        try:
-            yield
-        finally:
-            active.pop()
-
-    def time_engine(engine, prompts, steps, repeats, arm):
-        # the old way runs exactly while its variant is timed, on the one engine
-        assert (active == [engine]) == (arm == VARIANTS[0])
-        calls.append((arm, len(prompts), prompts.shape[1], steps))
-        return SimpleNamespace(ms_per_step=1.0 if arm == VARIANTS[0] else 0.9)
-
-    def step_loop(llm, batches, prompt_len):
-        way = VARIANTS[0] if active else VARIANTS[1]
-        return {"day61_loop": pd.DataFrame({"batch": list(batches), "way": way}),
-                "day61_loop_ops": pd.DataFrame({"batch": list(batches), "way": way})}
-
-    monkeypatch.setattr(levers, "between_steps_before", before)
-    monkeypatch.setattr(timing, "time_engine", time_engine)
-    monkeypatch.setattr(steploop, "step_loop", step_loop)
-    llm = fake_llm()
-    tables = between_steps_ab(llm, batches=(1, 8), trials=3, prompt_len=16, steps=4, progress=False)
-    a, b = VARIANTS
-    assert [c[0] for c in calls[::2]] == [a, b, b, a, a, b]  # each trial both ways, the first way alternating
-    assert {c[1:] for c in calls} == {(1, 16, 4), (8, 16, 4)}
-    ab = tables["day61_between_ab"]
-    assert len(ab) == 3 * 2 * 2 and set(ab.trial) == {0, 1, 2}
-    assert ab.groupby("variant").ms_per_step.first().to_dict() == {VARIANTS[0]: 1.0, VARIANTS[1]: 0.9}
-    loop = tables["day61_between_loop"]
-    assert (loop.variant == loop.way).all() and set(loop.batch) == {1, 8} and not active

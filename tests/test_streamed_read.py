@@ -9,7 +9,7 @@ import torch
 from conftest import make_cache, needs_cuda, needs_smollm2
 from test_engine import GREEDY, assert_all_free, ragged_prompts
 
-from nanolab import Engine, SamplingParams
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs
 from nanolab.kernels import INTERPRETED
@@ -39,7 +39,7 @@ def test_the_cpu_default_is_the_reference_read(tiny_model):
     H200 run found this test expecting the streamed read there). The streamed read's engine-level
     logits are checked in tests/test_cache_reads.py and test_batch_rows.py."""
     assert next(tiny_model.parameters()).device.type == "cpu"
-    assert Engine(tiny_model, num_blocks=8).kv_cache.read == "reference"
+    assert Engine(tiny_model, EngineConfig(num_blocks=8)).kv_cache.read == "reference"
 
 
 @interpreted
@@ -59,8 +59,8 @@ def test_streamed_engine_on_smollm2(smollm2_model):
     # A real model that reads its cache; two ragged prompts keep the interpreter's walk affordable.
     prompts = ragged_prompts(smollm2_model.config.vocab_size)[1:3]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    reference = run(Engine(smollm2_model, num_blocks=32), prompts, params)
-    assert run(Engine(smollm2_model, num_blocks=32, read="streamed"), prompts, params) == reference
+    reference = run(Engine(smollm2_model, EngineConfig(num_blocks=32)), prompts, params)
+    assert run(Engine(smollm2_model, EngineConfig(num_blocks=32, read="streamed")), prompts, params) == reference
 
 
 def test_without_a_width_the_seeds_list_is_six_shapes():
@@ -83,6 +83,11 @@ def test_graphs_without_widths_need_the_streamed_read(tiny_model):
 
 # On a GPU: the compiled kernels (not the interpreter), graphs over the widthless list, and the
 # acceptance at Llama-3.2-1B shapes. fp32 keeps the two reads' rounding apart from the question.
+# The engines are eager, or graphs over the model's own forward, one step at a time.
+EAGER = EngineConfig(enforce_eager=True)
+GRAPHS = EngineConfig(compile=False, async_scheduling=False)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_streamed_graphs_decode_the_reference_tokens(tiny_path, dtype):
@@ -92,12 +97,12 @@ def test_streamed_graphs_decode_the_reference_tokens(tiny_path, dtype):
     prompts = ragged_prompts(model.config.vocab_size)
     kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
     narrow = DecodeBuckets((1, 2, 4, 8), None)
-    graphed = Engine(model, buckets=narrow, read="streamed", cuda_graphs=True, progress=False, **kw)
+    graphed = Engine(model, GRAPHS.replace(read="streamed", **kw), buckets=narrow, progress=False)
     assert graphed.runner.graphs is not None and len(graphed.runner.graphs.graphs) == 4
     out = run(graphed, prompts, join_after=3)
-    assert out == run(Engine(model, buckets=narrow, read="streamed", **kw), prompts, join_after=3)
-    if dtype == torch.float32:
-        assert out == run(Engine(model, read="reference", **kw), prompts, join_after=3)  # the reference, unpadded
+    assert out == run(Engine(model, EAGER.replace(read="streamed", **kw), buckets=narrow), prompts, join_after=3)
+    if dtype == torch.float32:  # the reference, unpadded
+        assert out == run(Engine(model, EAGER.replace(read="reference", **kw)), prompts, join_after=3)
     assert_all_free(graphed)
 
 
@@ -118,9 +123,9 @@ def test_streamed_read_at_llama_1b_shapes(tmp_path):
     prompts = ragged_prompts(model.config.vocab_size, lengths=(5, 17, 100, 300, 700, 1000))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     kw = dict(num_blocks=512, block_size=16, max_num_seqs=8)
-    reference = run(Engine(model, read="reference", **kw), prompts, params, join_after=4)
-    streamed = Engine(model, buckets=DecodeBuckets((1, 2, 4, 8), None), read="streamed", cuda_graphs=True,
-                      progress=False, **kw)
+    reference = run(Engine(model, EAGER.replace(read="reference", **kw)), prompts, params, join_after=4)
+    streamed = Engine(model, GRAPHS.replace(read="streamed", **kw), buckets=DecodeBuckets((1, 2, 4, 8), None),
+                      progress=False)
     assert run(streamed, prompts, params, join_after=4) == reference
 
 
@@ -130,10 +135,10 @@ def test_on_cuda_the_engine_defaults_to_the_streamed_read_and_a_batch_only_list(
 
     model = load_model(tiny_path, device="cuda")  # fp32: the two reads' tokens must agree exactly
     kw = dict(num_blocks=96, block_size=4, max_num_seqs=8)
-    engine = Engine(model, cuda_graphs=True, progress=False, **kw)
+    engine = Engine(model, GRAPHS.replace(**kw), progress=False)
     assert engine.kv_cache.read == "streamed"
     assert engine.runner.buckets.widths is None
     assert sorted(engine.runner.graphs.graphs) == [(1, None), (2, None), (4, None), (8, None)]
     prompts = ragged_prompts(model.config.vocab_size)
-    assert run(engine, prompts, join_after=3) == run(Engine(model, read="reference", **kw), prompts,
+    assert run(engine, prompts, join_after=3) == run(Engine(model, EAGER.replace(read="reference", **kw)), prompts,
                                                      join_after=3)

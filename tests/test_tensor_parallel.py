@@ -15,7 +15,7 @@ import torch
 from conftest import needs_smollm2
 
 from nanolab import LLM, SamplingParams
-from nanolab.engine.parallel import NCCL_OPT_IN, FollowerBlockManager, StepCall, nccl_opted_in
+from nanolab.engine.parallel import FollowerBlockManager, StepCall
 from nanolab.lab.tpbench import PROMPTS, greedy_and_logits
 from nanolab.model.config import PRESETS
 from nanolab.model.llama import _fuse
@@ -199,16 +199,14 @@ def test_a_worker_that_exits_fails_the_next_request_and_every_later_one():
         assert llm.engine.block_manager.allocator.num_used == 0
 
 
-def test_an_idle_worker_outlasts_the_groups_timeout(monkeypatch):
+def test_an_idle_worker_outlasts_the_groups_timeout():
     """A worker waits for the next step on its pipe, which has no timeout, so a server idle for
     longer than the group's collective timeout (30 minutes by default on gloo) still serves; here
     the timeout is 10 s and the group idles for 12. (The timeout also bounds the workers' start, a
     fresh interpreter importing torch, so it cannot be much shorter on a busy 2-core machine.)"""
-    from nanolab.engine import parallel
-
-    monkeypatch.setattr(parallel, "GROUP_TIMEOUT_S", 10.0)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2) as llm:
+    with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2,
+             distributed_timeout_s=10.0) as llm:
         before = llm.generate(["a b c"], params)[0]
         time.sleep(12)
         after = llm.generate(["a b c"], params)[0]
@@ -224,20 +222,21 @@ def test_nccl_collectives_are_captured_and_replayed_in_decode_graphs_on_one_rank
     on, checked where one GPU is all there is."""
     import torch.distributed as dist
 
-    from nanolab import Engine, load_model
+    from nanolab import Engine, EngineConfig, load_model
     from nanolab.engine.parallel import free_port, join_group
     from nanolab.lab.reference import engine_greedy
 
     path = resolve_weights("tiny")
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23]]
-    kw = dict(num_blocks=64, block_size=4, cuda_graphs=True, progress=False)
-    alone = engine_greedy(Engine(load_model(path, dtype=torch.float32, device="cuda"), **kw), prompts, 8)
+    config = EngineConfig(num_blocks=64, block_size=4, compile=False, async_scheduling=False)
+    alone = engine_greedy(Engine(load_model(path, dtype=torch.float32, device="cuda"), config, progress=False), prompts,
+                          8)
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     tp = join_group(0, 1, "cuda")
     try:
         model = load_model(path, dtype=torch.float32, device="cuda", tp=tp)
-        engine = Engine(model, **kw)
+        engine = Engine(model, config, progress=False)
         assert engine.runner.graphs is not None and len(engine.runner.graphs.graphs) > 1
         assert engine_greedy(engine, prompts, 8) == alone
     finally:
@@ -245,16 +244,15 @@ def test_nccl_collectives_are_captured_and_replayed_in_decode_graphs_on_one_rank
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tensor_parallelism_on_cuda_is_refused_by_name_until_its_nccl_path_works(monkeypatch):
-    monkeypatch.delenv(NCCL_OPT_IN, raising=False)
-    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 on cuda.*set {NCCL_OPT_IN}=1"):
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensor_parallelism_on_cuda_is_refused_by_name_until_its_nccl_path_works():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 on cuda.*unverified_nccl=True"):
         LLM("tiny", device="cuda", tensor_parallel_size=2)
 
 
-@pytest.mark.skipif(not nccl_opted_in(), reason=f"LLM refuses tensor_parallel_size > 1 on CUDA unless {NCCL_OPT_IN}=1: "
-                    "this test hung on its first run on nvidia-h200-x2 (2026-11-30), before any output; it is the "
-                    "check for the NCCL path's fix (`scripts/gpu_run.sh tp` runs it)")
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (nvidia-h200-x2)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (nvidia-h200-x2); this test hung on "
+                    "its first run there (2026-11-30), before any output: it is the check for the NCCL path's fix "
+                    "(`scripts/gpu_run.sh tp` runs it)")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-step", "inductor"])
 def test_two_nccl_ranks_with_graphs_agree_with_one_gpu_in_bf16(tmp_path, compile):
     """NCCL, bf16, each rank replaying its own captured graphs with the collectives inside (over
@@ -264,7 +262,8 @@ def test_two_nccl_ranks_with_graphs_agree_with_one_gpu_in_bf16(tmp_path, compile
     from nanolab.model.weights import synthesize_weights
 
     path = str(synthesize_weights(PRESETS["smollm2-135m"], tmp_path / "smollm2-shapes", progress=False))
-    kw = dict(device="cuda", dtype="bfloat16", num_blocks=256, max_num_batched_tokens=8, async_scheduling=False)
+    kw = dict(device="cuda", dtype="bfloat16", num_blocks=256, max_num_batched_tokens=8, async_scheduling=False,
+              unverified_nccl=True)
     one = LLM(path, compile=False, **kw)
     one_tokens, one_logits = _greedy(one, 10)
     one_ids, two_ids = [], []

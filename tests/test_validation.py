@@ -2,12 +2,14 @@
 edge cases, chat messages, `LLM`'s constructor arguments and prompts, all-or-nothing batches, an
 interrupted `generate`, and a request that fails while running."""
 
+import argparse
+import dataclasses
 from functools import cache
 
 import pytest
 import torch
 
-from nanolab import LLM, SamplingParams
+from nanolab import LLM, EngineConfig, SamplingParams
 from nanolab.model.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, Tokenizer, build_byte_tokenizer, validate_messages
 from nanolab.sampling import MIN_TEMPERATURE, sample
 
@@ -111,15 +113,33 @@ def test_a_template_that_refuses_is_a_value_error() -> None:
         tok.apply_chat_template(GOOD_MESSAGES)
 
 
-# LLM's constructor: every argument is checked before any weights are read.
+# EngineConfig: every field is checked when the config is made, before any weights are read, and
+# LLM(**fields), `serve` and the benches all go through it.
 
-BAD_ARGS = [
-    ("block_size", 0), ("block_size", True), ("block_size", 16.0), ("max_num_seqs", 0), ("max_num_seqs", False),
-    ("max_model_len", 1), ("max_model_len", True), ("num_blocks", 0), ("num_blocks", -3), ("num_blocks", True),
-    ("kv_cache_bytes", 0), ("kv_cache_bytes", 1.5), ("enforce_eager", 1), ("enforce_eager", "no"),
-    ("read", "fast"), ("read", None), ("device", "gpu"), ("device", "meta"), ("device", 0), ("device", "cuda:x"),
-    ("compile_varlen", 1), ("compile_varlen", "yes"),
-]
+BAD_FIELDS = {
+    "model": [3, None, "no-such-preset", "/no/such/folder"],
+    "device": ["gpu", "meta", 0, "cuda:x"],
+    "dtype": ["fp8", None, torch.int8],
+    "block_size": [0, True, 16.0],
+    "max_num_seqs": [0, False],
+    "max_model_len": [1, True],
+    "num_blocks": [0, -3, True],
+    "kv_cache_bytes": [0, 1.5],
+    "enforce_eager": [1, "no"],
+    "read": ["fast", None],
+    "compile": [1, "yes"],
+    "async_scheduling": [0, "on"],
+    "enable_chunked_prefill": [1, None],
+    "max_num_batched_tokens": [0, 2048.0],
+    "tensor_parallel_size": [0, True],
+    "distributed_timeout_s": [0, -1.0, "10", True],
+    "unverified_nccl": [1, None],
+}
+BAD_ARGS = [(field, value) for field, values in BAD_FIELDS.items() for value in values]
+
+
+def test_every_field_of_the_config_has_bad_values_here() -> None:
+    assert set(BAD_FIELDS) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 @pytest.fixture
@@ -132,17 +152,33 @@ def no_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("field,value", BAD_ARGS, ids=[f"{f}={v!r}" for f, v in BAD_ARGS])
-def test_llm_refuses_bad_arguments_before_loading(no_weights, field: str, value) -> None:
+def test_llm_refuses_bad_fields_before_loading(no_weights, field: str, value) -> None:
     with pytest.raises(ValueError, match=rf"^{field}="):
-        LLM("smollm2-135m", **{field: value})
+        EngineConfig(**{field: value})
+    if field != "model":
+        with pytest.raises(ValueError, match=rf"^{field}="):
+            LLM("smollm2-135m", **{field: value})
+    else:
+        with pytest.raises(ValueError, match=r"^model="):
+            LLM(value)
 
 
-@pytest.mark.parametrize("args", [dict(device="cpu"), dict(device="cpu", compile=False),
-                                  dict(device="cpu", compile=True, tensor_parallel_size=2)],
-                         ids=["eager by default", "compile off", "two processes"])
-def test_compiled_varlen_steps_need_a_compiled_decode_step_in_one_process(no_weights, args) -> None:
-    with pytest.raises(ValueError, match=r"^compile_varlen=True: (needs the compiled decode step|one process only)"):
-        LLM("smollm2-135m", compile_varlen=True, **args)
+def test_an_unknown_field_is_refused_by_name(no_weights) -> None:
+    with pytest.raises(TypeError, match="compile_varlen"):
+        LLM("smollm2-135m", compile_varlen=True)
+
+
+def test_the_command_line_has_a_flag_for_every_field() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--model", "tiny", "--device", "cpu", "--num-blocks", "8", "--no-compile",
+                              "--no-enable-chunked-prefill", "--distributed-timeout-s", "5"])
+    config = EngineConfig.from_cli_args(args)
+    assert config == EngineConfig(model="tiny", device="cpu", num_blocks=8, compile=False,
+                                  enable_chunked_prefill=False, distributed_timeout_s=5.0)
+    assert EngineConfig.from_cli_args(parser.parse_args([])) == EngineConfig()
+    with pytest.raises(ValueError, match=r"^num_blocks=0"):
+        EngineConfig.from_cli_args(parser.parse_args(["--num-blocks", "0"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

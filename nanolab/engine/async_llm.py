@@ -1,5 +1,5 @@
 """`AsyncLLM`: the engine online. Requests arrive at any time from an asyncio program and join the
-running batch; each has its own stream of new tokens. Added with the server.
+running batch; each has its own stream of new tokens.
 
 An `EngineCore` owns the `Engine` and is the only code that touches it. Between steps it applies
 the adds and aborts that asyncio posted, then steps while there is work, and hands back each
@@ -7,8 +7,7 @@ step's tokens in one message. It runs in one of two places:
 - **a thread** of this process (`AsyncLLM(engine)`): tests and notebooks can reach into the engine;
 - **a process of its own** (`await AsyncLLM.spawn(factory)`), as vLLM's engine core does: the
   server's choice. A thread would share the interpreter lock with the event loop that writes every
-  chunk. The H200 graphbench measured that sharing making a step 9% slower at 1 row and 37% slower
-  at 64.
+  chunk, and every step would wait on it.
 
 Failures stay with their request. A request that fails in the forward or the sampler ends with
 an error (see `Engine.step`). An abort, or a client that disconnects, ends its request before the
@@ -32,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanolab.engine.llm_engine import Engine, RequestLimits, check_int
+from nanolab.config import check_int
+from nanolab.engine.llm_engine import Engine, RequestLimits
 from nanolab.engine.sequence import Sequence
 from nanolab.sampling import SamplingParams
 

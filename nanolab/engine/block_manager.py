@@ -1,6 +1,6 @@
 """Host block accounting: the pool's free list and each row's `BlockTable`. The scheduler owns it.
 
-Engine core (before Day 49). The KV pool is cut into blocks of `block_size` tokens; a running
+The KV pool is cut into blocks of `block_size` tokens; a running
 request holds one row, and its `BlockTable` (vLLM: a row of its block table) lists its blocks in
 order, so token p lives in pool slot `blocks[p // block_size] * block_size + p % block_size`.
 Every block a table gains is also staged for the device copy of the table (`take_new_entries`).

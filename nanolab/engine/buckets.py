@@ -1,8 +1,8 @@
-"""`DecodeBuckets`: which decode shapes get a CUDA graph, and how a live batch finds its own. Day 52.
+"""`DecodeBuckets`: which decode shapes get a CUDA graph, and how a live batch finds its own.
 
 A graph replays fixed shapes. The planned step has two shape axes, the batch and the reference
 read's width; a live batch runs in the smallest bucket that holds it, padded up (`lookup`). vLLM
-calls the batch axis its cudagraph capture sizes. The streamed read has no width (Day 60):
+calls the batch axis its cudagraph capture sizes. The streamed read has no width:
 `without_width()` keeps the batch axis alone, and a bucket is then (batch, None).
 """
 
@@ -25,7 +25,7 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class DecodeBuckets:
     batch_sizes: tuple[int, ...]  # ascending
-    widths: tuple[int, ...] | None  # ascending; None when the read has no width axis (Day 60)
+    widths: tuple[int, ...] | None  # ascending; None when the read has no width axis
 
     def __post_init__(self) -> None:
         for name, axis in (("batch_sizes", self.batch_sizes), ("widths", self.widths)):

@@ -1,5 +1,5 @@
-"""CUDA graphs of the planned decode step, one per capture bucket, over one shared memory pool.
-Days 54 (capture) and 56 (warm-up at engine start).
+"""CUDA graphs of the planned decode step, one per capture bucket, over one shared memory pool,
+captured (and warmed up) when the engine starts.
 
 A graph records `cache.view(plan)` and the forward together, so the derivation of the step's read
 inputs from the persistent block table is replayed too. A capture plan is all padding: its rows

@@ -1,5 +1,5 @@
 """The KV cache on the device: per-layer K/V pools, the persistent block table, and the plans that
-address them. Engine core (before Day 49); plans Day 50; persistent table Day 51; streamed read Day 60.
+address them.
 
 Pools are `[num_blocks * block_size + 1, kv_heads, head_dim]`. The last slot is the sink (slot -1):
 padded writes land there and the reference read's padding loads it. The device block table is
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanolab.config import READS
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.plan import DecodePlan, VarlenPlan
 from nanolab.kernels import INTERPRETED
@@ -34,10 +35,6 @@ SINK = -1  # the pool slot past the last block
 # scheduling builds a plan while the step before it is still queued, so two would do; the third is
 # margin, and a plan waits for its slot only when the host is three plans ahead of the GPU.
 UPLOAD_SLOTS = 3
-READS = ("streamed", "reference")
-# A varlen step of whole prompts reads through `prompt_attention` (torch's fused attention) instead
-# of the streamed kernel; the lab turns it off to measure the kernel alone.
-PROMPTS_BY_SDPA = True
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> int:
@@ -48,15 +45,14 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 def stage(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on its way to `device`: in pinned memory when that is a CUDA device, so the
     copy that follows (`copy_(..., non_blocking=True)`) is queued on the stream instead of
-    stalling the host for a round trip (a pageable copy measured tens of microseconds a call on
-    the H200 box). torch's caching host allocator keeps a pinned block until the copies reading it
+    stalling the host for a round trip. torch's caching host allocator keeps a pinned block until the copies reading it
     have run, so the next step cannot overwrite it early."""
     return t.pin_memory() if device.type == "cuda" else t
 
 
 def host_int64(values: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """A host int64 tensor [n] of `values`, made through `array.array`: `torch.tensor` over a list
-    of 1,552 ints took 0.24 ms on the dev box's CPU, this 0.03."""
+    """A host int64 tensor [n] of `values`, made through `array.array`: several times faster than
+    `torch.tensor` over a long list."""
     buffer = array.array("q", values)
     if not buffer:
         return torch.empty(0, dtype=torch.int64)
@@ -64,8 +60,7 @@ def host_int64(values: list[int] | tuple[int, ...]) -> torch.Tensor:
 
 
 def default_read(device: torch.device) -> str:
-    """"streamed" on a CUDA device Triton compiles for whose tensor cores take bf16 (sm_80 on),
-    where the H200 measured the graphed decode step faster at every batch and context;
+    """"streamed" on a CUDA device Triton compiles for whose tensor cores take bf16 (sm_80 on);
     "reference" elsewhere (a CPU has only Triton's interpreter)."""
     if device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 0):
         return "streamed"
@@ -109,7 +104,7 @@ class KVCache:
         self.step_inputs = {name: torch.zeros(shape, dtype=torch.int64, device=self.device) for name, shape in (
             ("table_rows", (blocks.max_rows,)), ("write_slots", (blocks.max_rows,)),
             ("context_lens", (blocks.max_rows,)), ("positions", (blocks.max_rows, 1)))}
-        self.host_cells = 0  # block-table entries written from the host, ever (Day 51's rebuild gate)
+        self.host_cells = 0  # block-table entries written from the host, ever (the rebuild gate)
         self._plans = 0
         # On CUDA, pinned host slots [4 * max_rows] int64 the step inputs go up from (`_upload`), each
         # with the event recorded after the kernel that last read it: a slot is written again only
@@ -158,14 +153,6 @@ class KVCache:
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 
-    def mark_static(self) -> None:
-        """Tell dynamo that the pools and the block table keep their shapes: a graph compiled over
-        them (`runner.DecodeForward.run_varlen`) takes their sizes as constants, so duck sizing cannot
-        tie one of them to a step's token count that happens to equal it, and recompile when the
-        next step's does not."""
-        for t in (*self.k_pools, *self.v_pools, self.block_table):
-            torch._dynamo.mark_static(t)
-
     def plan_varlen(self, rows, token_counts, sampled=None) -> VarlenPlan:
         """Grow row i by token_counts[i] tokens (a prompt, a chunk of one, everything a row holds
         after a preemption, or a decode row's one token) and plan the flattened forward that writes
@@ -185,10 +172,8 @@ class KVCache:
         logits_index = [end - 1 for end, due in zip(loc[1:], sampled, strict=True) if due]
         lens = tuple(t.num_tokens for t in tables)
         n = loc[-1]
-        # Six copies from pageable memory, each a device tensor of its own. Staged in pinned memory
-        # as six queued copies, the plan came out slower at 80 tokens on the H200's host and faster
-        # at 528 and 1,552, two processes apart (`data/day61_mixed_host_staged_h200.csv` against
-        # `day61_mixed_host`): not settled, so not kept.
+        # Six copies from pageable memory, each a device tensor of its own (pinned staging did not
+        # measure faster at every size).
         host = torch.cat([host_int64(rows), *slots, host_int64(loc), host_int64(lens), *positions,
                           host_int64(logits_index)])
         table_rows, write_slots_, loc_, lens_, positions_, logits_index_ = (
@@ -379,7 +364,7 @@ class CacheView:
         plan = self.plan
         # Never in a compiled step: whole prompts run eagerly (`ModelRunner.run_varlen`), and asking
         # would guard the graph on every segment's length.
-        if (k is not None and PROMPTS_BY_SDPA and self.cache.read == "streamed" and isinstance(plan, VarlenPlan)
+        if (k is not None and self.cache.read == "streamed" and isinstance(plan, VarlenPlan)
                 and not torch.compiler.is_compiling() and plan.whole_prompts):
             return prompt_attention(q[0], k[0], v[0], plan.query_lens)[None]
         return self.reader(self, layer, q, positions)

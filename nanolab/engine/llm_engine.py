@@ -1,4 +1,4 @@
-"""`Engine`: schedule, run, sample, retire. Engine core (before Day 49).
+"""`Engine`: schedule, run, sample, retire.
 
 `Engine.step` runs one forward over the batch the scheduler chose: one decode token for every
 running request (a planned, possibly graphed, decode), or a flattened varlen forward of prompt
@@ -7,7 +7,7 @@ Only a request whose last token was fed is sampled. Requests join (`add_requests
 nothing) and leave (`abort_request`, finishing, or failing) between steps; every way a request
 ends returns its row and blocks. A failure is contained to the requests it touches: a row whose
 sampling raises ends alone with an error, a forward that raises ends the requests of that step,
-and the engine goes on with the rest. With asynchronous scheduling (Day 61) consecutive decode
+and the engine goes on with the rest. With asynchronous scheduling consecutive decode
 steps overlap: step t + 1 is planned and launched, fed by step t's tokens on the device, before
 step t's tokens are read back, by a copy on a stream of its own that step t + 1 does not queue behind.
 """
@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from nanolab.config import EngineConfig, resolve_device
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.graphs import CaptureReport
-from nanolab.engine.kv_cache import KVCache, stage
-from nanolab.engine.runner import ModelRunner
+from nanolab.engine.kv_cache import KVCache, kv_bytes_per_block, stage
+from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
@@ -119,76 +120,101 @@ class _InFlight:
     start: float  # perf_counter at launch
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
 def _host_list(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
-def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
-    """Raise ValueError naming `name` unless `value` is an int >= `minimum` (or None, if `optional`).
-    bool is an int subclass; True is not a size."""
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}{' or None' if optional else ''}")
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The KV pool's budget when the config names none: 1 GiB on the CPU; on CUDA, 40% of what is
+    free once the weights are loaded."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.4 * free)
+    return 1 << 30
+
+
+def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
+    """(num_blocks, max_model_len) for `config` over the model `model_config` describes: `num_blocks`,
+    else what `kv_cache_bytes` (else `default_kv_cache_bytes`) holds of the whole model's K/V (a
+    tensor-parallel rank holds its share of each block); `max_model_len`,
+    else the model's context or what the pool holds if less, as vLLM does: a request that could
+    grow past the pool is refused, so a longer context would refuse every request without max_tokens."""
+    per_block = kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
+                                   model_config.head_dim,
+                                   config.block_size, dtype)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        budget = config.kv_cache_bytes
+        if budget is not None and budget < per_block:
+            raise ValueError(f"kv_cache_bytes={budget}: holds no block; one block of {config.block_size} tokens "
+                             f"is {per_block} bytes for this model")
+        num_blocks = max(1, (budget or default_kv_cache_bytes(device)) // per_block)
+    context = model_config.max_position_embeddings
+    max_model_len = min(config.max_model_len or min(context, num_blocks * config.block_size), context)
+    return num_blocks, max_model_len
 
 
 class Engine:
-    """The engine over `model`: a KV pool of `num_blocks` blocks, at most `max_num_seqs` running
-    requests. `enable_chunked_prefill` (vLLM's name; on, as in vLLM v1) makes `max_num_batched_tokens`
-    each step's token budget, decode rows first and prompts in chunks; off, a step prefills whole
-    prompts or decodes, and the budget is raised to `max_model_len` so any prompt fits. The default
-    budget, 2,048, is vLLM v1's for serving on a smaller GPU: every step stays a short one, which is
-    what bounds inter-token latency, and a forward of 2,048 tokens is already compute-bound. `read`
-    picks the reads ("auto": streamed on CUDA); `forward` replaces the model in decode steps (a
-    compiled model); `cuda_graphs` captures the decode buckets at start; `runner` builds the
-    `ModelRunner` (the lab passes the designs the engine replaced); `sampler` turns a
-    step's logits into tokens (`nanolab.sampling.sample_tokens`: a device tensor, or a list; tests inject
-    failures here); `async_scheduling` launches each decode step before reading back the last."""
+    """The engine over `model`, as `config` chose it (`EngineConfig`). It runs where `model` lives:
+    CUDA graphs over the decode buckets when that is CUDA and not `enforce_eager`, the decode step
+    compiled by inductor (`runner.compile_decode`) and asynchronous scheduling when `compile` and
+    `async_scheduling` say so (by default, with graphs). `enable_chunked_prefill` (vLLM's name)
+    makes `max_num_batched_tokens` each step's token budget, decode rows first and prompts in
+    chunks; off, a step prefills whole prompts or decodes, and the budget is raised to the context
+    so any prompt fits. The pool and the context are `pool_size`'s.
 
-    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True,
-                 detokenize: Callable[[list[int]], str] | None = None, read: str = "auto",
-                 forward: Callable | None = None, buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
-                 progress: bool = True, runner: Callable[..., ModelRunner] = ModelRunner,
-                 sampler: Callable = sample_tokens, async_scheduling: bool = False) -> None:
-        check_int("num_blocks", num_blocks)
-        check_int("block_size", block_size)
-        check_int("max_num_seqs", max_num_seqs)
-        check_int("max_num_batched_tokens", max_num_batched_tokens)
-        check_int("max_model_len", max_model_len, minimum=2, optional=True)  # a prompt token and a new one
-        if not isinstance(enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill={enable_chunked_prefill!r}: must be a bool")
+    What is handed in, rather than chosen: `forward` replaces the decode step's forward (a compiled
+    model of the caller's; the lab's designs), `runner` builds the `ModelRunner`, `sampler` turns a
+    step's logits into tokens (`nanolab.sampling.sample_tokens`: a device tensor, or a list),
+    `buckets` the capture list, `detokenize` the text stop strings are matched in."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None, *, forward: Callable | None = None,
+                 runner: Callable[..., ModelRunner] = ModelRunner, sampler: Callable = sample_tokens,
+                 buckets: DecodeBuckets | None = None, detokenize: Callable[[list[int]], str] | None = None,
+                 progress: bool = True) -> None:
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model = model
-        self.config = model.config
+        self.config = config
+        self.model_config = model.config
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
-        self.block_manager = BlockManager(num_blocks, block_size, max_num_seqs)
-        self.limits = RequestLimits(self.config.vocab_size, self.max_model_len, num_blocks, block_size)
-        self.kv_cache = KVCache(self.block_manager, num_layers=self.config.num_hidden_layers,
-                                num_kv_heads=model.num_kv_heads, head_dim=self.config.head_dim,
-                                max_model_len=self.max_model_len, dtype=self.dtype, device=self.device, read=read)
-        budget = max_num_batched_tokens if enable_chunked_prefill else max(max_num_batched_tokens, self.max_model_len)
-        self.scheduler = Scheduler(self.block_manager, budget, enable_chunked_prefill)
-        self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets, cuda_graphs=cuda_graphs,
-                             progress=progress)
+        if config.device is not None and not _same_device(resolve_device(config.device), self.device):
+            raise ValueError(f"device={config.device!r}: the model is on {self.device}")
+        self.num_blocks, self.max_model_len = pool_size(config, self.model_config, self.device, self.dtype)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.max_num_seqs)
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.num_blocks,
+                                    config.block_size)
+        self.kv_cache = KVCache(self.block_manager, num_layers=self.model_config.num_hidden_layers,
+                                num_kv_heads=model.num_kv_heads, head_dim=self.model_config.head_dim,
+                                max_model_len=self.max_model_len, dtype=self.dtype, device=self.device,
+                                read=config.read)
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, budget, config.enable_chunked_prefill)
+        if forward is None and config.compiled(self.device):
+            forward = compile_decode(model)
+        self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets,
+                             cuda_graphs=config.cuda_graphs(self.device), progress=progress)
         self.detokenize = detokenize
         self.sampler = sampler
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling={async_scheduling!r}: must be a bool")
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = config.overlapped(self.device)
         self._inflight: _InFlight | None = None  # the decode step launched and not yet read back
         self._readback: torch.cuda.Stream | None = None  # where an in-flight step's tokens are read back
-        self.eos_token_ids = frozenset(self.config.eos_token_id)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
         self.last_step: StepRecord | None = None
 
     @property
     def capture_report(self) -> CaptureReport | None:
-        """What warming the capture list at start cost (Day 56), or None without graphs."""
+        """What warming the capture list at start cost, or None without graphs."""
         graphs = self.runner.graphs
         return None if graphs is None else graphs.report
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel execution: one process per rank, rank 0 coordinating. Issue 15.
+"""Tensor-parallel execution: one process per rank, rank 0 coordinating.
 
 Rank 0 is the caller's process and runs the whole engine (scheduler, sampler, the API) over its
 shard of the model (`model.parallel`). Every other rank is a worker process that holds its own
@@ -49,16 +49,6 @@ from nanolab.model.parallel import TensorParallel
 WORKER_ENTRY = "from nanolab.engine.parallel import worker_main; worker_main()"
 # Kept off in every process this module starts, as the device notes require of NCCL over NVLink.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# The group's collective timeout in seconds where a `WorkerSpec` names none; None: torch's defaults.
-GROUP_TIMEOUT_S: float | None = None
-# Tensor parallelism on CUDA (NCCL) is refused unless this is "1" in the environment: its first
-# run on two H200s hung before any output (2026-11-30), and it has not run on two GPUs since.
-# Set it to run that path anyway, as `scripts/gpu_run.sh tp` does on a two-GPU machine.
-NCCL_OPT_IN = "NANOLAB_NCCL_TP"
-
-
-def nccl_opted_in() -> bool:
-    return os.environ.get(NCCL_OPT_IN) == "1"
 
 
 @dataclasses.dataclass
@@ -90,7 +80,7 @@ class WorkerSpec:
     prepack: bool | None = None
     cuda_graphs: bool = False  # captured on every rank in the same order, so their collectives pair up
     compile: bool = False  # decode steps through inductor (`runner.compile_decode`), as rank 0's
-    timeout_s: float | None = None  # the group's collective timeout (`join_group`)
+    timeout_s: float | None = None  # the group's collective timeout (`join_group`); None: torch's
 
 
 class FollowerBlockManager(BlockManager):
@@ -287,8 +277,6 @@ class Workers:
 
     def __init__(self, world_size: int, spec: WorkerSpec) -> None:
         self.world_size = world_size
-        if spec.timeout_s is None:
-            spec = dataclasses.replace(spec, timeout_s=GROUP_TIMEOUT_S)
         group_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
                      **NCCL_ENV}
         package_root = str(Path(__file__).resolve().parents[2])  # the folder holding nanolab/

@@ -1,6 +1,6 @@
 """Where a forward's K/V goes and what it reads, decided on the host before it runs.
 
-`DecodePlan` (Day 50; fixed buffers, Day 51) and `VarlenPlan` (chunked prefill). The forward only reads their
+`DecodePlan` and `VarlenPlan` (chunked prefill). The forward only reads their
 tensors: nothing inside it grows a table or reads a length that changes from step to step. The
 read rectangle `slot_mapping` [rows, width] (vLLM's name; `write_slots` is the per-token half
 vLLM's `reshape_and_cache` takes) is derived on the device from the persistent block table.
@@ -78,7 +78,7 @@ class DecodePlan:
     """One decode step: a new token for each row, and rows padded up to a capture bucket.
     Day 50."""
 
-    # Views of the cache's fixed buffers (Day 51): the same addresses every step.
+    # Views of the cache's fixed buffers: the same addresses every step.
     table_rows: torch.Tensor  # [batch] int64: each batch row's block-table row; padded rows the all-sink one
     write_slots: torch.Tensor  # [batch] int64: the pool slot this step's K/V goes to; -1 (the sink) when padded
     context_lens: torch.Tensor  # [batch] int64: tokens per row, this step's included; 1 when padded

@@ -1,5 +1,5 @@
 """Continuous batching: which requests run this step and how many tokens each feeds, admission by
-free blocks, preemption. Engine core (before Day 49); chunked prefill after Day 60.
+free blocks, preemption.
 
 Requests join and leave between steps. With chunked prefill (`enable_chunked_prefill`, vLLM v1's
 rule and the default) a step has a budget of `max_num_batched_tokens` tokens: every running decode

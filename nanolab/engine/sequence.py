@@ -1,4 +1,4 @@
-"""`Sequence`: one request's tokens and state as the scheduler moves it. Engine core (before Day 49)."""
+"""`Sequence`: one request's tokens and state as the scheduler moves it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton kernels (Day 59 on).
+"""Triton kernels.
 
 Triton compiles for a GPU. On a machine without one it has only its interpreter, which it reads
 from TRITON_INTERPRET when a kernel is decorated, that is when a module here is imported. So on

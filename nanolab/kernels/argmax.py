@@ -1,7 +1,7 @@
 """`argmax`: greedy decoding's pick over the vocabulary, in two passes. Day 61.
 
-torch's argmax reduces one row in one block of threads, so a single row of 128k logits takes
-about 27 us on the H200, longer than a layer's projections. Here a first pass splits each row into
+torch's argmax reduces one row in one block of threads, so a single row of a large vocabulary
+takes longer than a layer's projections. Here a first pass splits each row into
 `BLOCK`-wide chunks, one program each, and a second picks the best chunk per row. Ties go to the
 lowest index, as torch's do.
 """

@@ -3,14 +3,14 @@ of q and k, the same with the K/V cache write, and SwiGLU. Day 61.
 
 Eagerly, `layers.apply_rope` is five kernels (two multiplies, a negation, a concatenation and an
 add), each striding over a slice of the fused q/k/v output, and SwiGLU is two over halves of the
-gate/up output. Over a 2,048-token prompt on the H200 those strided passes took about a quarter of
-the prefill. The model calls these instead when it runs eagerly on a GPU; under `torch.compile`
-it keeps the torch ops, which inductor fuses itself.
+gate/up output, and over a long prompt those strided passes are a large share of the prefill. The
+model calls these instead when it runs eagerly on a GPU; under `torch.compile` it keeps the torch
+ops, which inductor fuses itself.
 
 `rope_write` is for every GPU forward, eager or compiled: it rotates q and k and writes k and v
 into the cache pools in one kernel. Inductor, left to itself, makes three of the same work in a
 decode step (q's rotation, k's rotation with its write, v's write), as its scatters into two
-pools do not fuse with each other; at batch 1 each is a launch of about a microsecond.
+pools do not fuse with each other.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
 
 BLOCK_T = 16  # tokens a program
 
@@ -123,7 +123,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
         _rope_write[(tokens,)](qkv, cos, sin, slots, q, k_pool, v_pool, heads, kv_heads, k_pool.shape[0], qkv.stride(0),
                                qkv.stride(1), cos.stride(0), slots.stride(0), q.stride(0), q.stride(1),
                                k_pool.stride(0), k_pool.stride(1), HALF=d // 2, H2=triton.next_power_of_2(d // 2),
-                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place, PDL=level(pdl),
+                               HP=triton.next_power_of_2(total), K_IN_PLACE=k_in_place, PDL=pdl,
                                **({"launch_pdl": True} if pdl else {}))
     return q
 

@@ -10,13 +10,13 @@ config computes the same function.
 
 Inside a compiled step with PDL (Hopper or newer), a layer's projections of 2 to `STEP_ROWS` rows
 run here (`step_linear`, marked by `runner.compile_decode` through `layers.Linear.step_kernel`),
-launched as programmatic dependents (`kernels.pdl`) with the rest of the step. cuBLAS reads these weights
-about as fast, launch by launch, but its kernels cannot wait in-kernel for the one before them,
-so each starts only once its predecessor has drained.
+launched as programmatic dependents (`kernels.pdl`) with the rest of the step: cuBLAS's kernels
+cannot wait in-kernel for the one before them, so each would start only once its predecessor has
+drained.
 
 `gemv` can also fold a projection's neighbours into the same kernel: the RMS norm before it, the
-residual add after it, SwiGLU before down. The engine's step does not (it measured slower, Day
-61); the lab's `lab.folds` runs a step that way.
+residual add after it, SwiGLU before down. The engine's step does not; the lab's `lab.folds` runs
+a step that way.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanolab.kernels import INTERPRETED
-from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
-from nanolab.kernels.tickets import tickets
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
 
 MAX_ROWS = 64  # the largest decode bucket; rows are padded to a power of two of at least 16 (tl.dot)
 
@@ -41,13 +39,6 @@ class GemvConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each address, without waiting for it (sm_80 and newer)."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -73,23 +64,16 @@ def _x_tile(x_ptr, g_ptr, m, kk, mmask, stride_xm, K, dtype: tl.constexpr, NORM:
 @triton.jit
 def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-          PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PRECISION: tl.constexpr = "ieee",
-          L2_AHEAD: tl.constexpr = 0, LINE: tl.constexpr = 64, part_ptr=None, ticket_ptr=None,
-          FIX_UP: tl.constexpr = False, g_ptr=None, res_ptr=None, stride_rm=0, eps=0.0, NORM: tl.constexpr = False,
-          SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+          PDL: tl.constexpr = False, PRECISION: tl.constexpr = "ieee", g_ptr=None, res_ptr=None, stride_rm=0,
+          eps=0.0, NORM: tl.constexpr = False, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
-    the kernel before it ahead of its first read of x; with PREFETCH, its first weight tile (which
-    no kernel writes) is loaded before that wait, so it streams in under the predecessor's tail.
-    With L2_AHEAD, the first L2_AHEAD columns of its share of the weight are asked of L2 before the
-    wait instead (LINE elements to a 128-byte line), and nothing is held in registers.
-    With SPLIT_K > 1 a share writes an fp32 partial [SPLIT_K, M, N] (stride_os apart, rows
-    stride_om as out's): to out_ptr, for `_sum_splits` to add; or, with FIX_UP, to part_ptr, after
-    which it takes its columns' ticket, and the share that takes the last one adds the partials in
-    share order (as `_sum_splits` does), writes out_ptr and puts the ticket back to 0.
+    the kernel before it ahead of its first read of x. With SPLIT_K > 1 a share writes an fp32
+    partial [SPLIT_K, M, N] to out_ptr (stride_os apart, rows stride_om as out's), for
+    `_sum_splits` to add.
     What it reads of x and writes out (`_x_tile`): with NORM (SPLIT_K == 1), x's rows RMS-normed
-    by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL, res [M, N]
-    (rows stride_rm apart) added to the sum before it is rounded, by whichever program writes out."""
+    by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL (SPLIT_K
+    == 1), res [M, N] (rows stride_rm apart) added to the sum before it is rounded."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -99,29 +83,14 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     nmask = n < N
     per_split = K // SPLIT_K
     first = s * per_split
-    if L2_AHEAD:
-        lines = first + tl.arange(0, L2_AHEAD // LINE) * LINE  # [L2_AHEAD / LINE] first column of each line
-        _prefetch_l2(w_ptr + tl.where(nmask, n, 0)[:, None] * stride_wn + lines[None, :])
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)  # with NORM, each row's sum of squares over K
-    if PREFETCH:
-        w_ptrs = w_ptr + n[:, None] * stride_wn + (first + k)[None, :]
-        w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-        dependent_launch(PDL)
-        for k0 in range(first, first + per_split, BLOCK_K):
-            x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
-            ss += sq
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-            # The next tile; past the share's end, a masked load that reads nothing.
-            w_ptrs += BLOCK_K
-            w = tl.load(w_ptrs, mask=nmask[:, None] & ((k0 + BLOCK_K + k) < first + per_split)[None, :], other=0.0)
-    else:
-        dependent_launch(PDL)
-        for k0 in range(first, first + per_split, BLOCK_K):
-            x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
-            ss += sq
-            w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
+    dependent_launch(PDL)
+    for k0 in range(first, first + per_split, BLOCK_K):
+        x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
+        ss += sq
+        w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
     if NORM:  # (x g) W^T, scaled by each row's 1 / rms: the norm's scale is one number a row
         acc *= tl.rsqrt(ss / K + eps)[:, None]
     mask = mmask[:, None] & nmask[None, :]
@@ -129,21 +98,6 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
         if RESIDUAL:
             acc += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif FIX_UP:
-        part = part_ptr + m[:, None] * stride_om + n[None, :]  # [BLOCK_M, BLOCK_N] of share 0
-        tl.store(part + s * stride_os, acc, mask=mask)
-        # Every thread's stores are issued before the ticket, whose release (gpu scope) publishes
-        # them; the last taker's acquire makes every share's visible to it.
-        tl.debug_barrier()
-        ticket = ticket_ptr + pid_n
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for j in tl.static_range(SPLIT_K):
-                total += tl.load(part + j * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
-            if RESIDUAL:
-                total += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + m[:, None] * stride_om + n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     else:  # partials [SPLIT_K, M, N] fp32
         tl.store(out_ptr + s * stride_os + m[:, None] * stride_om + n[None, :], acc, mask=mask)
 
@@ -167,7 +121,7 @@ def _sum_splits(part_ptr, out_ptr, total, stride_s, SPLIT_K: tl.constexpr, BLOCK
 def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int = 2, norm: bool = False
                 ) -> GemvConfig:
     """Tiles for `m` rows against an [n, k] weight inside a decode step, from the best of each
-    projection's sweep at 16 rows on the H200 (`data/day61_projections_h200.csv`): 32 columns a
+    projection's sweep at 16 rows (`data/day61_projections_h200.csv`): 32 columns a
     program over 256-wide K tiles, a weight four times deeper than wide (down) in two shares of
     512-wide tiles, a wide one (gate/up) in 64-column programs of 128-wide tiles. Past 16 rows K
     tiles are at most 256 wide, and the pipeline as deep as about 200 KB of shared memory holds.
@@ -199,25 +153,13 @@ def block_rows(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def l2_columns(n: int, k: int, split: int, element_size: int, budget: int) -> int:
-    """Columns of its share that each program of an [n, k] weight in `split` shares asks of L2 ahead
-    of its wait, so the whole kernel asks for at most `budget` bytes: a power of two of whole
-    128-byte lines, at most the share; 0 when a line is already past the budget."""
-    line = 128 // element_size
-    cols = min(budget // (n * split * element_size), k // split)
-    return 0 if cols < line else 1 << (cols.bit_length() - 1)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
-         prefetch: bool = False, l2_ahead: int = 0, fix_up: bool = False, norm: torch.Tensor | None = None,
-         eps: float = 1e-5, residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+         norm: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
+         swiglu: bool = False) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
-    (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 and
-    rounded once. With `pdl`, both kernels launch as programmatic dependents (`kernels.pdl`), the
-    first with its first weight tile loaded ahead of the wait when `prefetch`, or with up to
-    `l2_ahead` bytes of the weight asked of L2 there (`l2_columns`; compiled only, not in Triton's
-    interpreter). With `fix_up`, split-K's shares are added by the last share to finish, in the
-    same kernel and the same order, instead of by `_sum_splits`.
+    (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 by
+    `_sum_splits` and rounded once. With `pdl`, both kernels launch as programmatic dependents
+    (`kernels.pdl`).
 
     Folded in: `norm` [K], x RMS-normed with that weight and `eps` first (one share of K only; the
     default tiles take one); `swiglu`, x [..., 2K] the fused gate/up output, taken as
@@ -250,44 +192,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
     meta = dict(BLOCK_M=block_rows(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=level(pdl), PREFETCH=prefetch,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl,
                 # fp32 rows multiplied in full fp32, as cuBLAS does by default, not in TF32
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
-    if pdl and l2_ahead and not INTERPRETED:
-        meta.update(L2_AHEAD=l2_columns(n, k, cfg.split_k, weight.element_size(), l2_ahead),
-                    LINE=128 // weight.element_size())
     folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res,
                   stride_rm=0 if res is None else res.stride(0), RESIDUAL=res is not None)
     if cfg.split_k == 1:
         _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **folded, **meta)
-    elif fix_up:
-        part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0),
-                    part_ptr=part, ticket_ptr=tickets(x.device, grid[0]), FIX_UP=True, **folded, **meta)
     else:
         part = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         _gemv[grid](x2, weight, part, m, n, k, x2.stride(0), weight.stride(0), part.stride(1), part.stride(0),
                     **{**folded, "RESIDUAL": False}, **meta)
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](part, out, m * n, part.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
-                                                  PDL=level(pdl), res_ptr=res, RESIDUAL=res is not None, **launch)
+                                                  PDL=pdl, res_ptr=res, RESIDUAL=res is not None, **launch)
     return out.reshape(*lead, n)
 
 
-# The most rows `step_linear` takes to `gemv`. On the H200, Llama-3.2-1B's graphed batch-8 step ran 1.134
-# ms this way against 1.171 through cuBLAS (-3%); at batches 32 and 64, taking them too moved the step by
-# +1% and -1%, inside the run-to-run spread, so cuBLAS keeps them (Day 61, `data/day61_gemv_levers_h200.csv`).
-# Read when it runs, so a graph keeps what its capture saw.
+# The most rows `step_linear` takes to `gemv`; more stay cuBLAS's, which the GEMV did not beat there
+# (`data/day61_gemv_levers_h200.csv`).
 STEP_ROWS = 16
-# Whether `step_linear` loads a weight tile ahead of its PDL wait (`gemv`'s `prefetch`). Off: the loop
-# that carries the tile ran the batch-8 step at 1.511 ms (Day 61), its pipelining lost.
-STEP_PREFETCH = False
-# Bytes of its weight `step_linear` asks of L2 ahead of its PDL wait (`gemv`'s `l2_ahead`); 0: none.
-# On the H200 16 MiB took the batch-8 step from 1.129 to 1.208 ms, and whole weights to 1.295 (Day 61).
-STEP_L2_AHEAD = 0
-# Whether `step_linear`'s split-K shares are added in the GEMV's own kernel (`gemv`'s `fix_up`). Off:
-# on the H200 the GEMV grew by as much as `_sum_splits` had cost (671 + 19 us a step against 692, Day 61).
-STEP_FIX_UP = False
 
 
 @torch.library.custom_op("nanolab::step_linear", mutates_args=())
@@ -300,8 +224,7 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     cfg = step_config(weight.shape[0], k, m, element_size=x.element_size())
     if m > STEP_ROWS or k % (cfg.split_k * cfg.block_k) or not x.is_contiguous() or not weight.is_contiguous():
         return F.linear(x, weight)
-    return gemv(x, weight, cfg, pdl=ops_pdl(x.device), prefetch=STEP_PREFETCH, l2_ahead=STEP_L2_AHEAD,
-                fix_up=STEP_FIX_UP)
+    return gemv(x, weight, cfg, pdl=ops_pdl(x.device))
 
 
 @step_linear.register_fake

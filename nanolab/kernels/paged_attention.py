@@ -1,5 +1,4 @@
-"""`paged_attention`: the decode read over the paged pool, streamed in Triton. Day 59; the block
-table addresses it since Day 60.
+"""`paged_attention`: the decode read over the paged pool, streamed in Triton. Day 59.
 
 Each program walks its row's own history a tile of `block` keys at a time and folds every tile
 into an online softmax (running max, denominator, accumulator), so nothing it holds grows with the
@@ -8,12 +7,13 @@ context, and a short row walks only its own tiles. Three variants of that loop:
 - "gqa": one program per (row, KV head); the query heads sharing that KV head are the rows of one
   tile, so each K/V tile is loaded once per group;
 - "split": "gqa" with the walk cut into contiguous shares (split-K, flash-decoding), for grids too
-  small to fill the GPU. With `FOLD_SHARES` (the default) a row short enough for one share writes
-  its output from that share, and a longer row's partials (max, denominator, accumulator) are
-  folded in the same kernel by the last of its shares to finish; without, a second kernel,
-  `_merge_splits`, folds every row's.
+  small to fill the GPU. A share walks at least `share_tiles` tiles, and a share past its row's
+  last tile returns at once: the split count is the table capacity's, so at a short context most
+  shares are empty. A row with one live share writes its output from it; a longer row's partials
+  (max, denominator, accumulator) are folded in the same kernel by the last of its shares to
+  finish, one launch a layer where a second merge kernel would add one.
 `choose_launch` picks the variant, shares, warps and pipeline depth for a shape; its rule was read
-off the H200 sweep in `data/day59_launch_sweep_h200.csv`.
+off the sweep in `data/day59_launch_sweep_h200.csv`.
 
 Padding is never dereferenced: a key past its row's length, or whose block is negative, has its
 address neutralised before the load and is masked out of the softmax, so a padded batch row reads
@@ -33,31 +33,16 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.pdl import dependent_launch, level, ops_pdl
+from nanolab.kernels.pdl import dependent_launch, ops_pdl
 from nanolab.kernels.tickets import tickets
 
 VARIANTS = ("head", "gqa", "split")
-# Launch settings when the caller names none, from the H200 sweep (`data/day59_launch_sweep_h200.csv`):
+# Launch settings when the caller names none, from the sweep (`data/day59_launch_sweep_h200.csv`):
 # 128-key tiles and 4 warps at every shape; the pipeline depth is `choose_stages`'.
 BLOCK = 128
 NUM_WARPS = 4
-# With FOLD_SHARES a row's shares are folded in the read's own kernel, by the last share to finish
-# (`_fold_shares`), and a row with one live share writes its output with no fold at all (with
-# SHARE_TILES, every row of a short context); without, `_merge_splits` folds them in a second
-# kernel. Folding all 16 shares of every row made the read slower on the H200; folding only the
-# live ones, with shares of at least 4 tiles, took the graphed batch-8 step at context 128 from
-# 1.149 to 1.096 ms, the merge kernel's 35 us a step gone and the read's own unchanged (Day 61).
-FOLD_SHARES = True
-# A share past its row's last tile returns at once and the fold or the merge reads only the live
-# ones, when the read folds its own shares or the grid is more than one program per SM: the split
-# count is the table capacity's, so at a short context most of a large grid is empty shares. On the
-# H200 at context 128 that took the read of batch 8 from 147 to 116 us a step; under one program
-# per SM (batch 1) nothing waits on the empty programs, and the merge's extra load of each row's
-# length only cost (Day 61). The lab turns it off to measure the read as it was.
-SKIP_EMPTY_SHARES = True
-# The fewest tiles a split share walks: a row of at most this many tiles is read by one share, so
-# with FOLD_SHARES and SKIP_EMPTY_SHARES it writes its output in the read with no ticket. On the
-# H200 a walk of 4 tiles took as long as one (the batch-8 read at 78 us a step either way, Day 61).
+# The fewest tiles a split share walks when the caller names none: a row of at most this many
+# tiles is read by one share, which writes its output with no fold.
 SHARE_TILES = 4
 
 
@@ -77,8 +62,7 @@ def _slots(table_ptr, rows_ptr, r, stride_tr, w, valid, PAGE: tl.constexpr):
 @triton.jit
 def _tiles_per_share(n_tiles, SPLITS: tl.constexpr, SHARE_TILES: tl.constexpr):
     """Tiles each of SPLITS shares walks of a row's n_tiles, at least SHARE_TILES (and 1): shares
-    are contiguous and the last ones may be short or empty. The read and the merge both count
-    shares by it."""
+    are contiguous and the last ones may be short or empty."""
     return tl.maximum(tl.cdiv(n_tiles, SPLITS), SHARE_TILES)
 
 
@@ -173,20 +157,17 @@ def _paged_decode_group(
     scale, head_dim,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
     PAGE: tl.constexpr, HAS_POS: tl.constexpr, DOT: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr,
-    FOLD: tl.constexpr, SKIP_EMPTY: tl.constexpr, SHARE_TILES: tl.constexpr = 1,
+    SHARE_TILES: tl.constexpr = 1,
 ):
     """One program: row r, KV head kv, share s of the walk. The GROUP query heads of kv are the
     first rows of a [G, D] query tile (G a power of two >= 16 for tl.dot), so each K/V tile is
-    loaded once for all of them. With SPLITS == 1 the output is written normalised. Otherwise the
-    program writes its partial acc with its m and l; with FOLD, it then takes a ticket for its
-    (row, KV head), and the program that takes the last one folds every share's partials into the
-    output (`_fold_shares`) and puts the ticket back to 0; without, `_merge_splits` folds them.
-    With SKIP_EMPTY, a share past the row's last tile returns as soon as it has read the row's
-    length, and writes nothing: the split count is the table capacity's, so at a short context
-    most shares are empty, and `_merge_splits` reads only the shares a row has (`_live_shares`).
-    Share 0 always writes, so a row with no key still reads zeros. With FOLD as well, only a row's
-    live shares take tickets, and a row with a single live share (every row of at most
-    SHARE_TILES tiles) writes its output normalised, as SPLITS == 1 does, with no ticket."""
+    loaded once for all of them. With SPLITS == 1 the output is written normalised. Otherwise a
+    share past the row's last tile returns as soon as it has read the row's length, and writes
+    nothing; share 0 always runs, so a row with no key still reads zeros. A row with a single live
+    share (every row of at most SHARE_TILES tiles) writes its output normalised from it, as
+    SPLITS == 1 does. A row with more writes each live share's partial acc with its m and l, then
+    takes a ticket for its (row, KV head); the share that takes the last one folds every live
+    share's partials into the output (`_fold_shares`) and puts the ticket back to 0."""
     dependent_launch(PDL)
     r = tl.program_id(0)
     kv = tl.program_id(1)
@@ -199,11 +180,9 @@ def _paged_decode_group(
     # Live: a share that starts before the row's last tile, a row without keys counting as one
     # tile (its share 0 writes the zeros it reads).
     live = tl.cdiv(tl.maximum(n_tiles, 1), per_split)
-    if SKIP_EMPTY:
+    if SPLITS > 1:
         if sp >= live:
             return
-    else:
-        live = live * 0 + SPLITS  # every share writes and takes a ticket
     g = tl.arange(0, G)
     d = tl.arange(0, D)
     gmask = g < GROUP
@@ -224,7 +203,7 @@ def _paged_decode_group(
         m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, valid[None, :], m, l, acc, scale,
                                  stride_ks, stride_kh, stride_vs, stride_vh, DOT)
         walked += 1
-    if SPLITS == 1 or (FOLD and live == 1):
+    if SPLITS == 1 or live == 1:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -235,16 +214,15 @@ def _paged_decode_group(
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=qmask)
         tl.store(m_ptr + part, m, mask=gmask)
         tl.store(l_ptr + part, l, mask=gmask)
-        if FOLD:
-            # Every thread's partial stores are issued before the ticket, whose release (gpu scope)
-            # publishes them; the last taker's acquire makes every share's visible to it.
-            tl.debug_barrier()
-            ticket = ticket_ptr + r * tl.num_programs(1) + kv
-            if tl.atomic_add(ticket, 1, sem="acq_rel") == live - 1:
-                out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, live, SPLITS, D)
-                tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=qmask)
-                tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
+        # Every thread's partial stores are issued before the ticket, whose release (gpu scope)
+        # publishes them; the last taker's acquire makes every share's visible to it.
+        tl.debug_barrier()
+        ticket = ticket_ptr + r * tl.num_programs(1) + kv
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == live - 1:
+            out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, live, SPLITS, D)
+            tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=qmask)
+            tl.atomic_xchg(ticket, 0)  # ready for the next launch (a graph replays this one)
     if COUNT:
         tl.atomic_add(tiles_ptr + r, walked)
 
@@ -274,58 +252,17 @@ def _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, gmask, qmask, d, live, SPLIT
     return out / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
-@triton.jit
-def _live_shares(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr,
-                 SPLITS: tl.constexpr, SHARE_TILES: tl.constexpr):
-    """How many of row r's SPLITS shares are live, at least 1: `_paged_decode_group` gives each
-    share `_tiles_per_share` tiles, so the shares past cdiv(tiles, that) hold none."""
-    n_tiles = tl.cdiv(_row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS), BLOCK)
-    return tl.maximum(tl.cdiv(n_tiles, _tiles_per_share(n_tiles, SPLITS, SHARE_TILES)), 1)
-
-
-@triton.jit
-def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, lens_ptr, pos_ptr, stride_pr, heads, head_dim, stride_or, stride_oh,
-                  SPLITS: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  HAS_POS: tl.constexpr, SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr,
-                  SHARE_TILES: tl.constexpr = 1):
-    """Fold the split partials of one (row, query head): acc [rows, heads, SPLITS, D] fp32, m and
-    l [rows, heads, SPLITS]. An empty share has m = -inf and l = acc = 0, so its weight
-    exp(m - max) is exactly 0; a row with no live key at all reads zeros. With SKIP_EMPTY only the
-    row's live shares (`_live_shares`) are read, as the empty ones wrote nothing."""
-    dependent_launch(PDL)
-    i = tl.program_id(0)  # row * heads + head
-    sp = tl.arange(0, S)
-    d = tl.arange(0, D)
-    smask = sp < SPLITS
-    if SKIP_EMPTY:
-        smask = sp < _live_shares(lens_ptr, pos_ptr, i // heads, stride_pr, HAS_POS, BLOCK, SPLITS, SHARE_TILES)
-    m = tl.load(m_ptr + i * SPLITS + sp, mask=smask, other=float("-inf"))
-    l = tl.load(l_ptr + i * SPLITS + sp, mask=smask, other=0.0)
-    acc = tl.load(acc_ptr + (i * SPLITS + sp[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-    top = tl.max(m, axis=0)
-    weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))  # [S]
-    total = tl.sum(l * weight, axis=0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    r = i // heads
-    h = i % heads
-    tl.store(out_ptr + r * stride_or + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
-
-
 def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: int = 132,
                    block: int = BLOCK) -> str:
-    """The variant for a shape, read off the H200 sweep (`data/day59_launch_sweep_h200.csv`).
+    """The variant for a shape, read off the sweep (`data/day59_launch_sweep_h200.csv`).
 
     - "split" whenever `choose_splits` shares the walk out: a decode read is bandwidth-bound and a
       program streams its tiles one after another, so a grid of few programs leaves most of the
-      card idle through the longest walk. On the sweep (each variant at its best setting) it is
-      faster than "gqa" at every batch up to 16 rows (1 row x 8,192: 16 us against 100) and on
-      the long-tail batch, whose longest rows set the time (107 against 153). At 64 uniform rows
-      the grid is nearly full without it, and 2 shares come within 4% of "gqa" (277 against 271
-      at 8,192; 84 against 82 at 2,048).
+      card idle through the longest walk.
     - "head" when heads == kv_heads: with no group to share a tile, one query head would fill a
-      16-row tl.dot tile alone. (Not measured: the sweep's shapes are grouped.)
-    - "gqa" otherwise. Each K/V tile is loaded once per group, where "head" loads it once per
-      query head; on the sweep "head" is 3.2x to 4.3x slower at every shape.
+      16-row tl.dot tile alone.
+    - "gqa" otherwise: each K/V tile is loaded once per group, where "head" loads it once per
+      query head.
     """
     if choose_splits(rows, kv_heads, max_ctx, num_sms, block) > 1:
         return "split"
@@ -334,15 +271,14 @@ def choose_variant(rows: int, heads: int, kv_heads: int, max_ctx: int, num_sms: 
     return "gqa"
 
 
-# The grid `choose_splits` aims for, in programs per SM.
+# The grid `choose_splits` aims for, in programs per SM (`data/day59_launch_sweep_h200.csv`).
 PROGRAMS_PER_SM = 8
 
 
 def choose_splits(rows: int, kv_heads: int, max_ctx: int, num_sms: int = 132, block: int = BLOCK) -> int:
-    """Shares per row: the power of two that brings the grid nearest, from below, to eight programs
-    per SM (`PROGRAMS_PER_SM`), at most 16 and at most one per tile. On the sweep the time flattens
-    there: 8 rows x 2,048 take 30.7 us whole, 22.9 in 2 shares, 21.3 in 4, 20.5 in 8 and 20.9 in 16
-    (each at its best setting)."""
+    """Shares per row: the power of two that brings the grid nearest, from below, to
+    `PROGRAMS_PER_SM` programs per SM, at most 16 and at most one per tile. The sweep's time
+    flattens there."""
     target = PROGRAMS_PER_SM * num_sms // (rows * kv_heads)
     if target < 2:
         return 1
@@ -354,11 +290,9 @@ def choose_stages(programs: int, tiles: int, num_sms: int = 132) -> int:
     tiles. Every stage holds one more K and V tile in shared memory: deeper keeps more loads in
     flight behind the current tile's dots, shallower lets more programs share an SM. A short grid
     wants depth (3); a grid of more than two programs per SM whose walks are at most 16 tiles
-    wants residency (2). On the sweep, 2 stages take 16 rows x 2,048 in 8 shares from 34.6 us to
-    31.8 and 256 x 1,024 from 156.9 to 151.5. Longer walks on a crowded grid keep 3 as the safer
-    side: the long tail's 32-tile shares lose 15% at 2 stages (123.1 us against 107.5), while 64
-    uniform rows x 8,192, which the same capacity cannot tell apart, lose 2.5% at 3 (285.3
-    against 278.3)."""
+    wants residency (2). Longer walks on a crowded grid keep 3, the safer side on the sweep: a long
+    tail of rows loses more at 2 than uniform long rows, which the same capacity cannot tell apart,
+    lose at 3."""
     return 2 if programs > 2 * num_sms and tiles <= 16 else 3
 
 
@@ -392,7 +326,7 @@ def tile_lanes(variant: str, heads: int, kv_heads: int) -> int:
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device; on a CPU (Triton's interpreter), the H200's 132, so the choice is the
-    one the measured card would make."""
+    one that card makes."""
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -419,10 +353,11 @@ def paged_attention(
     tile_counts: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    share_tiles: int = SHARE_TILES,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Decode attention of q over each row's history in the paged pool, streamed (Day 59), addressed
-    through the block table (Day 60). Row r reads slot `block_table[table_rows[r], p // block_size]
+    """Decode attention of q over each row's history in the paged pool, streamed, addressed
+    through the block table. Row r reads slot `block_table[table_rows[r], p // block_size]
     * block_size + p % block_size` for its keys p < context_lens[r] (and p <= positions[r]). A slot
     mapping [rows, width] is the block table of block_size 1. The plan that filled table_rows and
     context_lens checked them on the host; nothing here reads them back.
@@ -437,8 +372,8 @@ def paged_attention(
     tile_counts   [rows] int32 or None                      if given, every program adds the tiles it walked
                                                             to its row: tile_lanes(variant) * cdiv(len, block)
     returns       [rows, 1, heads, head_dim]                in q's dtype
-    `pdl` launches the kernels as programmatic dependents (`kernels.pdl`), each waiting for the one
-    before it.
+    `share_tiles`: the fewest tiles a "split" share walks. `pdl` launches the kernel as a
+    programmatic dependent (`kernels.pdl`), waiting for the one before it.
     The variant is chosen for the table's capacity, which is fixed, so a captured graph's choice
     holds for every context length; a split share is cut from each row's own tiles at run time.
     """
@@ -450,14 +385,16 @@ def paged_attention(
         raise ValueError("block_table must be a [table rows, max_blocks] tensor, contiguous along a row")
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if share_tiles < 1:
+        raise ValueError(f"share_tiles must be positive, got {share_tiles}")
     return _launch(q, k_pool, v_pool, block_table, table_rows, context_lens, positions, block_size,
                    block_table.shape[1] * block_size, block, variant, splits, num_sms, tile_counts, num_warps,
-                   num_stages, pdl)
+                   num_stages, share_tiles, pdl)
 
 
 def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, page: int, width: int, block: int,
             variant: str, splits: int | None, num_sms: int | None, tile_counts: torch.Tensor | None,
-            num_warps: int | None, num_stages: int | None, pdl: bool = False) -> torch.Tensor:
+            num_warps: int | None, num_stages: int | None, share_tiles: int, pdl: bool) -> torch.Tensor:
     """Launch the variant `choose_launch` picks over the block table `addresses` of page `page`."""
     rows, t, heads, d = q.shape
     if t != 1:
@@ -489,7 +426,7 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     D = _pow2(d, 16)
     strides = (q3.stride(0), q3.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
                addresses.stride(0), pos.stride(0), out.stride(0), out.stride(1))
-    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, PDL=level(pdl))
+    tuning = dict(num_warps=num_warps or launch.num_warps, num_stages=num_stages or launch.num_stages, PDL=pdl)
     if pdl:
         tuning["launch_pdl"] = True
     if launch.variant == "head":
@@ -503,21 +440,12 @@ def _launch(q, k_pool, v_pool, addresses, table_rows, context_lens, positions, p
     if n_splits == 1:  # out stands in for the partials and tickets it never touches
         _paged_decode_group[(rows, kv_heads, 1)](
             q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, out, out, out, out, tiles, *strides,
-            scale, d, SPLITS=1, FOLD=False, SKIP_EMPTY=False, **meta)
+            scale, d, SPLITS=1, **meta)
         return out[:, None]
     acc, m, l = _partials(rows, heads, n_splits, D, q.device)
-    fold = FOLD_SHARES
-    # Folded in the read, empty shares are skipped at any grid: no merge waits on them.
-    skip = SKIP_EMPTY_SHARES and (fold or rows * kv_heads * n_splits > num_sms)
-    taken = tickets(q.device, rows * kv_heads) if fold else m
     _paged_decode_group[(rows, kv_heads, n_splits)](
-        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l, taken, tiles, *strides,
-        scale, d, SPLITS=n_splits, FOLD=fold, SKIP_EMPTY=skip, SHARE_TILES=SHARE_TILES, **meta)
-    if not fold:
-        _merge_splits[(rows * heads,)](acc, m, l, out, context_lens, pos, pos.stride(0), heads, d, out.stride(0),
-                                       out.stride(1), SPLITS=n_splits, S=_pow2(n_splits), D=D, BLOCK=block,
-                                       HAS_POS=has_pos, SKIP_EMPTY=skip, PDL=level(pdl), SHARE_TILES=SHARE_TILES,
-                                       **({"launch_pdl": True} if pdl else {}))
+        q3, k_pool, v_pool, addresses, table_rows, context_lens, pos, out, acc, m, l,
+        tickets(q.device, rows * kv_heads), tiles, *strides, scale, d, SPLITS=n_splits, SHARE_TILES=share_tiles, **meta)
     return out[:, None]
 
 

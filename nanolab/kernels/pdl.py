@@ -1,17 +1,22 @@
 """Programmatic dependent launch (Hopper's PDL), for kernels that run back to back in a CUDA graph.
-Day 61.
 
 A kernel launched with `launch_pdl=True` may start while the kernel before it is still running,
 as soon as every program of that one has called `griddepcontrol.launch_dependents`. It must then
 wait (`griddepcontrol.wait`) before it reads anything its predecessors wrote; what it does before
 the wait (address arithmetic, prefetching constant weights) overlaps the predecessor's tail and the
 launch gap.
+
+Whether the engine's own ops (the streamed read, the rotation with the K/V write, the step's GEMV)
+launch that way is scoped state, not a global: a compiled step with PDL (`runner.DecodeForward`)
+runs its calls inside `launching_dependents(True)`, and each op asks `ops_pdl(device)` as it
+launches. Outside such a call they launch plainly.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import triton.language as tl
@@ -19,37 +24,29 @@ from triton import jit
 
 from nanolab.kernels import INTERPRETED
 
-# Whether the engine's own decode kernels (the streamed read, the rotation with the K/V write)
-# launch as programmatic dependents wherever `supports_pdl`. Off outside a compiled step: a
-# `runner.DecodeForward` with PDL turns it on for its own calls (`launching_dependents`), with
-# inductor's PDL to match; the lab sets it to measure it.
-OPS_PDL = False
-# Whether those kernels release their dependents (`release_dependents`) as they start, ahead of
-# their own wait, instead of as their programs exit: the next kernel is then resident, and can
-# prefetch what no kernel writes (a GEMV's weight, `gemv.STEP_L2_AHEAD`), while this one still
-# waits or runs. Its wait still returns only once this kernel has finished. Read at each launch
-# (`level`).
-EARLY_RELEASE = False
+_LAUNCHING_DEPENDENTS: ContextVar[bool] = ContextVar("nanolab.ops_pdl", default=False)
 
 
 @contextlib.contextmanager
 def launching_dependents(on: bool) -> Iterator[None]:
-    """`OPS_PDL` set to `on` while inside, and put back after. A process-wide setting, as the
-    engine runs its steps from one thread."""
-    global OPS_PDL
-    saved, OPS_PDL = OPS_PDL, on
+    """While inside, the engine's ops launch as programmatic dependents when `on` (where the device
+    supports it, `ops_pdl`), and plainly when not; what held before comes back on exit."""
+    token = _LAUNCHING_DEPENDENTS.set(bool(on))
     try:
         yield
     finally:
-        OPS_PDL = saved
+        _LAUNCHING_DEPENDENTS.reset(token)
+
+
+def ops_pdl(device: torch.device) -> bool:
+    """Whether an op of the engine launches on `device` as a programmatic dependent: inside
+    `launching_dependents(True)`, on a device that `supports_pdl`."""
+    return _LAUNCHING_DEPENDENTS.get() and supports_pdl(device)
 
 
 @jit
 def dependent_launch(PDL: tl.constexpr):
-    """Wait until the kernel before has finished and its writes are visible. Nothing when PDL is 0;
-    at level 2 (`level`), release the next kernel first."""
-    if PDL >= 2:
-        tl.extra.cuda.gdc_launch_dependents()
+    """Wait until the kernel before has finished and its writes are visible. Nothing without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -61,17 +58,6 @@ def release_dependents(PDL: tl.constexpr):
     A kernel that never calls it releases the next one as its programs exit."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-def level(pdl: bool) -> int:
-    """The PDL constexpr of a kernel launched with `pdl`: 0 not a dependent, 1 a dependent that
-    waits first, 2 one that releases its own dependents before that wait (`EARLY_RELEASE`)."""
-    return 0 if not pdl else 2 if EARLY_RELEASE else 1
-
-
-def ops_pdl(device: torch.device) -> bool:
-    """Whether an op of the engine launches on `device` as a programmatic dependent (`OPS_PDL`)."""
-    return OPS_PDL and supports_pdl(device)
 
 
 def supports_pdl(device: torch.device | str) -> bool:

@@ -1,7 +1,6 @@
 """`reference_read`: the decode read that gathers the whole rectangle (and, one segment at a time,
 a varlen step's: `varlen_attention.varlen_reference`), and the oracle the Triton read is tested
-against. Engine core (before Day 49); `context_bounds` Day 49,
-`validated` Day 50.
+against.
 
 It materialises K and V for every cell of `slot_mapping` [rows, width] and a [rows, heads, T,
 width] score rectangle before it masks (the seed's `paged_attention_batched_reference`). Padding

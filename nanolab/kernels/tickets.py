@@ -1,5 +1,5 @@
 """Ticket counters for kernels whose last program to finish a piece of work folds it: a split
-read's shares (`paged_attention`'s FOLD) and a split-K GEMV's (`gemv`'s fix-up). Day 61."""
+read's shares (`paged_attention`'s "split" variant)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,13 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `plots`: one module of figures per chapter
 - `history`: the unplanned decode (Days 49 and 50's "before"), as a runner the engine accepts
 - `decodebench`, `compilebench`, `capturebench`, `streambench`: the benches
-- `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58)
-- `levers`, `floorbench`, `projections`: Day 61's levers, the peers, and what was not kept
+- `graphbench`: the server under Poisson load, CUDA graphs on and off (Day 58), over `workload` (the
+  Poisson plan), `loadclient`, `servingmetrics` (TTFT, TPOT, ITL, goodput), `compaction` (the step
+  log), `serveprocess` and `offlinesteps` (the same step in-process)
+- `leverarms`, `leverrun`, `stepparts`, `tuningspread`, `gemvbench`, `agreement` (the `levers` command
+  runs them): Day 61's levers as engines, their waterfall, where a step's time goes, the tuning's
+  spread, the projections alone, bf16 against fp32
+- `floorbench`, `projections`: Day 61's peers, and the fused projections that were not kept
 - `mixedsteps`: where a mixed step of chunked prefill spends its time (Day 61)
 - `steploop`: what the GPU runs between two replays of the graphed decode step (Day 61)
 - `folds`: the decode step with its norms, residual adds and SwiGLU inside the GEMVs (Day 61, not kept)
@@ -24,6 +29,7 @@ import importlib
 _EXPORTS = {
     "nanolab.gates": ["Gate"],
     "nanolab.lab.capturebench": ["bench_buckets", "run_capturebench", "step_breakdown", "table_stems", "targets"],
+    "nanolab.lab.compaction": ["capture_batch_sizes", "check_compaction"],
     "nanolab.lab.compilebench": ["check_graph_reused", "compilebench_table", "first_guard_failure", "guards_table",
                                  "results_table", "run_compilebench"],
     "nanolab.lab.costs": ["SEED_STREAMBENCH", "appended_cells", "bucket_table", "check_rebuild_bounded",
@@ -31,11 +37,9 @@ _EXPORTS = {
                           "spread_lengths", "streambench_table", "streamed_work", "streamed_workspace_bytes",
                           "workspace_bytes"],
     "nanolab.lab.decodebench": ["decode_table"],
-    "nanolab.lab.graphbench": ["SLO", "SLOS", "WORKLOADS", "Workload", "capture_batch_sizes", "check_compaction",
-                               "check_requests", "graphbench_ratios", "graphbench_stems", "request_plan",
-                               "run_graphbench", "serving_metrics"],
+    "nanolab.lab.graphbench": ["graphbench_ratios", "graphbench_stems", "run_graphbench"],
     "nanolab.lab.history": ["unplanned_runner"],
-    "nanolab.lab.levers": ["once_a_step", "show_lever_run"],
+    "nanolab.lab.leverrun": ["show_lever_run"],
     "nanolab.lab.plots": ["between_steps_timeline", "lever_run_waterfall", "plot_between_steps",
                           "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl",
                           "plot_decode_plan", "plot_decode_speed", "plot_floor_roofline", "plot_folds",
@@ -51,10 +55,14 @@ _EXPORTS = {
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
                            "load_table", "measured_table", "run_label", "save_figure", "save_table", "show",
                            "table_label"],
+    "nanolab.lab.servingmetrics": ["SLO", "SLOS", "check_requests", "serving_metrics"],
+    "nanolab.lab.stepparts": ["kernel_class"],
     "nanolab.lab.streambench": ["kernel_agreement", "launch_rule", "mapping_read", "read_batch", "run_streambench"],
     "nanolab.lab.timing": ["drain", "prefill", "random_prompts", "time_engine", "timed_steps"],
     "nanolab.lab.tpbench": ["collectives_per_step", "group_agreement", "predicted_steps", "speedups",
                             "target_line"],
+    "nanolab.lab.tuningspread": ["once_a_step"],
+    "nanolab.lab.workload": ["SEED_RATES", "WORKLOADS", "Workload", "request_plan"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

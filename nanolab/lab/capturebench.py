@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from nanolab import Engine, load_model
+from nanolab import Engine, EngineConfig, load_model
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs
@@ -97,13 +97,13 @@ def bench_buckets(batches, contexts) -> DecodeBuckets:
     return DecodeBuckets.default(max(batches), 2 * max(contexts), min_width=min(contexts))
 
 
-def compiled_graphs(model, buckets: DecodeBuckets, **engine_kwargs) -> Engine:
+def compiled_graphs(model, buckets: DecodeBuckets, progress: bool = True, **fields) -> Engine:
     """An engine whose graphs capture the model compiled by inductor (Day 50's planned dynamic
     compile, floats constant) instead of the eager model: inductor fuses the small elementwise
     kernels that the eager graph replays one by one. Compiling happens in the warm-ups."""
     with torch._dynamo.config.patch(specialize_float=True):
-        return Engine(model, buckets=buckets, read="reference", forward=torch.compile(model, dynamic=True),
-                      cuda_graphs=True, **engine_kwargs)
+        return Engine(model, EngineConfig(read="reference", compile=False, async_scheduling=False, **fields),
+                      buckets=buckets, forward=torch.compile(model, dynamic=True), progress=progress)
 
 
 def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts=CONTEXTS, steps: int = 32,
@@ -119,30 +119,32 @@ def run_capturebench(model_path, dtype=torch.bfloat16, batches=BATCHES, contexts
     num_blocks = max(max_batch * (cdiv(max(contexts), block_size) + 1), cdiv(2 * max(contexts), block_size)) + 16
     buckets = bench_buckets(batches, contexts)
     # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
-    kw = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, progress=progress,
-              enable_chunked_prefill=False)
+    fields = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_batch, enable_chunked_prefill=False)
 
     # Day 54: the capture list with a pool per graph (over the padded engine's cache, then let go),
     # then with one shared pool: the graphed engine's own, captured when it is built.
-    padded = Engine(model, buckets=buckets, read="reference", **kw)  # the graphs' shapes, eagerly
+    padded = Engine(model, EngineConfig(read="reference", enforce_eager=True, **fields), buckets=buckets,
+                    progress=progress)  # the graphs' shapes, eagerly
     per_graph = DecodeGraphs(model, padded.kv_cache, buckets)
     reports = [("eager", per_graph.capture(shared_pool=False, progress=progress))]
     per_graph.release()
     del per_graph
-    graphed = Engine(model, buckets=buckets, read="reference", cuda_graphs=True, **kw)  # Day 54's read
+    graphed = Engine(model, EngineConfig(read="reference", compile=False, async_scheduling=False, **fields),
+                     buckets=buckets, progress=progress)  # Day 54's read
     reports.append(("eager", graphed.capture_report))
     arms = {"nanolab graphs": graphed}
     if compile:
-        arms["nanolab graphs + compile"] = compiled_graphs(model, buckets, **kw)
+        arms["nanolab graphs + compile"] = compiled_graphs(model, buckets, progress, **fields)
         reports.append(("compiled (compile time included)", arms["nanolab graphs + compile"].capture_report))
     if streamed:
-        arms["nanolab graphs, streamed read"] = Engine(model, buckets=buckets.without_width(), read="streamed",
-                                                       cuda_graphs=True, **kw)
+        streamed_config = EngineConfig(read="streamed", compile=False, async_scheduling=False, **fields)
+        arms["nanolab graphs, streamed read"] = Engine(model, streamed_config, buckets=buckets.without_width(),
+                                                       progress=progress)
         reports.append(("eager, streamed read", arms["nanolab graphs, streamed read"].capture_report))
     capture = pd.DataFrame([{"forward": forward, "pool": "shared" if r.shared_pool else "one per graph",
                              "shapes": r.shapes, "seconds": r.seconds, "pool_mib": r.pool_bytes / 2**20}
                             for forward, r in reports])
-    eager = Engine(model, read="reference", **kw)
+    eager = Engine(model, EngineConfig(read="reference", enforce_eager=True, **fields), progress=progress)
     arms["nanolab eager"] = eager
 
     bandwidth = copy_bandwidth(device)
@@ -240,8 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from nanolab.config import resolve_dtype
     from nanolab.lab.report import run_label, save_table
-    from nanolab.llm import resolve_dtype
     from nanolab.model.weights import resolve_weights, weights_kind
 
     if not torch.cuda.is_available():

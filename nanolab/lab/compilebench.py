@@ -40,7 +40,7 @@ import torch._dynamo
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 from torch._inductor.compile_fx import compile_fx
 
-from nanolab import Engine
+from nanolab import Engine, EngineConfig
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.kv_cache import CacheView
 from nanolab.gates import Gate
@@ -236,11 +236,12 @@ def run_compilebench(model, *, mode: str, rows: int, prompt_len: int, steps: int
             stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
         forward = model if mode == "off" else torch.compile(model, dynamic=mode == "dynamic", backend=backend)
         probe = _DecodeProbe(forward, mark_plan_width_dynamic if dynamic_marks else None)
-        engine = Engine(model, num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1,
-                        block_size=block_size, max_num_seqs=max(rows, 1), forward=probe,
-                        read="reference",  # Days 49 and 50 study the reference read's guards
-                        enable_chunked_prefill=False,  # every step after the prefill is a decode step
-                        **({} if planned else {"runner": unplanned_runner(bounds)}))
+        # Days 49 and 50 study the reference read's guards, eagerly outside the probe; every step
+        # after the prefill is a decode step.
+        config = EngineConfig(num_blocks=rows * cdiv(prompt_len + steps + 1, block_size) + 1, block_size=block_size,
+                              max_num_seqs=max(rows, 1), read="reference", enforce_eager=True,
+                              enable_chunked_prefill=False)
+        engine = Engine(model, config, forward=probe, **({} if planned else {"runner": unplanned_runner(bounds)}))
         seqs = prefill(engine, random_prompts(rows, prompt_len, model.config.vocab_size, seed), steps + 1)
         # dynamo's tallies are process-wide: count what the decode steps add to them.
         breaks, limit_hits, frames = _graph_breaks(), _limit_hits(), len(_frame_compile_times())

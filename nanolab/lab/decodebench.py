@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import pandas as pd
 
-from nanolab import LLM
+from nanolab import LLM, EngineConfig
 from nanolab.lab.reference import load_hf
 from nanolab.lab.timing import DecodeTiming, random_prompts, time_engine, time_hf
 
@@ -45,22 +45,21 @@ def decode_table(llm: LLM, batches: list[int], prompt_len: int, steps: int, hf_c
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="auto")
+    # The engine's flags, as every command has them; every row of a timed batch starts decoding in the
+    # same step (`timing.prefill`), so whole prompts.
+    EngineConfig.add_cli_args(parser, enable_chunked_prefill=False)
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def main(args: argparse.Namespace) -> int:
     from nanolab.lab.report import run_label, save_table
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(64, *batches),
-              enforce_eager=args.enforce_eager, enable_chunked_prefill=False)  # see `timing.prefill`
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM.from_config(config.replace(max_num_seqs=max(config.max_num_seqs, *batches)))
     df = decode_table(llm, batches, args.prompt_len, args.steps, repeats=args.repeats)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
     path = save_table(df, "decode_bench", label)

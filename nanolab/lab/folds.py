@@ -1,6 +1,6 @@
 """A decode step whose norms, residual adds and SwiGLU run inside its projections' GEMVs: Day 61's
-lever that did not pay, a backend the lab hands to the engine (`levers` arm "+ norms, residual
-adds and SwiGLU inside the GEMVs").
+lever that did not pay, a backend the lab hands to the engine (`leverarms.ARMS`' "+ norms,
+residual adds and SwiGLU inside the GEMVs").
 
 `step_projection` is one layer projection with its neighbours folded into the engine's GEMV
 (`kernels.gemv.gemv`'s `norm`, `residual` and `swiglu`); `FoldedStep` is the model's forward
@@ -93,9 +93,7 @@ class FoldedStep(nn.Module):
 
 def folded_decode(model, **compile_kwargs) -> DecodeForward:
     """`FoldedStep(model)` compiled as `runner.compile_decode(model, **compile_kwargs)` compiles the
-    model: the same graphs, options, PDL and tuning; the varlen steps are not compiled."""
-    if "varlen" in compile_kwargs:
-        raise ValueError("folded_decode: varlen steps are the model's own forward, never compiled here")
-    plain = compile_decode(model, **compile_kwargs, varlen=False)
+    model: the same graphs, options, PDL and tuning."""
+    plain = compile_decode(model, **compile_kwargs)
     return DecodeForward(FoldedStep(model), plain.batch_1_options, pdl=plain.pdl, opaque_head=model.lm_head.opaque,
                          options=plain.options or None, steady=plain.steady)

@@ -13,8 +13,11 @@ are timed beside them.
 
 `mixed_host_parts` splits the host's time inside an eager mixed step's `run_varlen` by the code
 that spends it: planning, each kind of module of the model (its own time, its children's taken
-out), the rotation and K/V write, the attention read, and what `run_varlen` does around them.
-Nothing here asserts a time.
+out), the rotary tables, the rotation and K/V write, the attention read, and what `run_varlen` does
+around them. It times the engine through the model's forward hooks and a wrapper on the cache view
+the model is handed, and wraps two methods on the engine's own instances; nothing of a class or a
+module is replaced. Nothing here asserts a time. (The mixed step through a compiled varlen graph,
+measured and not kept, is committed: `data/day61_mixed_anatomy_h200.csv`'s "compiled" arm.)
 
     python -m nanolab levers --only mixed --model llama-3.2-1b
     python -m nanolab levers --only mixedhost --model llama-3.2-1b
@@ -27,14 +30,12 @@ from collections import defaultdict
 
 import pandas as pd
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from nanolab import Engine, SamplingParams, load_model
-from nanolab.engine import kv_cache as kv_cache_module
+from nanolab import Engine, EngineConfig, SamplingParams, load_model
 from nanolab.engine.block_manager import cdiv
-from nanolab.engine.runner import compile_decode
 from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.timing import prefill, random_prompts, timed_steps
-from nanolab.model import llama as llama_module
 from nanolab.progress import progress_bar
 from nanolab.sampling import sample_tokens
 
@@ -45,7 +46,7 @@ MIXED_PROMPTS = (64, 512, 2048)  # prompt tokens added to the running rows: the 
 class _StepClock:
     """Times a mixed step's parts: `sampler` is the engine's sampler (`sample_tokens`) timed, to be
     given to the engine at construction, and `attach(engine)` wraps its `runner.run_varlen` (on the
-    instance, as `levers.step_anatomy` wraps a step's parts). In a mixed step the timed sampler
+    instance, as `stepparts.step_anatomy` wraps a step's parts). In a mixed step the timed sampler
     waits for the device, so `sample_ms` holds sampling and what is left of the forward on the
     GPU, as the engine's read-back right after it would; a decode step is left asynchronous.
     `take()` returns the last step's parts in ms and clears them; `close()` unwraps the runner."""
@@ -129,8 +130,6 @@ def _decode_steps(engine: Engine, clock: _StepClock, steps: int) -> list[dict]:
 
 def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> pd.DataFrame:
     """GPU kernels of the mixed steps that prefill `prompt`, by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         steps = len(_mixed_steps(engine, clock, prompt))
@@ -141,65 +140,57 @@ def _kernels(engine: Engine, clock: _StepClock, prompt: list[int], arm: str) -> 
 RUNNING_TOKENS = 512  # each running row's new tokens: more decode steps than a run takes
 
 
-def _running_engine(model, arm: str, rows: int, context: int, longest_prompt: int, budget: int,
+def _running_engine(model, rows: int, context: int, longest_prompt: int, budget: int,
                     sampler=sample_tokens) -> Engine:
-    """The server's engine for `arm` ("eager" or "compiled") with `rows` rows running, each past a
-    `context`-token prompt: graphs, the streamed read and asynchronous scheduling on CUDA, chunked
-    prefill with a `budget` of tokens a step, and room for one more prompt of `longest_prompt`."""
+    """The server's engine (`EngineConfig`'s defaults: on CUDA graphs, the compiled decode step, the
+    streamed read and asynchronous scheduling; eager with the reference read on the CPU) with `rows`
+    rows running, each past a `context`-token prompt, chunked prefill with a `budget` of tokens a
+    step, and room for one more prompt of `longest_prompt`."""
     cuda = model.lm_head.weight.is_cuda
     torch._dynamo.reset()
-    forward = compile_decode(model, varlen=arm == "compiled") if cuda else None
     blocks = rows * cdiv(context + RUNNING_TOKENS, 16) + cdiv(longest_prompt + 64, 16) + 16
-    engine = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=rows + 2, sampler=sampler,
-                    read="streamed" if cuda else "reference", forward=forward, cuda_graphs=cuda,
-                    async_scheduling=cuda, max_num_batched_tokens=budget, progress=False)
-    if (arm == "compiled") != engine.runner.compiled_varlen:
-        raise RuntimeError(f"the {arm} arm's engine does not run its mixed steps as the arm says")
+    config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
+                          read="streamed" if cuda else "reference", max_num_batched_tokens=budget)
+    engine = Engine(model, config, sampler=sampler, progress=False)
     prefill(engine, random_prompts(rows, context, model.config.vocab_size, seed=2), RUNNING_TOKENS)
     return engine
 
 
 def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512,
                        prompt_lens=MIXED_PROMPTS, repeats: int = 5, budget: int = 2048,
-                       arms=("eager", "compiled"), device: torch.device | str | None = None, profile_prompt: int = 512,
+                       device: torch.device | str | None = None, profile_prompt: int = 512,
                        progress: bool = True) -> dict[str, pd.DataFrame]:
-    """`day61_mixed_anatomy`: per arm ("eager": the engine's mixed step; "compiled": through the
-    compiled varlen graph, `compile_decode(varlen=True)`, CUDA only), per prompt length and chunk of
-    it, the median over `repeats` of each mixed step's parts (ms): the whole step, the host inside
-    `run_varlen`, the forward's span on the GPU, sampling, and the rest; beside them, decode steps
-    (prompt_len 0) of the same `rows` running rows at about `context` tokens, whose parts are not
-    split. The engine is the server's: graphs, the streamed read and
-    asynchronous scheduling on CUDA, chunked prefill with a `budget` of tokens a step.
+    """`day61_mixed_anatomy`: the engine's mixed step (arm "eager": a varlen step runs the model
+    eagerly), per prompt length and chunk of it, the median over `repeats` of each mixed step's
+    parts (ms): the whole step, the host inside `run_varlen`, the forward's span on the GPU,
+    sampling, and the rest; beside them, decode steps (prompt_len 0) of the same `rows` running rows
+    at about `context` tokens, whose parts are not split. The engine is the server's
+    (`_running_engine`), with chunked prefill at a `budget` of tokens a step.
     `day61_mixed_kernels` (CUDA only): the kernels of the mixed steps of one `profile_prompt`-token
-    prompt, per arm."""
+    prompt."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     model = load_model(model_path, dtype=dtype, device=device)
     vocab = model.config.vocab_size
+    arm = "eager"
     records, kernels = [], []
-    for arm in progress_bar(arms, desc="mixed steps", enabled=progress):
-        if arm not in ("eager", "compiled"):
-            raise ValueError(f"arms: unknown arm {arm!r}; known: eager, compiled")
-        if arm == "compiled" and not cuda:
-            raise ValueError("arms: 'compiled' needs CUDA (the compiled varlen graph reads through the streamed read)")
-        clock = _StepClock(device)
-        engine = _running_engine(model, arm, rows, context, max(prompt_lens, default=0), budget, clock.sampler)
-        clock.attach(engine)
-        try:
-            _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
-            found = _decode_steps(engine, clock, 2 * repeats)
-            for n, prompt_len in enumerate(prompt_lens):
-                for r in range(repeats):
-                    prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
-                    found += [dict(rec, prompt_len=prompt_len) for rec in _mixed_steps(engine, clock, prompt)]
-            if cuda:
-                kernels.append(_kernels(engine, clock, random_prompts(1, profile_prompt, vocab, seed=9)[0].tolist(),
-                                        arm))
-        finally:
-            clock.close()
-        for rec in found:
-            records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
-        del engine
+    clock = _StepClock(device)
+    engine = _running_engine(model, rows, context, max(prompt_lens, default=0), budget, clock.sampler)
+    clock.attach(engine)
+    try:
+        _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
+        found = _decode_steps(engine, clock, 2 * repeats)
+        for n, prompt_len in enumerate(progress_bar(prompt_lens, desc="mixed steps", enabled=progress)):
+            for r in range(repeats):
+                prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
+                found += [dict(rec, prompt_len=prompt_len) for rec in _mixed_steps(engine, clock, prompt)]
+        if cuda:
+            kernels.append(_kernels(engine, clock, random_prompts(1, profile_prompt, vocab, seed=9)[0].tolist(), arm))
+    finally:
+        clock.close()
+    for rec in found:
+        records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
+    del engine
     steps = pd.DataFrame(records)
     for col in ("prompt_len", "chunk", "forward_host_ms", "forward_span_ms", "sample_ms"):
         if col not in steps:
@@ -227,15 +218,31 @@ def _part_of(name: str) -> str:
     return {"self_attn": "attention: views, the rest", "mlp": "mlp: SwiGLU, the rest"}.get(leaf, leaf)
 
 
+class _TimedView:
+    """A cache view (`engine.kv_cache.CacheView`) whose rotation-and-write and read are timed as parts
+    of `parts`; every other attribute is the view's own."""
+
+    def __init__(self, view, parts: _HostParts) -> None:
+        self.view, self.parts = view, parts
+
+    def __getattr__(self, name: str):
+        return getattr(self.view, name)
+
+    def write_rotated(self, *args, **kwargs):
+        return self.parts.timed(self.view.write_rotated, "rotation and K/V write")(*args, **kwargs)
+
+    def read(self, *args, **kwargs):
+        return self.parts.timed(self.view.read, "attention read")(*args, **kwargs)
+
+
 class _HostParts:
     """Host time inside `run_varlen`, by part, each part's own (the time of what it calls that is
-    timed too taken out): a stack of timers that module hooks and wrapped functions push and pop.
-    `attach(engine)` installs them; `take()` returns {part: (calls, us)} since the last take; close()
-    removes them. The hooks add a few microseconds a call of their own."""
-
-    FUNCTIONS = ((kv_cache_module.CacheView, "write_rotated", "rotation and K/V write"),
-                 (kv_cache_module.CacheView, "read", "attention read"),
-                 (llama_module, "rope_cos_sin", "rotary tables"))
+    timed too taken out): a stack of timers that module hooks and wrapped methods push and pop.
+    `attach(engine)` installs them on the engine's model (forward hooks; the model's pre-hook hands
+    its layers a `_TimedView` of the cache view, and the gap between the embedding and the first
+    layer is the rotary tables') and on two of the engine's instances (`run_varlen`, `plan_varlen`);
+    `take()` returns {part: (calls, us)} since the last take; close() removes them. The hooks add a
+    few microseconds a call of their own."""
 
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
@@ -264,23 +271,35 @@ class _HostParts:
                 self.pop(part)
         return wrapper
 
+    def _timed_view(self, module, args, kwargs):
+        """The model's pre-hook: its `cache` argument (positional or keyword) as a `_TimedView`."""
+        if "cache" in kwargs:
+            return args, {**kwargs, "cache": _TimedView(kwargs["cache"], self)}
+        if len(args) > 2:
+            return (*args[:2], _TimedView(args[2], self), *args[3:]), kwargs
+        return None
+
     def attach(self, engine: Engine) -> None:
         runner = engine.runner
-        for owner, name, part in self.FUNCTIONS:
-            original = getattr(owner, name)
-            setattr(owner, name, self.timed(original, part))
-            self.undo.append(lambda owner=owner, name=name, original=original: setattr(owner, name, original))
+        model = runner.model
         for target, name, part in ((runner, "run_varlen", "run_varlen: ids, the view, the rest"),
                                    (runner.kv_cache, "plan_varlen", "plan (plan_varlen)")):
             own = vars(target).get(name)  # an instance's own wrapper (`_StepClock`'s) stays beneath
             setattr(target, name, self.timed(getattr(target, name), part))
             self.undo.append(lambda target=target, name=name, own=own:
                              setattr(target, name, own) if own is not None else delattr(target, name))
-        for name, module in runner.model.named_modules():
+        for name, module in model.named_modules():
             part = _part_of(name)
             pre = module.register_forward_pre_hook(lambda *_: self.push())
             post = module.register_forward_hook(lambda *_, part=part: self.pop(part))
             self.undo += [pre.remove, post.remove]
+        self.undo.append(model.register_forward_pre_hook(self._timed_view, with_kwargs=True).remove)
+        if hasattr(model, "embed_tokens") and len(model.layers):
+            # From the embedding's end to the first layer's start, the model builds the rotary tables.
+            after_embed = model.embed_tokens.register_forward_hook(lambda *_: self.push())
+            before_layers = model.layers[0].register_forward_pre_hook(lambda *_: self.pop("rotary tables"),
+                                                                      prepend=True)
+            self.undo += [after_embed.remove, before_layers.remove]
 
     def take(self) -> dict[str, tuple[int, float]]:
         spent, self.spent = self.spent, defaultdict(lambda: [0, 0.0])
@@ -311,7 +330,7 @@ def mixed_host_parts(model_path, dtype=torch.bfloat16, rows: int = 16, context: 
     model = load_model(model_path, dtype=dtype, device=device)
     vocab = model.config.vocab_size
     clock, parts = _StepClock(device), _HostParts()
-    engine = _running_engine(model, "eager", rows, context, max(prompt_lens), budget, clock.sampler)
+    engine = _running_engine(model, rows, context, max(prompt_lens), budget, clock.sampler)
     records = []
     try:
         clock.attach(engine)

@@ -1,6 +1,6 @@
 """A decode step's projections with the work around them folded in, in Triton, and `FusedDecode`,
 the decode step built from them. Day 61's lever that did not pay: on the H200 the graphed
-Llama-3.2-1B step ran no faster than inductor's fusions around cuBLAS (`lab.levers`,
+Llama-3.2-1B step ran no faster than inductor's fusions around cuBLAS (`lab.leverrun`,
 `data/day61_levers_h200.csv`), because these kernels read the large weights (gate/up, the LM head)
 well below cuBLAS's bandwidth. The engine keeps the compiled step; the chapter measures this one.
 

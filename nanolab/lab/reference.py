@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from nanolab import Engine, LlamaModel
+from nanolab import Engine, EngineConfig, LlamaModel
 from nanolab.lab.timing import drain, prefill
 
 
@@ -45,7 +45,9 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     return [s.output_token_ids for s in seqs]
 
 
-def nanolab_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, **engine_kwargs) -> list[list[int]]:
-    """nanolab's greedy continuations of all prompts, decoded together in a new engine."""
-    engine_kwargs.setdefault("num_blocks", sum(len(p) + new_tokens for p in prompts) // 16 + len(prompts) + 1)
-    return engine_greedy(Engine(model, **engine_kwargs), prompts, new_tokens)
+def nanolab_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, **config) -> list[list[int]]:
+    """nanolab's greedy continuations of all prompts, decoded together in a new engine of `config`'s
+    fields (`EngineConfig`; eager unless told)."""
+    config.setdefault("enforce_eager", True)
+    config.setdefault("num_blocks", sum(len(p) + new_tokens for p in prompts) // 16 + len(prompts) + 1)
+    return engine_greedy(Engine(model, EngineConfig(**config)), prompts, new_tokens)

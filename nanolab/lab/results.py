@@ -14,7 +14,7 @@ import pandas as pd
 
 from nanolab.lab.report import load_table, table_label
 
-# The chapters, by notebook, with their titles.
+# The chapters, by notebook, with their titles, in the book's order (book/_toc.yml).
 CHAPTERS = {
     "00_engine": "The engine before the compiler",
     "49_compile_guards": "Day 49: the compiler fighting the engine",
@@ -22,7 +22,10 @@ CHAPTERS = {
     "54_capture_buckets": "Days 51 to 56: capture buckets",
     "58_graphbench": "Day 58: graphbench, the server under load",
     "59_streamed_kernel": "Days 59 and 60: the streamed kernel",
-    "61_the_floor": "Day 61: the floor",
+    "61_the_floor": "Day 61: the floor and batch 1",
+    "61b_batch_eight": "Day 61: batch 8 and the step-to-step upload",
+    "61c_against_the_peers": "Day 61: against the peers, TTFT and chunked prefill",
+    "61d_the_cpu": "Day 61: bf16 against fp32, and the CPU",
     "62_two_gpus": "Day 62: two GPUs",
 }
 
@@ -34,6 +37,7 @@ class Headline:
     result: str  # what the number is
     value: Callable[[pd.DataFrame], str]  # the number, formatted, computed from the table
     where: tuple[tuple[str, object], ...] = ()  # the rows it reads, where a table holds several models' runs
+    slug: str | None = None  # the device whose table it reads, where not the page's (the CPU's target)
 
 
 def _at(df: pd.DataFrame, **where) -> pd.Series:
@@ -68,6 +72,13 @@ def _graphs_over_eager(t: pd.DataFrame) -> str:
     return f"{top.loc['graphs'].output_throughput / top.loc['eager'].output_throughput:.2f}x at {rate:g} req/s"
 
 
+def _upload_saved(t: pd.DataFrame) -> str:
+    """The median over paired rounds of (the plan in one upload kernel - four copies), at batch 8."""
+    first, second = dict.fromkeys(t.variant)
+    rounds = t[t.batch == 8].pivot_table(index="trial", columns="variant", values="ms_per_step")
+    return f"{(rounds[second] - rounds[first]).median() * 1000:+.1f} us"
+
+
 def _host_cells(t: pd.DataFrame) -> str:
     row = _at(t, steps=512)
     return f"{row['day 51 ratio']:.4f} (Day 50 rebuilt {row['day 50 ratio']:.1f})"
@@ -96,20 +107,36 @@ HEADLINES = (
     Headline("59_streamed_kernel", "day60_decode",
              "graphed decode step with the streamed read at batch 1, context 128",
              lambda t: _ms(_at(t, arm="nanolab graphs, streamed read", batch=1, context=128).ms_per_step)),
-    Headline("61_the_floor", "day61_floor",
+    Headline("61_the_floor", "day61_roofline",
+             "the floor of a decode step at batch 1, context 128: every weight once at the measured copy bandwidth",
+             lambda t: _ms(_at(t, batch=1, context=128).floor_ms)),
+    Headline("61_the_floor", "day61_dobench_tuning_spread",
+             "batch-1 decode step with PDL and the tuning timed after a warm-up, median over fresh compiles",
+             lambda t: f"{t.ms_per_step.median():.4f} ms over {len(t)} compiles"),
+    Headline("61b_batch_eight", "day61_between_ab",
+             "batch-8 decode step, the plan uploaded in one kernel against four copies: median of paired rounds",
+             _upload_saved),
+    Headline("61c_against_the_peers", "day61_floor",
              "decode step at batch 1, context 128, and over the bandwidth floor",
              lambda t: (lambda r: f"{_ms(r.ms_per_step)}, {r.x_floor:.2f}x the floor")(
                  _at(t, arm="nanolab", batch=1, context=128))),
-    Headline("61_the_floor", "day61_floor",
+    Headline("61c_against_the_peers", "day61_floor",
              "HF transformers' default (compiled) static cache over nanolab, batch 1 and 8",
              lambda t: _peer_over_nanolab(t, "hf-default")),
-    Headline("61_the_floor", "day61_floor",
+    Headline("61c_against_the_peers", "day61_floor",
              "gpt-fast (compiled) over nanolab, batch 1 and 8",
              lambda t: _peer_over_nanolab(t, "gpt-fast")),
-    Headline("61_the_floor", "day61_ttft",
+    Headline("61c_against_the_peers", "day61_ttft",
              "time to first token, one 2,048-token prompt; HF's default path over nanolab",
              lambda t: (f"{_ms(_at(t, arm='nanolab', batch=1).ttft_ms)}, "
                         f"{_at(t, arm='hf-default', batch=1).nanolab_speedup:.2f}x")),
+    Headline("61d_the_cpu", "day61_floor",
+             "2-core CPU, SmolLM2 in fp32: HF's default path over nanolab's compiled step at batch 1",
+             lambda t: f"{_at(t, arm='hf-default', batch=1).nanolab_speedup:.2f}x", slug="cpu"),
+    Headline("61d_the_cpu", "day61_fp32_agreement",
+             "first decode step's logits against fp32 (relative error): bf16 eager graphs, bf16 compiled graphs",
+             lambda t: ", ".join(f"{_at(t, arm=f'bfloat16 {kind} graphs')['logits rel err to fp32']:.4f}"
+                                 for kind in ("eager", "inductor"))),
     Headline("62_two_gpus", "day62_tp",
              "Llama-3.1-8B's decode step on one GPU at batch 1 (graphs, eager step), and over its floor",
              lambda t: (lambda r: f"{_ms(r.ms_per_step)}, {r.x_floor:.2f}x the floor")(_at(t, arm="tp1", batch=1)),
@@ -118,12 +145,13 @@ HEADLINES = (
 
 
 def headline_table(slug: str = "h200", headlines=HEADLINES) -> tuple[pd.DataFrame, list[str]]:
-    """One row per headline whose table exists on device `slug`: chapter, result, value, the source
-    file, and its run label. Also the source files that were missing, or did not hold the row."""
+    """One row per headline whose table exists on device `slug` (or the headline's own): chapter,
+    result, value, the source file, and its run label. Also the source files that were missing, or
+    did not hold the row."""
     rows, missing = [], []
     for h in headlines:
-        table = load_table(h.stem, slug)
-        source = f"data/{h.stem}_{slug}.csv"
+        table = load_table(h.stem, h.slug or slug)
+        source = f"data/{h.stem}_{h.slug or slug}.csv"
         if table is None:
             missing.append(source)
             continue

@@ -14,19 +14,15 @@ next step's ids). For each step it gives:
 - `launch_to_start_us`: from the host's launch of the next replay to its first kernel, which is
   how far the host runs ahead (near zero: the GPU waits for the host).
 `day61_loop` has the medians per batch; `day61_loop_ops`, the operations between the replays of
-one step in the middle of the call, in order, each with the gap before it.
-
-`between_steps_ab` times one engine, as built, with its work between two steps as it is and as it
-was before the upload kernel (`levers.between_steps_before`), the two alternating, and profiles
-each way with `step_loop`. Nothing here asserts a time.
+one step in the middle of the call, in order, each with the gap before it. Nothing here asserts a
+time. (The engine's old work between steps, four copies and the read-back on the step's stream,
+was timed against today's on one engine and is committed: `data/day61_between_*`.)
 
     python -m nanolab levers --only loop --model llama-3.2-1b
-    python -m nanolab levers --only between --model llama-3.2-1b
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -34,6 +30,10 @@ import tempfile
 
 import pandas as pd
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanolab import SamplingParams
+from nanolab.lab.timing import random_prompts
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LOOP_COLUMNS = ("period_us", "graph_span_us", "graph_busy_us", "outside_ops", "outside_busy_us", "between_us",
@@ -110,8 +110,6 @@ def middle_step_ops(events: list[dict]) -> pd.DataFrame:
 
 def trace_events(fn) -> list[dict]:
     """Run `fn()` under torch's profiler (CPU and CUDA activity) and return its chrome trace's events."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -128,9 +126,6 @@ def step_loop(llm, batches=(1, 8, 32), prompt_len: int = 128, new_tokens: int = 
     """`day61_loop` (medians per batch of `loop_records`) and `day61_loop_ops` (`middle_step_ops` per
     batch) for `llm` (graphs on, CUDA), each batch's greedy `generate` of `new_tokens` tokens
     over random `prompt_len`-token prompts, profiled after one unprofiled call."""
-    from nanolab import SamplingParams
-    from nanolab.lab.timing import random_prompts
-
     if llm.engine.runner.graphs is None:
         raise ValueError("llm: needs CUDA graphs (a CUDA device, enforce_eager=False)")
     for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
@@ -157,49 +152,3 @@ def step_loop(llm, batches=(1, 8, 32), prompt_len: int = 128, new_tokens: int = 
                       **{c: statistics.median(r[c] for r in records) for c in LOOP_COLUMNS}})
         ops.append(middle_step_ops(events).assign(batch=batch))
     return {"day61_loop": pd.DataFrame(loops), "day61_loop_ops": pd.concat(ops, ignore_index=True)}
-
-
-VARIANTS = ("four copies, read-back on the step's stream", "one upload kernel, read-back on its own stream")
-
-
-def between_steps_ab(llm, batches=(1, 8, 32, 64), trials: int = 8, prompt_len: int = 128, steps: int = 64,
-                     repeats: int = 3, loop_batches=(1, 8), progress: bool = True) -> dict[str, pd.DataFrame]:
-    """`day61_between_ab` (variant, trial, batch, prompt_len, steps, ms_per_step), `day61_between_loop`
-    and `day61_between_loop_ops` (`step_loop`'s tables with a variant column) for `llm`'s engine
-    run both ways (`VARIANTS`: as it was before the upload kernel, and as it is). The same graphs
-    and the same tuned kernels serve both, so the spread between compiles (`levers.tuning_spread`)
-    falls on neither. Each trial times every batch both ways (`timing.time_engine`), the variant
-    that goes first alternating by trial, so drift on the card falls on both."""
-    from nanolab.lab.levers import between_steps_before
-    from nanolab.lab.timing import random_prompts, time_engine
-    from nanolab.progress import progress_bar
-
-    engine = llm.engine
-    if engine.runner.graphs is None:
-        raise ValueError("llm: needs CUDA graphs (a CUDA device, enforce_eager=False)")
-    for name, value in (("trials", trials), ("prompt_len", prompt_len), ("steps", steps), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
-    rows = engine.block_manager.max_rows
-    for name, value in (("batches", batches), ("loop_batches", loop_batches)):
-        if not value or any(not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= rows for b in value):
-            raise ValueError(f"{name}={value!r}: each must be an int from 1 to the engine's {rows} rows")
-    ways = {VARIANTS[0]: lambda: between_steps_before(engine), VARIANTS[1]: contextlib.nullcontext}
-    prompts = {b: random_prompts(b, prompt_len, llm.config.vocab_size) for b in batches}
-    records = []
-    for trial in progress_bar(range(trials), desc="between steps", enabled=progress):
-        for variant in (VARIANTS if trial % 2 == 0 else VARIANTS[::-1]):
-            with ways[variant]():
-                for batch in batches:
-                    timing = time_engine(engine, prompts[batch], steps, repeats, variant)
-                    records.append({"variant": variant, "trial": trial, "batch": batch, "prompt_len": prompt_len,
-                                    "steps": steps, "ms_per_step": timing.ms_per_step})
-    loops, ops = [], []
-    for variant in VARIANTS:
-        with ways[variant]():
-            tables = step_loop(llm, loop_batches, prompt_len)
-        loops.append(tables["day61_loop"].assign(variant=variant))
-        ops.append(tables["day61_loop_ops"].assign(variant=variant))
-    return {"day61_between_ab": pd.DataFrame(records),
-            "day61_between_loop": pd.concat(loops, ignore_index=True),
-            "day61_between_loop_ops": pd.concat(ops, ignore_index=True)}

@@ -1,8 +1,10 @@
-"""`Attention`: grouped-query attention over the paged cache. Engine core (before Day 49).
+"""`Attention`: grouped-query attention over the paged cache.
 
 It never touches the pools itself: it hands this forward's K/V and queries to the `cache` view it
 is given (`engine.kv_cache.CacheView`), which writes them and reads through the read the engine
-was built with.
+was built with. On a GPU, q's and k's rotation and the K/V write are one kernel
+(`CacheView.write_rotated`); elsewhere (the CPU, Triton's interpreter) they are torch ops and a
+write.
 """
 
 from __future__ import annotations
@@ -14,10 +16,6 @@ from nanolab.kernels import INTERPRETED
 from nanolab.model.config import ModelConfig
 from nanolab.model.layers import Linear, apply_rope
 from nanolab.model.parallel import TensorParallel
-
-# On a GPU, q's and k's rotation and the K/V write are one kernel (`CacheView.write_rotated`);
-# the lab turns it off to measure the forward without it.
-FUSED_ROPE_WRITE = True
 
 
 class Attention(nn.Module):
@@ -45,7 +43,7 @@ class Attention(nn.Module):
         -> [rows, T, heads head_dim], the o projection's input."""
         rows, t, _ = qkv.shape
         qkv = qkv.view(rows, t, self.heads + 2 * self.kv_heads, self.head_dim)
-        if FUSED_ROPE_WRITE and qkv.is_cuda and not INTERPRETED:
+        if qkv.is_cuda and not INTERPRETED:
             q = cache.write_rotated(self.layer, qkv, cos, sin, self.heads)
             # Eagerly, qkv's K/V heads now hold what was written; compiled (decode), nothing reads them.
             k, v = (None, None) if torch.compiler.is_compiling() else qkv[:, :, self.heads:].split(self.kv_heads, dim=2)

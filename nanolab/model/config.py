@@ -1,7 +1,4 @@
-"""Model shapes: `ModelConfig`, read from a Hugging Face `config.json`, and the named presets.
-
-Introduced with the engine core (before Day 49).
-"""
+"""Model shapes: `ModelConfig`, read from a Hugging Face `config.json`, and the named presets."""
 
 from __future__ import annotations
 

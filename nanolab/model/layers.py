@@ -1,5 +1,5 @@
 """The layers of a Llama decoder besides attention: `Linear`, `RMSNorm`, rotary embedding and the
-SwiGLU `MLP`. Engine core (before Day 49).
+SwiGLU `MLP`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def _weight_key(weight: torch.Tensor) -> tuple[int, ...]:
     return (weight.data_ptr(), *weight.shape)
 
 
-# Defined through `torch.library.Library` rather than `custom_op`, whose Python wrapper costs about
-# 7 us a call on the 2-core CPU: about 0.9 ms of SmolLM2's 121 matmuls a step.
+# Defined through `torch.library.Library` rather than `custom_op`, whose Python wrapper costs
+# microseconds a call: a step calls it for every matmul.
 _lib = torch.library.Library("nanolab", "FRAGMENT")
 _lib.define("packed_linear(Tensor x, Tensor weight) -> Tensor")
 
@@ -69,14 +69,6 @@ def _(x, weight):
 
 packed_linear_op = torch.ops.nanolab.packed_linear
 
-# A compiled one-row matmul on the CPU as a reduction of inductor's (`Linear.forward`). On the
-# 2-core CPU machine (Day 61), reading fp32 weights at one row: SmolLM2's gate-up matmul ran at
-# 22.6 GB/s as this reduction, 18.4 through the prepacked copy and 9.4 through MKL's GEMV, and its LM
-# head at 30.5, 16.2 and 9.8 GB/s; a sum over 512 MB read 34 GB/s. The compiled one-row step of
-# SmolLM2 went from 36.6-44.5 ms to 22.4-25.5 (five runs each). At 2 rows the reduction only tied the
-# packed matmul, and at 8 it ran at a third of its speed, so more rows keep the packed matmul.
-ONE_ROW_REDUCTION = True
-
 
 class Linear(nn.Linear):
     """`nn.Linear` without bias that can run through oneDNN on the CPU, or stay cuBLAS's under
@@ -84,11 +76,8 @@ class Linear(nn.Linear):
 
     After `prepack()`, the weight is also held reordered into oneDNN's blocked layout (the
     path inductor's CPU freezing takes) and the matmul goes through oneDNN, eagerly or as one
-    operator in a compiled graph (`packed_linear_op`). MKL's GEMV, which `F.linear` uses for a
-    single decode row, keeps to one core; on the 2-core CPU machine the prepacked matmuls of
-    SmolLM2's layers ran 1.6x faster at 1 row and 2.2x at 8. The weight is packed for any number
-    of rows: packed for exactly one, as it was before Day 61's measurement, the 8-row decode step
-    of SmolLM2 ran 1.4x slower (67.7 against 47.1 ms) and the one-row step 3% slower. The packed
+    operator in a compiled graph (`packed_linear_op`): MKL's GEMV, which `F.linear` uses for a
+    single decode row, keeps to one core. The weight is packed for any number of rows. The packed
     copy doubles the weights' memory, which a CPU box has to spare.
 
     With `opaque`, a compiled forward calls the matmul as one operator (`linear_op`), so inductor
@@ -96,10 +85,10 @@ class Linear(nn.Linear):
     has PDL), a compiled forward of more than one row calls `kernels.gemv.step_linear`, which runs
     the Triton GEMV up to its row limit and `F.linear` past it.
 
-    On the CPU, a compiled forward of one row writes the matmul as a product and a sum
-    (`ONE_ROW_REDUCTION`), which inductor lowers into its own reduction, vectorised and spread over
-    the cores, as it lowers a one-row matmul on a GPU. The packed copy serves every other case:
-    more rows, and the eager forward.
+    On the CPU, a compiled forward of one row (unless `opaque`) writes the matmul as a product and
+    a sum, which inductor lowers into its own reduction, vectorised and spread over the cores, as it
+    lowers a one-row matmul on a GPU; it reads the weight faster than the packed matmul at one row,
+    and slower at more. The packed copy serves every other case: more rows, and the eager forward.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -113,7 +102,7 @@ class Linear(nn.Linear):
         _PACKED[_weight_key(self.weight)] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ONE_ROW_REDUCTION and not self.opaque and torch.compiler.is_compiling() and x.device.type == "cpu" \
+        if not self.opaque and torch.compiler.is_compiling() and x.device.type == "cpu" \
                 and math.prod(x.shape[:-1]) == 1:  # False, with no guard, for a dynamic batch (at least 2)
             # x [1, 1, in] * weight [out, in], summed over in: inductor fuses the two into one
             # reduction and never builds the product.

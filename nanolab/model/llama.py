@@ -1,5 +1,5 @@
 """`LlamaModel`: a Llama-family decoder over the paged cache, loaded from the Hugging Face layout.
-Engine core (before Day 49). Checkpoints keep q/k/v and gate/up as separate
+Checkpoints keep q/k/v and gate/up as separate
 matrices; `load_model` concatenates them into one matmul each, which is the only way this
 module's parameters differ from `LlamaForCausalLM`'s.
 """

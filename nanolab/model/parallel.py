@@ -1,5 +1,5 @@
 """Tensor parallelism: which slice of every weight a rank holds, and the collectives that join the
-slices back up. Issue 15.
+slices back up.
 
 Megatron's split of a Llama layer, as vLLM and gpt-fast do it:
 - q/k/v and gate/up are column-parallel: a rank holds some KV heads with the query heads that read

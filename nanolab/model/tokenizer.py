@@ -4,7 +4,6 @@ detokenization, and the small byte-level tokenizer that synthesized models ship 
 Only the `tokenizers` library and jinja2 are used, not transformers, so the engine does not need
 transformers at run time.
 
-Introduced with the engine core (before Day 49).
 """
 
 from __future__ import annotations

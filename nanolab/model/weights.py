@@ -9,7 +9,6 @@ or a preset name from `nanolab.model.config.PRESETS`, prepared once into the cac
 - `tiny`, `llama-3.2-1b` and `llama-3.1-8b` are synthesized: random weights in the real shapes,
   marked by a `nanolab.json` so results can be labelled as such (`weights_info`).
 
-Introduced with the engine core (before Day 49).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from nanolab.config import EngineConfig
 from nanolab.engine.async_llm import AsyncLLM, RequestStream
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.llm_engine import Engine
@@ -276,29 +277,10 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="a preset name or a Hugging Face model folder")
+    EngineConfig.add_cli_args(parser)
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                        help="capture the eager decode step instead of inductor's (default: compiled with graphs)")
-    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                        help="read each decode step back before launching the next (default: overlapped with graphs)")
-    parser.add_argument("--compile-varlen", action="store_true",
-                        help="compile the steps that mix decode rows with prompt chunks too (off: unmeasured)")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="the most requests running at once")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="shard the model over this many processes (one per GPU on CUDA), rank 0 coordinating")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="a token budget per step, decode rows first and prompts in chunks "
-                             "(--no-enable-chunked-prefill: a step prefills whole prompts or decodes)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="the tokens one step feeds, with chunked prefill (default: 2048)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests past this get 503 with Retry-After")
     parser.add_argument("--api-key", default=None,
@@ -317,23 +299,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
 
 
-def build_engine(**llm_args) -> Engine:
+def build_engine(config: EngineConfig) -> Engine:
     """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs)."""
     from nanolab.llm import LLM
 
-    return LLM(**llm_args).engine
+    return LLM.from_config(config).engine
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT or SIGTERM; the exit code: 0, or 1 when the engine core died."""
-    tokenizer = Tokenizer.from_dir(resolve_weights(args.model))  # an unknown model fails here, at once
-    factory = functools.partial(build_engine, model=args.model, device=args.device, dtype=args.dtype,
-                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                enforce_eager=args.enforce_eager, read=args.read, compile=args.compile,
-                                async_scheduling=args.async_scheduling,
-                                enable_chunked_prefill=args.enable_chunked_prefill,
-                                max_num_batched_tokens=args.max_num_batched_tokens,
-                                tensor_parallel_size=args.tensor_parallel_size, compile_varlen=args.compile_varlen)
+    config = EngineConfig.from_cli_args(args)  # every flag checked before the core starts
+    tokenizer = Tokenizer.from_dir(resolve_weights(config.model))
+    factory = functools.partial(build_engine, config)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
     serving = OpenAIServing(tokenizer, async_llm, args.served_model_name or args.model)

@@ -1,7 +1,8 @@
 """Day 61's figures: the levers as a waterfall of one decode step, nanolab and its peers against the
 bandwidth floor, the projections alone against cuBLAS, the server's ITL with chunked prefill on
 and off, and what the GPU runs between two decode steps. Each takes the committed tables as they
-are saved (`lab.levers`, `lab.floorbench`, `lab.graphbench`, `lab.steploop`) and returns a Figure.
+are saved (`lab.leverrun`, `lab.gemvbench`, `lab.floorbench`, `lab.graphbench`, `lab.steploop`)
+and returns a Figure.
 The figures are made without pyplot, so a notebook shows each once, where it calls `show`, and
 not again at the end of the cell."""
 
@@ -18,7 +19,7 @@ from nanolab.lab.plots.common import log_batch_axes
 from nanolab.lab.plots.serving import SERVING_ARMS
 
 # The waterfall's parts, bottom to top, each always in the same colour: the GPU's kernel classes
-# (`levers.KERNEL_CLASSES`) under the host's share, which is grey.
+# (`stepparts.KERNEL_CLASSES`) under the host's share, which is grey.
 PARTS = {
     "projections": "#4c72b0",
     "attention read": "#55a868",
@@ -100,7 +101,7 @@ def _arm_columns(axes, arms: list[str]) -> None:
 def plot_tuning_spread(spread: pd.DataFrame, head: pd.DataFrame, target_ms: float) -> Figure:
     """Two panels, one column per arm (in the order they appear in `spread`): each fresh compile's
     batch-1 ms per step (columns arm, trial, ms_per_step), a bar at the median, the target dotted;
-    and each compile's LM head in us per step (`levers.once_a_step`'s columns), cuBLAS's kernels
+    and each compile's LM head in us per step (`tuningspread.once_a_step`'s columns), cuBLAS's kernels
     (named nvjet) as squares, inductor's reductions as dots."""
     arms = list(dict.fromkeys(spread.arm))
     fig = Figure(figsize=(11, 4.4))
@@ -146,7 +147,7 @@ def plot_kernel_draws(spread: pd.DataFrame, kernel: pd.DataFrame, target_ms: flo
 
 
 def lever_run_waterfall(levers: pd.DataFrame, parts: pd.DataFrame, target_ms: float, batch: int = 1) -> Figure:
-    """`plot_lever_waterfall` of a lever run as `levers.show_lever_run` returns it (its table, and
+    """`plot_lever_waterfall` of a lever run as `leverrun.show_lever_run` returns it (its table, and
     the parts by arm of its smallest profiled batch, `batch`), with that batch's floor and each
     arm's replay at the shortest context."""
     rows = levers[levers.batch == batch]
@@ -272,7 +273,7 @@ def plot_chunked_itl(rates: pd.DataFrame, aim: float = 3.0):
 
 
 def plot_folds(folds: pd.DataFrame, removed_us: Mapping[str, float] | None = None) -> Figure:
-    """`levers.fold_table`: one panel per row count, a pair of bars per projection and fold, the
+    """`gemvbench.fold_table`: one panel per row count, a pair of bars per projection and fold, the
     plain GEMV's us per launch (grey) beside the same GEMV with the fold inside it (red), what
     the fold added written over it. `removed_us`, by fold, is the kernel that fold takes out of the
     step: drawn as a dashed line at the grey bar plus it, where the red bar must stay to pay."""

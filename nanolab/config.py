@@ -1,0 +1,218 @@
+"""`EngineConfig`: every choice a user makes about the engine, checked in one place.
+
+`LLM(**fields)`, `python -m nanolab serve` and the benches build one (`EngineConfig.add_cli_args`
+and `from_cli_args` give the command line's flags their names and defaults), and `Engine` takes
+it whole. The names are vLLM's `EngineArgs` where vLLM has one. A bad value raises ValueError
+naming its field when the config is made, before any weights are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from nanolab.model.config import PRESETS
+
+DEFAULT_MODEL = "smollm2-135m"
+READS = ("streamed", "reference")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def check_int(name: str, value, minimum: int = 1, optional: bool = False) -> None:
+    """Raise ValueError naming `name` unless `value` is an int >= `minimum` (or None, if `optional`).
+    bool is an int subclass; True is not a size."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}{' or None' if optional else ''}")
+
+
+def check_bool(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be a bool{' or None' if optional else ''}")
+
+
+def resolve_device(device) -> torch.device:
+    """`device` ("cpu", "cuda", "cuda:1", a torch.device, or None for CUDA when available) as a
+    torch.device nanolab can run on. Raises ValueError naming `device` for anything else, and for
+    a CUDA device this machine does not have."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device={device!r}: must be a str such as 'cpu' or 'cuda', or a torch.device")
+    shown = str(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={shown!r}: torch does not accept it ({e})") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={shown!r}: nanolab runs on 'cpu' or 'cuda'")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={shown!r}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__} sees no CUDA device); use device='cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={shown!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    """A torch dtype, its name ("bfloat16", "bf16", "float32", ...) or "auto" (bf16 on CUDA, fp32
+    on the CPU)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype={dtype}: must be float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: must be 'auto', one of {sorted(DTYPES)} or a torch.dtype")
+    return DTYPES[dtype]
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model={model!r}: must be a preset name or a model folder's path")
+    text = os.fspath(model)
+    if isinstance(model, os.PathLike) or os.sep in text or "/" in text or os.path.exists(text):
+        if not os.path.isdir(os.path.expanduser(text)):
+            raise ValueError(f"model={text!r}: no such folder")
+    elif text not in PRESETS:
+        raise ValueError(f"model={text!r}: neither a model folder nor a preset; presets: {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs, as the user chose it. None and "auto" stay as given and are settled
+    where they run: `device` and `dtype` when `LLM` loads the weights (an `Engine` runs where its
+    model lives), the pool's size and the context by the engine once the weights are in memory
+    (`Engine.num_blocks`, `Engine.max_model_len`)."""
+
+    model: str = DEFAULT_MODEL  # a preset name or a Hugging Face folder (config.json + safetensors)
+    device: str | torch.device | None = None  # "cpu", "cuda", "cuda:N"; None: CUDA when there is one
+    dtype: str | torch.dtype = "auto"  # bf16 on CUDA, fp32 on the CPU
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # requests running at once (rows of the batch)
+    max_model_len: int | None = None  # None: the model's context, or what the pool holds if less
+    num_blocks: int | None = None  # the KV pool; None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 40% of what the weights leave free on CUDA
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
+    read: str = "auto"  # the paged read: "streamed" (Triton), "reference" (torch); "auto": streamed on CUDA
+    compile: bool | None = None  # decode steps through inductor; None: on with CUDA graphs
+    async_scheduling: bool | None = None  # launch step t + 1 before reading back step t; None: on with graphs
+    enable_chunked_prefill: bool = True  # a token budget per step, decode rows first, prompts in chunks
+    max_num_batched_tokens: int = 2048  # the tokens one step feeds, with chunked prefill
+    tensor_parallel_size: int = 1  # processes the model is sharded over, rank 0 coordinating
+    distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
+    # Tensor parallelism on CUDA runs over NCCL, a path that has not yet passed on two GPUs: refused
+    # unless asked for.
+    unverified_nccl: bool = False
+
+    def __post_init__(self) -> None:
+        _check_model(self.model)
+        object.__setattr__(self, "model", os.fspath(self.model))
+        device = resolve_device(self.device)
+        resolve_dtype(self.dtype, device)
+        check_int("block_size", self.block_size)
+        check_int("max_num_seqs", self.max_num_seqs)
+        check_int("max_model_len", self.max_model_len, minimum=2, optional=True)  # a prompt token and a new one
+        check_int("num_blocks", self.num_blocks, optional=True)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
+        check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.read, str) or self.read not in ("auto", *READS):
+            raise ValueError(f"read={self.read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
+        check_bool("compile", self.compile, optional=True)
+        check_bool("async_scheduling", self.async_scheduling, optional=True)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
+        timeout = self.distributed_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds > 0, or None")
+        check_bool("unverified_nccl", self.unverified_nccl)
+        tp = self.tensor_parallel_size
+        if tp > 1 and device.type == "cuda":
+            if tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size={tp}: this machine has {torch.cuda.device_count()} "
+                                 "CUDA device(s), one per rank")
+            if device.index not in (None, 0):
+                raise ValueError(f"device={device}: a tensor-parallel group puts rank r on cuda:r, rank 0 on cuda:0")
+            if not self.unverified_nccl:
+                raise ValueError(f"tensor_parallel_size={tp} on {device}: tensor parallelism runs on the CPU (gloo) "
+                                 "for now; its NCCL path has not yet passed on two GPUs (unverified_nccl=True, "
+                                 "--unverified-nccl, runs it anyway)")
+
+    def cuda_graphs(self, device: torch.device) -> bool:
+        """Whether decode steps on `device` replay CUDA graphs: on CUDA unless `enforce_eager`."""
+        return device.type == "cuda" and not self.enforce_eager
+
+    def compiled(self, device: torch.device) -> bool:
+        """Whether decode steps on `device` go through inductor: `compile`, else with CUDA graphs."""
+        return self.cuda_graphs(device) if self.compile is None else self.compile
+
+    def overlapped(self, device: torch.device) -> bool:
+        """Whether asynchronous scheduling is on for `device`: `async_scheduling`, else with CUDA graphs."""
+        return self.cuda_graphs(device) if self.async_scheduling is None else self.async_scheduling
+
+    def replace(self, **changes) -> EngineConfig:
+        """A copy with `changes`, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    # The command line: one flag per field, vLLM's spelling.
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), **defaults) -> None:
+        """Add a flag for every field but those named in `skip` (a command that sets them itself),
+        with `defaults` in place of the config's own (a bench's model, say)."""
+        d = EngineConfig.__dataclass_fields__
+        flags = {
+            "model": dict(default=d["model"].default, help="a preset name or a Hugging Face model folder"),
+            "device": dict(default=None, help="cpu, cuda or cuda:N (default: cuda when available)"),
+            "dtype": dict(default="auto", help="float32, bfloat16, float16 or auto (bf16 on CUDA, fp32 on the CPU)"),
+            "block_size": dict(type=int, default=16, help="tokens per KV block"),
+            "max_num_seqs": dict(type=int, default=64, help="the most requests running at once"),
+            "max_model_len": dict(type=int, default=None, help="the context (default: the model's, or the pool's)"),
+            "num_blocks": dict(type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-bytes)"),
+            "kv_cache_bytes": dict(type=int, default=None,
+                                   help="the KV pool's bytes (default: 1 GiB on the CPU, 40%% of free memory on CUDA)"),
+            "enforce_eager": dict(action="store_true", help="no CUDA graphs"),
+            "read": dict(default="auto", choices=("auto", *READS), help="the paged read (default: streamed on CUDA)"),
+            "compile": dict(action=argparse.BooleanOptionalAction, default=None,
+                            help="decode steps through inductor (default: on with CUDA graphs)"),
+            "async_scheduling": dict(action=argparse.BooleanOptionalAction, default=None,
+                                     help="launch each decode step before reading back the last "
+                                          "(default: on with CUDA graphs)"),
+            "enable_chunked_prefill": dict(action=argparse.BooleanOptionalAction, default=True,
+                                           help="a token budget per step, decode rows first and prompts in chunks "
+                                                "(--no-enable-chunked-prefill: whole prompts, or decode)"),
+            "max_num_batched_tokens": dict(type=int, default=2048, help="the tokens one step feeds (default: 2048)"),
+            "tensor_parallel_size": dict(type=int, default=1,
+                                         help="shard the model over this many processes, rank 0 coordinating"),
+            "distributed_timeout_s": dict(type=float, default=None,
+                                          help="a tensor-parallel group's collective timeout in seconds"),
+            "unverified_nccl": dict(action="store_true",
+                                    help="allow tensor parallelism on CUDA (NCCL), not yet passed on two GPUs"),
+        }
+        assert set(flags) == {f.name for f in fields(EngineConfig)}, "a field without a flag"
+        unknown = set(defaults) - set(flags)
+        if unknown:
+            raise ValueError(f"defaults for no field: {', '.join(sorted(unknown))}")
+        for name, kwargs in flags.items():
+            if name not in skip:
+                kwargs = {**kwargs, "default": defaults[name]} if name in defaults else kwargs
+                parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
+        """The config the flags of `add_cli_args` give, with `overrides` on top."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})

@@ -1,0 +1,136 @@
+"""The server under test: an arm's name, the `python -m nanolab serve` command line it runs, and
+the subprocess started, waited for and stopped around a bench. Day 58.
+
+An arm is a graphs mode, "graphs" (CUDA graphs) or "eager" (`--enforce-eager`), optionally ending
+in its prefill: "-chunked" (`--enable-chunked-prefill`) or "-whole" (`--no-enable-chunked-prefill`);
+a bare arm takes the server's default, chunked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ARMS = ("graphs", "eager")
+PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
+# The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
+# records it.
+SERVER_TOKEN_BUDGET = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_arm(arm: str) -> tuple[str, str | None]:
+    """An arm's graphs mode and prefill: "graphs-whole" -> ("graphs", "whole"); "eager" ->
+    ("eager", None), the server's default prefill."""
+    mode, _, prefill = arm.partition("-")
+    if mode not in ARMS or prefill not in ("", *PREFILLS):
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, optionally ending in -{' or -'.join(PREFILLS)}")
+    return mode, prefill or None
+
+
+def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
+                  read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
+                  max_waiting: int = 1024, chunked_prefill: bool | None = None,
+                  max_num_batched_tokens: int | None = None) -> list[str]:
+    """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
+    request count: a bench past saturation measures the queue, not the server's 503s.
+    `chunked_prefill` None leaves the server's default; `max_num_batched_tokens`, the tokens a step
+    feeds, None the server's default."""
+    argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
+            "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
+    if eager:
+        argv.append("--enforce-eager")
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if chunked_prefill is not None:
+        argv.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
+    if max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    return argv
+
+
+class ServeProcess:
+    """A server subprocess on `port`: started and waited for (`GET /health` is 200) on enter,
+    stopped with SIGTERM on exit. Its stdout and stderr go to `log`; an early death raises with the
+    log's tail. `exit_code` is what it returned to SIGTERM (-9 if it had to be killed)."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, start_timeout_s: float = 600.0,
+                 stop_timeout_s: float = 60.0) -> None:
+        self.argv, self.port, self.log = argv, port, Path(log)
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.ready_s: float | None = None  # seconds from launch to the first healthy answer
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {self.proc.returncode}; the end of its log "
+                               f"({self.log}):\n{self.tail()}")
+
+    def __enter__(self) -> ServeProcess:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        launched = time.monotonic()
+        while not self._healthy():
+            try:
+                self.check_alive()
+            except RuntimeError:
+                self.proc = None
+                raise
+            if time.monotonic() - launched > self.start_timeout_s:
+                self.stop()
+                raise RuntimeError(f"the server was not healthy within {self.start_timeout_s:.0f} s; the end of "
+                                   f"its log ({self.log}):\n{self.tail()}")
+            time.sleep(0.25)
+        self.ready_s = time.monotonic() - launched
+        return self
+
+    def model_id(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as resp:
+            return json.load(resp)["data"][0]["id"]
+
+    def stop(self) -> int | None:
+        """SIGTERM, and wait; kill after `stop_timeout_s`."""
+        if self.proc is None or self.exit_code is not None:
+            return self.exit_code
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.exit_code = self.proc.returncode
+        return self.exit_code
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

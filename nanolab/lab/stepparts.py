@@ -1,0 +1,108 @@
+"""Where a graphed decode step's time goes: its GPU kernels by class (`breakdown`), the graph's replay
+alone (`replay_ms`), and the host's parts of a step (`step_anatomy`). Day 61.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pandas as pd
+import torch
+
+from nanolab import Engine
+from nanolab.lab.timing import drain, prefill
+
+# Kernel classes of the waterfall, matched in order against a kernel's name.
+KERNEL_CLASSES = (
+    # "_mm": inductor's kernels that hold a matmul (a tuned batch-1 reduction, with its norm or
+    # activation fused in) are named after it.
+    ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "triton_tem", "_mm", "_gemv", "_sum_splits",
+                     "_norm_qkv_rope", "_norm_gate_up", "_norm_head")),
+    ("attention read", ("_paged_decode", "_merge_splits")),
+    ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
+    ("norms", ("layer_norm", "rms")),
+    ("fused by inductor", ("triton_",)),
+    ("copies and indexing", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill", "scatter",
+                             "_upload")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in lowered for k in keys):
+            return cls
+    return "other elementwise"
+
+
+def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:
+    """ms per step by kernel class, and the host's share: the measured step less the GPU's time."""
+    by_class = profile.assign(cls=profile.kernel.map(kernel_class)).groupby("cls").us_per_step.sum() / 1000
+    rows = [{"part": cls, "ms": ms} for cls, ms in by_class.items()]
+    rows.append({"part": "host (GPU idle)", "ms": ms_per_step - by_class.sum()})
+    return pd.DataFrame(rows)
+
+
+def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
+    """Median ms of the batch-`batch` graph's replay alone, timed with events: the GPU's part of a
+    step, its kernels and the gaps between them. Replays whatever plan the buffers hold last; run
+    it only when no request is live."""
+    graph = engine.runner.graphs.graphs[(batch, None)]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
+    """Mean host microseconds a graphed decode step spends in each part, found by wrapping the
+    engine's own methods on this instance: scheduling, planning (host tables and the copies into
+    the step buffers), issuing the replay, launching the sampler (`sample_tokens` leaves the tokens
+    on the device), and the rest of `Engine.step`, which holds the wait for the GPU and the
+    tokens' read-back. Each step starts from an idle GPU, so an engine with asynchronous scheduling
+    overlaps nothing here: compare its parts with the other arms', and its step time with
+    `time_engine`'s. Also the share of steps that replayed a graph. The wrappers come off after."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    runner, graphs = engine.runner, engine.runner.graphs
+    patches = [(engine.scheduler, "schedule"), (runner, "plan_step"), (graphs, "replay"), (engine, "sampler")]
+    owned = [name in vars(obj) for obj, name in patches]  # the sampler is the instance's own attribute
+    originals = [getattr(obj, name) for obj, name in patches]
+    for obj, name in patches:
+        setattr(obj, name, timed(name, getattr(obj, name)))
+    try:
+        prefill(engine, prompts, steps + 1)
+        spent.clear()
+        graphed, total = 0, 0.0
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            total += time.perf_counter() - t0
+            graphed += runner.last_decode[1]
+    finally:
+        for (obj, name), original, own in zip(patches, originals, owned, strict=True):
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)  # an instance attribute: the class's method shows through again
+    drain(engine)
+    out = {f"{name}_us": 1e6 * s / steps for name, s in spent.items()}
+    out["rest_us"] = 1e6 * total / steps - sum(out.values())
+    out["graphed_share"] = graphed / steps
+    return out
