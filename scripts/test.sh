@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# README command 2: lint, unit tests, every notebook executed top to bottom (its asserts are the gates),
-# then the book built and opened in headless Chromium (tests/test_book.py).
+# README command 2: lint, unit tests, every notebook executed once, top to bottom, under nbval (its
+# asserts are the gates), then the book built from those executed notebooks and opened in headless
+# Chromium (tests/test_book.py).
 # Extra arguments go to the unit-test pytest run, e.g. `scripts/test.sh -k weights`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"   # cds to the repo root, activates .venv
@@ -16,23 +17,40 @@ step() {
 step "ruff" ruff check .
 step "unit tests" python -m pytest -q tests/ --ignore=tests/test_book.py "$@"
 
-# nbval collects only .ipynb: convert the jupytext notebooks into a scratch folder outside notebooks/
-# (nanolab resolves data/ and figures/ from the package, so the notebooks' cwd does not matter).
+# Every notebook runs once, under nbval: its asserts are the gates. nbval collects only .ipynb, so
+# the jupytext notebooks are converted into a scratch folder, keeping their paths (nanolab resolves
+# data/ and figures/ from the package, so the notebooks' cwd does not matter). scripts/nbval_save.py
+# writes each notebook as it ran, outputs included, to _build/executed; the book is built from those
+# without executing anything again. A notebook that fails fails this step; the book is still built
+# from what ran, and its page shows the error, which the browser test reports too.
 nbdir=_build/nbval
-rm -rf "$nbdir"
-mkdir -p "$nbdir"
+executed=_build/executed
+rm -rf "$nbdir" "$executed" _build/html   # no book from an earlier run is left to be tested
 shopt -s nullglob
-notebooks=(notebooks/*.py)
-if ((${#notebooks[@]})); then
-    for nb in "${notebooks[@]}"; do
-        jupytext --quiet --to ipynb --output "$nbdir/$(basename "${nb%.py}").ipynb" "$nb"
-    done
-    step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider "$nbdir"/*.ipynb
+ipynbs=()
+for nb in notebooks/*.py book/*.py; do
+    ipynbs+=("$nbdir/${nb%.py}.ipynb")
+    mkdir -p "$(dirname "${ipynbs[-1]}")"
+    jupytext --quiet --to ipynb --output "${ipynbs[-1]}" "$nb"
+done
+# Two pytest-xdist workers, one kernel each: a notebook's cells stay on one worker and in order
+# (--dist loadscope), and a notebook mostly keeps one core busy, so two share the 2-core CI machine.
+# Notebooks start in the order given (--no-loadscope-reorder), notebooks/ by name, so the engine's
+# chapter, the longest, starts first instead of last.
+if ((${#ipynbs[@]})); then
+    step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider \
+        -n 2 --dist loadscope --no-loadscope-reorder \
+        -p scripts.nbval_save --nbval-save-root "$nbdir" --nbval-save-to "$executed" "${ipynbs[@]}"
 fi
 
-# The book, built from scratch (every chapter rerun), then read in a browser: pages, images, search.
-step "book" scripts/book.sh
-step "browser" python -m pytest -q -rs -p no:cacheprovider tests/test_book.py
+# The book, built from the notebooks executed above, then read in a browser: pages, images, search.
+if [[ -d "$executed" ]]; then
+    step "book" scripts/book.sh --executed "$executed"
+else
+    failed+=("book")
+    echo "== book: not built, no notebook was executed" >&2
+fi
+step "browser" env NANOLAB_BOOK_BUILT=1 python -m pytest -q -rs -p no:cacheprovider tests/test_book.py
 
 if ((${#failed[@]})); then
     echo "test: FAILED: ${failed[*]}" >&2
