@@ -246,7 +246,7 @@ def test_an_abort_frees_blocks_before_the_next_step(tiny_model):
         llm.start()
         stream = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         async for _ in stream:
-            if len(stream.output_token_ids) == 3:
+            if len(stream.output_token_ids) >= 3:  # a chunk may carry several tokens on a busy machine
                 (seq,) = engine.requests.values()
                 seen = len(seq.output_token_ids)
                 llm.abort(stream)
