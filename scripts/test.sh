@@ -37,10 +37,12 @@ done
 # (--dist loadscope), and a notebook mostly keeps one core busy, so two share the 2-core CI machine.
 # Notebooks start in the order given (--no-loadscope-reorder), notebooks/ by name, so the engine's
 # chapter, the longest, starts first instead of last.
+# pytest is given the folders (each collects in name order), not every notebook by name.
 if ((${#ipynbs[@]})); then
+    mapfile -t folders < <(printf '%s\n' "${ipynbs[@]%/*}" | awk '!seen[$0]++')
     step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider \
         -n 2 --dist loadscope --no-loadscope-reorder \
-        -p scripts.nbval_save --nbval-save-root "$nbdir" --nbval-save-to "$executed" "${ipynbs[@]}"
+        -p scripts.nbval_save --nbval-save-root "$nbdir" --nbval-save-to "$executed" "${folders[@]}"
 fi
 
 # The book, built from the notebooks executed above, then read in a browser: pages, images, search.
