@@ -10,6 +10,7 @@ again: its measured rows stay in `data/` (`lab.leverrun.show_lever_run` shows th
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,13 @@ def lever_forward(model, lever: Lever) -> Callable | None:
     if lever.fused:
         forward = FusedDecode(model, forward, pdl=lever.pdl)
     return forward
+
+
+def release_arm_memory() -> None:
+    """Collect an arm's engine once its caller dropped it and hand its CUDA blocks back, so the
+    next arm's pool and graphs start from the same free memory."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def lever_engine(model, lever: Lever, sampler: Callable = sample_tokens, **fields) -> tuple[Engine, float]:

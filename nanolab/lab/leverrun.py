@@ -13,7 +13,6 @@ host work included; a profile of graphed steps at one shape splits the GPU's par
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 
 import pandas as pd
@@ -24,7 +23,7 @@ from nanolab.engine.block_manager import cdiv
 from nanolab.lab.agreement import LogitsSampler, decode_logits
 from nanolab.lab.capturebench import _profile, rows_equal
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
-from nanolab.lab.leverarms import DEFAULT_ARMS, lever_engine
+from nanolab.lab.leverarms import DEFAULT_ARMS, lever_engine, release_arm_memory
 from nanolab.lab.reference import engine_greedy
 from nanolab.lab.report import load_table, measured_table, show
 from nanolab.lab.stepparts import breakdown, replay_ms, step_anatomy
@@ -78,8 +77,7 @@ def run_levers(model_path, dtype=torch.bfloat16, shapes=((1, 128), (8, 128), (32
                           "rows equal to the first arm": rows_equal(tokens, first[0]),
                           "logits rel err to the first arm": float((logits - first[1]).norm() / first[1].norm())})
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_arm_memory()
         if checkpoint is not None:
             checkpoint(_lever_tables(records, parts, agreement, profiles))
     return _lever_tables(records, parts, agreement, profiles)

@@ -8,7 +8,6 @@ timed while tuning (`recording_tuning`). Day 61.
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable
 
 import pandas as pd
@@ -18,7 +17,7 @@ from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 from nanolab import load_model
 from nanolab.engine.block_manager import cdiv
 from nanolab.lab.capturebench import _profile
-from nanolab.lab.leverarms import SPREAD_ARMS, lever_engine
+from nanolab.lab.leverarms import SPREAD_ARMS, lever_engine, release_arm_memory
 from nanolab.lab.stepparts import replay_ms
 from nanolab.lab.timing import random_prompts, time_engine
 from nanolab.progress import progress_bar
@@ -91,8 +90,7 @@ def tuning_spread(model_path, dtype=torch.bfloat16, arms=SPREAD_ARMS, trials: in
         timings += [{"arm": lever.name, "trial": trial, "kernel": kernel, "config": config, "tuning_us": us}
                     for (kernel, config), us in fastest.items()]
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_arm_memory()
         if checkpoint is not None:
             checkpoint(_spread_tables(records, profiles, configs, timings))
     return _spread_tables(records, profiles, configs, timings)
