@@ -19,6 +19,7 @@ from nanolab.model.config import PRESETS
 
 DEFAULT_MODEL = "smollm2-135m"
 READS = ("streamed", "reference")
+CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's names for the two it shares with nanolab
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -105,6 +106,8 @@ class EngineConfig:
     num_blocks: int | None = None  # the KV pool; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 40% of what the weights leave free on CUDA
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
+    cudagraph_mode: str = "full"  # "full": decode and varlen steps replay graphs; "full_decode_only"
+    max_cudagraph_capture_size: int | None = None  # the largest varlen step captured; None: the budget, at most 512
     read: str = "auto"  # the paged read: "streamed" (Triton), "reference" (torch); "auto": streamed on CUDA
     compile: bool | None = None  # decode steps through inductor; None: on with CUDA graphs
     async_scheduling: bool | None = None  # launch step t + 1 before reading back step t; None: on with graphs
@@ -127,6 +130,10 @@ class EngineConfig:
         check_int("num_blocks", self.num_blocks, optional=True)
         check_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
         check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.cudagraph_mode, str) or self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}: must be one of "
+                             f"{', '.join(map(repr, CUDAGRAPH_MODES))}")
+        check_int("max_cudagraph_capture_size", self.max_cudagraph_capture_size, optional=True)
         if not isinstance(self.read, str) or self.read not in ("auto", *READS):
             raise ValueError(f"read={self.read!r}: must be 'auto' or one of {', '.join(map(repr, READS))}")
         check_bool("compile", self.compile, optional=True)
@@ -154,6 +161,15 @@ class EngineConfig:
     def cuda_graphs(self, device: torch.device) -> bool:
         """Whether decode steps on `device` replay CUDA graphs: on CUDA unless `enforce_eager`."""
         return device.type == "cuda" and not self.enforce_eager
+
+    def varlen_capture_size(self, device: torch.device) -> int | None:
+        """The largest varlen step (prompt chunks beside decode rows) that replays a graph on
+        `device`, or None when varlen steps run eagerly: `max_cudagraph_capture_size`, else the
+        step's token budget up to 512 (vLLM's cap), with graphs and `cudagraph_mode` "full"."""
+        if not self.cuda_graphs(device) or self.cudagraph_mode != "full":
+            return None
+        budget = self.max_num_batched_tokens if self.enable_chunked_prefill else 512
+        return self.max_cudagraph_capture_size or min(budget, 512)
 
     def compiled(self, device: torch.device) -> bool:
         """Whether decode steps on `device` go through inductor: `compile`, else with CUDA graphs."""
@@ -185,6 +201,11 @@ class EngineConfig:
             "kv_cache_bytes": dict(type=int, default=None,
                                    help="the KV pool's bytes (default: 1 GiB on the CPU, 40%% of free memory on CUDA)"),
             "enforce_eager": dict(action="store_true", help="no CUDA graphs"),
+            "cudagraph_mode": dict(default="full", choices=CUDAGRAPH_MODES,
+                                   help="full: decode and varlen steps replay graphs; full_decode_only: decode only"),
+            "max_cudagraph_capture_size": dict(type=int, default=None,
+                                               help="the largest varlen step captured, in tokens "
+                                                    "(default: --max-num-batched-tokens, at most 512)"),
             "read": dict(default="auto", choices=("auto", *READS), help="the paged read (default: streamed on CUDA)"),
             "compile": dict(action=argparse.BooleanOptionalAction, default=None,
                             help="decode steps through inductor (default: on with CUDA graphs)"),

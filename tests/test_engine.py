@@ -187,3 +187,23 @@ class TestLLM:
         assert resolve_dtype("auto", cpu) is torch.float32
         with pytest.raises(ValueError, match="dtype"):
             resolve_dtype("float8", cpu)
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model):
+    """Seventeen rows at once through every sampling path (on the CPU the long prompts are
+    skipped: nothing there is built lazily); afterwards no request, no row and no block is held,
+    and the engine decodes a request as a fresh one would."""
+    engine = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_seqs=20))
+    fresh = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_seqs=20))
+    report = engine.warm_up()
+    assert (report.requests, report.steps) == (17, 3) and "17 requests" in str(report)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.allocator.num_free == engine.num_blocks
+    assert engine.block_manager.free_row_count() == 20
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outs = []
+    for e in (engine, fresh):
+        seq = e.add_request([5, 9, 2, 7], params)
+        run_until_done(e)
+        outs.append(seq.output_token_ids)
+    assert outs[0] == outs[1]

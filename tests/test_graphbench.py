@@ -25,7 +25,7 @@ from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench
 from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
 from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
-from nanolab.lab.servingmetrics import SLO, check_requests, serving_metrics, sustained_rates
+from nanolab.lab.servingmetrics import SLO, check_requests, first_ttfts, serving_metrics, sustained_rates
 from nanolab.lab.workload import WORKLOADS, PlannedRequest, Workload, rate_schedule, request_plan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -498,3 +498,12 @@ def test_figures_draw_from_the_tables():
     trace = step_log(GOOD).assign(arm="graphs", rate=2.0, t_s=np.arange(len(GOOD)) * 0.01)
     for fig in (plot_graphbench(rates), plot_row_compaction(trace, BUCKETS)):
         assert fig.axes
+
+
+def test_the_first_requests_ttft_is_held_against_the_rest():
+    """Requests sent in another order than listed: the first ten by send time are the cold ones."""
+    results = [RequestResult(i, 8, 2, send_s=float(20 - i), chunk_s=(20 - i + (0.3 if i >= 10 else 0.01),),
+                             output_tokens=1, prompt_tokens=8, finish_reason="length") for i in range(20)]
+    got = first_ttfts(results)  # sends 11..20 (i < 10) are the last ten; 1..10 (i >= 10) the first, at 300 ms
+    assert got["first_ttft_max_ms"] == pytest.approx(300.0) and got["first_ttft_x_steady"] == pytest.approx(30.0)
+    assert np.isnan(first_ttfts(results[:5])["first_ttft_x_steady"])

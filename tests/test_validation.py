@@ -126,6 +126,8 @@ BAD_FIELDS = {
     "num_blocks": [0, -3, True],
     "kv_cache_bytes": [0, 1.5],
     "enforce_eager": [1, "no"],
+    "cudagraph_mode": ["piecewise", None, "FULL"],
+    "max_cudagraph_capture_size": [0, 8.0, True],
     "read": ["fast", None],
     "compile": [1, "yes"],
     "async_scheduling": [0, "on"],

@@ -97,6 +97,37 @@ def test_kernel_in_16_bits(dtype, atol):
     torch.testing.assert_close(got.float(), oracle, rtol=2e-2, atol=atol)
 
 
+def padded(case, extra_tokens: int, extra_segments: int):
+    """`case` laid out as a captured step's plan is: `extra_tokens` padding tokens after the real
+    ones (position 0), and `extra_segments` empty segments where the real tokens end, over an
+    all-sink table row."""
+    n = case["q"].shape[0]
+    table = torch.cat([case["block_table"], torch.full_like(case["block_table"][:1], -1)])
+    pad_row = table.shape[0] - 1
+    grow = lambda t, value, k: torch.cat([t, torch.full((k,), value, dtype=t.dtype, device=t.device)])
+    return {**case, "q": torch.cat([case["q"], torch.randn_like(case["q"][:1]).expand(extra_tokens, -1, -1)]),
+            "block_table": table, "table_rows": grow(case["table_rows"], pad_row, extra_segments),
+            "query_start_loc": grow(case["query_start_loc"], n, extra_segments),
+            "context_lens": grow(case["context_lens"], 0, extra_segments),
+            "positions": grow(case["positions"], 0, extra_tokens)}
+
+
+@pytest.mark.parametrize("segments", [MIXED, [(0, 1)], [(40, 1), (3, 16), (0, 17)]], ids=["mixed", "one", "tiles"])
+def test_a_flat_grid_over_padding_equals_the_reference(segments):
+    """A captured step's read: the grid cut for the padded token count (`grid_tokens`), every
+    program finding its segment by search, empty segments and padding tokens after the real
+    ones. The real tokens read what the reference reads; the padding reads nothing."""
+    case, _ = varlen_case(segments, 4, 2, 24, seed=3)
+    n = case["q"].shape[0]
+    ref = varlen_reference(**case)
+    step = padded(case, extra_tokens=13, extra_segments=5)
+    got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 13, **TILES)
+    torch.testing.assert_close(got[:n], ref, rtol=1e-5, atol=1e-5)
+    assert not got[n:].any(), "a padding token was attended"
+    with pytest.raises(ValueError, match="grid_tokens"):
+        varlen_attention(**step, max_query_len=1, grid_tokens=n, **TILES)
+
+
 def test_default_tiles_and_one_token_segments_only():
     """Decode rows alone (every segment one token), at the default 64-wide tiles."""
     case, max_q = varlen_case([(7, 1), (0, 1), (21, 1)], 4, 2, 24, seed=2)

@@ -91,11 +91,21 @@ class RequestStream:
 Output = tuple[int, int | None, str | None, str | None, int | None]
 
 
+def graphs_line(runner) -> str:
+    """Which steps replay CUDA graphs, and at how many shapes."""
+    if runner.graphs is None:
+        return "eager"
+    varlen = runner.varlen_graphs
+    return (f"CUDA graphs: {len(runner.graphs.graphs)} decode shapes"
+            + (f", varlen steps up to {varlen.sizes[-1]} tokens at {len(varlen.sizes)} sizes" if varlen else
+               ", varlen steps eager"))
+
+
 def engine_info(engine: Engine) -> dict:
     """What a client of the core needs to know about its engine: the request limits, and what the
     server's startup line says."""
     return {"limits": engine.limits, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "read": engine.kv_cache.read, "graphs": engine.runner.graphs is not None,
+            "read": engine.kv_cache.read, "graphs": graphs_line(engine.runner),
             "prefill": (f"chunked prefill of {engine.scheduler.max_num_batched_tokens} tokens a step"
                         if engine.scheduler.enable_chunked_prefill else "whole prompts"),
             "num_blocks": engine.block_manager.num_blocks}

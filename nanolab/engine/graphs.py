@@ -1,5 +1,6 @@
-"""CUDA graphs of the planned decode step, one per capture bucket, over one shared memory pool,
-captured (and warmed up) when the engine starts.
+"""CUDA graphs of the planned decode step, one per capture bucket, and of the padded varlen step
+(prompt chunks beside decode rows), one per token count, over one shared memory pool, captured
+(and warmed up) when the engine starts.
 
 A graph records `cache.view(plan)` and the forward together, so the derivation of the step's read
 inputs from the persistent block table is replayed too. A capture plan is all padding: its rows
@@ -18,7 +19,7 @@ import torch
 
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.kv_cache import KVCache
-from nanolab.engine.plan import DecodePlan
+from nanolab.engine.plan import DecodePlan, VarlenPlan
 from nanolab.progress import progress_bar
 
 
@@ -30,11 +31,23 @@ class CaptureReport:
     seconds: float
     pool_bytes: int  # device memory reserved by the captures and kept while the graphs live
     shared_pool: bool
+    kind: str = "decode"
 
     def __str__(self) -> str:
         pool = "one shared pool" if self.shared_pool else "a pool per graph"
-        return (f"captured {self.shapes} decode graphs in {self.seconds:.2f} s; "
+        return (f"captured {self.shapes} {self.kind} graphs in {self.seconds:.2f} s; "
                 f"{pool} holds {self.pool_bytes / 2**20:.1f} MiB")
+
+
+def capture_sizes(max_size: int) -> tuple[int, ...]:
+    """The token counts a varlen step is captured at, up to `max_size`: vLLM's list, 1, 2, 4, then
+    every 8 below 256 and every 16 from 256, and `max_size` itself when the steps miss it."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    sizes = [n for n in (1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)) if n <= max_size]
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
+    return tuple(sizes)
 
 
 def planned_step(forward: Callable, cache: KVCache, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
@@ -81,6 +94,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int | None], torch.Tensor] = {}  # each graph's output, [batch, vocab]
         self.report: CaptureReport | None = None
+        self.pool = None  # the memory pool the graphs were captured on, when they share one
 
     def __contains__(self, shape) -> bool:
         return shape in self.graphs
@@ -92,6 +106,7 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle() if shared_pool else None
+        self.pool = pool
         start = time.perf_counter()
         shapes = self.buckets.shapes
         for batch, width in progress_bar(shapes, desc="capturing decode graphs", unit="graph", enabled=progress):
@@ -125,3 +140,65 @@ class DecodeGraphs:
         self.ids[:rows].copy_(ids, non_blocking=True)
         self.graphs[shape].replay()
         return self.logits[shape][:rows]
+
+
+def varlen_step(model: Callable, cache: KVCache, plan: VarlenPlan) -> torch.Tensor:
+    """One padded varlen step -> logits [max_rows, vocab] fp32, at `plan.logits_index`: the sampled
+    tokens' first, then padding. Everything it reads is the cache's fixed buffers (`plan` is a
+    view of them), so this is the function a varlen graph captures."""
+    return model(plan.input_ids, plan.positions, cache=cache.view(plan), logits_index=plan.logits_index)
+
+
+class VarlenGraphs:
+    """A CUDA graph of `varlen_step` per token count of `sizes` (vLLM's mixed-batch graphs, keyed on
+    the padded token count). A step of n tokens replays the smallest size holding n; a step larger
+    than every size runs eagerly. The cache's varlen buffers are reserved for the largest size."""
+
+    def __init__(self, model: Callable, cache: KVCache, sizes: tuple[int, ...]) -> None:
+        if cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {cache.device}")
+        if cache.read != "streamed":
+            raise ValueError("a varlen graph needs the streamed read: the reference read walks its segments "
+                             "on the host")
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"sizes must be distinct positive token counts in ascending order, got {sizes}")
+        self.model = model
+        self.cache = cache
+        self.sizes = tuple(sizes)
+        cache.reserve_varlen(self.sizes[-1])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [max_rows, vocab]
+        self.report: CaptureReport | None = None
+
+    def lookup(self, num_tokens: int) -> int | None:
+        """The smallest captured size holding `num_tokens` tokens, or None (the step runs eagerly)."""
+        return next((n for n in self.sizes if n >= num_tokens), None)
+
+    def capture(self, pool=None, *, progress: bool = True) -> CaptureReport:
+        """Warm and capture every size, largest first, on `pool` (the decode graphs', to share it)."""
+        self.graphs.clear()
+        self.logits.clear()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        start = time.perf_counter()
+        for n in progress_bar(self.sizes[::-1], desc="capturing varlen graphs", unit="graph", enabled=progress):
+            plan = self.cache.plan_varlen_padding(n)  # all padding: writes the sink only
+            with torch.inference_mode():
+                graph, self.logits[n] = capture_graph(lambda plan=plan: varlen_step(self.model, self.cache, plan), pool)
+            self.graphs[n] = graph
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        torch.cuda.empty_cache()
+        self.report = CaptureReport(len(self.sizes), seconds, torch.cuda.memory_reserved() - before, True, "varlen")
+        return self.report
+
+    def replay(self, plan: VarlenPlan, num_sampled: int) -> torch.Tensor:
+        """Run the padded step `plan` through the graph of its size -> logits [num_sampled, vocab], a
+        view of the graph's output that the next replay overwrites."""
+        self.cache.require_current_varlen(plan)
+        graph = self.graphs.get(plan.num_tokens)
+        if graph is None:
+            raise ValueError(f"no varlen graph for {plan.num_tokens} tokens; captured: {sorted(self.graphs)}")
+        graph.replay()
+        return self.logits[plan.num_tokens][:num_sampled]

@@ -112,6 +112,10 @@ class KVCache:
         slots = UPLOAD_SLOTS if self.device.type == "cuda" else 0
         self._upload_slots = [torch.empty(4 * blocks.max_rows, dtype=torch.int64).pin_memory() for _ in range(slots)]
         self._upload_done = [torch.cuda.Event() for _ in range(slots)]
+        # Padded varlen plans' fixed buffers, made by `reserve_varlen`.
+        self._varlen_inputs: torch.Tensor | None = None
+        self._varlen_capacity = 0
+        self._varlen_plans = 0
 
     @property
     def num_blocks(self) -> int:
@@ -153,17 +157,29 @@ class KVCache:
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 
-    def plan_varlen(self, rows, token_counts, sampled=None) -> VarlenPlan:
+    def plan_varlen(self, rows, token_counts, sampled=None, *, input_ids=None, num_tokens: int | None = None
+                    ) -> VarlenPlan:
         """Grow row i by token_counts[i] tokens (a prompt, a chunk of one, everything a row holds
         after a preemption, or a decode row's one token) and plan the flattened forward that writes
         them, [1, sum(token_counts)]. `sampled[i]` (default: every row) says whether row i's last
-        token gives logits: a chunk that leaves part of its prompt for a later step is not sampled."""
+        token gives logits: a chunk that leaves part of its prompt for a later step is not sampled.
+
+        `num_tokens` pads the plan to that many tokens (a capture size, at most the size
+        `reserve_varlen` made room for) in the cache's fixed buffers, `input_ids` (host ints, one
+        a token) included: see `VarlenPlan`. Such a plan is stale once the next padded one is built."""
         rows, counts = tuple(rows), [int(n) for n in token_counts]
         sampled = [True] * len(rows) if sampled is None else [bool(x) for x in sampled]
         if not rows or len(counts) != len(rows) or len(sampled) != len(rows) or min(counts) < 1:
             raise ValueError(f"a varlen step needs at least one row and at least one token a row, got {counts}")
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} name a row twice: a row's tokens are one segment")
+        if num_tokens is not None:
+            capacity = 0 if self._varlen_inputs is None else self._varlen_capacity
+            if not sum(counts) <= num_tokens <= capacity:
+                raise ValueError(f"num_tokens {num_tokens} must hold the step's {sum(counts)} tokens and fit the "
+                                 f"{capacity} the varlen buffers were reserved for")
+            if input_ids is None or len(input_ids) != sum(counts):
+                raise ValueError(f"a padded plan takes the step's {sum(counts)} input ids")
         tables = [self.blocks.table(row) for row in rows]
         starts = [t.num_tokens for t in tables]
         self._grow(tables, rows, counts)
@@ -171,6 +187,8 @@ class KVCache:
         loc = list(itertools.accumulate(counts, initial=0))
         logits_index = [end - 1 for end, due in zip(loc[1:], sampled, strict=True) if due]
         lens = tuple(t.num_tokens for t in tables)
+        if num_tokens is not None:
+            return self._padded_varlen(rows, counts, lens, loc, slots, positions, logits_index, input_ids, num_tokens)
         n = loc[-1]
         # Six copies from pageable memory, each a device tensor of its own (pinned staging did not
         # measure faster at every size).
@@ -182,6 +200,73 @@ class KVCache:
             table_rows=table_rows, write_slots=write_slots_, query_start_loc=loc_, context_lens=lens_,
             positions=positions_[None], logits_index=logits_index_, block_table=self.block_table,
             block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens, rows=rows)
+
+    def reserve_varlen(self, max_tokens: int) -> None:
+        """Make the fixed buffers padded varlen plans live in, for steps of up to `max_tokens`
+        tokens over up to every row: one int64 device buffer holding, in order, table_rows,
+        query_start_loc, context_lens and logits_index ([max_rows], [max_rows + 1], [max_rows],
+        [max_rows]), then write_slots, positions and input_ids ([max_tokens] each), so a step's
+        inputs go up in one copy. On CUDA the copy leaves from one of `UPLOAD_SLOTS` pinned host
+        buffers in turn, each reused only once the copy that last read it has run."""
+        rows = self.max_rows
+        self._varlen_capacity = max_tokens
+        self._varlen_sizes = (rows, rows + 1, rows, rows, max_tokens, max_tokens, max_tokens)
+        total = sum(self._varlen_sizes)
+        self._varlen_inputs = torch.zeros(total, dtype=torch.int64, device=self.device)
+        slots = UPLOAD_SLOTS if self.device.type == "cuda" else 1
+        self._varlen_staging = [stage(torch.empty(total, dtype=torch.int64), self.device) for _ in range(slots)]
+        self._varlen_done = [torch.cuda.Event() if self.device.type == "cuda" else None for _ in range(slots)]
+
+    def _padded_varlen(self, rows, counts, lens, loc, slots, positions, logits_index, input_ids, num_tokens
+                       ) -> VarlenPlan:
+        """The padded plan of `plan_varlen`: every field of the fixed buffer written whole, real
+        entries then padding, so nothing an earlier step left there is read."""
+        segments, n = len(rows), loc[-1]
+        size = self._varlen_capacity
+        pad_segments, pad_tokens = self.max_rows - segments, size - n
+        i = self._varlen_plans % len(self._varlen_staging)
+        if self._varlen_done[i] is not None:
+            self._varlen_done[i].synchronize()  # long past, unless the host is that many steps ahead
+        host = self._varlen_staging[i]
+        torch.cat([
+            host_int64(list(rows) + [self.pad_row] * pad_segments),  # table_rows: the padding reads the sink row
+            host_int64(loc + [n] * pad_segments),  # query_start_loc: empty segments where the real tokens end
+            host_int64(list(lens) + [0] * pad_segments),  # context_lens
+            host_int64(logits_index + [0] * (self.max_rows - len(logits_index))),  # logits_index
+            *slots, torch.full((pad_tokens,), SINK, dtype=torch.int64),  # write_slots: padding writes the sink
+            *positions, torch.zeros(pad_tokens, dtype=torch.int64),  # positions
+            host_int64(list(input_ids) + [0] * pad_tokens),  # input_ids
+        ], out=host)
+        self._varlen_inputs.copy_(host, non_blocking=True)
+        if self._varlen_done[i] is not None:
+            self._varlen_done[i].record()
+        self._varlen_plans += 1
+        table_rows, loc_, lens_, logits_index_, write_slots, positions_, ids = self._varlen_inputs.split(
+            self._varlen_sizes)
+        return VarlenPlan(
+            table_rows=table_rows, write_slots=write_slots[:num_tokens], query_start_loc=loc_, context_lens=lens_,
+            positions=positions_[None, :num_tokens], logits_index=logits_index_, block_table=self.block_table,
+            block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens, rows=rows,
+            input_ids=ids[None, :num_tokens], padded=True, epoch=self._varlen_plans)
+
+    def plan_varlen_padding(self, num_tokens: int) -> VarlenPlan:
+        """A padded plan of `num_tokens` tokens and no real segment, touching no row: what a
+        varlen graph is captured on. Every token writes the sink."""
+        if not 1 <= num_tokens <= self._varlen_capacity:
+            raise ValueError(f"num_tokens {num_tokens} must be in 1..{self._varlen_capacity}, the size the varlen "
+                             "buffers were reserved for")
+        return self._padded_varlen((), [], (), [0], [], [], [], [], num_tokens)
+
+    def require_current_varlen(self, plan: VarlenPlan) -> None:
+        """Refuse a padded plan that a newer one has replaced: the buffers now hold the newer plan."""
+        if plan.padded and plan.epoch != self._varlen_plans:
+            raise RuntimeError(f"stale padded VarlenPlan: built as plan {plan.epoch}, but plan {self._varlen_plans} "
+                               "exists")
+
+    @property
+    def varlen_epoch(self) -> int:
+        """How many padded varlen plans have been built; the newest one's epoch."""
+        return self._varlen_plans
 
     def _varlen_slots(self, tables, starts, counts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The pool slot and the position of every token of a varlen step, segment after segment,
@@ -283,6 +368,7 @@ class KVCache:
         table themselves and need neither; the varlen reference read takes each segment's slots from
         the block table as it goes."""
         if isinstance(plan, VarlenPlan):
+            self.require_current_varlen(plan)
             return CacheView(self, plan, self._varlen_reader)
         self.require_current(plan)
         if self._decode_reader is _streamed:
@@ -307,7 +393,7 @@ def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: to
                                    plan.query_start_loc, plan.context_lens, positions[0], plan.block_size)[None]
     return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
                             plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
-                            plan.max_query_len)[None]
+                            plan.max_query_len, grid_tokens=plan.num_tokens if plan.padded else None)[None]
 
 
 def _varlen_reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -158,9 +158,22 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
     return num_blocks, max_model_len
 
 
+@dataclass(frozen=True)
+class WarmUp:
+    """What `Engine.warm_up` ran: requests, steps, and its wall time."""
+
+    requests: int
+    steps: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"warmed up on {self.requests} requests in {self.steps} steps, {self.seconds:.2f} s"
+
+
 class Engine:
     """The engine over `model`, as `config` chose it (`EngineConfig`). It runs where `model` lives:
-    CUDA graphs over the decode buckets when that is CUDA and not `enforce_eager`, the decode step
+    CUDA graphs over the decode buckets when that is CUDA and not `enforce_eager` (and over varlen
+    steps' token counts, with `cudagraph_mode` "full"), the decode step
     compiled by inductor (`runner.compile_decode`) and asynchronous scheduling when `compile` and
     `async_scheduling` say so (by default, with graphs). `enable_chunked_prefill` (vLLM's name)
     makes `max_num_batched_tokens` each step's token budget, decode rows first and prompts in
@@ -200,8 +213,11 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, budget, config.enable_chunked_prefill)
         if forward is None and config.compiled(self.device):
             forward = compile_decode(model)
+        # A tensor-parallel group's workers capture no varlen graphs, so rank 0 keeps those steps eager too.
+        varlen = config.varlen_capture_size(self.device) if config.tensor_parallel_size == 1 else None
         self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets,
-                             cuda_graphs=config.cuda_graphs(self.device), progress=progress)
+                             cuda_graphs=config.cuda_graphs(self.device), varlen_capture_size=varlen,
+                             progress=progress)
         self.detokenize = detokenize
         self.sampler = sampler
         self.async_scheduling = config.overlapped(self.device)
@@ -217,6 +233,50 @@ class Engine:
         """What warming the capture list at start cost, or None without graphs."""
         graphs = self.runner.graphs
         return None if graphs is None else graphs.report
+
+    def warm_up(self) -> WarmUp:
+        """Run requests that reach every path a request can, before any request comes: on CUDA a
+        prompt of two budgets and a few tokens (eager chunks, alone and beside another prompt) and
+        one longer than the largest varlen graph; everywhere, one short prompt per sampling path (greedy,
+        temperature, top-k, top-p, seeded), enough of them at once for the read's many-segment
+        kernels. Triton
+        builds its kernels and every first CUDA call happens here instead of in a request's time
+        to first token. Leaves no request behind and every block free; returns what it ran."""
+        start = time.perf_counter()
+        # Without chunked prefill the budget is the context: any prompt past the graphs builds the same kernels.
+        vocab, budget = self.model_config.vocab_size, min(self.scheduler.max_num_batched_tokens, 4096)
+        longest = self.max_model_len - 4  # room for the tokens each request generates
+        varlen = self.runner.varlen_graphs
+        # Two chunks and a tail: a whole first chunk (torch's fused attention), a later chunk alone
+        # (the Triton read over one segment), its tail beside the second prompt (over two).
+        lengths = {min(longest, 2 * budget + 5), min(longest, (varlen.sizes[-1] if varlen else 0) + 9)}
+        pool_tokens = self.num_blocks * self.block_manager.block_size
+        # On the CPU nothing is built lazily but the first call of each op: the long prompts only cost time.
+        lengths = sorted(n for n in lengths if 0 < n and 2 * (n + 4) <= pool_tokens and self.device.type == "cuda")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+        samplings = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0.8, max_tokens=3),
+                     SamplingParams(temperature=0.8, top_k=5, max_tokens=3),
+                     SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3),
+                     SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=1, max_tokens=3)]
+        rows = min(self.config.max_num_seqs, 17)  # past 16 segments: Triton specializes on n % 16
+        short = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(rows)]
+        greedy = SamplingParams(temperature=0, max_tokens=3)
+        waves = [(prompts, [greedy] * len(prompts)),  # the long prompts alone, then every short one at once
+                 (short, [samplings[i % len(samplings)] for i in range(rows)])]
+        steps = 0
+        for batch, params in waves:
+            self.add_requests(batch, params, name="warm-up request")
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.error is not None:
+                        raise RuntimeError(f"warming up failed: {out.error}")
+                steps += 1
+        if self.block_manager.allocator.num_free != self.num_blocks:
+            raise RuntimeError("warming up left KV blocks allocated")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return WarmUp(len(prompts) + len(short), steps, time.perf_counter() - start)
 
     # Requests in and out.
 

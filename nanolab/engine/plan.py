@@ -39,8 +39,13 @@ class VarlenPlan:
     (a whole prompt, a chunk of one, or a decode row's single token). Chunked prefill.
 
     vLLM's attention metadata for the same batch: `query_start_loc` is its name (flash-attn's
-    cu_seqlens_q), `context_lens` its `seq_lens`, `write_slots` its `slot_mapping`. Its tensors are
-    its own (a varlen step is never captured)."""
+    cu_seqlens_q), `context_lens` its `seq_lens`, `write_slots` its `slot_mapping`.
+
+    A padded plan (`padded`, for a captured step) is laid out for a token count and not for its
+    segments: its tensors are views of the cache's fixed varlen buffers, every token past the real
+    ones writes the sink at position 0, and every one of the cache's rows is a segment, those past
+    the real ones empty (starting where the real tokens end) over the all-sink table row. It also
+    carries the step's input ids [1, num_tokens], from the same upload."""
 
     table_rows: torch.Tensor  # [segments] int64: each segment's block-table row
     write_slots: torch.Tensor  # [num_tokens] int64: pool slot of each new token
@@ -54,10 +59,18 @@ class VarlenPlan:
     query_lens: tuple[int, ...]  # tokens of each segment
     planned_lens: tuple[int, ...]  # context length of each row after this forward
     rows: tuple[int, ...]  # the cache rows, in segment order
+    input_ids: torch.Tensor | None = None  # [1, num_tokens] int64, a padded plan's
+    padded: bool = False
+    epoch: int = 0  # a padded plan: the cache's varlen plan count when built (its buffers hold the newest)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the forward runs: the real ones and, in a padded plan, the padding after them."""
         return self.write_slots.shape[0]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return sum(self.query_lens)
 
     @property
     def max_query_len(self) -> int:
@@ -65,8 +78,9 @@ class VarlenPlan:
 
     @property
     def whole_prompts(self) -> bool:
-        """Whether every segment is a prompt from position 0: no row held a token before this forward."""
-        return self.planned_lens == self.query_lens
+        """Whether every segment is a prompt from position 0: no row held a token before this
+        forward. A padded plan never counts as one: its read must not depend on its segments."""
+        return self.planned_lens == self.query_lens and not self.padded
 
     @property
     def host_query_start_loc(self) -> list[int]:

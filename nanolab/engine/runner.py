@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from nanolab.engine.buckets import DecodeBuckets
-from nanolab.engine.graphs import DecodeGraphs, planned_step
+from nanolab.engine.graphs import DecodeGraphs, VarlenGraphs, capture_sizes, planned_step
 from nanolab.engine.kv_cache import KVCache, host_int64, stage
 from nanolab.engine.plan import DecodePlan
 from nanolab.engine.sequence import Sequence
@@ -129,7 +129,8 @@ def compile_decode(model: LlamaModel, tune_batch_1: bool | None = None, pdl: boo
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, *, forward: Callable | None = None,
-                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False, progress: bool = True) -> None:
+                 buckets: DecodeBuckets | None = None, cuda_graphs: bool = False,
+                 varlen_capture_size: int | None = None, progress: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -144,9 +145,16 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The last decode step's shape as it ran: (rows the forward ran at, whether a graph replayed).
         self.last_decode: tuple[int, bool] = (0, False)
+        # Varlen steps (prompt chunks beside decode rows) of up to varlen_capture_size tokens replay
+        # a graph of the smallest capture size holding them (`capture_sizes`); larger ones run eagerly.
+        self.varlen_graphs: VarlenGraphs | None = None
+        self.last_varlen: tuple[int, bool] = (0, False)  # (tokens the forward ran, whether a graph replayed)
         if cuda_graphs:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
+            if varlen_capture_size is not None:
+                self.varlen_graphs = VarlenGraphs(model, kv_cache, capture_sizes(varlen_capture_size))
+                self.varlen_graphs.capture(self.graphs.pool, progress=progress)
 
     def close(self) -> None:
         """Release what the runner started besides this process's memory: nothing here; a
@@ -164,11 +172,20 @@ class ModelRunner:
         """One flattened forward of every scheduled token: sequence i feeds its tokens
         num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (a prompt, a chunk of one, or a
         decode row's pending token) -> logits [sum(sampled), vocab] fp32, at the last token of each
-        sampled sequence, in order. A varlen step has no capture: it runs the model eagerly."""
-        plan = self.kv_cache.plan_varlen([s.row for s in seqs], num_scheduled_tokens, sampled)
+        sampled sequence, in order. With varlen graphs, a step that fits a capture size is padded
+        to it and replays that graph; otherwise the model runs eagerly."""
         ids = list(itertools.chain.from_iterable(
             s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
+        rows = [s.row for s in seqs]
+        size = None if self.varlen_graphs is None else self.varlen_graphs.lookup(len(ids))
+        if size is not None:
+            plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, input_ids=ids, num_tokens=size)
+            self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
+            self.last_varlen = (size, True)
+            return self.varlen_graphs.replay(plan, sum(sampled))
+        plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled)
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
+        self.last_varlen = (len(ids), False)
         ids = host_int64(ids).to(self.device)[None]  # [1, num_tokens]
         return self.model(ids, plan.positions, cache=self.kv_cache.view(plan), logits_index=plan.logits_index)
 

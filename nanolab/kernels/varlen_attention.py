@@ -39,17 +39,39 @@ BLOCK_N = 64  # keys per tile
 
 
 @triton.jit
+def _segment_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr):
+    """The segment that query tile j of a flat grid belongs to. Segment s numbers its tiles from
+    starts[s] // BLOCK_Q + s, which grows with s and leaves room for every tile of the segments
+    before it; the answer is the last s whose first number is at most j (a binary search)."""
+    lo = 0
+    hi = segments
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(starts_ptr + mid) // BLOCK_Q + mid <= j:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _varlen_group(
     q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_ot, stride_oh,
-    scale, head_dim,
+    scale, head_dim, segments,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, DOT: tl.constexpr,
+    PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr,
 ):
     """One program: segment s, query tile qb, KV head kv. Row i of the [BLOCK_Q * G, D] query tile
-    is token qb * BLOCK_Q + i // G of the segment and query head kv * GROUP + i % G."""
-    s = tl.program_id(0)
-    qb = tl.program_id(1)
+    is token qb * BLOCK_Q + i // G of the segment and query head kv * GROUP + i % G. On a FLAT grid
+    axis 0 numbers query tiles across all segments, and a program finds its segment by search."""
+    if FLAT:
+        j = tl.program_id(0)
+        s = _segment_of(starts_ptr, j, segments, BLOCK_Q)
+        qb = j - (tl.load(starts_ptr + s) // BLOCK_Q + s)
+    else:
+        s = tl.program_id(0)
+        qb = tl.program_id(1)
     kv = tl.program_id(2)
     start = tl.load(starts_ptr + s)
     q_len = tl.load(starts_ptr + s + 1) - start
@@ -112,6 +134,7 @@ def varlen_attention(
     positions: torch.Tensor,
     max_query_len: int,
     *,
+    grid_tokens: int | None = None,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> torch.Tensor:
@@ -125,6 +148,9 @@ def varlen_attention(
     context_lens    [segments] int64                tokens each row holds, this step's included
     positions       [num_tokens] int64              a query at position p reads keys 0..p of its row
     max_query_len   host int, the longest segment: the grid's query-tile axis
+    grid_tokens     host int or None: cut a flat grid for this many tokens instead, whatever the
+                    segments hold (a captured step, whose grid cannot follow the step's lengths):
+                    grid_tokens // tile + segments programs a KV head, each finding its segment
     returns         [num_tokens, heads, head_dim]   in q's dtype
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
     the keys per tile; both powers of two.
@@ -135,6 +161,8 @@ def varlen_attention(
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    if grid_tokens is not None and grid_tokens < q.shape[0]:
+        raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
         raise ValueError("table_rows, query_start_loc, context_lens and positions must be contiguous")
     assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q.stride(2) == 1
@@ -147,13 +175,16 @@ def varlen_attention(
     segments = table_rows.shape[0]
     if n == 0 or segments == 0:
         return out
-    grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads)
+    if grid_tokens is None:
+        grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads)
+    else:  # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
+        grid = (grid_tokens // block_q + segments, 1, kv_heads)
     _varlen_group[grid](
         q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d,
+        block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=_pow2(d, 16), PAGE=block_size,
-        DOT=_dot_mode(k_pool.dtype))
+        DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None)
     return out
 
 

@@ -42,7 +42,16 @@ from nanolab.lab.loadclient import run_plan
 from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.plots.serving import plot_graphbench, plot_row_compaction
 from nanolab.lab.report import run_label, save_figure, save_table
-from nanolab.lab.serveprocess import ARMS, SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
+from nanolab.lab.serveprocess import (
+    ARMS,
+    DEFAULT_ARMS,
+    GRAPHED,
+    SERVER_TOKEN_BUDGET,
+    ServeProcess,
+    free_port,
+    serve_command,
+    split_arm,
+)
 from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, serving_metrics
 from nanolab.lab.workload import SEED_RATES, WORKLOADS, Workload, rate_schedule, request_plan
 from nanolab.model.config import ModelConfig
@@ -75,6 +84,8 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
+    if mode == "decodegraphs":
+        extra["cudagraph_mode"] = "full_decode_only"
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -103,7 +114,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     if server.exit_code != 0:
         log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
     out.steps = slice_steps(read_step_log(step_log), out.windows).assign(arm=arm)
-    graphed = mode == "graphs" and device.startswith("cuda")
+    graphed = mode in GRAPHED and device.startswith("cuda")
     for m in out.rates:
         m.update(step_columns(out.steps[out.steps.rate == m["rate"]], graphed, capture_batch_sizes(max_num_seqs)),
                  server_exit=out.server_exit, server_ready_s=out.ready_s)
@@ -137,7 +148,7 @@ def trace_window(arm: ArmRun, max_steps: int) -> pd.DataFrame:
     return part.tail(max_steps).reset_index(drop=True)
 
 
-def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: Sequence[float] = SEED_RATES,
+def run_graphbench(model: str, device: str, arms: Sequence[str] = DEFAULT_ARMS, rates: Sequence[float] = SEED_RATES,
                    max_rate: float = 256.0, workload: Workload | None = None, slo: SLO | None = None, *,
                    seed: int = 0, dtype: str = "auto", read: str = "auto", max_num_seqs: int = 64,
                    max_model_len: int | None = None, warmup: int = 8, offline: bool = True,
@@ -153,7 +164,7 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = ARMS, rates: S
                                                or max_num_batched_tokens < 1):
         raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens!r}: must be a positive int")
     modes = [split_arm(arm)[0] for arm in arms]  # an unknown arm fails here, before any server starts
-    if kind == "cpu" and "graphs" in modes:
+    if kind == "cpu" and set(modes) & set(GRAPHED):
         raise ValueError("a CPU has no CUDA graphs: run the eager arm alone (arms=('eager',))")
     workload, slo = workload or WORKLOADS[kind], slo or SLOS[kind]
     vocab = ModelConfig.from_dir(resolve_weights(model)).vocab_size  # prepared here, once, outside any server start
@@ -268,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arms: graphs (CUDA graphs), eager (--enforce-eager), either "
+                        help="comma-separated arms: graphs (CUDA graphs for every step), decodegraphs "
+                             "(--cudagraph-mode full_decode_only), eager (--enforce-eager), each optionally "
                              "ending in -chunked or -whole to serve with or without chunked prefill, e.g. "
                              "graphs-chunked,graphs-whole (default: graphs,eager on CUDA, eager on a CPU)")
     parser.add_argument("--rates", default="1,2,4,8", help="requests/s always run, in order (default: the seed's)")
@@ -313,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    arms = tuple(args.arms.split(",")) if args.arms else (ARMS if kind == "cuda" else ("eager",))
+    arms = tuple(args.arms.split(",")) if args.arms else (DEFAULT_ARMS if kind == "cuda" else ("eager",))
     base = WORKLOADS[kind]
     workload = Workload(args.prompt_len or base.prompt_len, args.output_len or base.output_len,
                         args.duration or base.duration_s, args.min_requests or base.min_requests,
@@ -345,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
                       f"{args.prefix}_row_compaction", label))
     gates = [check_requests(bench.rates)]
     for arm in arms:
-        expect = (split_arm(arm)[0] == "graphs") if kind == "cuda" else False
+        expect = (split_arm(arm)[0] in GRAPHED) if kind == "cuda" else False
         gates.append(check_compaction(bench.steps[bench.steps.arm == arm], capture_batch_sizes(args.max_num_seqs),
                                       expect))
     print("\n".join(f"{g}" for g in gates))

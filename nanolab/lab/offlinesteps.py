@@ -25,7 +25,9 @@ def time_offline(model: str, device: str, arm: str, batches: Sequence[int], cont
     median step, the number ITL p50 is held against; `ms_mean` the mean. `kv_cache_bytes` None
     sizes the pool as the server does (`EngineConfig`'s default)."""
     # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
-    llm = LLM(model, device=device, dtype=dtype, enforce_eager=split_arm(arm)[0] == "eager", read=read,
+    mode = split_arm(arm)[0]
+    llm = LLM(model, device=device, dtype=dtype, enforce_eager=mode == "eager", read=read,
+              cudagraph_mode="full_decode_only" if mode == "decodegraphs" else "full",
               max_num_seqs=max(max_num_seqs, *batches), enable_chunked_prefill=False, kv_cache_bytes=kv_cache_bytes)
     vocab = vocab_size or llm.config.vocab_size
     prompt_len = max(1, context - steps // 2)

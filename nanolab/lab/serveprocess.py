@@ -1,7 +1,9 @@
 """The server under test: an arm's name, the `python -m nanolab serve` command line it runs, and
 the subprocess started, waited for and stopped around a bench. Day 58.
 
-An arm is a graphs mode, "graphs" (CUDA graphs) or "eager" (`--enforce-eager`), optionally ending
+An arm is a graphs mode, "graphs" (CUDA graphs, the server's default: decode and varlen steps),
+"decodegraphs" (`--cudagraph-mode full_decode_only`: varlen steps eager) or "eager"
+(`--enforce-eager`), optionally ending
 in its prefill: "-chunked" (`--enable-chunked-prefill`) or "-whole" (`--no-enable-chunked-prefill`);
 a bare arm takes the server's default, chunked.
 """
@@ -19,7 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ARMS = ("graphs", "eager")
+ARMS = ("graphs", "decodegraphs", "eager")
+GRAPHED = ("graphs", "decodegraphs")  # the modes that capture decode graphs
+DEFAULT_ARMS = ("graphs", "eager")  # what a bench runs unless told: Day 58's comparison
 PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
 # The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
 # records it.
@@ -44,11 +48,11 @@ def split_arm(arm: str) -> tuple[str, str | None]:
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                   max_waiting: int = 1024, chunked_prefill: bool | None = None,
-                  max_num_batched_tokens: int | None = None) -> list[str]:
+                  max_num_batched_tokens: int | None = None, cudagraph_mode: str | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
     `chunked_prefill` None leaves the server's default; `max_num_batched_tokens`, the tokens a step
-    feeds, None the server's default."""
+    feeds, None the server's default; `cudagraph_mode` likewise."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -60,6 +64,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
     if max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if cudagraph_mode is not None:
+        argv += ["--cudagraph-mode", cudagraph_mode]
     return argv
 
 

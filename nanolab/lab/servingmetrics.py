@@ -87,7 +87,21 @@ def serving_metrics(run: PlanRun, slo: SLO) -> dict:
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
             "tpot_p50_ms": _pct(tpot, 50), "tpot_p99_ms": _pct(tpot, 99),
             "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
-            "e2el_p50_ms": _pct(e2el, 50), "e2el_p99_ms": _pct(e2el, 99), "itl_gaps": len(itl)}
+            "e2el_p50_ms": _pct(e2el, 50), "e2el_p99_ms": _pct(e2el, 99), "itl_gaps": len(itl),
+            **first_ttfts(done)}
+
+
+FIRST = 10  # the requests a cold start is judged by
+
+
+def first_ttfts(done: list) -> dict:
+    """The slowest TTFT among the first `FIRST` requests sent, and that over the TTFT median of
+    the rest: at a server's first rate, what a cold start costs the requests that meet it."""
+    by_send = sorted(done, key=lambda r: r.send_s)
+    first, rest = [r.ttft for r in by_send[:FIRST]], [r.ttft for r in by_send[FIRST:]]
+    worst = max(first) * 1e3 if first else float("nan")
+    steady = _pct(rest, 50)
+    return {"first_ttft_max_ms": worst, "first_ttft_x_steady": worst / steady if rest else float("nan")}
 
 
 def check_requests(rates: pd.DataFrame) -> Gate:

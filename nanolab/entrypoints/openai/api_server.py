@@ -300,14 +300,23 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs)."""
+    """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs),
+    warmed up on CUDA (`Engine.warm_up`: every kernel a request can reach is built before
+    `/health` answers), and how long all of it took (`engine.start_seconds`). On the CPU nothing
+    is built lazily, and the warm-up is skipped."""
     from nanolab.llm import LLM
 
-    return LLM.from_config(config).engine
+    start = time.perf_counter()
+    engine = LLM.from_config(config).engine
+    if engine.device.type == "cuda":
+        log.info("nanolab: %s", engine.warm_up())
+    engine.start_seconds = time.perf_counter() - start
+    return engine
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT or SIGTERM; the exit code: 0, or 1 when the engine core died."""
+    started = time.perf_counter()
     config = EngineConfig.from_cli_args(args)  # every flag checked before the core starts
     tokenizer = Tokenizer.from_dir(resolve_weights(config.model))
     factory = functools.partial(build_engine, config)
@@ -332,10 +341,11 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     port = site._server.sockets[0].getsockname()[1]
     info = async_llm.info
-    log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %s, %d KV blocks%s)",
+    log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %s, %d KV blocks%s); "
+             "ready %.1f s after start",
              serving.model_name, args.host, port, info["device"], info["dtype"], info["read"],
-             "CUDA graphs" if info["graphs"] else "eager", info["prefill"], info["num_blocks"],
-             ", API key required" if api_key else "")
+             info["graphs"], info["prefill"], info["num_blocks"],
+             ", API key required" if api_key else "", time.perf_counter() - started)
     await stop.wait()
 
     serving.draining = True

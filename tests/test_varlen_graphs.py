@@ -1,0 +1,173 @@
+"""Varlen steps padded to a capture size: the step a varlen CUDA graph replays.
+
+On the CPU the padded step runs eagerly, through the same function a graph captures
+(`varlen_step`) and the same fixed buffers: its logits and every pool slot it writes are checked
+against the unpadded step's, step after step, on the sharp models (whose output depends on every
+key they read). The graphs themselves are checked on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_cache
+
+from nanolab import EngineConfig
+from nanolab.engine.graphs import capture_sizes, varlen_step
+from nanolab.engine.kv_cache import SINK
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+
+# (row, tokens fed, sampled) per segment, step after step: whole prompts; two decode rows beside a
+# prompt's first chunk; its last chunk beside one decode row (the same capture size as the step
+# before, with fewer segments, so anything the buffers kept from that step would show); one decode
+# row alone.
+STEPS = [
+    [(0, 5, True), (1, 9, True), (2, 3, True)],
+    [(0, 1, True), (1, 1, True), (3, 6, False)],
+    [(3, 5, True), (2, 1, True)],
+    [(0, 1, True)],
+]
+
+
+def caches(sharp, read: str = "reference"):
+    config = sharp.model.config
+    kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+              head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=6, read=read)
+    plain, padded = make_cache(**kw), make_cache(**kw)
+    padded.reserve_varlen(32)
+    for cache in (plain, padded):
+        for _ in range(4):
+            cache.blocks.open_row()
+    return plain, padded
+
+
+def check_pools_agree(plain, padded) -> None:
+    """Every slot but the sink holds the same K/V in both caches: a padding token that wrote a
+    real slot, or a real token written to the wrong one, shows here."""
+    for layer, (a, b) in enumerate(zip(plain.k_pools + plain.v_pools, padded.k_pools + padded.v_pools)):
+        torch.testing.assert_close(b[:SINK], a[:SINK], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, layer=layer: f"pool {layer}: {m}")
+
+
+def test_padded_steps_give_the_unpadded_steps_logits_and_writes(sharp_model):
+    torch.manual_seed(0)
+    plain, padded = caches(sharp_model)
+    sizes = capture_sizes(32)
+    vocab = sharp_model.model.config.vocab_size
+    tokens = {row: torch.randint(1, vocab, (20,)).tolist() for row in range(4)}  # no token 0: padding's id
+    fed = dict.fromkeys(tokens, 0)
+    for i, step in enumerate(STEPS):
+        rows, counts, sampled = zip(*step)
+        ids = [t for row, n in zip(rows, counts) for t in tokens[row][fed[row]:fed[row] + n]]
+        for row, n in zip(rows, counts):
+            fed[row] += n
+        size = next(s for s in sizes if s >= len(ids))
+        plan = plain.plan_varlen(rows, counts, sampled)
+        with torch.inference_mode():
+            expected = sharp_model.model(torch.tensor([ids]), plan.positions, cache=plain.view(plan),
+                                         logits_index=plan.logits_index)
+            plan = padded.plan_varlen(rows, counts, sampled, input_ids=ids, num_tokens=size)
+            assert plan.num_tokens == size and plan.padded and not plan.whole_prompts
+            got = varlen_step(sharp_model.model, padded, plan)[: sum(sampled)]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"step {i}: {m}")
+        check_pools_agree(plain, padded)
+
+
+def test_a_padded_plan_rewrites_every_field_of_the_buffers(tiny_model):
+    """A smaller step after a larger one leaves nothing of the larger: padding writes the sink
+    at position 0, the empty segments sit where the real tokens end, on the all-sink table row."""
+    config = tiny_model.config
+    cache = make_cache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
+    cache.reserve_varlen(16)
+    for _ in range(3):
+        cache.blocks.open_row()
+    cache.plan_varlen((0, 1, 2), (5, 4, 3), input_ids=list(range(1, 13)), num_tokens=16)
+    plan = cache.plan_varlen((1,), (2,), (False,), input_ids=[7, 8], num_tokens=8)
+    assert plan.write_slots.tolist()[2:] == [SINK] * 6 and plan.positions[0].tolist() == [4, 5] + [0] * 6
+    assert plan.input_ids[0].tolist() == [7, 8] + [0] * 6
+    assert plan.query_start_loc.tolist() == [0, 2, 2, 2, 2]
+    assert plan.table_rows.tolist() == [1] + [cache.pad_row] * 3
+    assert plan.context_lens.tolist() == [6, 0, 0, 0]
+    assert plan.logits_index.tolist() == [0, 0, 0, 0]  # nothing sampled: every entry is padding
+    assert (cache.block_table[cache.pad_row] == SINK).all()
+
+
+def test_padded_plans_are_checked_and_a_stale_one_is_refused(tiny_model):
+    config = tiny_model.config
+    cache = make_cache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
+    row = cache.blocks.open_row()
+    with pytest.raises(ValueError, match="reserved"):  # no buffers yet
+        cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=4)
+    cache.reserve_varlen(8)
+    with pytest.raises(ValueError, match="num_tokens 9"):
+        cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=9)
+    with pytest.raises(ValueError, match="num_tokens 1 must hold"):
+        cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=1)
+    with pytest.raises(ValueError, match="input ids"):
+        cache.plan_varlen((row,), (2,), num_tokens=4)
+    assert cache.blocks.table(row).num_tokens == 0, "a refused plan changed the tables"
+    first = cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=4)
+    cache.view(first)
+    cache.plan_varlen((row,), (1,), input_ids=[3], num_tokens=4)
+    with pytest.raises(RuntimeError, match="stale padded VarlenPlan"):
+        cache.view(first)
+
+
+def test_capture_sizes_follow_vllms_list():
+    sizes = capture_sizes(512)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-3:] == (480, 496, 512)
+    assert 248 in sizes and 256 in sizes and 252 not in sizes and len(sizes) == 3 + 31 + 17
+    assert capture_sizes(100)[-2:] == (96, 100) and capture_sizes(3) == (1, 2, 3)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig(device="cpu").varlen_capture_size(cuda) == 512
+    assert EngineConfig(device="cpu", max_num_batched_tokens=256).varlen_capture_size(cuda) == 256
+    assert EngineConfig(device="cpu", max_cudagraph_capture_size=64).varlen_capture_size(cuda) == 64
+    assert EngineConfig(device="cpu").varlen_capture_size(cpu) is None
+    assert EngineConfig(device="cpu", cudagraph_mode="full_decode_only").varlen_capture_size(cuda) is None
+    assert EngineConfig(device="cpu", enforce_eager=True).varlen_capture_size(cuda) is None
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24):
+    """An engine whose varlen steps replay graphs against one that runs them eagerly: the same
+    requests, chunked so steps mix chunks and decode rows, every step's logits within 1e-3 (fp32
+    weights, TF32 off). Each graphed step replayed the smallest size holding it, and a plan given
+    to a graph of another size is refused."""
+    from nanolab import LLM
+    from nanolab.sampling import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = sharp_gqa24.path
+    prompts = [torch.randint(1, 200, (n,)).tolist() for n in (37, 5, 61, 12)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    runs = {}
+    for mode in ("full", "full_decode_only"):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=48, max_num_seqs=8,
+                  num_blocks=64, compile=False, cudagraph_mode=mode)
+        engine = llm.engine
+        seen, logits = [], {}
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                logits.setdefault(out.seq.request_id, []).append(out.logits.float().cpu())
+            seen.append(engine.runner.last_varlen)
+        runs[mode] = logits
+        if mode == "full":
+            graphs = engine.runner.varlen_graphs
+            replayed = [n for n, graphed in seen if graphed]
+            assert replayed and all(n in graphs.sizes for n in replayed)
+            row = engine.kv_cache.blocks.open_row()
+            plan = engine.kv_cache.plan_varlen((row,), (3,), input_ids=[1, 2, 3], num_tokens=4)
+            graphs.graphs.pop(4)
+            with pytest.raises(ValueError, match="no varlen graph for 4 tokens"):
+                graphs.replay(plan, 1)
+        else:
+            assert engine.runner.varlen_graphs is None and not any(graphed for _, graphed in seen)
+    for rid, rows in runs["full_decode_only"].items():
+        torch.testing.assert_close(torch.stack(runs["full"][rid]), torch.stack(rows), rtol=1e-3, atol=1e-3)
