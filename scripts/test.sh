@@ -40,7 +40,9 @@ done
 # pytest is given the folders (each collects in name order), not every notebook by name.
 if ((${#ipynbs[@]})); then
     mapfile -t folders < <(printf '%s\n' "${ipynbs[@]%/*}" | awk '!seen[$0]++')
-    step "notebooks" python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider \
+    # One intra-op thread per kernel: two kernels of two OpenMP threads each on two cores spin against
+    # each other, and a bench cell ran 5.8x slower that way (266 s against 46 s).
+    step "notebooks" env OMP_NUM_THREADS=1 python -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider \
         -n 2 --dist loadscope --no-loadscope-reorder \
         -p scripts.nbval_save --nbval-save-root "$nbdir" --nbval-save-to "$executed" "${folders[@]}"
 fi
