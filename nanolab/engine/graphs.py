@@ -167,7 +167,10 @@ class VarlenGraphs:
         self.sizes = tuple(sizes)
         cache.reserve_varlen(self.sizes[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [max_rows, vocab]
+        # Every graph copies its logits here, [max_rows, vocab] fp32, outside the pool: kept per
+        # graph, 51 outputs of Llama-3's vocabulary at 64 rows would hold 1.6 GiB.
+        self.logits = torch.empty((cache.max_rows, model.config.vocab_size), dtype=torch.float32,
+                                  device=cache.device)
         self.report: CaptureReport | None = None
 
     def lookup(self, num_tokens: int) -> int | None:
@@ -177,7 +180,6 @@ class VarlenGraphs:
     def capture(self, pool=None, *, progress: bool = True) -> CaptureReport:
         """Warm and capture every size, largest first, on `pool` (the decode graphs', to share it)."""
         self.graphs.clear()
-        self.logits.clear()
         torch.cuda.synchronize()
         before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
@@ -185,7 +187,8 @@ class VarlenGraphs:
         for n in progress_bar(self.sizes[::-1], desc="capturing varlen graphs", unit="graph", enabled=progress):
             plan = self.cache.plan_varlen_padding(n)  # all padding: writes the sink only
             with torch.inference_mode():
-                graph, self.logits[n] = capture_graph(lambda plan=plan: varlen_step(self.model, self.cache, plan), pool)
+                graph, _ = capture_graph(
+                    lambda plan=plan: self.logits.copy_(varlen_step(self.model, self.cache, plan)), pool)
             self.graphs[n] = graph
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -195,10 +198,10 @@ class VarlenGraphs:
 
     def replay(self, plan: VarlenPlan, num_sampled: int) -> torch.Tensor:
         """Run the padded step `plan` through the graph of its size -> logits [num_sampled, vocab], a
-        view of the graph's output that the next replay overwrites."""
+        view of the graphs' output buffer that the next replay overwrites."""
         self.cache.require_current_varlen(plan)
         graph = self.graphs.get(plan.num_tokens)
         if graph is None:
             raise ValueError(f"no varlen graph for {plan.num_tokens} tokens; captured: {sorted(self.graphs)}")
         graph.replay()
-        return self.logits[plan.num_tokens][:num_sampled]
+        return self.logits[:num_sampled]
