@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_cache
+from conftest import assert_logits_match_reference, logit_recorder, make_cache, run_until_done
 
-from nanolab import EngineConfig
-from nanolab.engine.graphs import capture_sizes, varlen_step
+from nanolab import Engine, EngineConfig, SamplingParams
+from nanolab.engine.graphs import VarlenGraphs, capture_sizes, varlen_step
 from nanolab.engine.kv_cache import SINK
 
 CUDA = torch.cuda.is_available()
@@ -171,3 +171,45 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24):
             assert engine.runner.varlen_graphs is None and not any(graphed for _, graphed in seen)
     for rid, rows in runs["full_decode_only"].items():
         torch.testing.assert_close(torch.stack(runs["full"][rid]), torch.stack(rows), rtol=1e-3, atol=1e-3)
+
+
+class ReplayEagerly(VarlenGraphs):
+    """`VarlenGraphs` without CUDA: `replay` runs the step a graph captures (`varlen_step`) on the
+    plan it is given, so the runner's graphed path (the lookup, the padded plan, the slicing of
+    the sampled rows) runs on the CPU."""
+
+    def __init__(self, model, cache, sizes) -> None:
+        self.model, self.cache, self.sizes = model, cache, tuple(sizes)
+        cache.reserve_varlen(self.sizes[-1])
+        self.replayed: list[int] = []
+
+    def replay(self, plan, num_sampled: int) -> torch.Tensor:
+        self.cache.require_current_varlen(plan)
+        assert plan.num_tokens in self.sizes, f"no graph of {plan.num_tokens} tokens"
+        self.replayed.append(plan.num_tokens)
+        return varlen_step(self.model, self.cache, plan)[:num_sampled]
+
+
+def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logits(sharp_gqa24):
+    """Chunked prefill under a 7-token budget, the varlen steps padded to sizes up to 8 (so every
+    step takes the padded path, and steps of 5, 6 and 7 tokens share the size 8), against the
+    engine that runs them unpadded: the same greedy tokens, and every step's logits within 1e-4
+    of the one-shot reference."""
+    sharp = sharp_gqa24
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7)
+    plain, graphed = Engine(sharp.model, config), Engine(sharp.model, config)
+    graphed.runner.varlen_graphs = stand_in = ReplayEagerly(sharp.model, graphed.kv_cache, capture_sizes(8))
+    g = torch.Generator().manual_seed(0)
+    prompt_list = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 9, 14, 22, 1)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for engine in (plain, graphed):
+        logits, keep = logit_recorder()
+        seqs = [engine.add_request(p, params) for p in prompt_list]
+        run_until_done(engine, on_step=keep)
+        runs.append((seqs, logits))
+    (plain_seqs, _), (seqs, logits) = runs
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in plain_seqs]
+    assert_logits_match_reference(sharp, seqs, logits)
+    assert set(stand_in.replayed) >= {8} and len(stand_in.replayed) > 5
+    assert graphed.block_manager.allocator.num_free == 64
