@@ -57,7 +57,10 @@ def _cpu_name() -> str:
         model = ""
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model} ({cores} cores)"
+    threads = torch.get_num_threads()  # what timings ran on: scripts/test.sh gives a notebook one
+    if threads == cores:
+        return f"{model} ({cores} cores)"
+    return f"{model} ({cores} cores, {threads} thread{'s' * (threads > 1)})"
 
 
 def _device_name(device: torch.device) -> str:
