@@ -106,7 +106,7 @@ class EngineConfig:
     num_blocks: int | None = None  # the KV pool; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 40% of what the weights leave free on CUDA
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
-    cudagraph_mode: str = "full"  # "full": decode and varlen steps replay graphs; "full_decode_only"
+    cudagraph_mode: str = "full_decode_only"  # or "full": varlen steps replay graphs too
     max_cudagraph_capture_size: int | None = None  # the largest varlen step captured; None: the budget, at most 512
     read: str = "auto"  # the paged read: "streamed" (Triton), "reference" (torch); "auto": streamed on CUDA
     compile: bool | None = None  # decode steps through inductor; None: on with CUDA graphs
@@ -201,8 +201,9 @@ class EngineConfig:
             "kv_cache_bytes": dict(type=int, default=None,
                                    help="the KV pool's bytes (default: 1 GiB on the CPU, 40%% of free memory on CUDA)"),
             "enforce_eager": dict(action="store_true", help="no CUDA graphs"),
-            "cudagraph_mode": dict(default="full", choices=CUDAGRAPH_MODES,
-                                   help="full: decode and varlen steps replay graphs; full_decode_only: decode only"),
+            "cudagraph_mode": dict(default="full_decode_only", choices=CUDAGRAPH_MODES,
+                                   help="full_decode_only (default): decode steps replay graphs; full: varlen "
+                                        "steps too"),
             "max_cudagraph_capture_size": dict(type=int, default=None,
                                                help="the largest varlen step captured, in tokens "
                                                     "(default: --max-num-batched-tokens, at most 512)"),

@@ -123,12 +123,13 @@ def test_capture_sizes_follow_vllms_list():
     assert 248 in sizes and 256 in sizes and 252 not in sizes and len(sizes) == 3 + 31 + 17
     assert capture_sizes(100)[-2:] == (96, 100) and capture_sizes(3) == (1, 2, 3)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert EngineConfig(device="cpu").varlen_capture_size(cuda) == 512
-    assert EngineConfig(device="cpu", max_num_batched_tokens=256).varlen_capture_size(cuda) == 256
-    assert EngineConfig(device="cpu", max_cudagraph_capture_size=64).varlen_capture_size(cuda) == 64
-    assert EngineConfig(device="cpu").varlen_capture_size(cpu) is None
-    assert EngineConfig(device="cpu", cudagraph_mode="full_decode_only").varlen_capture_size(cuda) is None
-    assert EngineConfig(device="cpu", enforce_eager=True).varlen_capture_size(cuda) is None
+    full = EngineConfig(device="cpu", cudagraph_mode="full")
+    assert full.varlen_capture_size(cuda) == 512
+    assert full.replace(max_num_batched_tokens=256).varlen_capture_size(cuda) == 256
+    assert full.replace(max_cudagraph_capture_size=64).varlen_capture_size(cuda) == 64
+    assert full.varlen_capture_size(cpu) is None
+    assert full.replace(enforce_eager=True).varlen_capture_size(cuda) is None
+    assert EngineConfig(device="cpu").varlen_capture_size(cuda) is None  # the default until measured
 
 
 @needs_cuda

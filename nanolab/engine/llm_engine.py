@@ -173,7 +173,7 @@ class WarmUp:
 class Engine:
     """The engine over `model`, as `config` chose it (`EngineConfig`). It runs where `model` lives:
     CUDA graphs over the decode buckets when that is CUDA and not `enforce_eager` (and over varlen
-    steps' token counts, with `cudagraph_mode` "full"), the decode step
+    steps' token counts with `cudagraph_mode="full"`), the decode step
     compiled by inductor (`runner.compile_decode`) and asynchronous scheduling when `compile` and
     `async_scheduling` say so (by default, with graphs). `enable_chunked_prefill` (vLLM's name)
     makes `max_num_batched_tokens` each step's token budget, decode rows first and prompts in

@@ -84,8 +84,8 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
-    if mode == "decodegraphs":
-        extra["cudagraph_mode"] = "full_decode_only"
+    if mode == "fullgraphs":
+        extra["cudagraph_mode"] = "full"
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -279,8 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--read", default="auto", help="the decode read: auto, streamed or reference")
     parser.add_argument("--arms", default=None,
-                        help="comma-separated arms: graphs (CUDA graphs for every step), decodegraphs "
-                             "(--cudagraph-mode full_decode_only), eager (--enforce-eager), each optionally "
+                        help="comma-separated arms: graphs (the server's CUDA graphs), fullgraphs "
+                             "(--cudagraph-mode full), eager (--enforce-eager), each optionally "
                              "ending in -chunked or -whole to serve with or without chunked prefill, e.g. "
                              "graphs-chunked,graphs-whole (default: graphs,eager on CUDA, eager on a CPU)")
     parser.add_argument("--rates", default="1,2,4,8", help="requests/s always run, in order (default: the seed's)")

@@ -27,7 +27,7 @@ def time_offline(model: str, device: str, arm: str, batches: Sequence[int], cont
     # Whole prompts: every row of a timed batch starts decoding in the same step (`timing.prefill`).
     mode = split_arm(arm)[0]
     llm = LLM(model, device=device, dtype=dtype, enforce_eager=mode == "eager", read=read,
-              cudagraph_mode="full_decode_only" if mode == "decodegraphs" else "full",
+              cudagraph_mode="full" if mode == "fullgraphs" else "full_decode_only",
               max_num_seqs=max(max_num_seqs, *batches), enable_chunked_prefill=False, kv_cache_bytes=kv_cache_bytes)
     vocab = vocab_size or llm.config.vocab_size
     prompt_len = max(1, context - steps // 2)

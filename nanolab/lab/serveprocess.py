@@ -1,9 +1,9 @@
 """The server under test: an arm's name, the `python -m nanolab serve` command line it runs, and
 the subprocess started, waited for and stopped around a bench. Day 58.
 
-An arm is a graphs mode, "graphs" (CUDA graphs, the server's default: decode and varlen steps),
-"decodegraphs" (`--cudagraph-mode full_decode_only`: varlen steps eager) or "eager"
-(`--enforce-eager`), optionally ending
+An arm is a graphs mode, "graphs" (CUDA graphs as the server's default has them: decode steps),
+"fullgraphs" (`--cudagraph-mode full`: varlen steps too) or "eager" (`--enforce-eager`),
+optionally ending
 in its prefill: "-chunked" (`--enable-chunked-prefill`) or "-whole" (`--no-enable-chunked-prefill`);
 a bare arm takes the server's default, chunked.
 """
@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ARMS = ("graphs", "decodegraphs", "eager")
-GRAPHED = ("graphs", "decodegraphs")  # the modes that capture decode graphs
+ARMS = ("graphs", "fullgraphs", "eager")
+GRAPHED = ("graphs", "fullgraphs")  # the modes that capture decode graphs
 DEFAULT_ARMS = ("graphs", "eager")  # what a bench runs unless told: Day 58's comparison
 PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
 # The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
