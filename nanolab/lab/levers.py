@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from nanolab import LLM
-from nanolab.config import resolve_dtype
+from nanolab.config import CUDAGRAPH_MODES, resolve_dtype
 from nanolab.lab.agreement import fp32_agreement
 from nanolab.lab.gemvbench import chained_projection_table, fold_table, projection_table
 from nanolab.lab.leverarms import ARMS, DEFAULT_ARMS, SPREAD_ARMS
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kept levers, DEFAULT_ARMS; --only spread: SPREAD_ARMS)")
     parser.add_argument("--shapes", default=None, help="batch@context pairs, comma-separated (default: 1@128, 8@128, "
                         "32@128, 64@128, 32@2048)")
+    parser.add_argument("--cudagraph-modes", default="full_decode_only",
+                        help="--only mixed: comma-separated cudagraph_mode values, an arm each (full_decode_only: "
+                             "varlen steps eager; full: graphed)")
     parser.add_argument("--profile", default="1@128", help="batch@context pairs to profile, comma-separated")
     parser.add_argument("--stem", default="day61", help="table names' prefix: a partial run under its own name "
                         "leaves the full tables as they are")
@@ -116,7 +119,11 @@ def main(args: argparse.Namespace) -> int:
         print(pd.concat([c[c.arm == "cublas"], c[c.arm.str.contains("step_config")], best]).to_string(index=False))
         return 0
     if args.only == "mixed":
-        keep(mixed_step_anatomy(path, dtype, repeats=args.repeats))
+        modes = tuple(args.cudagraph_modes.split(","))
+        unknown = [m for m in modes if m not in CUDAGRAPH_MODES]
+        if unknown:
+            raise ValueError(f"--cudagraph-modes: {', '.join(unknown)} not among {', '.join(CUDAGRAPH_MODES)}")
+        keep(mixed_step_anatomy(path, dtype, repeats=args.repeats, modes=modes))
         print(shown("mixed_anatomy").to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         kernels = tables.get(f"{args.stem}_mixed_kernels")
         if kernels is not None:

@@ -141,16 +141,18 @@ RUNNING_TOKENS = 512  # each running row's new tokens: more decode steps than a 
 
 
 def _running_engine(model, rows: int, context: int, longest_prompt: int, budget: int,
-                    sampler=sample_tokens) -> Engine:
+                    sampler=sample_tokens, cudagraph_mode: str = "full_decode_only") -> Engine:
     """The server's engine (`EngineConfig`'s defaults: on CUDA graphs, the compiled decode step, the
     streamed read and asynchronous scheduling; eager with the reference read on the CPU) with `rows`
     rows running, each past a `context`-token prompt, chunked prefill with a `budget` of tokens a
-    step, and room for one more prompt of `longest_prompt`."""
+    step, and room for one more prompt of `longest_prompt`; `cudagraph_mode` "full" replays varlen
+    steps as graphs too."""
     cuda = model.lm_head.weight.is_cuda
     torch._dynamo.reset()
     blocks = rows * cdiv(context + RUNNING_TOKENS, 16) + cdiv(longest_prompt + 64, 16) + 16
     config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
-                          read="streamed" if cuda else "reference", max_num_batched_tokens=budget)
+                          read="streamed" if cuda else "reference", max_num_batched_tokens=budget,
+                          cudagraph_mode=cudagraph_mode)
     engine = Engine(model, config, sampler=sampler, progress=False)
     prefill(engine, random_prompts(rows, context, model.config.vocab_size, seed=2), RUNNING_TOKENS)
     return engine
@@ -159,7 +161,8 @@ def _running_engine(model, rows: int, context: int, longest_prompt: int, budget:
 def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context: int = 512,
                        prompt_lens=MIXED_PROMPTS, repeats: int = 5, budget: int = 2048,
                        device: torch.device | str | None = None, profile_prompt: int = 512,
-                       progress: bool = True) -> dict[str, pd.DataFrame]:
+                       progress: bool = True, modes: tuple[str, ...] = ("full_decode_only",)
+                       ) -> dict[str, pd.DataFrame]:
     """`day61_mixed_anatomy`: the engine's mixed step (arm "eager": a varlen step runs the model
     eagerly), per prompt length and chunk of it, the median over `repeats` of each mixed step's
     parts (ms): the whole step, the host inside `run_varlen`, the forward's span on the GPU,
@@ -167,30 +170,33 @@ def mixed_step_anatomy(model_path, dtype=torch.bfloat16, rows: int = 16, context
     at about `context` tokens, whose parts are not split. The engine is the server's
     (`_running_engine`), with chunked prefill at a `budget` of tokens a step.
     `day61_mixed_kernels` (CUDA only): the kernels of the mixed steps of one `profile_prompt`-token
-    prompt."""
+    prompt. `modes`: one arm per `cudagraph_mode`, "eager" for "full_decode_only" (varlen steps
+    run eagerly) and "graphed" for "full"."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     model = load_model(model_path, dtype=dtype, device=device)
     vocab = model.config.vocab_size
-    arm = "eager"
     records, kernels = [], []
-    clock = _StepClock(device)
-    engine = _running_engine(model, rows, context, max(prompt_lens, default=0), budget, clock.sampler)
-    clock.attach(engine)
-    try:
-        _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
-        found = _decode_steps(engine, clock, 2 * repeats)
-        for n, prompt_len in enumerate(progress_bar(prompt_lens, desc="mixed steps", enabled=progress)):
-            for r in range(repeats):
-                prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
-                found += [dict(rec, prompt_len=prompt_len) for rec in _mixed_steps(engine, clock, prompt)]
-        if cuda:
-            kernels.append(_kernels(engine, clock, random_prompts(1, profile_prompt, vocab, seed=9)[0].tolist(), arm))
-    finally:
-        clock.close()
-    for rec in found:
-        records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
-    del engine
+    for mode in modes:
+        arm = {"full_decode_only": "eager", "full": "graphed"}[mode]
+        clock = _StepClock(device)
+        engine = _running_engine(model, rows, context, max(prompt_lens, default=0), budget, clock.sampler, mode)
+        clock.attach(engine)
+        try:
+            _mixed_steps(engine, clock, random_prompts(1, 64, vocab, seed=3)[0].tolist())  # warm: first calls
+            found = _decode_steps(engine, clock, 2 * repeats)
+            for n, prompt_len in enumerate(progress_bar(prompt_lens, desc=f"mixed steps, {arm}", enabled=progress)):
+                for r in range(repeats):
+                    prompt = random_prompts(1, prompt_len, vocab, seed=100 * n + r)[0].tolist()
+                    found += [dict(rec, prompt_len=prompt_len) for rec in _mixed_steps(engine, clock, prompt)]
+            if cuda:
+                prompt = random_prompts(1, profile_prompt, vocab, seed=9)[0].tolist()
+                kernels.append(_kernels(engine, clock, prompt, arm))
+        finally:
+            clock.close()
+        for rec in found:
+            records.append({"arm": arm, "running_rows": rows, "context": context, "budget": budget, **rec})
+        del engine
     steps = pd.DataFrame(records)
     for col in ("prompt_len", "chunk", "forward_host_ms", "forward_span_ms", "sample_ms"):
         if col not in steps:
