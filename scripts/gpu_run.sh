@@ -6,7 +6,9 @@
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail]
 #   (default: the first three)
-# cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI).
+# cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI), four
+# files at a time when the pytest-xdist and execnet wheels are in third_party/wheels (carry third_party;
+# `pip download --no-deps -d third_party/wheels pytest-xdist==3.8.0 execnet` fetches them).
 # floor runs floorbench (chapter 61c's table: nanolab, HF's default and eager paths, and gpt-fast from
 # $GPT_FAST, default third_party/gpt-fast, when that checkout is there), $FLOOR_ARGS added.
 # tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism (the
@@ -43,7 +45,12 @@ for part in "${parts[@]}"; do
             timeout "${TP_TEST_S:-300}" python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout="${TP_DUMP_S:-120}" \
                 tests/test_tensor_parallel.py -k nccl || status=1
             python3 -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b ${TPBENCH_ARGS:-} || status=1 ;;
-        cuda) python3 -m pytest -q -p no:cacheprovider -rs \
+        cuda) xdist=()
+              if compgen -G "third_party/wheels/pytest_xdist-*.whl" >/dev/null &&
+                  python3 -m pip install -q --no-deps third_party/wheels/*.whl; then
+                  xdist=(-n "${CUDA_WORKERS:-4}" --dist loadfile)  # files at once on the one GPU
+              fi
+              python3 -m pytest -q -p no:cacheprovider -rs "${xdist[@]}" \
                   $(grep -lE "needs_cuda|cuda.is_available|mark.cuda" tests/test_*.py) || status=1 ;;
         floor) gpt=${GPT_FAST:-third_party/gpt-fast}
             python3 -m nanolab floorbench --model llama-3.2-1b $([[ -d $gpt ]] && echo --gpt-fast "$gpt") \
