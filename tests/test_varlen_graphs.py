@@ -15,6 +15,7 @@ from conftest import assert_logits_match_reference, logit_recorder, make_cache, 
 from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.graphs import VarlenGraphs, capture_sizes, varlen_step
 from nanolab.engine.kv_cache import SINK
+from nanolab.kernels import INTERPRETED
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -214,3 +215,26 @@ def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logit
     assert_logits_match_reference(sharp, seqs, logits)
     assert set(stand_in.replayed) >= {8} and len(stand_in.replayed) > 5
     assert graphed.block_manager.allocator.num_free == 64
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter")
+def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model):
+    """What a varlen graph captures and replays, through the Triton read (the interpreter here):
+    the all-padding plan a graph is captured on runs and writes nothing but the sink, and a padded
+    step of real rows gives the reference read's logits."""
+    config = tiny_model.config
+    kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+              head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
+    streamed, reference = make_cache(**kw, read="streamed"), make_cache(**kw)
+    for cache in (streamed, reference):
+        cache.reserve_varlen(16)
+    with torch.inference_mode():
+        varlen_step(tiny_model, streamed, streamed.plan_varlen_padding(16))
+        for pool in streamed.k_pools + streamed.v_pools:
+            assert not pool[:SINK].any(), "the capture plan wrote a real slot"
+        logits = []
+        for cache in (streamed, reference):
+            rows = [cache.blocks.open_row() for _ in range(2)]
+            plan = cache.plan_varlen(rows, (5, 3), input_ids=[4, 8, 15, 16, 23, 42, 7, 9], num_tokens=16)
+            logits.append(varlen_step(tiny_model, cache, plan)[:2])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -74,7 +74,7 @@ class VarlenPlan:
 
     @property
     def max_query_len(self) -> int:
-        return max(self.query_lens)
+        return max(self.query_lens, default=0)  # 0: a padded plan of padding alone (a capture's)
 
     @property
     def whole_prompts(self) -> bool:
