@@ -192,13 +192,15 @@ class ReplayEagerly(VarlenGraphs):
         return varlen_step(self.model, self.cache, plan)[:num_sampled]
 
 
-def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logits(sharp_gqa24):
+@pytest.mark.parametrize("read", ["reference", pytest.param("streamed", marks=pytest.mark.skipif(
+    not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter"))])
+def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logits(sharp_gqa24, read):
     """Chunked prefill under a 7-token budget, the varlen steps padded to sizes up to 8 (so every
     step takes the padded path, and steps of 5, 6 and 7 tokens share the size 8), against the
     engine that runs them unpadded: the same greedy tokens, and every step's logits within 1e-4
     of the one-shot reference."""
     sharp = sharp_gqa24
-    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7)
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7, read=read)
     plain, graphed = Engine(sharp.model, config), Engine(sharp.model, config)
     graphed.runner.varlen_graphs = stand_in = ReplayEagerly(sharp.model, graphed.kv_cache, capture_sizes(8))
     g = torch.Generator().manual_seed(0)
