@@ -25,7 +25,7 @@ from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench
 from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
 from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
-from nanolab.lab.servingmetrics import SLO, check_requests, first_ttfts, serving_metrics, sustained_rates
+from nanolab.lab.servingmetrics import SLO, check_requests, first_ttfts, itl_quantiles, serving_metrics, sustained_rates
 from nanolab.lab.workload import WORKLOADS, PlannedRequest, Workload, rate_schedule, request_plan
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -507,3 +507,11 @@ def test_the_first_requests_ttft_is_held_against_the_rest():
     got = first_ttfts(results)  # sends 11..20 (i < 10) are the last ten; 1..10 (i >= 10) the first, at 300 ms
     assert got["first_ttft_max_ms"] == pytest.approx(300.0) and got["first_ttft_x_steady"] == pytest.approx(30.0)
     assert np.isnan(first_ttfts(results[:5])["first_ttft_x_steady"])
+
+
+def test_itl_quantiles_are_a_cdf_of_the_completed_requests_gaps():
+    ok = result(0.0, [0.1, 0.2, 0.4, 0.7], 4)  # gaps 100, 200, 300 ms
+    failed = result(0.0, [0.1, 5.0], 4, error="broken")  # its 4.9 s gap is left out
+    q = itl_quantiles(PlanRun([ok, failed], 0.0, 1.0, (0.0, 1.0)), points=3)
+    assert q["quantile"].tolist() == [0.0, 0.5, 1.0] and q.gaps.tolist() == [3] * 3
+    np.testing.assert_allclose(q.itl_ms, [100.0, 200.0, 300.0])

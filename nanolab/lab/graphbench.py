@@ -52,7 +52,7 @@ from nanolab.lab.serveprocess import (
     serve_command,
     split_arm,
 )
-from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, serving_metrics
+from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, itl_quantiles, serving_metrics
 from nanolab.lab.workload import SEED_RATES, WORKLOADS, Workload, rate_schedule, request_plan
 from nanolab.model.config import ModelConfig
 from nanolab.model.weights import resolve_weights, weights_kind
@@ -64,6 +64,7 @@ class ArmRun:
     rates: list[dict] = field(default_factory=list)  # one serving_metrics row per rate, then its step columns
     windows: dict[float, tuple[float, float]] = field(default_factory=dict)
     steps: pd.DataFrame | None = None  # the step log inside the windows
+    itl: list[pd.DataFrame] = field(default_factory=list)  # each rate's ITL quantiles
     server_exit: int | None = None
     ready_s: float | None = None
 
@@ -103,6 +104,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
             server.check_alive()
             m = {"arm": arm, "prefill": prefill or "default", "rate": rate, **serving_metrics(run, slo)}
             out.rates.append(m)
+            out.itl.append(itl_quantiles(run).assign(arm=arm, rate=rate))
             out.windows[rate] = run.window
             log(f"{arm:>6} {rate:5g} req/s: {m['completed']}/{m['requests']} in {m['duration_s']:.1f} s, "
                 f"ITL p50 {m['itl_p50_ms']:.2f} ms p99 {m['itl_p99_ms']:.2f} ms, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
@@ -127,6 +129,7 @@ class GraphBench:
     steps: pd.DataFrame  # step_summary of every window
     trace: pd.DataFrame  # one window's steps per arm, step by step: the compaction figure's data
     offline: pd.DataFrame  # arm, batch, context, steps, ms_p50, ms_mean: decode steps in-process
+    itl: pd.DataFrame | None = None  # arm, rate, quantile, itl_ms: each rate's ITL distribution
 
     def tables(self, prefix: str = "day58") -> dict[str, pd.DataFrame]:
         """The tables by the names they are saved under."""
@@ -201,7 +204,8 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = DEFAULT_ARMS, 
     all_steps = pd.concat([run.steps for run in runs], ignore_index=True)
     trace = pd.concat([trace_window(run, trace_steps) for run in runs], ignore_index=True)
     trace = trace[["arm", "rate", "t_s", "phase", "rows", "batch", "graph", "tokens", "ms", "padding_share"]]
-    return GraphBench(table, step_summary(all_steps), trace, off)
+    itl = pd.concat([q for run in runs for q in run.itl], ignore_index=True)
+    return GraphBench(table, step_summary(all_steps), trace, off, itl[["arm", "rate", "quantile", "itl_ms", "gaps"]])
 
 
 def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Sequence[float] = SEED_RATES
@@ -347,6 +351,8 @@ def main(args: argparse.Namespace) -> int:
                       weights=weights_kind(path))
     for name, table in bench.tables(args.prefix).items():
         print(f"{name}: {save_table(table, name, label)}")
+    if bench.itl is not None and len(bench.itl):
+        print(f"{args.prefix}_itl: {save_table(bench.itl, f'{args.prefix}_itl', label)}")
     cols = ["arm", "prefill", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "tpot_p50_ms",
             "request_throughput", "output_throughput", "goodput", "median_rows", "step_batch", "saturated"]
     print(bench.rates[cols].to_string(index=False, float_format=lambda x: f"{x:.2f}"))
