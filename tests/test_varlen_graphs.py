@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_logits_match_reference, logit_recorder, make_cache, run_until_done
 
-from nanolab import Engine, EngineConfig, SamplingParams
+from nanolab import LLM, Engine, EngineConfig, SamplingParams
 from nanolab.engine.graphs import VarlenGraphs, capture_sizes, varlen_step
 from nanolab.engine.kv_cache import SINK
 from nanolab.kernels import INTERPRETED
@@ -135,15 +135,12 @@ def test_capture_sizes_follow_vllms_list():
 
 @needs_cuda
 @pytest.mark.cuda
-def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24):
+def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
     """An engine whose varlen steps replay graphs against one that runs them eagerly: the same
     requests, chunked so steps mix chunks and decode rows, every step's logits within 1e-3 (fp32
     weights, TF32 off). Each graphed step replayed the smallest size holding it, and a plan given
     to a graph of another size is refused."""
-    from nanolab import LLM
-    from nanolab.sampling import SamplingParams
-
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     path = sharp_gqa24.path
     prompts = [torch.randint(1, 200, (n,)).tolist() for n in (37, 5, 61, 12)]
     params = SamplingParams(temperature=0, max_tokens=6)
