@@ -104,6 +104,11 @@ def test_padded_plans_are_checked_and_a_stale_one_is_refused(tiny_model):
     with pytest.raises(ValueError, match="reserved"):  # no buffers yet
         cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=4)
     cache.reserve_varlen(8)
+    buffers = cache._varlen_inputs
+    cache.reserve_varlen(8)
+    assert cache._varlen_inputs is buffers, "reserving again remade the buffers a graph may read"
+    with pytest.raises(RuntimeError, match="reserved for 8 tokens"):
+        cache.reserve_varlen(16)
     with pytest.raises(ValueError, match="num_tokens 9"):
         cache.plan_varlen((row,), (2,), input_ids=[1, 2], num_tokens=9)
     with pytest.raises(ValueError, match="num_tokens 1 must hold"):

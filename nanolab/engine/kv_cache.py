@@ -207,7 +207,14 @@ class KVCache:
         query_start_loc, context_lens and logits_index ([max_rows], [max_rows + 1], [max_rows],
         [max_rows]), then write_slots, positions and input_ids ([max_tokens] each), so a step's
         inputs go up in one copy. On CUDA the copy leaves from one of `UPLOAD_SLOTS` pinned host
-        buffers in turn, each reused only once the copy that last read it has run."""
+        buffers in turn, each reused only once the copy that last read it has run. Reserving again
+        at the same size keeps the buffers (a graph captured on them still reads them); at another
+        size it is refused."""
+        if self._varlen_inputs is not None:
+            if max_tokens != self._varlen_capacity:
+                raise RuntimeError(f"the varlen buffers are reserved for {self._varlen_capacity} tokens; graphs may "
+                                   f"read them, so they are not remade for {max_tokens}")
+            return
         rows = self.max_rows
         self._varlen_capacity = max_tokens
         self._varlen_sizes = (rows, rows + 1, rows, rows, max_tokens, max_tokens, max_tokens)
