@@ -174,10 +174,9 @@ class KVCache:
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} name a row twice: a row's tokens are one segment")
         if num_tokens is not None:
-            capacity = 0 if self._varlen_inputs is None else self._varlen_capacity
-            if not sum(counts) <= num_tokens <= capacity:
+            if not sum(counts) <= num_tokens <= self._varlen_capacity:  # 0 until `reserve_varlen`
                 raise ValueError(f"num_tokens {num_tokens} must hold the step's {sum(counts)} tokens and fit the "
-                                 f"{capacity} the varlen buffers were reserved for")
+                                 f"{self._varlen_capacity} the varlen buffers were reserved for")
             if input_ids is None or len(input_ids) != sum(counts):
                 raise ValueError(f"a padded plan takes the step's {sum(counts)} input ids")
         tables = [self.blocks.table(row) for row in rows]
@@ -269,11 +268,6 @@ class KVCache:
         if plan.padded and plan.epoch != self._varlen_plans:
             raise RuntimeError(f"stale padded VarlenPlan: built as plan {plan.epoch}, but plan {self._varlen_plans} "
                                "exists")
-
-    @property
-    def varlen_epoch(self) -> int:
-        """How many padded varlen plans have been built; the newest one's epoch."""
-        return self._varlen_plans
 
     def _varlen_slots(self, tables, starts, counts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The pool slot and the position of every token of a varlen step, segment after segment,

@@ -237,11 +237,11 @@ class Engine:
     def warm_up(self) -> WarmUp:
         """Run requests that reach every path a request can, before any request comes: on CUDA a
         prompt of two budgets and a few tokens (eager chunks, alone and beside another prompt) and
-        one longer than the largest varlen graph; everywhere, one short prompt per sampling path (greedy,
-        temperature, top-k, top-p, seeded), enough of them at once for the read's many-segment
-        kernels. Triton
-        builds its kernels and every first CUDA call happens here instead of in a request's time
-        to first token. Leaves no request behind and every block free; returns what it ran."""
+        one longer than the largest varlen graph; everywhere, one short prompt per sampling path
+        (greedy, temperature, top-k, top-p, seeded), enough of them at once for the read's
+        many-segment kernels. Triton builds its kernels and every first CUDA call happens here
+        instead of in a request's time to first token. Leaves no request behind and every block
+        free; returns what it ran."""
         start = time.perf_counter()
         # Without chunked prefill the budget is the context: any prompt past the graphs builds the same kernels.
         vocab, budget = self.model_config.vocab_size, min(self.scheduler.max_num_batched_tokens, 4096)
@@ -255,13 +255,13 @@ class Engine:
         lengths = sorted(n for n in lengths if 0 < n and 2 * (n + 4) <= pool_tokens and self.device.type == "cuda")
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-        samplings = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0.8, max_tokens=3),
+        greedy = SamplingParams(temperature=0, max_tokens=3)
+        samplings = [greedy, SamplingParams(temperature=0.8, max_tokens=3),
                      SamplingParams(temperature=0.8, top_k=5, max_tokens=3),
                      SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3),
                      SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=1, max_tokens=3)]
         rows = min(self.config.max_num_seqs, 17)  # past 16 segments: Triton specializes on n % 16
         short = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(rows)]
-        greedy = SamplingParams(temperature=0, max_tokens=3)
         waves = [(prompts, [greedy] * len(prompts)),  # the long prompts alone, then every short one at once
                  (short, [samplings[i % len(samplings)] for i in range(rows)])]
         steps = 0

@@ -69,10 +69,6 @@ class VarlenPlan:
         return self.write_slots.shape[0]
 
     @property
-    def num_real_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)  # 0: a padded plan of padding alone (a capture's)
 

@@ -302,15 +302,12 @@ def _check_args(args: argparse.Namespace) -> None:
 def build_engine(config: EngineConfig) -> Engine:
     """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs),
     warmed up on CUDA (`Engine.warm_up`: every kernel a request can reach is built before
-    `/health` answers), and how long all of it took (`engine.start_seconds`). On the CPU nothing
-    is built lazily, and the warm-up is skipped."""
+    `/health` answers). On the CPU nothing is built lazily, and the warm-up is skipped."""
     from nanolab.llm import LLM
 
-    start = time.perf_counter()
     engine = LLM.from_config(config).engine
     if engine.device.type == "cuda":
         log.info("nanolab: %s", engine.warm_up())
-    engine.start_seconds = time.perf_counter() - start
     return engine
 
 
