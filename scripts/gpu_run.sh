@@ -4,7 +4,7 @@
 # a percent-format notebook is valid Python). Results land in data/ and figures/ under the
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
-#                      [floor] [mixed] [loop] [mixedhost] [tail]
+#                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed]
 #   (default: the first three)
 # cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI), four
 # files at a time when the pytest-xdist and execnet wheels are in third_party/wheels (carry third_party;
@@ -18,11 +18,11 @@
 # data/day61_mixed_*. loop profiles whole generate calls and splits the GPU's timeline at each
 # graph replay (what runs between two decode steps), into data/day61_loop_*. mixedhost splits the
 # host's time inside an eager mixed step's run_varlen by part, into data/day61_mixed_host_*.
-# tail (Day 63) runs the CUDA tests of varlen graphs and the warm-up, then graphbench with every step
+# tail (Day 63) runs the CUDA tests of varlen graphs and the warm-up; tailbench runs graphbench with every step
 # graphed (fullgraphs) against decode-only graphs (graphs) at 4, 16, 32 and 48 req/s, into data/day63_*, with
 # no client warm-up (the server warms itself up: the first requests show what is left cold), $TAIL_ARGS added,
-# then every step graphed under a budget of 512 tokens a step (every mixed step fits a graph;
-# data/day63_budget512_*), then the mixed step's parts with varlen steps eager and graphed
+# tailbudget every step graphed under a budget of 512 tokens a step (every mixed step fits a graph;
+# data/day63_budget512_*), tailmixed the mixed step's parts with varlen steps eager and graphed
 # (data/day63_mixed_*).
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
@@ -58,14 +58,14 @@ for part in "${parts[@]}"; do
             python3 -m nanolab floorbench --model llama-3.2-1b $([[ -d $gpt ]] && echo --gpt-fast "$gpt") \
                 ${FLOOR_ARGS:-} || status=1 ;;
         tail) python3 -m pytest -q -p no:cacheprovider -rs tests/test_varlen_graphs.py tests/test_varlen_attention.py \
-                  tests/test_engine.py -k "graph or flat or warm" || status=1
-              python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,graphs --rates 4,16,32,48 \
+                  tests/test_engine.py -k "graph or flat or warm" || status=1 ;;
+        tailbench) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,graphs --rates 4,16,32,48 \
                   --max-rate 48 --duration 8 --prompt-len 16,128 --output-len 32,256 --warmup 0 --prefix day63 \
-                  ${TAIL_ARGS:-} || status=1
-              python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs --rates 16,32,48 --max-rate 48 \
+                  ${TAIL_ARGS:-} || status=1 ;;
+        tailbudget) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs --rates 16,32,48 --max-rate 48 \
                   --duration 8 --prompt-len 16,128 --output-len 32,256 --warmup 0 --no-offline \
-                  --max-num-batched-tokens 512 --prefix day63_budget512 || status=1
-              python3 -m nanolab levers --only mixed --model llama-3.2-1b --cudagraph-modes full_decode_only,full \
+                  --max-num-batched-tokens 512 --prefix day63_budget512 || status=1 ;;
+        tailmixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b --cudagraph-modes full_decode_only,full \
                   --stem day63 || status=1 ;;
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;

@@ -190,13 +190,13 @@ class TestLLM:
 
 
 def test_warm_up_leaves_the_engine_as_it_found_it(tiny_model):
-    """Seventeen rows at once through every sampling path (on the CPU the long prompts are
+    """Seventeen rows at once, then sixteen, through every sampling path (on the CPU the long prompts are
     skipped: nothing there is built lazily); afterwards no request, no row and no block is held,
     and the engine decodes a request as a fresh one would."""
     engine = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_seqs=20))
     fresh = Engine(tiny_model, EngineConfig(num_blocks=64, max_num_seqs=20))
     report = engine.warm_up()
-    assert (report.requests, report.steps) == (17, 3) and "17 requests" in str(report)
+    assert (report.requests, report.steps) == (33, 6) and "33 requests" in str(report)
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.block_manager.allocator.num_free == engine.num_blocks
     assert engine.block_manager.free_row_count() == 20

@@ -152,8 +152,8 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
     runs = {}
     for mode in ("full", "full_decode_only"):
         llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=48, max_num_seqs=8,
-                  num_blocks=64, compile=False, cudagraph_mode=mode)
-        engine = llm.engine
+                  num_blocks=64, compile=False, cudagraph_mode=mode, async_scheduling=False)
+        engine = llm.engine  # synchronous: every step's logits come back with its tokens
         seen, logits = [], {}
         for prompt in prompts:
             engine.add_request(prompt, params)
@@ -161,6 +161,8 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
             for out in engine.step():
                 logits.setdefault(out.seq.request_id, []).append(out.logits.float().cpu())
             seen.append(engine.runner.last_varlen)
+            if engine.last_step.phase != "decode":
+                assert engine.last_step.graph == (mode == "full"), engine.last_step
         runs[mode] = logits
         if mode == "full":
             graphs = engine.runner.varlen_graphs

@@ -238,7 +238,7 @@ class Engine:
         """Run requests that reach every path a request can, before any request comes: on CUDA a
         prompt of two budgets and a few tokens (eager chunks, alone and beside another prompt) and
         one longer than the largest varlen graph; everywhere, one short prompt per sampling path
-        (greedy, temperature, top-k, top-p, seeded), enough of them at once for the read's
+        (greedy, temperature, top-k, top-p, seeded), 17 and then 16 at once for the read's
         many-segment kernels. Triton builds its kernels and every first CUDA call happens here
         instead of in a request's time to first token. Leaves no request behind and every block
         free; returns what it ran."""
@@ -260,10 +260,14 @@ class Engine:
                      SamplingParams(temperature=0.8, top_k=5, max_tokens=3),
                      SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3),
                      SamplingParams(temperature=0.8, top_p=0.9, top_k=5, seed=1, max_tokens=3)]
-        rows = min(self.config.max_num_seqs, 17)  # past 16 segments: Triton specializes on n % 16
-        short = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(rows)]
-        waves = [(prompts, [greedy] * len(prompts)),  # the long prompts alone, then every short one at once
-                 (short, [samplings[i % len(samplings)] for i in range(rows)])]
+        # The long prompts alone, then waves of short prompts at once: 16 segments and 17, since Triton
+        # builds a kernel apart for an int argument that is a multiple of 16 (and one that is 1).
+        waves = [(prompts, [greedy] * len(prompts))]
+        short = []
+        for rows in sorted({min(self.config.max_num_seqs, 16), min(self.config.max_num_seqs, 17)}, reverse=True):
+            wave = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(rows)]
+            waves.append((wave, [samplings[i % len(samplings)] for i in range(rows)]))
+            short += wave
         steps = 0
         for batch, params in waves:
             self.add_requests(batch, params, name="warm-up request")
@@ -366,7 +370,7 @@ class Engine:
             return self._fail_forward(seqs, e)
         sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
         tokens = self._sample(logits, sampled) if sampled else []
-        batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), False)
+        batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), self.runner.last_varlen[1])
         self.last_step = StepRecord(out.phase, len(seqs), batch, graph, out.num_tokens, time.perf_counter() - start)
         return self._emit(sampled, tokens, logits)
 

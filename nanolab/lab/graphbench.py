@@ -94,6 +94,9 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
         out.ready_s = server.ready_s
         log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
+        for line in server.log.read_text(errors="replace").splitlines():
+            if "engine built in" in line or "warmed up on" in line:
+                log(f"{arm}: {line.split('nanolab: ', 1)[-1]}")
         served = server.model_id()
         if warmup:
             plan = [replace(r, arrival_s=0.0) for r in request_plan(1000.0, warmup, vocab_size, workload, seed)]

@@ -305,7 +305,12 @@ def build_engine(config: EngineConfig) -> Engine:
     `/health` answers). On the CPU nothing is built lazily, and the warm-up is skipped."""
     from nanolab.llm import LLM
 
+    start = time.perf_counter()
     engine = LLM.from_config(config).engine
+    runner = engine.runner
+    reports = [g.report for g in (runner.graphs, getattr(runner, "varlen_graphs", None)) if g and g.report]
+    log.info("nanolab: engine built in %.1f s%s", time.perf_counter() - start,
+             "".join(f"; {r}" for r in reports))
     if engine.device.type == "cuda":
         log.info("nanolab: %s", engine.warm_up())
     return engine
