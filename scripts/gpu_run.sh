@@ -21,8 +21,8 @@
 # tail (Day 63) runs the CUDA tests of varlen graphs and the warm-up; tailbench runs graphbench with every step
 # graphed (fullgraphs) against decode-only graphs (graphs) at 4, 16, 32 and 48 req/s, into data/day63_*, with
 # no client warm-up (the server warms itself up: the first requests show what is left cold), $TAIL_ARGS added,
-# tailbudget every step graphed under a budget of 512 tokens a step (every mixed step fits a graph;
-# data/day63_budget512_*), tailmixed the mixed step's parts with varlen steps eager and graphed
+# tailbudget serves prompts of 256 to 2,048 tokens with every step graphed under budgets of 2,048 and 512
+# tokens a step (under 512 every mixed step fits a graph; data/day63_long_budget*), tailmixed the mixed step's parts with varlen steps eager and graphed
 # (data/day63_mixed_*).
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
@@ -62,9 +62,11 @@ for part in "${parts[@]}"; do
         tailbench) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,graphs --rates 4,16,32,48 \
                   --max-rate 48 --duration 8 --prompt-len 16,128 --output-len 32,256 --warmup 0 --prefix day63 \
                   ${TAIL_ARGS:-} || status=1 ;;
-        tailbudget) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs --rates 16,32,48 --max-rate 48 \
-                  --duration 8 --prompt-len 16,128 --output-len 32,256 --warmup 0 --no-offline \
-                  --max-num-batched-tokens 512 --prefix day63_budget512 || status=1 ;;
+        tailbudget) for budget in 2048 512; do  # long prompts, where the budget decides what a step carries
+                  python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs --rates 16,32 --max-rate 32 \
+                      --duration 8 --prompt-len 256,2048 --output-len 32,256 --warmup 0 --no-offline \
+                      --max-num-batched-tokens $budget --prefix day63_long_budget$budget || status=1
+              done ;;
         tailmixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b --cudagraph-modes full_decode_only,full \
                   --stem day63 || status=1 ;;
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
