@@ -106,13 +106,13 @@ class EngineConfig:
     num_blocks: int | None = None  # the KV pool; None: as many as kv_cache_bytes holds
     kv_cache_bytes: int | None = None  # None: 1 GiB on the CPU, 40% of what the weights leave free on CUDA
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
-    cudagraph_mode: str = "full_decode_only"  # or "full": varlen steps replay graphs too
+    cudagraph_mode: str = "full"  # varlen steps replay graphs too; "full_decode_only": decode steps alone
     max_cudagraph_capture_size: int | None = None  # the largest varlen step captured; None: the budget, at most 512
     read: str = "auto"  # the paged read: "streamed" (Triton), "reference" (torch); "auto": streamed on CUDA
     compile: bool | None = None  # decode steps through inductor; None: on with CUDA graphs
     async_scheduling: bool | None = None  # launch step t + 1 before reading back step t; None: on with graphs
     enable_chunked_prefill: bool = True  # a token budget per step, decode rows first, prompts in chunks
-    max_num_batched_tokens: int = 2048  # the tokens one step feeds, with chunked prefill
+    max_num_batched_tokens: int = 512  # the tokens one step feeds, with chunked prefill: every step fits a graph
     tensor_parallel_size: int = 1  # processes the model is sharded over, rank 0 coordinating
     distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
     # Tensor parallelism on CUDA runs over NCCL, a path that has not yet passed on two GPUs: refused
@@ -201,9 +201,9 @@ class EngineConfig:
             "kv_cache_bytes": dict(type=int, default=None,
                                    help="the KV pool's bytes (default: 1 GiB on the CPU, 40%% of free memory on CUDA)"),
             "enforce_eager": dict(action="store_true", help="no CUDA graphs"),
-            "cudagraph_mode": dict(default="full_decode_only", choices=CUDAGRAPH_MODES,
-                                   help="full_decode_only (default): decode steps replay graphs; full: varlen "
-                                        "steps too"),
+            "cudagraph_mode": dict(default="full", choices=CUDAGRAPH_MODES,
+                                   help="full (default): every step up to the largest capture size replays a graph; "
+                                        "full_decode_only: decode steps alone"),
             "max_cudagraph_capture_size": dict(type=int, default=None,
                                                help="the largest varlen step captured, in tokens "
                                                     "(default: --max-num-batched-tokens, at most 512)"),
@@ -216,7 +216,7 @@ class EngineConfig:
             "enable_chunked_prefill": dict(action=argparse.BooleanOptionalAction, default=True,
                                            help="a token budget per step, decode rows first and prompts in chunks "
                                                 "(--no-enable-chunked-prefill: whole prompts, or decode)"),
-            "max_num_batched_tokens": dict(type=int, default=2048, help="the tokens one step feeds (default: 2048)"),
+            "max_num_batched_tokens": dict(type=int, default=512, help="the tokens one step feeds (default: 512)"),
             "tensor_parallel_size": dict(type=int, default=1,
                                          help="shard the model over this many processes, rank 0 coordinating"),
             "distributed_timeout_s": dict(type=float, default=None,

@@ -159,9 +159,10 @@ def test_serve_takes_the_step_budget() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     default = parser.parse_args([])
-    assert default.enable_chunked_prefill is True and default.max_num_batched_tokens == 2048
-    off = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"])
-    assert off.enable_chunked_prefill is False and off.max_num_batched_tokens == 512
+    assert default.enable_chunked_prefill is True and default.max_num_batched_tokens == 512
+    assert default.cudagraph_mode == "full"
+    off = parser.parse_args(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"])
+    assert off.enable_chunked_prefill is False and off.max_num_batched_tokens == 2048
     assert not hasattr(default, "compile_varlen")
 
 

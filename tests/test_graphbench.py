@@ -21,7 +21,7 @@ from nanolab.lab.compaction import (
     step_summary,
     weighted_median_rows,
 )
-from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench
+from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench, startup_columns, startup_table
 from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
 from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
@@ -368,10 +368,41 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
         run_arm("graphs-chunked", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
                 command=record, log=lambda _: None, max_num_batched_tokens=512)
     assert seen["chunked_prefill"] is True and seen["max_num_batched_tokens"] == 512 and not seen["eager"]
+    assert seen["cudagraph_mode"] == "full_decode_only"  # named: the server's default is "full"
+    with pytest.raises(Built):
+        run_arm("fullgraphs", "fake-model", "cuda", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
+                command=record, log=lambda _: None)
+    assert seen["cudagraph_mode"] == "full" and not seen["eager"]
     with pytest.raises(Built):
         run_arm("eager", "fake-model", "cpu", 500, [20.0], 20.0, TINY, SLO(), warmup=0, workdir=tmp_path,
                 command=record, log=lambda _: None)
     assert seen["eager"] and "chunked_prefill" not in seen  # a bare arm: the server's default prefill
+    assert "cudagraph_mode" not in seen
+
+
+STARTUP_LOG = """\
+fullgraphs: server ready in 43.6 s (-m nanolab serve --model m --port 1 --cudagraph-mode full)
+fullgraphs: engine built in 36.4 s; captured 7 decode graphs in 30.37 s; one shared pool holds 556.0 MiB; \
+captured 51 varlen graphs in 1.64 s; one shared pool holds 842.0 MiB
+fullgraphs: warmed up on 35 requests in 14 steps, 0.51 s
+fullgraphs     4 req/s: 32/32 in 6.1 s
+eager: server ready in 9.5 s (-m nanolab serve --model m --port 2 --enforce-eager --max-num-batched-tokens 256)
+eager: engine built in 2.0 s
+"""
+
+
+def test_the_startup_table_reads_each_servers_lines():
+    """The server's startup lines, as graphbench logs them, become one row per server: its seconds
+    to ready, its flags, and what building and warming it cost; a part its log lacks stays empty."""
+    table = startup_table(STARTUP_LOG).set_index("arm")
+    full, eager = table.loc["fullgraphs"], table.loc["eager"]
+    assert (full.ready_s, full.cudagraph_mode, full.engine_build_s, full.decode_graphs, full.decode_capture_s,
+            full.decode_pool_mib) == (43.6, "full", 36.4, 7, 30.37, 556.0)
+    assert (full.varlen_graphs, full.varlen_capture_s, full.varlen_pool_mib) == (51, 1.64, 842.0)
+    assert (full.warm_up_requests, full.warm_up_s) == (35, 0.51)
+    assert (eager.ready_s, eager.token_budget, eager.engine_build_s) == (9.5, "256", 2.0)
+    assert pd.isna(eager.cudagraph_mode) and pd.isna(eager.decode_graphs) and pd.isna(eager.warm_up_s)
+    assert startup_columns("no startup here") == {}
 
 
 def test_the_server_takes_every_flag_serve_command_passes(tmp_path):

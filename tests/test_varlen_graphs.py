@@ -8,6 +8,8 @@ key they read). The graphs themselves are checked on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_logits_match_reference, logit_recorder, make_cache, run_until_done
@@ -129,13 +131,14 @@ def test_capture_sizes_follow_vllms_list():
     assert 248 in sizes and 256 in sizes and 252 not in sizes and len(sizes) == 3 + 31 + 17
     assert capture_sizes(100)[-2:] == (96, 100) and capture_sizes(3) == (1, 2, 3)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    full = EngineConfig(device="cpu", cudagraph_mode="full")
-    assert full.varlen_capture_size(cuda) == 512
+    full = EngineConfig(device="cpu")  # "full", the default
+    assert full.cudagraph_mode == "full" and full.varlen_capture_size(cuda) == 512
+    assert full.replace(max_num_batched_tokens=2048).varlen_capture_size(cuda) == 512  # vLLM's cap
     assert full.replace(max_num_batched_tokens=256).varlen_capture_size(cuda) == 256
     assert full.replace(max_cudagraph_capture_size=64).varlen_capture_size(cuda) == 64
     assert full.varlen_capture_size(cpu) is None
     assert full.replace(enforce_eager=True).varlen_capture_size(cuda) is None
-    assert EngineConfig(device="cpu").varlen_capture_size(cuda) is None  # the default until measured
+    assert full.replace(cudagraph_mode="full_decode_only").varlen_capture_size(cuda) is None
 
 
 @needs_cuda
@@ -161,8 +164,12 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
             for out in engine.step():
                 logits.setdefault(out.seq.request_id, []).append(out.logits.float().cpu())
             seen.append(engine.runner.last_varlen)
-            if engine.last_step.phase != "decode":
-                assert engine.last_step.graph == (mode == "full"), engine.last_step
+            step = engine.last_step
+            if step.phase != "decode":
+                assert step.graph == (mode == "full"), step
+                if step.graph:  # the smallest size holding the step's tokens
+                    size = engine.runner.last_varlen[0]
+                    assert size == min(n for n in engine.runner.varlen_graphs.sizes if n >= step.tokens), step
         runs[mode] = logits
         if mode == "full":
             graphs = engine.runner.varlen_graphs
@@ -179,21 +186,38 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
         torch.testing.assert_close(torch.stack(runs["full"][rid]), torch.stack(rows), rtol=1e-3, atol=1e-3)
 
 
-class ReplayEagerly(VarlenGraphs):
-    """`VarlenGraphs` without CUDA: `replay` runs the step a graph captures (`varlen_step`) on the
-    plan it is given, so the runner's graphed path (the lookup, the padded plan, the slicing of
-    the sampled rows) runs on the CPU."""
+class CapturedOnCPU(VarlenGraphs):
+    """`VarlenGraphs` without CUDA, replaying through `VarlenGraphs.replay` itself. What stands in
+    for the graph of n tokens is the step a graph captures (`varlen_step` into the logits buffer)
+    bound to the capture plan of n tokens, whose tensors view the cache's fixed buffers: like a
+    graph, it reads whatever the buffers hold when replayed, over its own n tokens, whatever the
+    step. Only the host fields the reference read walks (the real segments) come from the plan
+    being replayed; a graph's read (the streamed one) has none."""
+
+    class Recorded:
+        def __init__(self, graphs: CapturedOnCPU, n: int) -> None:
+            self.graphs, self.n, self.captured = graphs, n, graphs.cache.plan_varlen_padding(n)
+
+        def replay(self) -> None:
+            g, current = self.graphs, self.graphs.current
+            # A graph of fewer tokens than the step's would read past its own rows on a GPU.
+            assert sum(current.query_lens) <= self.n, f"the graph of {self.n} tokens replayed a step of more"
+            g.replayed.append((sum(current.query_lens), self.n))  # (the step's tokens, the graph's)
+            plan = dataclasses.replace(self.captured, query_lens=current.query_lens, rows=current.rows,
+                                       planned_lens=current.planned_lens, epoch=current.epoch)
+            g.logits.copy_(varlen_step(g.model, g.cache, plan))
 
     def __init__(self, model, cache, sizes) -> None:
         self.model, self.cache, self.sizes = model, cache, tuple(sizes)
         cache.reserve_varlen(self.sizes[-1])
-        self.replayed: list[int] = []
+        self.logits = torch.empty((cache.max_rows, model.config.vocab_size))
+        self.graphs = {n: self.Recorded(self, n) for n in self.sizes}
+        self.replayed: list[tuple[int, int]] = []
+        self.current = None
 
     def replay(self, plan, num_sampled: int) -> torch.Tensor:
-        self.cache.require_current_varlen(plan)
-        assert plan.num_tokens in self.sizes, f"no graph of {plan.num_tokens} tokens"
-        self.replayed.append(plan.num_tokens)
-        return varlen_step(self.model, self.cache, plan)[:num_sampled]
+        self.current = plan
+        return super().replay(plan, num_sampled)
 
 
 @pytest.mark.parametrize("read", ["reference", pytest.param("streamed", marks=pytest.mark.skipif(
@@ -206,7 +230,7 @@ def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logit
     sharp = sharp_gqa24
     config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7, read=read)
     plain, graphed = Engine(sharp.model, config), Engine(sharp.model, config)
-    graphed.runner.varlen_graphs = stand_in = ReplayEagerly(sharp.model, graphed.kv_cache, capture_sizes(8))
+    graphed.runner.varlen_graphs = stand_in = CapturedOnCPU(sharp.model, graphed.kv_cache, capture_sizes(8))
     g = torch.Generator().manual_seed(0)
     prompt_list = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (3, 9, 14, 22, 1)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -219,7 +243,10 @@ def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logit
     (plain_seqs, _), (seqs, logits) = runs
     assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in plain_seqs]
     assert_logits_match_reference(sharp, seqs, logits)
-    assert set(stand_in.replayed) >= {8} and len(stand_in.replayed) > 5
+    assert {n for _, n in stand_in.replayed} >= {8} and len(stand_in.replayed) > 5
+    smallest = {tokens: min(n for n in capture_sizes(8) if n >= tokens) for tokens in range(1, 9)}
+    assert all(n == smallest[tokens] for tokens, n in stand_in.replayed), stand_in.replayed
+    assert [stand_in.lookup(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
     assert graphed.block_manager.allocator.num_free == 64
 
 

@@ -21,6 +21,8 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `steploop`: what the GPU runs between two replays of the graphed decode step (Day 61)
 - `folds`: the decode step with its norms, residual adds and SwiGLU inside the GEMVs (Day 61, not kept)
 - `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
+- `graphbench`'s `fullgraphs` arm, `startup_table` and `plots.tail`: the serving tail with every step
+  graphed, and the server's start (Day 63)
 - `results`: the front page's figure and the results page, from the committed tables
 """
 
@@ -37,7 +39,7 @@ _EXPORTS = {
                           "spread_lengths", "streambench_table", "streamed_work", "streamed_workspace_bytes",
                           "workspace_bytes"],
     "nanolab.lab.decodebench": ["decode_table"],
-    "nanolab.lab.graphbench": ["graphbench_ratios", "graphbench_stems", "run_graphbench"],
+    "nanolab.lab.graphbench": ["graphbench_ratios", "graphbench_stems", "run_graphbench", "startup_table"],
     "nanolab.lab.history": ["unplanned_runner"],
     "nanolab.lab.leverrun": ["show_lever_run"],
     "nanolab.lab.plots": ["between_steps_timeline", "lever_run_waterfall", "plot_between_steps",
@@ -50,6 +52,7 @@ _EXPORTS = {
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
+    "nanolab.lab.plots.tail": ["plot_itl_cdf", "plot_startup"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",

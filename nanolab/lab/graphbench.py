@@ -19,6 +19,7 @@ each rate ran at (`offlinesteps`), so the chapter can say what the server adds t
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -57,6 +58,41 @@ from nanolab.lab.workload import SEED_RATES, WORKLOADS, Workload, rate_schedule,
 from nanolab.model.config import ModelConfig
 from nanolab.model.weights import resolve_weights, weights_kind
 
+# The server's startup lines (`api_server.build_engine`), as this parses them.
+_BUILT = re.compile(r"engine built in ([\d.]+) s")
+_CAPTURED = re.compile(r"captured (\d+) (decode|varlen) graphs in ([\d.]+) s; .*? holds ([\d.]+) MiB")
+_WARMED = re.compile(r"warmed up on (\d+) requests in (\d+) steps, ([\d.]+) s")
+
+
+def startup_columns(log_text: str) -> dict:
+    """What the server's log says its start cost: the engine's build (weights, pool, capture) in
+    seconds, each graph kind's count, capture seconds and pool MiB, and the warm-up's requests and
+    seconds. A part the log does not mention is absent (no graphs, a CPU's skipped warm-up)."""
+    out = {}
+    if m := _BUILT.search(log_text):
+        out["engine_build_s"] = float(m[1])
+    for count, kind, seconds, mib in _CAPTURED.findall(log_text):
+        out.update({f"{kind}_graphs": int(count), f"{kind}_capture_s": float(seconds), f"{kind}_pool_mib": float(mib)})
+    if m := _WARMED.search(log_text):
+        out.update(warm_up_requests=int(m[1]), warm_up_s=float(m[3]))
+    return out
+
+
+def startup_table(bench_log: str) -> pd.DataFrame:
+    """One row per server a graphbench log started: its arm, seconds to ready, `--cudagraph-mode`
+    and `--max-num-batched-tokens` as given (None: the default), and `startup_columns` of the
+    startup lines the bench logged for it."""
+    rows = []
+    for line in bench_log.splitlines():
+        if m := re.match(r"(\S+): server ready in ([\d.]+) s \((.*)\)$", line):
+            argv = m[3].split()
+            flag = {a: b for a, b in zip(argv, argv[1:], strict=False) if a.startswith("--")}
+            rows.append({"arm": m[1], "ready_s": float(m[2]), "cudagraph_mode": flag.get("--cudagraph-mode"),
+                         "token_budget": flag.get("--max-num-batched-tokens")})
+        elif rows and line.startswith(f"{rows[-1]['arm']}: "):
+            rows[-1].update(startup_columns(line))
+    return pd.DataFrame(rows)
+
 
 @dataclass
 class ArmRun:
@@ -67,6 +103,7 @@ class ArmRun:
     itl: list[pd.DataFrame] = field(default_factory=list)  # each rate's ITL quantiles
     server_exit: int | None = None
     ready_s: float | None = None
+    startup: dict = field(default_factory=dict)  # `startup_columns` of the server's log
 
 
 def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[float], max_rate: float,
@@ -85,8 +122,8 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
     if max_num_batched_tokens is not None:
         extra["max_num_batched_tokens"] = max_num_batched_tokens
-    if mode == "fullgraphs":
-        extra["cudagraph_mode"] = "full"
+    if mode in GRAPHED:  # named, not left to the server's default
+        extra["cudagraph_mode"] = "full" if mode == "fullgraphs" else "full_decode_only"
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -94,8 +131,10 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
         out.ready_s = server.ready_s
         log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
-        for line in server.log.read_text(errors="replace").splitlines():
-            if "engine built in" in line or "warmed up on" in line:
+        text = server.log.read_text(errors="replace")
+        out.startup = startup_columns(text)
+        for line in text.splitlines():  # the lines `startup_columns` reads, as `startup_table` reads them back
+            if _BUILT.search(line) or _WARMED.search(line):
                 log(f"{arm}: {line.split('nanolab: ', 1)[-1]}")
         served = server.model_id()
         if warmup:
@@ -122,7 +161,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     graphed = mode in GRAPHED and device.startswith("cuda")
     for m in out.rates:
         m.update(step_columns(out.steps[out.steps.rate == m["rate"]], graphed, capture_batch_sizes(max_num_seqs)),
-                 server_exit=out.server_exit, server_ready_s=out.ready_s)
+                 server_exit=out.server_exit, server_ready_s=out.ready_s, **out.startup)
     return out
 
 

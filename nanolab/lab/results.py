@@ -27,6 +27,7 @@ CHAPTERS = {
     "61c_against_the_peers": "Day 61: against the peers, TTFT and chunked prefill",
     "61d_the_cpu": "Day 61: bf16 against fp32, and the CPU",
     "62_two_gpus": "Day 62: two GPUs",
+    "63_serving_tail": "Day 63: the serving tail",
 }
 
 
@@ -141,6 +142,12 @@ HEADLINES = (
              "Llama-3.1-8B's decode step on one GPU at batch 1 (graphs, eager step), and over its floor",
              lambda t: (lambda r: f"{_ms(r.ms_per_step)}, {r.x_floor:.2f}x the floor")(_at(t, arm="tp1", batch=1)),
              where=(("model", "llama-3.1-8b"),)),
+    Headline("63_serving_tail", "day63_graphbench",
+             "ITL p99 over p50 at 16, 32 and 48 req/s, every step graphed (mixed steps eager)",
+             lambda t: ", ".join(
+                 f"{(lambda r: r.itl_p99_ms / r.itl_p50_ms)(_at(t, arm='fullgraphs', rate=rate)):.1f}x "
+                 f"({(lambda r: r.itl_p99_ms / r.itl_p50_ms)(_at(t, arm='graphs', rate=rate)):.1f}x)"
+                 for rate in (16.0, 32.0, 48.0))),
 )
 
 

@@ -21,13 +21,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from nanolab.config import EngineConfig
+
 ARMS = ("graphs", "fullgraphs", "eager")
 GRAPHED = ("graphs", "fullgraphs")  # the modes that capture decode graphs
 DEFAULT_ARMS = ("graphs", "eager")  # what a bench runs unless told: Day 58's comparison
 PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
 # The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
 # records it.
-SERVER_TOKEN_BUDGET = 2048
+SERVER_TOKEN_BUDGET = EngineConfig.max_num_batched_tokens
 
 
 def free_port() -> int:
