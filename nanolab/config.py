@@ -162,11 +162,14 @@ class EngineConfig:
         """Whether decode steps on `device` replay CUDA graphs: on CUDA unless `enforce_eager`."""
         return device.type == "cuda" and not self.enforce_eager
 
-    def varlen_capture_size(self, device: torch.device) -> int | None:
+    def varlen_capture_size(self, device: torch.device, read: str) -> int | None:
         """The largest varlen step (prompt chunks beside decode rows) that replays a graph on
-        `device`, or None when varlen steps run eagerly: `max_cudagraph_capture_size`, else the
-        step's token budget up to 512 (vLLM's cap), with graphs and `cudagraph_mode` "full"."""
-        if not self.cuda_graphs(device) or self.cudagraph_mode != "full":
+        `device` with the paged read `read` (as the cache resolved it), or None when varlen steps
+        run eagerly: `max_cudagraph_capture_size`, else the step's token budget up to 512 (vLLM's
+        cap), with graphs, `cudagraph_mode` "full" and the streamed read. The reference read walks
+        a step's segments on the host, which a graph cannot follow, so under it varlen steps run
+        eagerly whatever the mode, as vLLM falls back for a backend that cannot capture them."""
+        if not self.cuda_graphs(device) or self.cudagraph_mode != "full" or read != "streamed":
             return None
         budget = self.max_num_batched_tokens if self.enable_chunked_prefill else 512
         return self.max_cudagraph_capture_size or min(budget, 512)

@@ -19,7 +19,8 @@
 # graph replay (what runs between two decode steps), into data/day61_loop_*. mixedhost splits the
 # host's time inside an eager mixed step's run_varlen by part, into data/day61_mixed_host_*.
 # tail (Day 63) runs the CUDA tests of varlen graphs and the warm-up; tailbench runs graphbench with every step
-# graphed (fullgraphs) against decode-only graphs (graphs) at 4, 16, 32 and 48 req/s, into data/day63_*, with
+# graphed (fullgraphs) against decode-only graphs (graphs) at 4, 16, 32 and 48 req/s under the budget it was
+# first run with (2,048 tokens a step, the default then), into data/day63_*, with
 # no client warm-up (the server warms itself up: the first requests show what is left cold), $TAIL_ARGS added,
 # tailbudget serves prompts of 256 to 2,048 tokens with every step graphed under budgets of 2,048 and 512
 # tokens a step (under 512 every mixed step fits a graph; data/day63_long_budget*), tailmixed the mixed step's parts with varlen steps eager and graphed
@@ -61,7 +62,7 @@ for part in "${parts[@]}"; do
                   tests/test_engine.py -k "graph or flat or warm" || status=1 ;;
         tailbench) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,graphs --rates 4,16,32,48 \
                   --max-rate 48 --duration 8 --prompt-len 16,128 --output-len 32,256 --warmup 0 --prefix day63 \
-                  ${TAIL_ARGS:-} || status=1 ;;
+                  --max-num-batched-tokens 2048 ${TAIL_ARGS:-} || status=1 ;;
         tailbudget) for budget in 2048 512; do  # long prompts, where the budget decides what a step carries
                   python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs --rates 16,32 --max-rate 32 \
                       --duration 8 --prompt-len 256,2048 --output-len 32,256 --warmup 0 --no-offline \

@@ -132,13 +132,14 @@ def test_capture_sizes_follow_vllms_list():
     assert capture_sizes(100)[-2:] == (96, 100) and capture_sizes(3) == (1, 2, 3)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     full = EngineConfig(device="cpu")  # "full", the default
-    assert full.cudagraph_mode == "full" and full.varlen_capture_size(cuda) == 512
-    assert full.replace(max_num_batched_tokens=2048).varlen_capture_size(cuda) == 512  # vLLM's cap
-    assert full.replace(max_num_batched_tokens=256).varlen_capture_size(cuda) == 256
-    assert full.replace(max_cudagraph_capture_size=64).varlen_capture_size(cuda) == 64
-    assert full.varlen_capture_size(cpu) is None
-    assert full.replace(enforce_eager=True).varlen_capture_size(cuda) is None
-    assert full.replace(cudagraph_mode="full_decode_only").varlen_capture_size(cuda) is None
+    assert full.cudagraph_mode == "full" and full.varlen_capture_size(cuda, "streamed") == 512
+    assert full.replace(max_num_batched_tokens=2048).varlen_capture_size(cuda, "streamed") == 512  # vLLM's cap
+    assert full.replace(max_num_batched_tokens=256).varlen_capture_size(cuda, "streamed") == 256
+    assert full.replace(max_cudagraph_capture_size=64).varlen_capture_size(cuda, "streamed") == 64
+    assert full.varlen_capture_size(cpu, "streamed") is None
+    assert full.replace(enforce_eager=True).varlen_capture_size(cuda, "streamed") is None
+    assert full.replace(cudagraph_mode="full_decode_only").varlen_capture_size(cuda, "streamed") is None
+    assert full.varlen_capture_size(cuda, "reference") is None  # its segments are walked on the host
 
 
 @needs_cuda

@@ -214,7 +214,8 @@ class Engine:
         if forward is None and config.compiled(self.device):
             forward = compile_decode(model)
         # A tensor-parallel group's workers capture no varlen graphs, so rank 0 keeps those steps eager too.
-        varlen = config.varlen_capture_size(self.device) if config.tensor_parallel_size == 1 else None
+        varlen = (config.varlen_capture_size(self.device, self.kv_cache.read) if config.tensor_parallel_size == 1
+                  else None)
         self.runner = runner(model, self.kv_cache, forward=forward, buckets=buckets,
                              cuda_graphs=config.cuda_graphs(self.device), varlen_capture_size=varlen,
                              progress=progress)

@@ -85,8 +85,7 @@ class VarlenPlan:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One decode step: a new token for each row, and rows padded up to a capture bucket.
-    Day 50."""
+    """One decode step: a new token for each row, and rows padded up to a capture bucket."""
 
     # Views of the cache's fixed buffers: the same addresses every step.
     table_rows: torch.Tensor  # [batch] int64: each batch row's block-table row; padded rows the all-sink one

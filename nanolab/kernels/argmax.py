@@ -1,4 +1,4 @@
-"""`argmax`: greedy decoding's pick over the vocabulary, in two passes. Day 61.
+"""`argmax`: greedy decoding's pick over the vocabulary, in two passes.
 
 torch's argmax reduces one row in one block of threads, so a single row of a large vocabulary
 takes longer than a layer's projections. Here a first pass splits each row into

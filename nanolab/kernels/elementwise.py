@@ -1,5 +1,5 @@
 """The elementwise work between a forward's matmuls, one Triton kernel each: the rotary embedding
-of q and k, the same with the K/V cache write, and SwiGLU. Day 61.
+of q and k, the same with the K/V cache write, and SwiGLU.
 
 Eagerly, `layers.apply_rope` is five kernels (two multiplies, a negation, a concatenation and an
 add), each striding over a slice of the fused q/k/v output, and SwiGLU is two over halves of the

@@ -1,4 +1,4 @@
-"""`gemv`: a decode step's projections, `x @ weight.T` for a few rows, in Triton. Day 61.
+"""`gemv`: a decode step's projections, `x @ weight.T` for a few rows, in Triton.
 
 A decode step multiplies a handful of activation rows by every weight matrix once, so each
 projection is bound by reading its weight: [N, K] bf16 from memory, [M, K] activations beside

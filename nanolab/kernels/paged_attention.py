@@ -1,4 +1,4 @@
-"""`paged_attention`: the decode read over the paged pool, streamed in Triton. Day 59.
+"""`paged_attention`: the decode read over the paged pool, streamed in Triton.
 
 Each program walks its row's own history a tile of `block` keys at a time and folds every tile
 into an online softmax (running max, denominator, accumulator), so nothing it holds grows with the

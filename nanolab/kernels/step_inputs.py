@@ -1,5 +1,5 @@
 """`upload_step_inputs`: a decode plan's four per-row vectors, from one host buffer into the device
-buffers the step reads, in one kernel. Day 61.
+buffers the step reads, in one kernel.
 
 The plan's table rows, write slots, context lengths and positions each live in a device buffer of
 their own (`KVCache.step_inputs`). One kernel loads all four from pinned host memory, which the GPU
