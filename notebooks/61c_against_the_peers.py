@@ -323,12 +323,10 @@ lab.show(pd.DataFrame(chunking).round(2))
 #   `day61_budget512`, the next process on the same H200).
 
 # %%
-from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET
-
 varlen_runs = {name: lab.load_table(f"{name}_graphbench", "h200") for name in ("day61_varlen", "day61_budget512")}
 assert not any(t is None for t in varlen_runs.values()), "data/day61_varlen_* and day61_budget512_*"
-# The varlen run predates the table's budget column: its servers ran the default budget.
-varlen_runs = {name: t if "token_budget" in t else t.assign(token_budget=SERVER_TOKEN_BUDGET)
+# The varlen run predates the table's budget column: its servers ran the default budget then, 2,048.
+varlen_runs = {name: t if "token_budget" in t else t.assign(token_budget=2048)
                for name, t in varlen_runs.items()}
 budgets = pd.concat([t.assign(run=name) for name, t in varlen_runs.items()], ignore_index=True)
 print("measured on:", lab.table_label(budgets).caption().replace("; ", ";\n  "))
@@ -366,7 +364,8 @@ lab.show(fig)
 # sixth of that. ITL p99 over p50 at 32 requests/s was 7.8 for the eager server and 13.6 for the
 # compiled one in this run; the same eager server measured 12.3 in the run above, so the two tails
 # sit inside one server's spread and this run cannot rank them. Neither lever was kept: the engine
-# has no compiled varlen step, and the budget stays 2,048.
+# has no compiled varlen step, and the budget stayed 2,048. (Day 63 lowered it to 512, once every
+# step of that size replayed a CUDA graph.)
 #
 # Then one mixed step was taken apart (`levers --only mixed`, `lab.mixedsteps`). Sixteen rows
 # decode at about 512 tokens each, a prompt of 64, 512 or 2,048 tokens arrives, and each step that

@@ -34,8 +34,8 @@ def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
     tables = [t for t in cache.blocks.tables if t is not None]
     owned = [b for t in tables for b in t.blocks]
     assert len(owned) == len(set(owned)), "a block is owned by two tables, or twice by one"
-    assert set(owned) == allocator._used, "the allocator's owned set differs from the open tables' blocks"
-    assert not set(owned) & set(allocator._free), "an owned block is also on the free list"
+    assert set(owned) == allocator.held(), "the allocator's held set differs from the open tables' blocks"
+    assert not set(owned) & set(allocator._free), "a held block is also on the free list"
     assert allocator.num_free + allocator.num_used == cache.num_blocks
     assert allocator.num_used == sum(len(t.blocks) for t in tables)
     for t in tables:

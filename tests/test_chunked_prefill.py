@@ -235,7 +235,7 @@ class Driver:
     def check(self) -> None:
         sched, blocks = self.scheduler, self.cache.blocks
         owned = [b for t in blocks.tables if t is not None for b in t.blocks]
-        assert len(owned) == len(set(owned)) and set(owned) == blocks.allocator._used
+        assert len(owned) == len(set(owned)) and set(owned) == blocks.allocator.held()
         assert sorted(s.row for s in sched.running) == [r for r, t in enumerate(blocks.tables) if t is not None]
         for s in sched.running:
             assert blocks.table(s.row).num_tokens == s.num_computed_tokens <= s.num_tokens

@@ -1,14 +1,19 @@
-"""Host block accounting: the pool's free list and each row's `BlockTable`. The scheduler owns it.
+"""Host block accounting: the pool's blocks with their reference counts, and each row's
+`BlockTable`. The scheduler owns it.
 
 The KV pool is cut into blocks of `block_size` tokens; a running
 request holds one row, and its `BlockTable` (vLLM: a row of its block table) lists its blocks in
 order, so token p lives in pool slot `blocks[p // block_size] * block_size + p % block_size`.
 Every block a table gains is also staged for the device copy of the table (`take_new_entries`).
+With prefix caching, full blocks are keyed by a hash chain over their tokens, and a table may
+share the leading full blocks of another's (`BlockManager.cached_prefix`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import array
+import hashlib
+from collections import OrderedDict, deque
 
 
 def cdiv(a: int, b: int) -> int:
@@ -19,46 +24,113 @@ class CacheFull(RuntimeError):
     """The pool has no free block or row left. The scheduler preempts before this can happen."""
 
 
+def block_key(parent: bytes | None, tokens) -> bytes:
+    """The key of a full block: a SHA-256 over its parent's key (None for a sequence's first block)
+    and its own token ids, so two blocks share a key only when they and every block before them
+    hold the same tokens (vLLM's prefix-caching hash chain)."""
+    return hashlib.sha256((parent or b"") + array.array("q", tokens).tobytes()).digest()
+
+
 class BlockAllocator:
-    """The free list of the pool's blocks. Every block is either free or owned, never both.
-    Released blocks are handed out first again (last in, first out)."""
+    """The pool's blocks: each free, or held by one or more block tables (its reference count).
+
+    A held full block may carry a key (`block_key`), under which another table finds it (`lookup`)
+    and shares it (`share`). A keyed block whose last holder releases it stays findable until a
+    block is needed and no unkeyed one is free; then the least recently released is evicted (its
+    key dropped) and handed out. Unkeyed released blocks are handed out first again (last in, first
+    out): they hold nothing worth keeping."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._free: deque[int] = deque(range(num_blocks))  # unkeyed, held by none
+        self._cached: OrderedDict[int, None] = OrderedDict()  # keyed, held by none: least recent first
+        self._refs: dict[int, int] = {}  # held block -> holders
+        self._block_of: dict[bytes, int] = {}  # key -> block
+        self._key_of: dict[int, bytes] = {}  # block -> key
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks held by none, keyed ones (evictable) included."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        """Keyed blocks, held or not."""
+        return len(self._key_of)
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
+    def held(self) -> set[int]:
+        return set(self._refs)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.popleft()
+        elif self._cached:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.evictions += 1
+        else:
             raise CacheFull(f"all {self.num_blocks} blocks of the KV pool are in use")
-        block = self._free.popleft()
-        self._used.add(block)
+        self._refs[block] = 1
         return block
 
-    def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            assert block in self._used, f"block {block} released but not owned"
-            self._used.remove(block)
-            self._free.appendleft(block)
+    def release(self, blocks) -> None:
+        """Drop one reference to each of `blocks`, a table's blocks in order. The last is released
+        first, so a cached prefix outlives its tail: the tail is evicted before it."""
+        for block in reversed(list(blocks)):
+            n = self._refs.get(block, 0)
+            assert n > 0, f"block {block} released but not held"
+            if n > 1:
+                self._refs[block] = n - 1
+                continue
+            del self._refs[block]
+            if block in self._key_of:
+                self._cached[block] = None  # the most recent: evicted last
+            else:
+                self._free.appendleft(block)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block cached under `key`, held or not, or None."""
+        return self._block_of.get(key)
+
+    def share(self, block: int) -> None:
+        """One more reference to a keyed block: one held already, or one waiting to be evicted."""
+        if block in self._refs:
+            self._refs[block] += 1
+            return
+        assert block in self._cached, f"block {block} is neither held nor cached"
+        del self._cached[block]
+        self._refs[block] = 1
+
+    def set_key(self, block: int, key: bytes) -> bool:
+        """Cache a held block under `key`, once full. False (and nothing changes) when another block
+        already holds that key or this one has a key: the first block computed under a key keeps it."""
+        assert block in self._refs, f"block {block} keyed but not held"
+        if key in self._block_of or block in self._key_of:
+            return False
+        self._block_of[key] = block
+        self._key_of[block] = key
+        return True
 
 
 class BlockTable:
-    """One sequence's blocks, in order, and how many tokens it holds."""
+    """One sequence's blocks, in order, how many tokens it holds, and with prefix caching the keys
+    of its leading full blocks (`keys[i]` is `blocks[i]`'s chain key)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.blocks: list[int] = []
         self.num_tokens = 0
+        self.keys: list[bytes] = []
 
     def slot(self, p: int) -> int:
         """Flat pool slot of token p."""
@@ -72,11 +144,17 @@ class BlockTable:
 
 
 class BlockManager:
-    """The allocator and one `BlockTable` per row (`max_rows` rows, the engine's batch slots)."""
+    """The allocator and one `BlockTable` per row (`max_rows` rows, the engine's batch slots).
 
-    def __init__(self, num_blocks: int, block_size: int, max_rows: int) -> None:
+    With `enable_prefix_caching`, a row's full blocks are keyed once their tokens are written
+    (`commit_full_blocks`), and a new row can start from the cached blocks of its longest keyed
+    prefix (`cached_prefix`, `share_prefix`), sharing them by reference: only full blocks are
+    ever shared, so a block a table writes into is its own."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_rows: int, enable_prefix_caching: bool = False) -> None:
         if block_size < 1 or max_rows < 1:
             raise ValueError(f"block_size and max_rows must be positive, got {block_size} and {max_rows}")
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.tables: list[BlockTable | None] = [None] * max_rows
@@ -104,6 +182,52 @@ class BlockManager:
         """Return a row and every block it owns to the pool."""
         self.allocator.release(self.table(row).blocks)
         self.tables[row] = None
+
+    def cached_prefix(self, token_ids) -> tuple[list[int], list[bytes]]:
+        """The cached blocks (and their keys) of the longest run of full blocks that begins
+        `token_ids`, leaving at least its last token uncached: a request must compute one token to
+        be sampled. Empty without prefix caching."""
+        blocks, keys, parent = [], [], None
+        if not self.enable_prefix_caching:
+            return blocks, keys
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            key = block_key(parent, token_ids[start:start + bs])
+            block = self.allocator.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        return blocks, keys
+
+    def share_prefix(self, row: int, blocks: list[int], keys: list[bytes]) -> None:
+        """Start the empty `row` with `cached_prefix`'s blocks, each shared by one more reference:
+        the row then holds their tokens, and staged table entries point the device at them."""
+        table = self.table(row)
+        if table.blocks or table.num_tokens:
+            raise ValueError(f"row {row} already holds {table.num_tokens} tokens: a prefix starts an empty row")
+        for block in blocks:
+            self.allocator.share(block)
+            self._new[row, len(table.blocks)] = block
+            table.blocks.append(block)
+        table.keys = list(keys)
+        table.num_tokens = len(blocks) * self.block_size
+
+    def commit_full_blocks(self, row: int, token_ids) -> None:
+        """Key every full block of `row` not keyed yet, from `token_ids` (the sequence's tokens,
+        at least the ones the table holds), once its tokens are in the pool. Nothing without
+        prefix caching."""
+        if not self.enable_prefix_caching:
+            return
+        table, bs = self.table(row), self.block_size
+        full = table.num_tokens // bs
+        if len(token_ids) < full * bs:
+            raise ValueError(f"row {row} holds {table.num_tokens} tokens, {len(token_ids)} token ids given")
+        for i in range(len(table.keys), full):
+            key = block_key(table.keys[-1] if table.keys else None, token_ids[i * bs:(i + 1) * bs])
+            self.allocator.set_key(table.blocks[i], key)
+            table.keys.append(key)
 
     def table(self, row: int) -> BlockTable:
         table = self.tables[row] if 0 <= row < self.max_rows else None

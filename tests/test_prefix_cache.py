@@ -1,0 +1,165 @@
+"""Prefix caching in the block manager: the hash chain, shared blocks by reference count, and the
+keyed blocks nobody holds, evicted least recently released first.
+
+The property test drives a `BlockManager` through random rows over a few shared prefixes, with
+failures injected (a row freed before its blocks are keyed, a pool too small for a grow), and
+keeps a model of what each pool block holds: the tokens of the whole sequence up to its end, since
+a block's K/V depends on every token before it. A row that shares a block must find its own
+prefix there.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanolab.engine.block_manager import BlockManager, CacheFull, block_key
+
+BS = 4
+
+
+def test_the_key_chains_every_block_before():
+    a, b = block_key(None, [1, 2, 3, 4]), block_key(None, [9, 2, 3, 4])
+    assert block_key(a, [5, 6, 7, 8]) != block_key(b, [5, 6, 7, 8]), "a key ignores its parent"
+    assert block_key(a, [5, 6, 7, 8]) == block_key(block_key(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    assert block_key(None, [1, 2, 3, 4]) != block_key(None, [1, 2, 3, 5])
+
+
+def fill(manager: BlockManager, row: int, tokens: list[int]) -> None:
+    """Grow `row` to hold all of `tokens` and key its full blocks, as a step that wrote them would."""
+    table = manager.table(row)
+    manager.grow([row], [len(tokens) - table.num_tokens])
+    manager.commit_full_blocks(row, tokens)
+
+
+def test_a_second_request_shares_the_full_blocks_of_its_prefix_and_never_the_last():
+    m = BlockManager(num_blocks=16, block_size=BS, max_rows=4, enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    first = m.open_row()
+    fill(m, first, prompt)
+    blocks, keys = m.cached_prefix(prompt + [42, 43])
+    assert blocks == m.table(first).blocks[:2] and len(keys) == 2
+    second = m.open_row()
+    m.share_prefix(second, blocks, keys)
+    assert m.table(second).num_tokens == 8 and all(m.allocator.refs(b) == 2 for b in blocks)
+    assert m.cached_prefix(prompt[:8])[0] == blocks[:1], "the whole prompt was cached: no token left to sample"
+    assert m.cached_prefix(prompt[:9])[0] == blocks
+    fill(m, second, prompt + [42, 43])
+    assert m.table(second).blocks[2] != m.table(first).blocks[2], "a partial block was shared"
+    m.free_row(first)
+    assert all(m.allocator.refs(b) == 1 for b in blocks)
+    m.free_row(second)
+    assert m.allocator.num_used == 0 and m.allocator.num_free == 16 and m.allocator.num_cached == 3
+    assert m.cached_prefix(prompt + [42, 43, 44])[0] != [], "freed blocks stay findable until evicted"
+
+
+def test_eviction_takes_unkeyed_blocks_first_then_the_least_recently_released():
+    m = BlockManager(num_blocks=6, block_size=BS, max_rows=3, enable_prefix_caching=True)
+    old, new = m.open_row(), m.open_row()
+    fill(m, old, list(range(100, 108)))  # two keyed blocks
+    fill(m, new, list(range(200, 208)))
+    m.free_row(old)
+    m.free_row(new)  # released after `old`: more recent
+    row = m.open_row()
+    m.grow([row], [2 * BS])  # the two unkeyed blocks
+    assert m.allocator.evictions == 0
+    m.grow([row], [BS])
+    assert m.allocator.evictions == 1
+    assert m.cached_prefix(list(range(200, 209)))[0] != [], "the most recently released prefix was evicted"
+    assert len(m.cached_prefix(list(range(100, 109)))[0]) == 1, "old's tail should go before its head"
+
+
+# Rows draw their tokens from a few prefixes, so they share blocks, and from random tails.
+PREFIXES = [[], list(range(1, 9)), list(range(1, 5)) + [7, 7, 7, 7], [9] * 4 + list(range(1, 5)) + [3] * 3]
+OPEN = st.tuples(st.just("open"), st.integers(0, len(PREFIXES) - 1), st.integers(1, 9))
+GROW = st.tuples(st.just("grow"), st.integers(0, 1 << 16), st.integers(1, 6))
+FREE = st.tuples(st.just("free"), st.integers(0, 1 << 16))
+FAIL = st.tuples(st.just("fail"), st.integers(0, 1 << 16))  # a request ends before its blocks are keyed
+
+
+def check(m: BlockManager, seqs: dict[int, list[int]], holds: dict[int, tuple]) -> None:
+    allocator = m.allocator
+    counts: dict[int, int] = {}
+    for row, table in enumerate(m.tables):
+        if table is None:
+            continue
+        for i, block in enumerate(table.blocks):
+            counts[block] = counts.get(block, 0) + 1
+            end = min((i + 1) * BS, table.num_tokens)
+            assert holds[block] == tuple(seqs[row][:end]), f"row {row}'s block {i} holds another sequence's tokens"
+        assert len(table.blocks) == -(-table.num_tokens // BS)
+    assert counts == {b: allocator.refs(b) for b in allocator.held()}, "a reference count is off"
+    assert allocator.num_free + allocator.num_used == m.num_blocks
+    assert not allocator.held() & set(allocator._free) and not allocator.held() & set(allocator._cached)
+    for key, block in allocator._block_of.items():
+        assert allocator._key_of[block] == key
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.one_of(OPEN, OPEN, GROW, GROW, FREE, FAIL), min_size=1, max_size=40),
+       seed=st.integers(0, 1 << 16))
+def test_reference_counts_and_contents_hold_under_random_rows_and_failures(ops, seed):
+    rng = random.Random(seed)
+    m = BlockManager(num_blocks=12, block_size=BS, max_rows=4, enable_prefix_caching=True)
+    seqs: dict[int, list[int]] = {}  # open row -> its tokens
+    holds: dict[int, tuple] = {}  # block -> the sequence's tokens up to the block's end, as written
+
+    def write(row: int, tokens: list[int]) -> bool:
+        """Grow the row to `tokens` and write its new tokens; a pool that cannot take them frees the
+        row (the request fails) and returns False."""
+        table = m.table(row)
+        start = table.num_tokens
+        try:
+            m.grow([row], [len(tokens) - start])
+        except CacheFull:
+            m.free_row(row)
+            seqs.pop(row)
+            return False
+        seqs[row] = tokens
+        for i in range(start // BS, len(table.blocks)):
+            holds[table.blocks[i]] = tuple(tokens[: min((i + 1) * BS, len(tokens))])
+        m.commit_full_blocks(row, tokens)
+        return True
+
+    for op in ops:
+        rows = sorted(seqs)
+        if op[0] == "open" and m.free_row_count():
+            tokens = PREFIXES[op[1]] + [rng.randrange(1, 4) for _ in range(op[2])]
+            blocks, keys = m.cached_prefix(tokens)
+            assert len(blocks) * BS < len(tokens)
+            row = m.open_row()
+            m.share_prefix(row, blocks, keys)
+            seqs[row] = tokens[: len(blocks) * BS]
+            write(row, tokens)
+        elif op[0] == "grow" and rows:
+            row = rows[op[1] % len(rows)]
+            write(row, seqs[row] + [rng.randrange(1, 4) for _ in range(op[2])])
+        elif op[0] in ("free", "fail") and rows:
+            row = rows[op[1] % len(rows)]
+            m.free_row(row)
+            seqs.pop(row)
+        check(m, seqs, holds)
+    for row in sorted(seqs):
+        m.free_row(row)
+    assert m.allocator.num_used == 0 and m.allocator.num_free == m.num_blocks
+
+
+def test_without_prefix_caching_nothing_is_keyed_or_shared():
+    m = BlockManager(num_blocks=8, block_size=BS, max_rows=2)
+    row = m.open_row()
+    fill(m, row, list(range(1, 10)))
+    assert m.allocator.num_cached == 0 and m.cached_prefix(list(range(1, 12))) == ([], [])
+    m.free_row(row)
+    assert m.allocator.num_free == 8
+
+
+def test_a_prefix_starts_only_an_empty_row():
+    m = BlockManager(num_blocks=8, block_size=BS, max_rows=2, enable_prefix_caching=True)
+    row = m.open_row()
+    fill(m, row, list(range(1, 10)))
+    blocks, keys = m.cached_prefix(list(range(1, 10)))
+    with pytest.raises(ValueError, match="empty row"):
+        m.share_prefix(row, blocks, keys)
