@@ -33,11 +33,15 @@ def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
     allocator = cache.blocks.allocator
     tables = [t for t in cache.blocks.tables if t is not None]
     owned = [b for t in tables for b in t.blocks]
-    assert len(owned) == len(set(owned)), "a block is owned by two tables, or twice by one"
-    assert set(owned) == allocator.held(), "the allocator's held set differs from the open tables' blocks"
-    assert not set(owned) & set(allocator._free), "a held block is also on the free list"
+    for t in tables:
+        assert len(t.blocks) == len(set(t.blocks)), "a table holds a block twice"
+    holders = {b: owned.count(b) for b in set(owned)}
+    if not cache.blocks.enable_prefix_caching:
+        assert max(holders.values(), default=1) == 1, "a block is held by two tables without prefix caching"
+    assert holders == {b: allocator.refs(b) for b in allocator.held()}, "a reference count is not its holders"
+    assert not set(owned) & (set(allocator._free) | set(allocator._cached)), "a held block is also free"
     assert allocator.num_free + allocator.num_used == cache.num_blocks
-    assert allocator.num_used == sum(len(t.blocks) for t in tables)
+    assert allocator.num_used == len(holders)
     for t in tables:
         assert len(t.blocks) == cdiv(t.num_tokens, cache.block_size)
     # Rows: open exactly for the running requests.
@@ -84,18 +88,30 @@ class FakeForward:
 
     num_layers, kv_heads, head_dim = 2, 2, 4
 
-    def __init__(self, num_blocks: int, max_rows: int, seed: int, budget: int | None = None) -> None:
-        """`budget` None: whole prompts; else chunked prefill with that many tokens a step."""
+    def __init__(self, num_blocks: int, max_rows: int, seed: int, budget: int | None = None,
+                 prefix_caching: bool = False) -> None:
+        """`budget` None: whole prompts; else chunked prefill with that many tokens a step. With
+        `prefix_caching`, prompts begin with one of a few shared prefixes."""
         self.cache = make_cache(num_layers=self.num_layers, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                                 num_blocks=num_blocks, block_size=BLOCK, max_rows=max_rows)
+        self.cache.blocks.enable_prefix_caching = prefix_caching
         self.scheduler = Scheduler(self.cache.blocks, budget or 8192, enable_chunked_prefill=budget is not None)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.seqs: list[Sequence] = []
-        self.written: dict[int, torch.Tensor] = {}  # request_id -> [tokens, kv_heads, head_dim], layer 0
+        # Blocks a, b, c, d: b follows both a and c, so a key that forgot its parent would share it.
+        a, b, c, d = ([self.rng.randrange(VOCAB) for _ in range(BLOCK)] for _ in range(4))
+        self.prefixes = [a + b + [1], c + b + [2], a + b + d] if prefix_caching else []
+
+    @classmethod
+    def key_of(cls, tokens: list[int]) -> torch.Tensor:
+        """The K a token gets at layer 0: a function of the token and every token before it, as a
+        model's is (so a block of the same tokens after another prefix holds other K)."""
+        return torch.full((cls.kv_heads, cls.head_dim), float(hash(tuple(tokens)) % 1_000_003))
 
     def add(self, prompt_len: int, max_tokens: int) -> None:
-        prompt = [self.rng.randrange(VOCAB) for _ in range(prompt_len)]
+        head = self.rng.choice(self.prefixes) if self.prefixes else []
+        prompt = (head + [self.rng.randrange(VOCAB) for _ in range(prompt_len)])[:max(prompt_len, 1)]
         seq = Sequence(len(self.seqs), prompt, SamplingParams(max_tokens=max_tokens))
         self.seqs.append(seq)
         self.scheduler.add(seq)
@@ -114,14 +130,14 @@ class FakeForward:
             view, shape = self.cache.view(self.cache.plan_decode(rows)), (len(rows), 1)
         else:
             view, shape = self.cache.view(self.cache.plan_varlen(rows, lengths, out.sampled)), (1, sum(lengths))
+        # Segments in order, each token's K from its sequence up to it (`key_of`).
+        k = torch.stack([self.key_of(s.token_ids[:p + 1]) for s, a, n in zip(out.seqs, out.num_computed_tokens,
+                                                                               lengths) for p in range(a, a + n)])
         for layer in range(self.num_layers):
-            k = torch.randn(*shape, self.kv_heads, self.head_dim, generator=self.gen)
-            view.write(layer, k, torch.randn(k.shape, generator=self.gen))
-            if layer == 0:
-                k = k.reshape(-1, self.kv_heads, self.head_dim)  # [num_tokens, ...], segments in order
-                for s, a, piece in zip(out.seqs, out.num_computed_tokens, k.split(lengths)):
-                    old = self.written[s.request_id][:a] if a else piece[:0]
-                    self.written[s.request_id] = torch.cat([old, piece])
+            view.write(layer, k.view(*shape, self.kv_heads, self.head_dim), torch.randn(
+                *shape, self.kv_heads, self.head_dim, generator=self.gen))
+        for s in out.seqs:  # the forward ran: its full blocks may be keyed (`Engine._commit`)
+            self.cache.blocks.commit_full_blocks(s.row, s.token_ids)
         for s, due in zip(out.seqs, out.sampled):
             if due:
                 s.output_token_ids.append(self.rng.randrange(VOCAB))
@@ -133,8 +149,9 @@ class FakeForward:
         for s in self.scheduler.running:
             table = self.cache.blocks.table(s.row)
             slots = [table.slot(p) for p in range(table.num_tokens)]
-            assert torch.equal(self.cache.k_pools[0][slots], self.written[s.request_id]), \
-                f"request {s.request_id}'s K/V was overwritten"
+            expected = [self.key_of(s.token_ids[:p + 1]) for p in range(table.num_tokens)]
+            assert not slots or torch.equal(self.cache.k_pools[0][slots], torch.stack(expected)), \
+                f"request {s.request_id}'s slots hold K/V of other tokens (overwritten, or shared by mistake)"
 
 
 # The step budget: None is the whole-prompt scheduler, a number chunked prefill's budget.
@@ -143,9 +160,10 @@ BUDGET = st.sampled_from([None, 3, 7, 2048])
 
 @settings(max_examples=400, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_rows=st.integers(1, 4), seed=st.integers(0, 2**31),
-       drain=st.sampled_from(["abort", "complete"]), budget=BUDGET)
-def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain, budget) -> None:
-    fake = FakeForward(num_blocks, max_rows, seed, budget)
+       drain=st.sampled_from(["abort", "complete"]), budget=BUDGET, caching=st.booleans())
+def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows, seed, drain, budget,
+                                                       caching) -> None:
+    fake = FakeForward(num_blocks, max_rows, seed, budget, prefix_caching=caching)
     for op in ops:
         if op[0] == "add":
             if fits(op[1], op[2], num_blocks):
@@ -172,6 +190,8 @@ def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows,
     check_drained(fake.cache, fake.scheduler)
     assert all(s.finished and s.row is None for s in fake.seqs)
     event(f"fake forward: {'preempted' if fake.scheduler.num_preemptions else 'no preemption'}")
+    if caching:
+        event(f"fake forward: {'prefix hits' if fake.scheduler.prefix_cache_hits else 'no prefix hit'}")
 
 
 def test_fake_forward_preempts_on_a_small_pool() -> None:
@@ -228,21 +248,21 @@ def drain(engine: Engine) -> None:
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
-def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None) -> Engine:
+def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False) -> Engine:
     # The model's whole context, longer than these pools: a request can ask for more than the pool
     # holds, and must be refused whole.
     model = load_tiny()
     return Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
                                       max_model_len=model.config.max_position_embeddings,
                                       max_num_batched_tokens=budget or 2048,
-                                      enable_chunked_prefill=budget is not None))
+                                      enable_chunked_prefill=budget is not None, enable_prefix_caching=caching))
 
 
 @settings(max_examples=250, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
-       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET)
-def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget) -> None:
-    engine = make_engine(num_blocks, max_num_seqs, budget)
+       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET, caching=st.booleans())
+def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget, caching) -> None:
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching)
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -263,9 +283,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
 
 
-def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None
+def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False
                    ) -> tuple[list[list[int]], int]:
-    engine = make_engine(num_blocks, max_num_seqs, budget)
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
@@ -279,13 +299,16 @@ REQUEST = st.tuples(PROMPT, st.integers(1, 16), st.booleans())  # prompt, max_to
 
 @settings(max_examples=100, deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=6), spare=st.integers(0, 3),
-       max_num_seqs=st.integers(2, 4), budget=BUDGET)
-def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs, budget) -> None:
+       max_num_seqs=st.integers(2, 4), budget=BUDGET, shared=st.lists(st.integers(0, VOCAB - 1), max_size=12),
+       caching=st.booleans())
+def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seqs, budget, shared, caching) -> None:
     """Recompute preemption re-prefills a request from its tokens so far (in chunks, with a
-    budget); greedy decoding must then continue exactly as if it had never been interrupted, and
-    as the whole-prompt engine on a pool that never preempts."""
+    budget; with prefix caching, after what its prefix still has cached); greedy decoding must
+    then continue exactly as if it had never been interrupted, and as the whole-prompt engine on a
+    pool that never preempts and caches nothing. Prompts begin with one shared run of tokens."""
+    requests = [(shared + prompt, n, ignore_eos) for prompt, n, ignore_eos in requests]
     smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
-    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget)
+    small, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget, caching)
     large, none = greedy_outputs(requests, 512, max_num_seqs)
     assert none == 0
     assert small == large

@@ -36,7 +36,7 @@ def poisoned_sampler(poisoned: set[int]):
 
 
 class FlakyRunner:
-    """Wraps the engine's runner: while `fail_next` is set, the next forward raises."""
+    """Wraps the engine's runner: while `fail_next` is set, the next forward raises, after its plan."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -52,12 +52,18 @@ class FlakyRunner:
             self.failed.update(s.request_id for s in seqs)
             raise RuntimeError("injected forward failure")
 
-    def run_varlen(self, seqs, *args):
-        self._maybe_fail(seqs)
-        return self.runner.run_varlen(seqs, *args)
+    # The failure comes inside the forward: the step is planned (its tables grew, its slots are
+    # taken) and its K/V never written, so a block keyed anyway would hold garbage.
+    def run_varlen(self, seqs, counts, computed, sampled):
+        if self.fail_next:
+            self.runner.kv_cache.plan_varlen([s.row for s in seqs], counts, sampled)
+            self._maybe_fail(seqs)
+        return self.runner.run_varlen(seqs, counts, computed, sampled)
 
     def decode(self, seqs, ids=None):
-        self._maybe_fail(seqs)
+        if self.fail_next:
+            self.runner.plan_step(seqs, ids)
+            self._maybe_fail(seqs)
         return self.runner.decode(seqs, ids)
 
 
@@ -85,13 +91,19 @@ OP = st.one_of(
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4),
-       budget=st.sampled_from([3, 7, 2048]))  # chunked prefill's budget: prompts of up to 24 tokens in chunks
-def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs, budget):
+       budget=st.sampled_from([3, 7, 2048]),  # chunked prefill's budget: prompts of up to 24 tokens in chunks
+       caching=st.booleans(), shared=st.lists(st.integers(3, VOCAB - 1), max_size=9))
+def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs, budget,
+                                          caching, shared):
+    """With prefix caching on, prompts begin with one shared run of tokens, so requests share
+    blocks across the failures: a block keyed by a forward that failed would show here."""
     model = sharp_gqa24.model
     _MODELS[id(model)] = model
     poisoned: set[int] = set()
+    num_blocks += 3 if caching else 0  # room for the shared tokens of the longest request
     engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=budget, async_scheduling=async_scheduling),
+                                        max_num_batched_tokens=budget, async_scheduling=async_scheduling,
+                                        enable_prefix_caching=caching),
                     sampler=poisoned_sampler(poisoned))
     engine.runner = flaky = FlakyRunner(engine.runner)
     seqs, fated = [], {}
@@ -105,6 +117,7 @@ def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, nu
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, poison = op
+            prompt = (shared if caching else []) + prompt
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             if poison:
                 poisoned.add(id(params))
@@ -137,6 +150,33 @@ def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, nu
             assert seq.output_token_ids == alone(id(model), tuple(seq.prompt_token_ids), seq.params.max_tokens), \
                 f"request {seq.request_id} changed by the failures around it"
             event("a request survived")
+
+
+def test_a_failed_forward_leaves_no_block_in_the_prefix_cache(sharp_gqa24):
+    """A prompt's first forward fails after its plan (its blocks taken, their K/V never written):
+    none of those blocks may be found by the next request with the same prefix, whose tokens are
+    then the ones it gets alone."""
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    engine = Engine(model, EngineConfig(num_blocks=32, block_size=BLOCK, enable_prefix_caching=True))
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    prompt = list(range(40, 53))  # three full blocks and one token
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    flaky.fail_next = True
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert first.finish_reason == "error"
+    second = engine.add_request(prompt + [7], params)
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert engine.scheduler.prefix_cache_hits == 0, "a block of the failed forward was found in the cache"
+    assert second.output_token_ids == alone(id(model), tuple(prompt + [7]), 4)
+    third = engine.add_request(prompt + [9], params)  # now the second request's blocks are cached, written
+    for _ in bounded(engine.has_unfinished_requests):
+        engine.step()
+    assert engine.scheduler.prefix_cache_hits == 12
+    assert third.output_token_ids == alone(id(model), tuple(prompt + [9]), 4)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -13,9 +13,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from conftest import assert_logits_match_reference, logit_recorder, run_until_done
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanolab import Engine, EngineConfig, SamplingParams
 from nanolab.engine.block_manager import BlockManager, CacheFull, block_key
 
 BS = 4
@@ -163,3 +166,82 @@ def test_a_prefix_starts_only_an_empty_row():
     blocks, keys = m.cached_prefix(list(range(1, 10)))
     with pytest.raises(ValueError, match="empty row"):
         m.share_prefix(row, blocks, keys)
+
+
+# The engine with prefix caching: every step's logits against a one-shot forward, on a sharp model
+# (whose output depends on every key it reads: a block shared by mistake shows).
+
+
+def engine_with_cache(sharp, **kw):
+    config = EngineConfig(**{"block_size": BS, "max_num_batched_tokens": 7, "enable_prefix_caching": True,
+                             "num_blocks": 64, **kw})
+    return Engine(sharp.model, config)
+
+
+def test_cached_prefixes_give_the_reference_logits(sharp_gqa24):
+    """A prompt seen whole, a prompt cut inside a block, a second turn over the first's prompt and
+    output, a hit on a request still running (its partial last block not shared), and a stranger,
+    in chunks of 7 tokens: the same logits as a one-shot forward, with prefix tokens found."""
+    sharp = sharp_gqa24
+    engine = engine_with_cache(sharp)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 320, (18,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    logits, keep = logit_recorder()
+    first = engine.add_request(prompt, params)
+    run_until_done(engine, on_step=keep)
+    assert engine.scheduler.prefix_cache_hits == 0
+    second_turn = prompt + first.output_token_ids + torch.randint(3, 320, (6,), generator=g).tolist()
+    running = torch.randint(3, 320, (11,), generator=g).tolist()
+    seqs = [engine.add_request(p, params) for p in (prompt, prompt[:10] + [7, 7, 7], second_turn, running)]
+    steps = [0]
+
+    def join_later(outputs):
+        keep(outputs)
+        steps[0] += 1
+        if steps[0] == 3:  # `running` holds 8 full tokens and a partial block by now
+            seqs.append(engine.add_request(running[:9] + [5, 5], params))
+            seqs.append(engine.add_request(torch.randint(3, 320, (9,), generator=g).tolist(), params))
+
+    run_until_done(engine, on_step=join_later)
+    assert_logits_match_reference(sharp, [first, *seqs], logits)
+    hits = engine.scheduler.prefix_cache_hits
+    assert hits >= 16 + 8 + 20 + 8, f"only {hits} prompt tokens came from the cache"
+    assert engine.block_manager.allocator.num_free == engine.num_blocks
+
+
+def test_evicted_prefixes_are_recomputed_under_a_tiny_pool(sharp_gqa24):
+    """A pool of 12 blocks and more distinct prompts than it caches: old prefixes are evicted, a
+    prompt that comes back finds what is left of its prefix, and every logit is the reference's."""
+    sharp = sharp_gqa24
+    engine = engine_with_cache(sharp, num_blocks=12, max_num_seqs=2)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (13,), generator=g).tolist() for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    logits, keep = logit_recorder()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    run_until_done(engine, on_step=keep)
+    assert engine.block_manager.allocator.evictions > 0
+    again = [engine.add_request(p, params) for p in (prompts[0], prompts[-1])]
+    run_until_done(engine, on_step=keep)
+    assert_logits_match_reference(sharp, seqs + again, logits)
+    assert engine.scheduler.prefix_cache_hits > 0
+    assert engine.block_manager.allocator.num_free == 12
+
+
+def test_caching_changes_no_token(sharp_gqa24):
+    """The same requests with prefix caching on and off give the same greedy tokens."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(3, 320, (12,), generator=g).tolist()
+    prompts = [base + torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 5, 9)] + [base]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for on in (True, False):
+        engine = engine_with_cache(sharp_gqa24, enable_prefix_caching=on)
+        seqs = []
+        for p in prompts:  # one after another, so each can find the ones before
+            seqs.append(engine.add_request(p, params))
+            run_until_done(engine)
+        outs.append([s.output_token_ids for s in seqs])
+        assert (engine.scheduler.prefix_cache_hits > 0) == on
+    assert outs[0] == outs[1]

@@ -115,12 +115,15 @@ def test_same_text_through_the_socket_reference_read():
                     for stream in (False, True) for i, p in enumerate(PROMPTS)]
             jobs += [(want_chats[i], pool.submit(chat, client, m, stream, 12))
                      for stream in (False, True) for i, m in enumerate(CHATS)]
+            # The same conversation as clients that send content as a list of text parts, with a name.
+            parts = [{**m, "content": [{"type": "text", "text": m["content"]}], "name": "reader"} for m in CHATS[0]]
+            jobs += [(want_chats[0], pool.submit(chat, client, parts, stream, 12)) for stream in (False, True)]
             assert first.result() == want_prompts[0]
             for want, job in jobs:
                 assert job.result() == want
     finally:
         assert_clean_exit(server)
-    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 13  # one log line per request
+    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 15  # one log line per request
 
 
 @needs_smollm2

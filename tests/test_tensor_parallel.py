@@ -76,7 +76,10 @@ def test_a_group_larger_than_the_kv_heads_is_refused_by_name():
 
 def test_a_follower_takes_rank_0s_blocks_and_chooses_none():
     blocks = FollowerBlockManager(num_blocks=16, block_size=4, max_rows=2)
-    # Row 1 held 5 tokens in blocks 9 and 3; this step adds 4, which rank 0 put in a new block 12.
+    # Row 1 took 5 tokens into blocks 9 and 3; the next step adds 4, which rank 0 put in a new block 12.
+    blocks.adopt(StepCall("varlen", rows=[1], blocks=[[9, 3]], tokens_before=[0]))
+    blocks.grow([1], [5])
+    assert blocks.take_new_entries() == {(1, 0): 9, (1, 1): 3}
     blocks.adopt(StepCall("varlen", rows=[1], blocks=[[9, 3, 12]], tokens_before=[5]))
     assert blocks.table(1).blocks == [9, 3] and blocks.table(1).num_tokens == 5
     blocks.grow([1], [4])
@@ -85,6 +88,18 @@ def test_a_follower_takes_rank_0s_blocks_and_chooses_none():
     assert blocks.allocator.num_free == 16, "a follower never allocates from its own pool"
     with pytest.raises(KeyError):
         blocks.grow([1], [4])  # a cell rank 0 sent no block for
+
+
+def test_a_follower_puts_a_shared_prefix_into_its_device_table():
+    """Rank 0 may start a row from cached blocks the worker never grew there: the worker stages
+    those cells for its device table once, and only the cells it grows after that."""
+    blocks = FollowerBlockManager(num_blocks=16, block_size=4, max_rows=2)
+    blocks.adopt(StepCall("varlen", rows=[0], blocks=[[7, 2, 11]], tokens_before=[8]))  # 8 tokens shared
+    blocks.grow([0], [3])
+    assert blocks.take_new_entries() == {(0, 0): 7, (0, 1): 2, (0, 2): 11}
+    blocks.adopt(StepCall("decode", rows=[0], blocks=[[7, 2, 11]], tokens_before=[11]))
+    blocks.grow([0], [1])
+    assert blocks.take_new_entries() == {}, "cells the device table already holds were staged again"
 
 
 def _greedy(llm: LLM, new: int) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -102,6 +117,20 @@ def test_two_gloo_ranks_decode_what_one_process_decodes(preset):
     with LLM(preset, tensor_parallel_size=2, **kw) as two:
         assert two.model.num_kv_heads == (1 if preset == "tiny" else 2)
         two_tokens, two_logits = _greedy(two, 10)
+    assert two_tokens == one_tokens
+    for a, b in zip(two_logits, one_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_two_gloo_ranks_with_prefix_caching_decode_what_one_process_decodes():
+    """Prefix caching under TP: rank 0 starts each prompt's second pass (the prefill logits read
+    after generating) from the cached blocks of its first, and the worker reads them through cells
+    it never grew. fp32: the same greedy tokens and prefill logits as one process without caching."""
+    kw = dict(device="cpu", dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    one_tokens, one_logits = _greedy(LLM("tiny", **kw), 10)
+    with LLM("tiny", tensor_parallel_size=2, enable_prefix_caching=True, **kw) as two:
+        two_tokens, two_logits = _greedy(two, 10)
+        assert two.engine.scheduler.prefix_cache_hits > 0
     assert two_tokens == one_tokens
     for a, b in zip(two_logits, one_logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -84,9 +84,15 @@ BAD_MESSAGES = [
     ("unknown role", [{"role": "bot", "content": "x"}], r"^messages\[0\]\.role: must be one of"),
     ("role not a str", [{"role": 1, "content": "x"}], r"^messages\[0\]\.role: must be one of"),
     ("content None", [{"role": "user", "content": None}], r"^messages\[0\]\.content: must be a str"),
-    ("content a list", [{"role": "user", "content": ["x"]}], r"^messages\[0\]\.content: must be a str"),
-    ("extra key", [*GOOD_MESSAGES, {"role": "user", "content": "x", "name": "bob"}],
-     r"^messages\[3\]\.name: not supported"),
+    ("content a list of strs", [{"role": "user", "content": ["x"]}], r"^messages\[0\]\.content\[0\]: must be a"),
+    ("content an image part", [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                             {"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"^messages\[0\]\.content\[1\]\.type: 'image_url' is not supported"),
+    ("a text part without text", [{"role": "user", "content": [{"type": "text"}]}],
+     r"^messages\[0\]\.content\[0\]\.text: must be a str"),
+    ("name not a str", [{"role": "user", "content": "x", "name": 3}], r"^messages\[0\]\.name: must be a str"),
+    ("extra key", [*GOOD_MESSAGES, {"role": "user", "content": "x", "tool_calls": []}],
+     r"^messages\[3\]\.tool_calls: not supported"),
 ]
 
 
@@ -97,6 +103,16 @@ def chatml_tokenizer() -> Tokenizer:
 
 def test_good_messages_pass() -> None:
     validate_messages(GOOD_MESSAGES)
+
+
+def test_text_parts_and_a_name_render_as_their_text() -> None:
+    """Content as a list of text parts is the parts joined with newlines (vLLM's rule); a `name` is
+    accepted and left to the template (ChatML's ignores it)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+              "name": "bob"}]
+    tok = chatml_tokenizer()
+    assert tok.encode_chat(parts) == tok.encode_chat([{"role": "user", "content": "Hi\nthere"}])
+    assert parts[0]["content"][0] == {"type": "text", "text": "Hi"}, "the caller's messages were changed"
 
 
 @pytest.mark.parametrize("messages,match", [b[1:] for b in BAD_MESSAGES], ids=[b[0] for b in BAD_MESSAGES])
@@ -132,6 +148,7 @@ BAD_FIELDS = {
     "compile": [1, "yes"],
     "async_scheduling": [0, "on"],
     "enable_chunked_prefill": [1, None],
+    "enable_prefix_caching": [1, None],
     "max_num_batched_tokens": [0, 2048.0],
     "tensor_parallel_size": [0, True],
     "distributed_timeout_s": [0, -1.0, "10", True],

@@ -214,16 +214,19 @@ class BlockManager:
         table.keys = list(keys)
         table.num_tokens = len(blocks) * self.block_size
 
+    def uncommitted(self, row: int) -> bool:
+        """Whether `row` has a full block not keyed yet (always False without prefix caching)."""
+        table = self.table(row)
+        return self.enable_prefix_caching and table.num_tokens // self.block_size > len(table.keys)
+
     def commit_full_blocks(self, row: int, token_ids) -> None:
-        """Key every full block of `row` not keyed yet, from `token_ids` (the sequence's tokens,
-        at least the ones the table holds), once its tokens are in the pool. Nothing without
-        prefix caching."""
+        """Key every full block of `row` not keyed yet whose tokens `token_ids` (the sequence's, as
+        far as the host knows them) covers, once its K/V is written or queued to be. Nothing
+        without prefix caching."""
         if not self.enable_prefix_caching:
             return
         table, bs = self.table(row), self.block_size
-        full = table.num_tokens // bs
-        if len(token_ids) < full * bs:
-            raise ValueError(f"row {row} holds {table.num_tokens} tokens, {len(token_ids)} token ids given")
+        full = min(table.num_tokens, len(token_ids)) // bs
         for i in range(len(table.keys), full):
             key = block_key(table.keys[-1] if table.keys else None, token_ids[i * bs:(i + 1) * bs])
             self.allocator.set_key(table.blocks[i], key)

@@ -200,7 +200,8 @@ class Engine:
         if config.device is not None and not _same_device(resolve_device(config.device), self.device):
             raise ValueError(f"device={config.device!r}: the model is on {self.device}")
         self.num_blocks, self.max_model_len = pool_size(config, self.model_config, self.device, self.dtype)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.max_num_seqs)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.max_num_seqs,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.num_blocks,
                                     config.block_size)
         self.kv_cache = KVCache(self.block_manager, num_layers=self.model_config.num_hidden_layers,
@@ -369,6 +370,7 @@ class Engine:
                 logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled)
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
+        self._commit(seqs)
         sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
         tokens = self._sample(logits, sampled) if sampled else []
         batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), self.runner.last_varlen[1])
@@ -393,6 +395,15 @@ class Engine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(StepOutput(seq, token, None if logits is None else logits[i], seq.finished))
         return outputs
+
+    def _commit(self, seqs: list[Sequence]) -> None:
+        """Key the blocks a forward just filled, for prefix caching: only after the forward was
+        launched without error, so a failed step leaves no block findable whose K/V was never
+        written."""
+        blocks = self.block_manager
+        for seq in seqs:
+            if seq.row is not None and blocks.uncommitted(seq.row):
+                blocks.commit_full_blocks(seq.row, seq.token_ids)
 
     def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         # A forward's failure cannot be pinned on one row: every request of the step ends with it.
@@ -488,6 +499,7 @@ class Engine:
         except Exception as e:
             self._inflight = None
             return (self._retire(prev) if prev else []) + self._fail_forward(seqs, e)
+        self._commit(seqs)
         tokens = self._sample_batch(logits, seqs)
         batch, graph = self.runner.last_decode
         if not isinstance(tokens, torch.Tensor):  # raised (None), or a host sampler's list

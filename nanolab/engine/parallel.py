@@ -95,6 +95,11 @@ class FollowerBlockManager(BlockManager):
         for row, blocks, before in zip(call.rows, call.blocks, call.tokens_before, strict=True):
             table = BlockTable(self.block_size)
             kept = cdiv(before, self.block_size)
+            # Cells this worker did not grow itself (a prefix rank 0 shared from its cache) go to the
+            # device table too: those past what the row held here last, or all of them for a new row.
+            prev = self.tables[row]
+            known = len(prev.blocks) if prev is not None and prev.blocks == list(blocks[:len(prev.blocks)]) else 0
+            self._new.update({(row, col): blocks[col] for col in range(min(known, kept), kept)})
             table.blocks, table.num_tokens = list(blocks[:kept]), before
             self.tables[row] = table
             self._given.update({(row, col): b for col, b in enumerate(blocks) if col >= kept})

@@ -12,6 +12,10 @@ requests or one decode token for every running request (the engine before chunki
 When a decode row needs a block the pool does not have, the most recently admitted request is
 preempted: its row and blocks go back to the pool and it waits at the front of the queue to be
 recomputed from its tokens so far (vLLM's recompute preemption).
+
+With prefix caching (the block manager's), an admitted request starts after the cached full blocks
+of its prefix, shared with whoever else holds them; the admission promise still counts every
+block a request could hold as its own, so sharing only ever leaves more room.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and those found (vLLM's counters).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -123,12 +130,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and self.blocks.free_row_count() > 0 and self._admits(self.waiting[0]):
             seq = self.waiting.popleft()
-            seq.row = self.blocks.open_row()
-            seq.status = SequenceStatus.RUNNING
+            self._open_row(seq)
             self.running.append(seq)
-            n = min(seq.num_tokens, budget)
-            assert cdiv(n, block) <= self.blocks.allocator.num_free - taken, "admission promised these blocks"
-            taken += cdiv(n, block)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self.blocks.table(seq.row).blocks_needed(n)
+            assert need <= self.blocks.allocator.num_free - taken, "admission promised these blocks"
+            taken += need
             scheduled[seq] = n
             budget -= n
         return scheduled
@@ -162,8 +169,7 @@ class Scheduler:
             if free - need < spare:
                 break
             self.waiting.popleft()
-            seq.row = self.blocks.open_row()
-            seq.status = SequenceStatus.RUNNING
+            self._open_row(seq)
             free -= need
             tokens += seq.num_tokens
             batch.append(seq)
@@ -178,6 +184,18 @@ class Scheduler:
                 break
             self.preempt(self.running[-1])
         return list(self.running)
+
+    def _open_row(self, seq: Sequence) -> None:
+        """Give an admitted request its row, starting after the cached full blocks of its prefix
+        (none without prefix caching): those tokens count as computed."""
+        seq.row = self.blocks.open_row()
+        seq.status = SequenceStatus.RUNNING
+        blocks, keys = self.blocks.cached_prefix(seq.token_ids)
+        self.prefix_cache_queries += seq.num_tokens
+        if blocks:
+            self.blocks.share_prefix(seq.row, blocks, keys)
+            seq.num_computed_tokens = len(blocks) * self.blocks.block_size
+            self.prefix_cache_hits += seq.num_computed_tokens
 
     # Leaving.
 

@@ -82,28 +82,65 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int, model_max_length: int) 
 CHAT_ROLES = ("system", "user", "assistant")
 
 
-def validate_messages(messages) -> None:
+MESSAGE_KEYS = ("role", "content", "name")
+
+
+def message_text(content, where: str) -> str:
+    """A message's `content` as the text the template renders: a str as it is, or a list of text
+    parts (`{"type": "text", "text": str}`, as OpenAI's newer clients send) joined with newlines,
+    as vLLM joins them. `where` ("messages[i].content") starts every error."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: must be a str or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or "type" not in part:
+            raise ValueError(f"{where}[{j}]: must be a {{'type': 'text', 'text': ...}} part, got {part!r:.80}")
+        if part["type"] != "text":
+            raise ValueError(f"{where}[{j}].type: {part['type']!r:.40} is not supported (text parts only)")
+        unknown = set(part) - {"type", "text"}
+        if unknown:
+            raise ValueError(f"{where}[{j}].{sorted(unknown)[0]}: not supported (a text part has 'type' and 'text')")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text: must be a str, got {type(part.get('text')).__name__}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def normalize_messages(messages) -> list[dict]:
     """Raise ValueError naming the message and field unless `messages` is a conversation: a non-empty
-    list of dicts, each with exactly a `role` (one of `CHAT_ROLES`) and a str `content`.
+    list of dicts, each with a `role` (one of `CHAT_ROLES`), a `content` (a str, or a list of text
+    parts: `message_text`) and optionally a str `name`; else the conversation with every content
+    as one str, as the chat template reads it.
 
     Errors read `messages[i].role: ...`, `messages[i].content: ...`, `messages[i].<key>: not supported`,
     or `messages[i]: must be a dict ...`, so an API can hand them to the caller as they are."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages: must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.80}")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content', got {type(message).__name__}")
         for key in message:
-            if key not in ("role", "content"):
-                raise ValueError(f"messages[{i}].{key}: not supported (a message has only 'role' and 'content')")
+            if key not in MESSAGE_KEYS:
+                raise ValueError(f"messages[{i}].{key}: not supported (a message has 'role', 'content' and "
+                                 "optionally 'name')")
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"messages[{i}].{key}: missing")
-        role, content = message["role"], message["content"]
+        role = message["role"]
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role: must be one of {', '.join(map(repr, CHAT_ROLES))}, got {role!r:.80}")
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: must be a str, got {type(content).__name__}")
+        if "name" in message and not isinstance(message["name"], str):
+            raise ValueError(f"messages[{i}].name: must be a str, got {type(message['name']).__name__}")
+        out.append({**message, "content": message_text(message["content"], f"messages[{i}].content")})
+    return out
+
+
+def validate_messages(messages) -> None:
+    """`normalize_messages`' checks alone."""
+    normalize_messages(messages)
 
 
 def _token_string(value: str | dict | None) -> str | None:
@@ -171,9 +208,10 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the model's chat template. Raises ValueError for messages
-        `validate_messages` refuses, and for a template that refuses them (`raise_exception`)."""
-        validate_messages(messages)
+        """The conversation rendered by the model's chat template, each content as one str
+        (`normalize_messages`). Raises ValueError for messages `normalize_messages` refuses, and
+        for a template that refuses them (`raise_exception`)."""
+        messages = normalize_messages(messages)
         if self.chat_template is None:
             raise ValueError("no chat template: no chat_template.jinja, none in tokenizer_config.json")
         try:

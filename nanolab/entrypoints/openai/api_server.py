@@ -137,8 +137,10 @@ class OpenAIServing:
         # than any prompt the context can take (more than 16 characters a token) is refused unencoded.
         limit = 16 * self.async_llm.limits.max_model_len
         if req.chat:
-            if sum(len(m.get("content") or "") for m in req.messages if isinstance(m, dict)
-                   and isinstance(m.get("content"), str)) > limit:
+            text = lambda c: c if isinstance(c, str) else "".join(  # noqa: E731
+                p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)) \
+                if isinstance(c, list) else ""
+            if sum(len(text(m.get("content"))) for m in req.messages if isinstance(m, dict)) > limit:
                 raise APIError(400, f"the messages are longer than the model's context ({limit} characters is "
                                     "the most the server encodes)", param="messages")
             try:
