@@ -87,7 +87,20 @@ BAD = [
     ({"prompt": "hi", "stop": ["s"] * 17}, 400, "stop"),
     ({"prompt": "hi", "stop": "s" * 257}, 400, "stop"),
     ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
+    # Fields that would change the output and are not implemented: refused, never ignored.
+    ({"prompt": "hi", "min_tokens": 2}, 400, "min_tokens"),
+    ({"prompt": "hi", "repetition_penalty": 1.1}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "n": True}, 400, "n"),
+    ({"prompt": "hi", "stop_token_ids": [2]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "sampling_temperature": 0.2}, 400, "sampling_temperature"),  # a field nobody implements
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),  # a chat field
 ]
+
+# Fields at the values where they change nothing, and fields that never change the output: accepted.
+NOOPS = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+         "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True,
+         "user": "someone", "metadata": {"k": "v"}, "store": False}
 
 
 def test_bad_requests_get_their_status_and_an_error_object(llm):
@@ -123,6 +136,20 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
         error = payload["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], request
         assert error["param"] == param, (request, error)
+
+
+def test_fields_at_their_no_op_values_are_accepted(llm):
+    """A client that sends every field with its default (vLLM's benchmark sends `best_of: 1` and
+    `logprobs: null`) is served, and gets what it gets without them."""
+    async def body(client, _):
+        plain = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+        noop = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                          **NOOPS})
+        return plain.status, noop.status, (await plain.json())["choices"][0]["text"], \
+            (await noop.json())["choices"][0]["text"]
+
+    status, noop_status, text, noop_text = run_with_client(llm, body)
+    assert (status, noop_status) == (200, 200) and noop_text == text
 
 
 def test_the_api_key_guards_every_route_but_health(llm):

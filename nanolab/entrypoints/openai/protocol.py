@@ -47,8 +47,15 @@ class CompletionRequest:
     messages: list[dict] | None = None
 
 
-# Fields the server does not implement, with the values that mean "not used": anything else is a 400.
-_UNSUPPORTED = {
+# The fields this server implements, by route.
+_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
+           "stream_options"}
+COMPLETION_FIELDS = _FIELDS | {"prompt"}
+CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
+
+# Fields the server does not implement (OpenAI's, and vLLM's extra sampling fields), with the values
+# at which they change nothing: accepted at those, a 400 naming the field at any other, never ignored.
+NOOP_VALUES = {
     "n": (None, 1),
     "best_of": (None, 1),
     "logprobs": (None, False),
@@ -56,13 +63,54 @@ _UNSUPPORTED = {
     "echo": (None, False),
     "suffix": (None,),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "min_p": (None, 0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "function_call": (None, "none"),
+    "reasoning_effort": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
 }
+# Fields that never change what a request generates: accepted with any value.
+INERT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+
+
+def _is_noop(value, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed`: numbers by value (1 and 1.0 alike, never a bool), the
+    rest by value and type."""
+    for a in allowed:
+        if value is None or a is None:
+            if value is a:
+                return True
+        elif _is_number(a):
+            if _is_number(value) and value == a:
+                return True
+        elif type(value) is type(a) and value == a:
+            return True
+    return False
 
 
 MAX_STOP_STRINGS = 16
@@ -123,10 +171,15 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
             raise APIError(400, f"'model' must be a string, got {name!r}", param="model")
         raise APIError(404, f"the model '{name}' does not exist; this server serves '{model}'", param="model",
                        code="model_not_found")
-    for field, allowed in _UNSUPPORTED.items():
-        if field in body and not any(body[field] == a and type(body[field]) is type(a) or body[field] is a
-                                     for a in allowed):
-            raise APIError(400, f"'{field}'={body[field]!r} is not supported by this server", param=field)
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for field, value in body.items():
+        if field in known or field in INERT_FIELDS:
+            continue
+        if field not in NOOP_VALUES:
+            raise APIError(400, f"'{field}' is not a field this server implements; it is refused rather than "
+                                "ignored", param=field)
+        if not _is_noop(value, NOOP_VALUES[field]):
+            raise APIError(400, f"'{field}'={value!r:.80} is not supported by this server", param=field)
 
     stream = _field(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object")
