@@ -14,7 +14,7 @@
 # By Day 62 a decode step was close to the bandwidth floor, and a server's median token came
 # within a few percent of it. The tail did not. Under graphbench's load on one H200 (Llama-3.2-1B
 # shapes, prompts of 16 to 128 tokens, 32 to 256 new ones), one gap in a hundred between two
-# tokens of a stream was 8 to 12 times the median. The first requests after a start also waited
+# tokens of a stream was 8 to 15 times the median. The first requests after a start also waited
 # seconds. This chapter asks where those gaps come from, and whether graphing every step brings
 # ITL p99 within 3x of p50.
 #
@@ -22,7 +22,7 @@
 # rows. Chunked prefill keeps a prompt from stalling the running streams for its whole length,
 # but until today that step ran eagerly. Chapter 61 timed it at about 10 ms of host time for
 # about 3 ms of GPU work, so every stream in the batch waited 10 ms for one token whenever a
-# request arrived. At 32 requests a second, that is 5% of all steps.
+# request arrived. At 32 requests a second, that is about 4% of all steps.
 #
 # vLLM's answer is to capture that step too (its default mode, `FULL_AND_PIECEWISE`, keeps a
 # graph per padded token count). nanolab now does the same, its own way:
@@ -214,12 +214,12 @@ lab.show(fig)
 # *Figure 63.3: The H200's inter-token gaps at each rate, from the median up. Grey: decode steps
 # graphed, mixed steps eager. Blue: every step graphed. A dot left of its tick meets the aim.*
 #
-# The grey curves have a shelf. Between 4% and 8% of gaps sit at 8 to 15 ms, the eager mixed
+# The grey curves have a shelf. Between 2% and 8% of gaps sit at 8 to 15 ms, the eager mixed
 # steps, and at 16 req/s and above p99 lands on that shelf. The blue curves have no shelf: a
 # mixed step is about 2.3 ms, and p99 sits at 2.5 to 2.9 ms. The median gap did not move.
 #
-# The steps themselves, from the server's step log, show the same at each rate. A mixed step's
-# median is now about twice a decode step's, where it was five to eight times.
+# The steps themselves, from the server's step log, show the same at each rate. A mixed step now
+# takes 1.2x to 1.3x a decode step, where it took 3.9x to 8.9x.
 
 # %%
 step_ms = (steps[steps.phase != "prefill"].assign(total=lambda d: d.ms_p50 * d.steps)
@@ -261,9 +261,8 @@ lab.show(fig)
 # `cudagraph_mode="full"`**. A server for long prompts at low rates, where TTFT matters more, can
 # raise `--max-num-batched-tokens`, and steps past 512 tokens run eagerly.
 #
-# With long prompts, the tail is still 4.4x the median: a 512-token step simply takes 4 ms of
-# GPU time. vLLM would cut such steps into the same budget, and this engine has nothing shorter
-# to offer them short of a smaller budget.
+# With long prompts, the tail is still 4.4x the median: a full 512-token step takes about 4 ms.
+# A smaller budget would shorten those steps again, for more TTFT; it was not measured.
 #
 # ## The start (H200)
 #
@@ -301,8 +300,8 @@ lab.show(rates[rates.rate == rates.rate.min()][["arm", "rate", "first_ttft_max_m
 
 # %% [markdown]
 # With every step graphed, the first requests wait 6 ms, 1.2x the rest. With mixed steps eager,
-# they wait 80 ms, 2.6x, because each eager step costs tens of ms while the GPU's first work is
-# loaded.
+# they wait 83 ms, 2.6x: their prefills are mixed steps, and an eager mixed step took 16 ms at
+# the median at that rate.
 #
 # ## How much the runs move
 #
