@@ -190,6 +190,8 @@ class Scheduler:
         (none without prefix caching): those tokens count as computed."""
         seq.row = self.blocks.open_row()
         seq.status = SequenceStatus.RUNNING
+        if not self.blocks.enable_prefix_caching:
+            return
         blocks, keys = self.blocks.cached_prefix(seq.token_ids)
         self.prefix_cache_queries += seq.num_tokens
         if blocks:

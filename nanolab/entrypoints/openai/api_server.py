@@ -36,7 +36,7 @@ from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.llm_engine import Engine
 from nanolab.entrypoints.openai import protocol
 from nanolab.entrypoints.openai.protocol import APIError, CompletionRequest, error_body
-from nanolab.model.tokenizer import Tokenizer
+from nanolab.model.tokenizer import Tokenizer, normalize_messages
 from nanolab.model.weights import resolve_weights
 
 log = logging.getLogger("nanolab.server")
@@ -137,14 +137,15 @@ class OpenAIServing:
         # than any prompt the context can take (more than 16 characters a token) is refused unencoded.
         limit = 16 * self.async_llm.limits.max_model_len
         if req.chat:
-            text = lambda c: c if isinstance(c, str) else "".join(  # noqa: E731
-                p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)) \
-                if isinstance(c, list) else ""
-            if sum(len(text(m.get("content"))) for m in req.messages if isinstance(m, dict)) > limit:
+            try:
+                messages = normalize_messages(req.messages)  # each content one str
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            if sum(len(m["content"]) for m in messages) > limit:
                 raise APIError(400, f"the messages are longer than the model's context ({limit} characters is "
                                     "the most the server encodes)", param="messages")
             try:
-                return [self.tokenizer.encode_chat(req.messages)]
+                return [self.tokenizer.encode_chat(messages)]
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
         if any(isinstance(p, str) and len(p) > limit for p in req.prompts):
