@@ -24,7 +24,7 @@ from nanolab.model.parallel import check_shardable
 from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.progress import progress_bar
-from nanolab.sampling import SamplingParams
+from nanolab.sampling import PositionLogprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,19 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "error"
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    logprobs: list[PositionLogprobs] | None = None  # one per token, with SamplingParams.logprobs
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished request. `.text` and `.token_ids` are its one completion's; `.outputs` is the
-    list vLLM users index as `out.outputs[0]`."""
+    """A finished request. `.outputs` holds its `n` completions (vLLM users index `out.outputs[0]`);
+    `.text` and `.token_ids` are the first's. `prompt_logprobs`, with SamplingParams.prompt_logprobs:
+    one per prompt token after the first."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def text(self) -> str:
@@ -151,9 +154,9 @@ class LLM:
                 raise TypeError(f"prompt_token_ids[{j}]={t!r}: a token id is an int")
         return list(ids)
 
-    def _add_all(self, prompts: list, params) -> list[Sequence]:
+    def _add_all(self, prompts: list, params) -> list[list[Sequence]]:
         """Queue every prompt, or none: each is encoded and validated first, and an error names the
-        prompt ("prompt 2: ...")."""
+        prompt ("prompt 2: ..."). Returns each prompt's requests: its n samples, in order."""
         params = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
@@ -163,7 +166,14 @@ class LLM:
                 encoded.append(self._encode(prompt))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        return self.engine.add_requests(encoded, params, name="prompt")
+        for i, p in enumerate(params):
+            try:
+                self.engine.validate_request(encoded[i], p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+        samples = [(ids, s) for ids, p in zip(encoded, params) for s in p.samples()]
+        seqs = iter(self.engine.add_requests([ids for ids, _ in samples], [s for _, s in samples], name="prompt"))
+        return [[next(seqs) for _ in range(p.n)] for p in params]
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -178,12 +188,17 @@ class LLM:
                                "admitted (no free row, or not enough free blocks)")
         return outputs
 
-    def _result(self, prompt, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids)
-        if seq.stop_text_index is not None:
-            text = text[: seq.stop_text_index]
-        completion = CompletionOutput(text, list(seq.output_token_ids), seq.finish_reason, seq.error)
-        return RequestOutput(prompt if isinstance(prompt, str) else None, list(seq.prompt_token_ids), [completion])
+    def _result(self, prompt, seqs: list[Sequence]) -> RequestOutput:
+        completions = []
+        for seq in seqs:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            if seq.stop_text_index is not None:
+                text = text[: seq.stop_text_index]
+            completions.append(CompletionOutput(text, list(seq.output_token_ids), seq.finish_reason, seq.error,
+                                                seq.output_logprobs))
+        first = seqs[0]
+        return RequestOutput(prompt if isinstance(prompt, str) else None, list(first.prompt_token_ids), completions,
+                             first.prompt_logprobs)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -201,14 +216,15 @@ class LLM:
         else:
             raise TypeError(f"prompts must be a str, a {{'prompt_token_ids': [...]}} dict, or a list of them, "
                             f"got {type(prompts).__name__}")
-        seqs = self._add_all(prompts, sampling_params)
+        groups = self._add_all(prompts, sampling_params)
+        seqs = [seq for group in groups for seq in group]
         try:
             with progress_bar(total=len(seqs), desc="generate", unit="req", enabled=use_tqdm) as bar:
                 while any(not s.finished for s in seqs):
                     bar.update(sum(out.finished for out in self._step()))
         finally:
             self._abort_unfinished(seqs)
-        return [self._result(p, s) for p, s in zip(prompts, seqs, strict=True)]
+        return [self._result(p, g) for p, g in zip(prompts, groups, strict=True)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -232,7 +248,9 @@ class LLM:
         RuntimeError with its error."""
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": self.tokenizer.encode_chat(prompt)}
-        (seq,) = self._add_all([prompt], sampling_params)
+        if sampling_params is not None and sampling_params.n != 1:
+            raise ValueError(f"SamplingParams.n={sampling_params.n}: stream() yields one completion's text")
+        ((seq,),) = self._add_all([prompt], sampling_params)
         text = TextDeltas(self.tokenizer.decode, seq.params.stop_strings)
         seen = 0
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,14 @@ from nanolab.kernels.argmax import argmax
 MIN_TEMPERATURE = 1e-2
 # torch.Generator.manual_seed takes any int in [-2**63, 2**64) and raises outside it.
 SEED_RANGE = (-(2**63), 2**64)
+# The most top log-probabilities a position may ask for (OpenAI's limit for chat's top_logprobs).
+MAX_LOGPROBS = 20
+# The most samples one request may ask for (n).
+MAX_N = 128
+
+# One position's log-probabilities: the chosen token's, then the top k as (token id, logprob),
+# most likely first. A plain tuple: it crosses from the engine core's process once per token.
+PositionLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 def _is_number(value) -> bool:
@@ -29,6 +38,12 @@ def _is_int(value) -> bool:
 class SamplingParams:
     """How one request is sampled and when it stops. `temperature=0` is greedy.
 
+    `n` samples are drawn for the request (each a request of its own to the engine: `samples`).
+    `logprobs=k` returns, for every generated token, its log-probability and the k most likely
+    tokens' (0: the token's alone); `prompt_logprobs=k` the same for every prompt token after the
+    first. Both are the log-softmax of the raw logits in fp32 (the model's distribution, before
+    temperature, top-k and top-p), as vLLM's default.
+
     Every field is checked here, so a request that constructs cannot fail in the sampler: a bad
     value raises ValueError("SamplingParams.<field>=<value>: <why>"). A bool is not a number."""
 
@@ -39,6 +54,9 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: until EOS or the model's context
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,11 +82,41 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a bool")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an int in [1, {MAX_N}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"must be an int in [0, {MAX_LOGPROBS}], or None")
         object.__setattr__(self, "stop_strings", tuple(stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def samples(self) -> list[SamplingParams]:
+        """The `n` requests this one stands for, each with n=1: sample i is seeded with seed + i
+        (wrapped into the seed's range), so the samples differ and each is reproducible."""
+        if self.n == 1:
+            return [self]
+        lo, hi = SEED_RANGE
+        seeds = [None if self.seed is None else (self.seed + i - lo) % (hi - lo) + lo for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor | list[int], k: int
+                     ) -> list[PositionLogprobs]:
+    """logits [rows, vocab] (any float dtype), token_ids [rows] -> per row the token's
+    log-probability and the top `k`, from the log-softmax in fp32. One read-back for all rows."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
+    ids = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # [rows]
+    if k:
+        top = logprobs.topk(k, dim=-1)  # values, indices [rows, k]
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_lps = [[] for _ in range(len(ids))]
+    return [(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen.tolist(), top_ids, top_lps)]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

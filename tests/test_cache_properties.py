@@ -70,8 +70,9 @@ def fits(prompt_len: int, max_tokens: int, num_blocks: int) -> bool:
     return cdiv(prompt_len + max_tokens, BLOCK) <= num_blocks
 
 
-# Operations: ("add", prompt_len, max_tokens, ignore_eos), ("step", n), ("abort", pick).
-ADD = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 48), st.booleans())
+# Operations: ("add", prompt_len, max_tokens, ignore_eos, n), ("step", n), ("abort", pick). An add
+# of n > 1 queues n samples of one prompt together (the later ones wait for the first's prompt).
+ADD = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 48), st.booleans(), st.sampled_from([1, 1, 2, 3]))
 STEP = st.tuples(st.just("step"), st.integers(1, 8))
 ABORT = st.tuples(st.just("abort"), st.integers(0, 1 << 16))
 # A burst of adds first, so several requests grow together and the pool runs out.
@@ -109,12 +110,15 @@ class FakeForward:
         model's is (so a block of the same tokens after another prefix holds other K)."""
         return torch.full((cls.kv_heads, cls.head_dim), float(hash(tuple(tokens)) % 1_000_003))
 
-    def add(self, prompt_len: int, max_tokens: int) -> None:
+    def add(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         head = self.rng.choice(self.prefixes) if self.prefixes else []
         prompt = (head + [self.rng.randrange(VOCAB) for _ in range(prompt_len)])[:max(prompt_len, 1)]
-        seq = Sequence(len(self.seqs), prompt, SamplingParams(max_tokens=max_tokens))
-        self.seqs.append(seq)
-        self.scheduler.add(seq)
+        first = None
+        for _ in range(n):  # as `Engine.add_requests` links the samples of one prompt
+            seq = Sequence(len(self.seqs), prompt, SamplingParams(max_tokens=max_tokens), parent=first)
+            first = first or seq
+            self.seqs.append(seq)
+            self.scheduler.add(seq)
 
     def abort(self, pick: int) -> None:
         if self.seqs:
@@ -167,7 +171,7 @@ def test_scheduler_and_cache_keep_the_pool_consistent(ops, num_blocks, max_rows,
     for op in ops:
         if op[0] == "add":
             if fits(op[1], op[2], num_blocks):
-                fake.add(op[1], op[2])
+                fake.add(op[1], op[2], op[4])
         elif op[0] == "step":
             for _ in range(op[1]):
                 fake.step()
@@ -218,12 +222,14 @@ def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
     check_pool(engine.kv_cache, engine.scheduler)
     for op in ops:
         if op[0] == "add":
-            _, prompt_len, max_tokens, ignore_eos = op
+            _, prompt_len, max_tokens, ignore_eos, n = op
             prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+            # Some requests want logprobs (their steps are read back at once) or their prompt's (no prefix hit).
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
-                                    ignore_eos=ignore_eos, seed=rng.randrange(1000))
+                                    ignore_eos=ignore_eos, seed=rng.randrange(1000), n=n,
+                                    logprobs=rng.choice([None, None, 2]), prompt_logprobs=rng.choice([None, None, 1]))
             if fits(prompt_len, max_tokens, engine.kv_cache.num_blocks):
-                seqs.append(engine.add_request(prompt, params))
+                seqs += engine.add_requests([prompt] * n, params.samples())
             else:
                 before = (len(engine.scheduler.waiting), len(engine.requests))
                 with pytest.raises(ValueError, match="more than the whole KV pool holds"):

@@ -15,8 +15,8 @@ PACKAGE = Path(nanolab.__file__).parent
 
 def test_import_nanolab_loads_no_lab_dependency():
     code = ("import sys, nanolab; "
-            "print(' '.join(m for m in ('pandas', 'matplotlib', 'transformers', 'aiohttp', 'nanolab.lab', "
-            "'nanolab.entrypoints') if m in sys.modules))")
+            "print(' '.join(m for m in ('pandas', 'matplotlib', 'transformers', 'aiohttp', 'prometheus_client', "
+            "'nanolab.lab', 'nanolab.entrypoints') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import nanolab loaded {out}"
 
@@ -44,8 +44,9 @@ def test_the_engine_never_imports_the_lab():
 
 def test_data_flows_down_from_llm_to_the_kernels():
     """The kernels import no engine module, the model imports neither the engine nor the LLM front
-    door, no engine module imports `nanolab.llm`, and only the server imports aiohttp."""
-    above = ("nanolab.entrypoints", "aiohttp")
+    door, no engine module imports `nanolab.llm`, and only the server imports aiohttp and
+    prometheus_client."""
+    above = ("nanolab.entrypoints", "aiohttp", "prometheus_client")
     layers = {"kernels": ("nanolab.engine", "nanolab.model", "nanolab.llm", *above),
               "model": ("nanolab.engine", "nanolab.llm", *above),
               "engine": ("nanolab.llm", *above)}

@@ -14,11 +14,11 @@ import random
 
 import pytest
 import torch
-from conftest import assert_logits_match_reference, logit_recorder, run_until_done
+from conftest import assert_logits_match_reference, logit_recorder, needs_cuda, run_until_done
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolab import Engine, EngineConfig, SamplingParams
+from nanolab import LLM, Engine, EngineConfig, SamplingParams
 from nanolab.engine.block_manager import BlockManager, CacheFull, block_key
 
 BS = 4
@@ -245,3 +245,35 @@ def test_caching_changes_no_token(sharp_gqa24):
         outs.append([s.output_token_ids for s in seqs])
         assert (engine.scheduler.prefix_cache_hits > 0) == on
     assert outs[0] == outs[1]
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_prefix_caching_under_the_cuda_defaults(sharp_gqa24, monkeypatch):
+    """On CUDA with every step graphed, the decode compiled and the streamed read: a prompt seen
+    whole, one cut inside a block, a second turn and a stranger, in chunks of 24 tokens, give
+    every step's logits within 1e-3 of the one-shot reference (fp32 weights, TF32 off), with hits;
+    with asynchronous scheduling on and caching off, the same tokens."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 320, (70,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for caching, overlap in ((True, False), (True, True), (False, True)):
+        llm = LLM(str(sharp_gqa24.path), device="cuda", dtype="float32", max_num_batched_tokens=24, max_num_seqs=8,
+                  num_blocks=128, enable_prefix_caching=caching, async_scheduling=overlap)
+        engine = llm.engine
+        assert engine.runner.varlen_graphs is not None and engine.kv_cache.read == "streamed"
+        logits, keep = logit_recorder()
+        first = engine.add_request(prompt, params)
+        run_until_done(engine, on_step=None if overlap else keep)
+        turn = prompt + first.output_token_ids + torch.randint(3, 320, (9,), generator=g).tolist()
+        seqs = [engine.add_request(p, params) for p in (prompt, prompt[:37] + [9] * 5, turn, [4] * 30)]
+        run_until_done(engine, on_step=None if overlap else keep)
+        tokens[caching, overlap] = [s.output_token_ids for s in [first, *seqs]]
+        assert (engine.scheduler.prefix_cache_hits >= 64 + 32 + 64) == caching
+        if not overlap:
+            cpu = {rid: [row.float().cpu() for row in rows] for rid, rows in logits.items()}
+            assert_logits_match_reference(sharp_gqa24, [first, *seqs], cpu, atol=1e-3, rtol=1e-3)
+        assert engine.block_manager.allocator.num_free == engine.num_blocks
+    assert tokens[True, False] == tokens[True, True] == tokens[False, True]

@@ -61,9 +61,13 @@ async def sse(response) -> list:
 
 BAD = [
     # (body, status, param)
-    ({"prompt": "hi", "n": 2}, 400, "n"),
-    ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": 129}, 400, "n"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),  # a chat field
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "temperature": True}, 400, "temperature"),
     ({"prompt": "hi", "temperature": 1e-5}, 400, "temperature"),
@@ -152,15 +156,16 @@ def test_fields_at_their_no_op_values_are_accepted(llm):
     assert (status, noop_status) == (200, 200) and noop_text == text
 
 
-def test_the_api_key_guards_every_route_but_health(llm):
+def test_the_api_key_guards_every_v1_route(llm):
     async def body(client, _):
         no_key = await client.get("/v1/models")
         wrong = await client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer no"})
         right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
-        health = await client.get("/health")
-        return no_key.status, (await no_key.json())["error"]["type"], wrong.status, right.status, health.status
+        health, metrics = await client.get("/health"), await client.get("/metrics")
+        return (no_key.status, (await no_key.json())["error"]["type"], wrong.status, right.status, health.status,
+                metrics.status)
 
-    assert run_with_client(llm, body, api_key="s3cret") == (401, "authentication_error", 401, 200, 200)
+    assert run_with_client(llm, body, api_key="s3cret") == (401, "authentication_error", 401, 200, 200, 200)
 
 
 def paused(llm, monkeypatch) -> threading.Event:
@@ -335,3 +340,50 @@ def test_health_reports_a_dead_engine(llm, monkeypatch):
         return before, failed.status, after.status, refused.status, (await refused.json())["error"]["type"]
 
     assert run_with_client(llm, body) == (200, 500, 503, 503, "service_unavailable")
+
+
+def test_n_logprobs_and_echo_are_what_generate_gives(llm):
+    """Completions with n=2, a seed, logprobs=3 and echo, whole and streamed, and chat with
+    top_logprobs: the same samples and the same numbers as `LLM.generate` on the same engine, in
+    OpenAI's shapes (legacy lists for completions, the prompt first and its first token unscored;
+    content entries with top alternatives for chat), and usage counts the prompt once."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(temperature=0.9, seed=4, n=2, max_tokens=4, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=3)
+    (want,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    text = llm.tokenizer.decode
+
+    async def body(client, _):
+        request = {"prompt": prompt, "max_tokens": 4, "temperature": 0.9, "seed": 4, "n": 2, "best_of": 2,
+                   "logprobs": 3, "echo": True, "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
+        chat = await (await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2, "ignore_eos": True})).json()
+        return whole, streamed, chat
+
+    whole, streamed, chat = run_with_client(llm, body)
+    assert whole["usage"] == {"prompt_tokens": 6, "completion_tokens": 8, "total_tokens": 14}
+    joined = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in range(2)]
+    for event in streamed[:-1]:
+        if event["choices"] and event["choices"][0]["logprobs"]:
+            choice = event["choices"][0]
+            for key, values in choice["logprobs"].items():
+                joined[choice["index"]][key] += values
+    for i, (choice, out) in enumerate(zip(whole["choices"], want.outputs)):
+        assert choice["index"] == i and choice["text"] == text(prompt) + out.text
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"] == [None] + [e[0] for e in want.prompt_logprobs + out.logprobs]
+        assert lp["tokens"] == [text([t], skip_special_tokens=False) for t in prompt + out.token_ids]
+        assert lp["top_logprobs"][0] is None and all(3 <= len(top) <= 4 for top in lp["top_logprobs"][1:])
+        for top, entry in zip(lp["top_logprobs"][1:], want.prompt_logprobs + out.logprobs):
+            assert [top[text([t], skip_special_tokens=False)] for t, _ in entry[1]] == [v for _, v in entry[1]]
+        assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+        assert joined[i] == lp, "the stream's logprobs are not the whole response's"
+    assert want.outputs[0].token_ids != want.outputs[1].token_ids
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] == 3
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+        assert entry["bytes"] == list(entry["token"].encode())

@@ -85,11 +85,14 @@ def chat(client, messages, stream: bool, max_tokens: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def expected(read: str, max_tokens: int, prompts, chats) -> tuple[list[str], list[str]]:
+def expected(read: str, max_tokens: int, prompts, chats, sampled: SamplingParams | None = None):
+    """Greedy texts of `prompts` and `chats` from `LLM.generate`; with `sampled`, also the first
+    prompt's `RequestOutput` under those params."""
     llm = LLM(MODEL, device="cpu", read=read, num_blocks=256)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return ([o.text for o in llm.generate(prompts, params, use_tqdm=False)],
-            [o.text for o in llm.chat(chats, params, use_tqdm=False)])
+    texts = ([o.text for o in llm.generate(prompts, params, use_tqdm=False)],
+             [o.text for o in llm.chat(chats, params, use_tqdm=False)])
+    return texts if sampled is None else (*texts, llm.generate(prompts[0], sampled, use_tqdm=False)[0])
 
 
 def assert_clean_exit(server: Server, aborted: int = 0) -> None:
@@ -102,7 +105,8 @@ def assert_clean_exit(server: Server, aborted: int = 0) -> None:
 @needs_smollm2
 @pytest.mark.slow
 def test_same_text_through_the_socket_reference_read():
-    want_prompts, want_chats = expected("reference", 12, PROMPTS, CHATS)
+    sampled = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6, logprobs=2)
+    want_prompts, want_chats, want_samples = expected("reference", 12, PROMPTS, CHATS, sampled)
     server = Server("--read", "reference")
     try:
         client = server.client
@@ -121,9 +125,21 @@ def test_same_text_through_the_socket_reference_read():
             assert first.result() == want_prompts[0]
             for want, job in jobs:
                 assert job.result() == want
+        # Two seeded samples with logprobs, alone: generate's tokens and numbers.
+        reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0.8, seed=7, n=2,
+                                          logprobs=2)
+        assert [c.text for c in reply.choices] == [o.text for o in want_samples.outputs]
+        for choice, out in zip(reply.choices, want_samples.outputs):
+            assert choice.logprobs.token_logprobs == pytest.approx([e[0] for e in out.logprobs], abs=1e-4)
+        # Chat's logprobs, streamed: an entry with its top 3 on every token's chunk.
+        chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=12, temperature=0,
+                                                     logprobs=True, top_logprobs=3, stream=True))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert "".join(e.token for e in entries).removesuffix("<|im_end|>") == want_chats[0]  # EOS is scored too
+        assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in entries)
     finally:
         assert_clean_exit(server)
-    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 15  # one log line per request
+    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 17  # one log line per request
 
 
 @needs_smollm2

@@ -3,7 +3,8 @@ running batch; each has its own stream of new tokens.
 
 An `EngineCore` owns the `Engine` and is the only code that touches it. Between steps it applies
 the adds and aborts that asyncio posted, then steps while there is work, and hands back each
-step's tokens in one message. It runs in one of two places:
+step's tokens in one message, with the engine's `SchedulerStats` after the step. It runs in one
+of two places:
 - **a thread** of this process (`AsyncLLM(engine)`): tests and notebooks can reach into the engine;
 - **a process of its own** (`await AsyncLLM.spawn(factory)`), as vLLM's engine core does: the
   server's choice. A thread would share the interpreter lock with the event loop that writes every
@@ -14,6 +15,10 @@ an error (see `Engine.step`). An abort, or a client that disconnects, ends its r
 next step, and its blocks return to the pool then. Only an exception the engine cannot pin on a
 request kills the core, or the core's process dying. Every open stream then ends with that error,
 and `dead` says why.
+
+The event loop's side times each request from `add_requests` to each token and to its end, one
+`IterationStats` per message of the core's, and hands it to the stat loggers (`add_stat_logger`):
+the server's `/metrics`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from pathlib import Path
 from nanolab.config import check_int
 from nanolab.engine.llm_engine import Engine, RequestLimits
 from nanolab.engine.sequence import Sequence
-from nanolab.sampling import SamplingParams
+from nanolab.engine.stats import IterationStats, RequestStateStats, SchedulerStats, scheduler_stats
+from nanolab.sampling import PositionLogprobs, SamplingParams
 
 log = logging.getLogger("nanolab.engine")
 
@@ -48,6 +54,8 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     stop_text_index: int | None = None  # where a matched stop string starts in the output text
+    logprobs: PositionLogprobs | None = None  # the token's, when the request asked for them
+    prompt_logprobs: list[PositionLogprobs] | None = None  # with the first token, when asked for
 
 
 class RequestStream:
@@ -61,6 +69,11 @@ class RequestStream:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.stop_text_index: int | None = None  # where a matched stop string starts in the output text
+        # With params.logprobs, one entry per output token; with params.prompt_logprobs, one per
+        # prompt token after the first, once the first token has come.
+        self.output_logprobs: list[PositionLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[PositionLogprobs] | None = None
+        self.stats = RequestStateStats(time.monotonic())
         self._queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
 
     @property
@@ -72,6 +85,10 @@ class RequestStream:
             return
         if delta.token_id is not None:
             self.output_token_ids.append(delta.token_id)
+            if self.output_logprobs is not None:
+                self.output_logprobs.append(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.error = delta.finish_reason, delta.error
             self.stop_text_index = delta.stop_text_index
@@ -86,9 +103,11 @@ class RequestStream:
         return await self._queue.get()
 
 
-# (request id, token or None, finish reason or None, error or None, stop text index or None):
-# one request's step, as the core sends it (a tuple pickles faster than a dataclass).
-Output = tuple[int, int | None, str | None, str | None, int | None]
+# One request's step, as the core sends it (a tuple pickles faster than a dataclass): (request id,
+# token or None, finish reason or None, error or None, stop text index or None, the token's logprobs
+# or None, the prompt's logprobs with the first token or None).
+Output = tuple[int, int | None, str | None, str | None, int | None, PositionLogprobs | None,
+               list[PositionLogprobs] | None]
 
 
 def graphs_line(runner) -> str:
@@ -102,13 +121,13 @@ def graphs_line(runner) -> str:
 
 
 def engine_info(engine: Engine) -> dict:
-    """What a client of the core needs to know about its engine: the request limits, and what the
-    server's startup line says."""
+    """What a client of the core needs to know about its engine: the request limits, what the
+    server's startup line says, and its `scheduler_stats` before the first step."""
     return {"limits": engine.limits, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "read": engine.kv_cache.read, "graphs": graphs_line(engine.runner),
             "prefill": (f"chunked prefill of {engine.scheduler.max_num_batched_tokens} tokens a step"
                         if engine.scheduler.enable_chunked_prefill else "whole prompts"),
-            "num_blocks": engine.block_manager.num_blocks}
+            "num_blocks": engine.block_manager.num_blocks, "stats": scheduler_stats(engine)}
 
 
 class EngineCore:
@@ -121,13 +140,16 @@ class EngineCore:
         self._rids: dict[int, int] = {}  # engine request id -> client id
         self._log = None if step_log is None else Path(step_log).open("w", buffering=1 << 16)
 
-    def add(self, rid: int, prompt: list[int], params: SamplingParams) -> list[Output]:
+    def add(self, requests: list[tuple[int, list[int], SamplingParams]]) -> list[Output]:
+        """Queue one client call's requests [(id, prompt, params)] in one `Engine.add_requests`, so
+        the samples of one prompt share it; all fail together if any is refused."""
         try:
-            (seq,) = self.engine.add_requests([prompt], [params])
+            seqs = self.engine.add_requests([r[1] for r in requests], [r[2] for r in requests])
         except (ValueError, TypeError) as e:  # checked by the client already; kept from killing the core
-            return [(rid, None, "error", str(e), None)]
-        self._seqs[rid] = seq
-        self._rids[seq.request_id] = rid
+            return [(rid, None, "error", str(e), None, None, None) for rid, _, _ in requests]
+        for (rid, _, _), seq in zip(requests, seqs):
+            self._seqs[rid] = seq
+            self._rids[seq.request_id] = rid
         return []
 
     def abort(self, rid: int) -> None:
@@ -158,8 +180,9 @@ class EngineCore:
             if out.finished:
                 del self._rids[seq.request_id]
                 del self._seqs[rid]
+            first = seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1 and out.token_id is not None
             sent.append((rid, out.token_id, seq.finish_reason if out.finished else None, out.error,
-                         seq.stop_text_index))
+                         seq.stop_text_index, out.logprobs, seq.prompt_logprobs if first else None))
         return sent
 
     def fail_all(self) -> None:
@@ -177,31 +200,33 @@ class EngineCore:
 
     def run(self, receive: Callable[[bool], tuple | None], send: Callable[[tuple], None]) -> None:
         """The loop: take what the client posted (waiting for it when idle), step while there is
-        work, send each step's outputs. Ends on "stop" once idle, or on a failure, which it sends."""
+        work, send each step's outputs with the engine's `scheduler_stats` after it, and the stats
+        alone once more when the engine goes idle with stats not yet sent (its last request aborted,
+        or ended in a step that gave no token). Ends on "stop" once idle, or on a failure, which it sends."""
         stopping = False
+        sent = None  # the stats in the last message sent
         try:
             while True:
-                failed: list[Output] = []
+                outputs: list[Output] = []
                 message = receive(not self.busy and not stopping)
                 while message is not None:
                     kind = message[0]
                     if kind == "add":
-                        failed += self.add(*message[1:])
+                        outputs += self.add(message[1])
                     elif kind == "abort":
                         self.abort(message[1])
                     elif kind == "stop":
                         stopping = True
                     message = receive(False)
-                if failed:
-                    send(("out", failed))
-                if not self.busy:
-                    if stopping:
-                        send(("stopped", self.close()))
-                        return
-                    continue
-                outputs = self.step()
-                if outputs:
-                    send(("out", outputs))
+                if self.busy:
+                    outputs += self.step()
+                stats = scheduler_stats(self.engine)
+                if outputs or (not self.busy and stats != sent):
+                    send(("out", outputs, stats))
+                    sent = stats
+                if stopping and not self.busy:
+                    send(("stopped", self.close()))
+                    return
         except EOFError:  # the client went away
             self.fail_all()
             self.close()
@@ -243,6 +268,8 @@ class AsyncLLM:
         self.info: dict = {} if engine is None else engine_info(engine)
         self.dead: str | None = None  # why the core died, once it has
         self.stopped: tuple[int, int] | None = None  # (free blocks, all blocks) once the core has stopped
+        self._scheduler_stats: tuple | None = self.info.get("stats")  # as the core last sent them
+        self._stat_loggers: list = []
         self._ids = itertools.count()
         self._streams: dict[int, RequestStream] = {}  # every stream not yet finished, by id
         self._waiting = 0  # streams with no token yet
@@ -301,6 +328,7 @@ class AsyncLLM:
             bad_input, message = payload
             raise (ValueError if bad_input else RuntimeError)(message)
         self.info = payload
+        self._scheduler_stats = payload["stats"]
         self._conn = parent
         self._loop = asyncio.get_running_loop()
         self._finished = asyncio.Event()
@@ -329,6 +357,17 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The engine's state as of the core's last message: after a step, or once it went idle."""
+        return SchedulerStats(*self._scheduler_stats)
+
+    def add_stat_logger(self, logger) -> None:
+        """Call `logger.record(stats)` with the `IterationStats` of every message of the core's that
+        arrives from now on (vLLM's `add_logger`). Add it before the first request: a logger added
+        later misses the prompts and first tokens that came before it."""
+        self._stat_loggers.append(logger)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Validate and post a request; its tokens arrive on the returned stream. Bad input raises
         ValueError or TypeError here, before anything is queued."""
@@ -336,7 +375,8 @@ class AsyncLLM:
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
                      numbered: bool = True) -> list[RequestStream]:
-        """All or nothing: every request is validated before any is posted."""
+        """All or nothing: every request is validated before any is posted, and they go to the core
+        together, so requests with the same prompt (a request's n samples) compute it once."""
         if self.dead is not None or self._post is None:
             raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
         prompts = [list(p) for p in prompts]
@@ -350,8 +390,9 @@ class AsyncLLM:
             stream = RequestStream(next(self._ids), prompt, p)
             self._streams[stream.rid] = stream
             self._waiting += 1
-            self._post(("add", stream.rid, prompt, p))
             streams.append(stream)
+        # One message: the core queues the call's requests together (`EngineCore.add`).
+        self._post(("add", [(s.rid, s.prompt_token_ids, s.params) for s in streams]))
         return streams
 
     def abort(self, stream: RequestStream) -> None:
@@ -372,10 +413,15 @@ class AsyncLLM:
     def _receive(self, message: tuple) -> None:
         kind = message[0]
         if kind == "out":
-            for rid, token, reason, error, stop_at in message[1]:
+            _, outputs, self._scheduler_stats = message
+            stats = IterationStats(time.monotonic())
+            for rid, token, reason, error, stop_at, logprobs, prompt_logprobs in outputs:
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    self._deliver(stream, TokenDelta(token, reason, error, stop_at))
+                    stats.update_from_output(stream.stats, len(stream.prompt_token_ids), token, reason is not None)
+                    self._deliver(stream, TokenDelta(token, reason, error, stop_at, logprobs, prompt_logprobs))
+            for logger in self._stat_loggers:
+                logger.record(stats)
         elif kind == "stopped":
             self.stopped = message[1]
             self._finished.set()

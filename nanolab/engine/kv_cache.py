@@ -157,12 +157,14 @@ class KVCache:
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 
-    def plan_varlen(self, rows, token_counts, sampled=None, *, input_ids=None, num_tokens: int | None = None
-                    ) -> VarlenPlan:
+    def plan_varlen(self, rows, token_counts, sampled=None, *, input_ids=None, num_tokens: int | None = None,
+                    all_logits=None) -> VarlenPlan:
         """Grow row i by token_counts[i] tokens (a prompt, a chunk of one, everything a row holds
         after a preemption, or a decode row's one token) and plan the flattened forward that writes
         them, [1, sum(token_counts)]. `sampled[i]` (default: every row) says whether row i's last
         token gives logits: a chunk that leaves part of its prompt for a later step is not sampled.
+        `all_logits[i]` (default: none) makes every token of row i give logits, in order (its
+        prompt's logprobs), its last token's among them whether sampled or not; only unpadded.
 
         `num_tokens` pads the plan to that many tokens (a capture size, at most the size
         `reserve_varlen` made room for) in the cache's fixed buffers, `input_ids` (host ints, one
@@ -173,6 +175,9 @@ class KVCache:
             raise ValueError(f"a varlen step needs at least one row and at least one token a row, got {counts}")
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} name a row twice: a row's tokens are one segment")
+        all_logits = [False] * len(rows) if all_logits is None else [bool(x) for x in all_logits]
+        if len(all_logits) != len(rows) or num_tokens is not None and any(all_logits):
+            raise ValueError("all_logits takes one flag a row, and no padded plan takes it")
         if num_tokens is not None:
             if not sum(counts) <= num_tokens <= self._varlen_capacity:  # 0 until `reserve_varlen`
                 raise ValueError(f"num_tokens {num_tokens} must hold the step's {sum(counts)} tokens and fit the "
@@ -184,7 +189,9 @@ class KVCache:
         self._grow(tables, rows, counts)
         slots, positions = self._varlen_slots(tables, starts, counts)
         loc = list(itertools.accumulate(counts, initial=0))
-        logits_index = [end - 1 for end, due in zip(loc[1:], sampled, strict=True) if due]
+        logits_index = []
+        for start, end, due, every in zip(loc[:-1], loc[1:], sampled, all_logits, strict=True):
+            logits_index += range(start, end) if every else [end - 1] if due else []
         lens = tuple(t.num_tokens for t in tables)
         if num_tokens is not None:
             return self._padded_varlen(rows, counts, lens, loc, slots, positions, logits_index, input_ids, num_tokens)

@@ -32,12 +32,13 @@ from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
-from nanolab.sampling import SamplingParams, sample_tokens
+from nanolab.sampling import PositionLogprobs, SamplingParams, compute_logprobs, sample_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """One request's progress in one step: the token it gained, the logits it was sampled from,
+    the token's log-probabilities when the request asked for them (`SamplingParams.logprobs`),
     and whether it is done. A request that failed this step has no token (`error` says why).
     `finished` and `error` are the request's state when this output was made: one `step()` can
     return two outputs of one request (an overlapped step's token, then the next step's failure),
@@ -48,6 +49,7 @@ class StepOutput:
     logits: torch.Tensor | None  # [vocab] fp32; a view the next step may overwrite (a graph's output)
     finished: bool = False
     error: str | None = None
+    logprobs: PositionLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +297,9 @@ class Engine:
     def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams],
                      name: str = "request") -> list[Sequence]:
         """Queue several requests, all or nothing: each is validated before any is queued, and an
-        error names the request ("request 2: ...", or `name` in its place)."""
+        error names the request ("request 2: ...", or `name` in its place). Requests of one call
+        with the same prompt (a request's n samples) compute it once: with prefix caching, each
+        after the first waits until the first has run its prompt, then shares its cached blocks."""
         prompts = [list(p) for p in prompts]
         self.limits.check_all(prompts, params, name)
         return self._queue(prompts, list(params))
@@ -304,9 +308,16 @@ class Engine:
         # Validated input: nothing here raises (SamplingParams checked the seed's range), so a batch
         # is queued whole.
         seqs = []
+        first: dict[tuple[int, ...], Sequence] = {}  # prompt -> the first request of this call with it
         for prompt, p in zip(prompts, params):
             generator = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
-            seqs.append(Sequence(next(self._ids), prompt, p, generator))
+            seq = Sequence(next(self._ids), prompt, p, generator, parent=first.get(tuple(prompt)))
+            first.setdefault(tuple(prompt), seq)
+            if p.logprobs is not None:
+                seq.output_logprobs = []
+            if p.prompt_logprobs is not None:
+                seq.prompt_logprobs = []
+            seqs.append(seq)
         for seq in seqs:
             self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
@@ -363,11 +374,18 @@ class Engine:
         chunks and decode rows), sampled and read back before returning."""
         start = time.perf_counter()
         seqs = out.seqs
+        # Rows whose prompt's logprobs are wanted and whose segment is (partly) prompt: every token's logits.
+        every = [s.prompt_logprobs is not None and a < len(s.prompt_token_ids)
+                 for s, a in zip(seqs, out.num_computed_tokens, strict=True)]
         try:
             if out.decode_only:
                 logits = self.runner.decode(seqs)
             else:
-                logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled)
+                extra = {"all_logits": every} if any(every) else {}
+                logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled,
+                                                **extra)
+                if any(every):
+                    logits = self._record_prompt_logprobs(out, every, logits)
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
         self._commit(seqs)
@@ -377,10 +395,33 @@ class Engine:
         self.last_step = StepRecord(out.phase, len(seqs), batch, graph, out.num_tokens, time.perf_counter() - start)
         return self._emit(sampled, tokens, logits)
 
+    def _record_prompt_logprobs(self, out: SchedulerOutput, every: list[bool], logits: torch.Tensor) -> torch.Tensor:
+        """Append to each `every` row's `prompt_logprobs` what its segment's logits give (the logits
+        at position p score prompt token p + 1), skipping tokens already scored (a preempted
+        request's recompute); return the sampled rows' logits, one a sampled row, in order."""
+        sampled_rows, at = [], 0
+        for seq, a, n, due, all_ in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens, out.sampled,
+                                        every, strict=True):
+            if not all_:
+                if due:
+                    sampled_rows.append(at)
+                    at += 1
+                continue
+            prompt = seq.prompt_token_ids
+            first, last = len(seq.prompt_logprobs) + 1, min(a + n, len(prompt) - 1)  # prompt tokens to score
+            if a + 1 <= first <= last:
+                seq.prompt_logprobs += compute_logprobs(logits[at + first - 1 - a: at + last - a],
+                                                        prompt[first: last + 1], seq.params.prompt_logprobs)
+            if due:
+                sampled_rows.append(at + n - 1)
+            at += n
+        return logits[sampled_rows]
+
     def _emit(self, seqs: list[Sequence], tokens: list, logits: torch.Tensor | None) -> list[StepOutput]:
-        """Append each row's token (or end the row with its sampling error), retire finished
-        requests, and return the outputs. A request that ended while its token was in flight
-        (aborted, or finished by the step before) has it dropped."""
+        """Append each row's token (or end the row with its sampling error) and its logprobs when
+        asked for, retire finished requests, and return the outputs. A request that ended while
+        its token was in flight (aborted, or finished by the step before) has it dropped."""
+        logprobs = self._logprobs(seqs, tokens, logits)
         outputs = []
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.finished:
@@ -389,12 +430,27 @@ class Engine:
                 outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
                 continue
             seq.output_token_ids.append(token)
+            if seq.output_logprobs is not None:
+                seq.output_logprobs.append(logprobs[i])
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq, token, None if logits is None else logits[i], seq.finished))
+            outputs.append(StepOutput(seq, token, None if logits is None else logits[i], seq.finished,
+                                      logprobs=logprobs.get(i)))
         return outputs
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], tokens: list, logits: torch.Tensor | None) -> dict[int, PositionLogprobs]:
+        """Row -> its token's logprobs, for the rows that ask for them, all computed at once from
+        the logits the tokens were sampled from (a step with such rows is never left in flight, so
+        those logits are here)."""
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.output_logprobs is not None and not s.finished and not isinstance(t, Exception)]
+        if not rows:
+            return {}
+        top = compute_logprobs(logits[rows], [tokens[i] for i in rows], max(seqs[i].params.logprobs for i in rows))
+        return {i: (lp, alts[: seqs[i].params.logprobs]) for i, (lp, alts) in zip(rows, top)}
 
     def _commit(self, seqs: list[Sequence]) -> None:
         """Key the blocks a forward just filled, for prefix caching: only after the forward was
@@ -492,7 +548,8 @@ class Engine:
     def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None, prev: _InFlight | None) -> list[StepOutput]:
         """Launch a decode step over `seqs` and leave it in flight; return the outputs of `prev`,
         read back after the launch. A step that cannot stay in flight (its forward or its batch
-        sampling raised, or the sampler is a host one) finishes here, after `prev`."""
+        sampling raised, the sampler is a host one, or a row wants its logprobs) finishes here,
+        after `prev`."""
         start = time.perf_counter()
         try:
             logits = self.runner.decode(seqs, ids)
@@ -502,10 +559,11 @@ class Engine:
         self._commit(seqs)
         tokens = self._sample_batch(logits, seqs)
         batch, graph = self.runner.last_decode
-        if not isinstance(tokens, torch.Tensor):  # raised (None), or a host sampler's list
+        # Raised (None), a host sampler's list, or logprobs wanted from logits the next replay overwrites.
+        if not isinstance(tokens, torch.Tensor) or any(s.output_logprobs is not None for s in seqs):
             self._inflight = None
             outputs = self._retire(prev) if prev else []
-            tokens = self._sample_rows(logits, seqs) if tokens is None else list(tokens)
+            tokens = self._sample_rows(logits, seqs) if tokens is None else _host_list(tokens)
             self.last_step = StepRecord("decode", len(seqs), batch, graph, len(seqs), time.perf_counter() - start)
             return outputs + self._emit(seqs, tokens, logits)
         host = stage(torch.empty(len(seqs), dtype=torch.int64), self.device)

@@ -64,6 +64,7 @@ class StepCall:
     ids: list[list[int]] | None = None
     counts: list[int] | None = None
     sampled: list[bool] | None = None
+    all_logits: list[bool] | None = None
 
 
 @dataclasses.dataclass
@@ -146,12 +147,13 @@ class LeaderRunner(ModelRunner):
                 raise RuntimeError(f"the tensor-parallel group has ended: {why}") from e
             raise
 
-    def planned(self, kind, seqs, ids, counts, sampled) -> None:
+    def planned(self, kind, seqs, ids, counts, sampled, all_logits=None) -> None:
         rows = [s.row for s in seqs]
         tables = [self.kv_cache.blocks.table(r) for r in rows]
         fed = counts if kind == "varlen" else [1] * len(rows)
         call = StepCall(kind, rows, [list(t.blocks) for t in tables],
-                        [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled)
+                        [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled,
+                        all_logits=all_logits)
         if kind == "varlen":
             starts = list(itertools.accumulate(counts, initial=0))
             call.ids = [ids[a:b] for a, b in itertools.pairwise(starts)]
@@ -209,7 +211,7 @@ def follow(runner: ModelRunner, channel: Channel) -> None:
         blocks.adopt(call)
         if call.kind == "varlen":
             seqs = [SimpleNamespace(row=r, token_ids=ids) for r, ids in zip(call.rows, call.ids, strict=True)]
-            runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled)
+            runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled, call.all_logits)
         else:
             seqs = [SimpleNamespace(row=r) for r in call.rows]
             runner.decode(seqs, channel.receive_ids(len(seqs)))

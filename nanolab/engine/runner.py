@@ -160,31 +160,34 @@ class ModelRunner:
         """Release what the runner started besides this process's memory: nothing here; a
         tensor-parallel leader's workers (`engine.parallel.LeaderRunner`)."""
 
-    def planned(self, kind: str, seqs: list[Sequence], ids, counts: list[int] | None, sampled: list[bool] | None
-                ) -> None:
-        """Called between a step's plan and its forward: "varlen" with the host ids, the counts and
-        which rows are sampled, or "decode" with its ids [batch, 1] (host, or still being sampled on
-        the device). Nothing here; a tensor-parallel leader tells its workers (`engine.parallel`)."""
+    def planned(self, kind: str, seqs: list[Sequence], ids, counts: list[int] | None, sampled: list[bool] | None,
+                all_logits: list[bool] | None = None) -> None:
+        """Called between a step's plan and its forward: "varlen" with the host ids, the counts,
+        which rows are sampled and which give logits at every token, or "decode" with its ids
+        [batch, 1] (host, or still being sampled on the device). Nothing here; a tensor-parallel
+        leader tells its workers (`engine.parallel`)."""
 
     @torch.inference_mode()
     def run_varlen(self, seqs: list[Sequence], num_scheduled_tokens: list[int], num_computed_tokens: list[int],
-                   sampled: list[bool]) -> torch.Tensor:
+                   sampled: list[bool], all_logits: list[bool] | None = None) -> torch.Tensor:
         """One flattened forward of every scheduled token: sequence i feeds its tokens
         num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (a prompt, a chunk of one, or a
-        decode row's pending token) -> logits [sum(sampled), vocab] fp32, at the last token of each
-        sampled sequence, in order. With varlen graphs, a step that fits a capture size is padded
-        to it and replays that graph; otherwise the model runs eagerly."""
+        decode row's pending token) -> logits [rows of logits, vocab] fp32, in order: at the last
+        token of each sampled sequence, and at every token of a sequence with `all_logits[i]` (its
+        prompt's logprobs). With varlen graphs, a step that fits a capture size and wants no
+        prompt's logits is padded to it and replays that graph; otherwise the model runs eagerly."""
         ids = list(itertools.chain.from_iterable(
             s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
         rows = [s.row for s in seqs]
-        size = None if self.varlen_graphs is None else self.varlen_graphs.lookup(len(ids))
+        every = all_logits is not None and any(all_logits)
+        size = None if self.varlen_graphs is None or every else self.varlen_graphs.lookup(len(ids))
         if size is not None:
             plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, input_ids=ids, num_tokens=size)
             self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
             self.last_varlen = (size, True)
             return self.varlen_graphs.replay(plan, sum(sampled))
-        plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled)
-        self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
+        plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, all_logits=all_logits)
+        self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled, all_logits)
         self.last_varlen = (len(ids), False)
         ids = host_int64(ids).to(self.device)[None]  # [1, num_tokens]
         return self.model(ids, plan.positions, cache=self.kv_cache.view(plan), logits_index=plan.logits_index)

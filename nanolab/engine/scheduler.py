@@ -128,8 +128,11 @@ class Scheduler:
                 taken += table.blocks_needed(n)
                 scheduled[seq] = n
                 budget -= n
-        while self.waiting and budget > 0 and self.blocks.free_row_count() > 0 and self._admits(self.waiting[0]):
-            seq = self.waiting.popleft()
+        while budget > 0 and self.blocks.free_row_count() > 0:
+            seq = self._next_waiting()
+            if seq is None or not self._admits(seq):
+                break
+            self.waiting.remove(seq)
             self._open_row(seq)
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -161,14 +164,16 @@ class Scheduler:
         block = self.blocks.block_size
         free = self.blocks.allocator.num_free
         spare = sum(self.blocks.table(s.row).blocks_needed(1) for s in self.running)
-        while self.waiting and self.blocks.free_row_count() > 0:
-            seq = self.waiting[0]
+        while self.blocks.free_row_count() > 0:
+            seq = self._next_waiting()
+            if seq is None:
+                break
             need = cdiv(seq.num_tokens, block) + (seq.num_tokens % block == 0)
             if batch and tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
             if free - need < spare:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._open_row(seq)
             free -= need
             tokens += seq.num_tokens
@@ -185,12 +190,24 @@ class Scheduler:
             self.preempt(self.running[-1])
         return list(self.running)
 
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting request not held back: with prefix caching, a request whose `parent`
+        (another sample of the same prompt) has not yet run its prompt waits for it, so that the
+        prompt's blocks are computed once and shared; those behind it may go first."""
+        for seq in self.waiting:
+            parent = seq.parent
+            if (parent is None or not self.blocks.enable_prefix_caching or parent.finished
+                    or parent.output_token_ids):
+                return seq
+        return None
+
     def _open_row(self, seq: Sequence) -> None:
         """Give an admitted request its row, starting after the cached full blocks of its prefix
-        (none without prefix caching): those tokens count as computed."""
+        (none without prefix caching, nor for a request that wants its prompt's logprobs, which
+        need the logits of every prompt token): those tokens count as computed."""
         seq.row = self.blocks.open_row()
         seq.status = SequenceStatus.RUNNING
-        if not self.blocks.enable_prefix_caching:
+        if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         blocks, keys = self.blocks.cached_prefix(seq.token_ids)
         self.prefix_cache_queries += seq.num_tokens

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanolab.engine.detokenizer import TextDeltas
-from nanolab.sampling import SamplingParams
+from nanolab.sampling import PositionLogprobs, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +36,13 @@ class Sequence:
     stop_scanned: int = 0  # characters of `text` already searched for stop strings
     num_preemptions: int = 0
     num_computed_tokens: int = 0  # back to 0 when preempted: recomputed from its tokens so far
+    # The request queued beside this one with the same prompt (another of a request's n samples):
+    # with prefix caching, this one is admitted only once that one's prompt is cached, and shares it.
+    parent: Sequence | None = None
+    # With params.logprobs, one entry per output token; with params.prompt_logprobs, one per prompt
+    # token after the first, filled as the prompt's chunks run.
+    output_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def token_ids(self) -> list[int]:

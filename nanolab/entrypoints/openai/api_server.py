@@ -1,14 +1,15 @@
 """`python -m nanolab serve`: an OpenAI-compatible HTTP server on aiohttp. Added with the server.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streamed as Server-Sent Events or
-whole), `GET /v1/models`, `GET /health`. The engine runs online under `AsyncLLM`, in a process of
-its own, so this process's event loop never competes with a step for the interpreter. A handler
-checks its request, posts it, and turns the request's token stream into text chunks. When the client
-goes away, aiohttp cancels the handler (`handler_cancellation`), and the handler's cleanup aborts
-the request.
+whole), `GET /v1/models`, `GET /health`, and `GET /metrics` (Prometheus' text format: `metrics.py`).
+The engine runs online under `AsyncLLM`, in a process of its own, so this process's event loop never
+competes with a step for the interpreter. A handler checks its request, posts it, and turns the
+request's token stream into text chunks. When the client goes away, aiohttp cancels the handler
+(`handler_cancellation`), and the handler's cleanup aborts the request.
 
-Who gets in: the server binds 127.0.0.1 unless told otherwise. With an API key, every route but
-`/health` needs `Authorization: Bearer <key>`. When more than `max_waiting` requests are queued,
+Who gets in: the server binds 127.0.0.1 unless told otherwise. With an API key, every `/v1` route
+needs `Authorization: Bearer <key>` (as vLLM's: `/health` and `/metrics` stay open to probes and
+scrapers). When more than `max_waiting` requests are queued,
 new ones get a 503 with `Retry-After`. SIGINT or SIGTERM stops new requests, gives the ones in
 flight `shutdown_timeout` seconds to finish, aborts the rest, and exits once every block is free.
 """
@@ -35,6 +36,7 @@ from nanolab.engine.async_llm import AsyncLLM, RequestStream
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.llm_engine import Engine
 from nanolab.entrypoints.openai import protocol
+from nanolab.entrypoints.openai.metrics import PrometheusStatLogger
 from nanolab.entrypoints.openai.protocol import APIError, CompletionRequest, error_body
 from nanolab.model.tokenizer import Tokenizer, normalize_messages
 from nanolab.model.weights import resolve_weights
@@ -57,7 +59,8 @@ _HTTP_TYPES = {401: "authentication_error", 404: "not_found_error", 405: "invali
 
 @web.middleware
 async def _errors_and_log(request: web.Request, handler):
-    """Every error leaves as OpenAI's error object. One log line per request."""
+    """Every error leaves as OpenAI's error object. One log line per request, none for health checks
+    and metrics scrapes."""
     start = time.perf_counter()
     try:
         response = await handler(request)
@@ -75,7 +78,7 @@ async def _errors_and_log(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         response = _json_error(500, "internal server error", "internal_error")
-    if request.path != "/health":
+    if request.path not in ("/health", "/metrics"):
         log.info("%s %s %d %s%.0f ms", request.method, request.path, response.status,
                  request.get(SUMMARY, "") + " " if request.get(SUMMARY) else "",
                  (time.perf_counter() - start) * 1e3)
@@ -85,7 +88,7 @@ async def _errors_and_log(request: web.Request, handler):
 def _auth(api_key: str | None):
     @web.middleware
     async def check(request: web.Request, handler):
-        if api_key is not None and request.path != "/health":
+        if api_key is not None and request.path.startswith("/v1"):
             # A header that is not valid UTF-8 arrives surrogate-escaped; it compares as bytes.
             given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
@@ -159,7 +162,7 @@ class OpenAIServing:
                            headers={"Retry-After": "5"})
         if self.async_llm.dead is not None:
             raise APIError(503, f"the engine is not running: {self.async_llm.dead}", type="service_unavailable")
-        count = len(req.prompts) if req.prompts is not None else 1
+        count = (len(req.prompts) if req.prompts is not None else 1) * req.params.n
         if self.async_llm.num_waiting + count > self.async_llm.max_waiting:
             raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
                            type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
@@ -172,12 +175,17 @@ class OpenAIServing:
                 raise APIError(400, f"the model's context is {limit} tokens, but {where} ({len(ids)} tokens) plus "
                                     f"max_tokens ({req.params.max_tokens}) needs {len(ids) + req.params.max_tokens}",
                                param="max_tokens")
-        try:
-            return self.async_llm.add_requests(prompts, [req.params] * len(prompts))
-        except (ValueError, TypeError) as e:
-            message = str(e) if len(prompts) > 1 else str(e).removeprefix("request 0: ")
-            param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
-            raise APIError(400, message, param=param) from None
+        for i, ids in enumerate(prompts):
+            try:
+                self.async_llm.limits.check(ids, req.params)
+            except (ValueError, TypeError) as e:
+                message = f"prompt {i}: {e}" if len(prompts) > 1 else str(e)
+                param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
+                raise APIError(400, message, param=param) from None
+        # Choice j is sample j % n of prompt j // n; a prompt's samples go to the engine together.
+        samples = req.params.samples()
+        return self.async_llm.add_requests([ids for ids in prompts for _ in samples],
+                                           [p for _ in prompts for p in samples])
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         req = protocol.parse_request(await self._body(request), chat=chat, model=self.model_name)
@@ -194,20 +202,48 @@ class OpenAIServing:
                 self.async_llm.abort(s)  # a no-op for a finished request
             done = sum(len(s.output_token_ids) for s in streams)
             reasons = ",".join(str(s.finish_reason) for s in streams)
-            request[SUMMARY] = f"{rid} prompt={sum(len(s.prompt_token_ids) for s in streams)} " \
+            request[SUMMARY] = f"{rid} prompt={_usage(streams, req.params.n)['prompt_tokens']} " \
                                  f"completion={done} finish={reasons}"
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text, as a logprobs entry names it (vLLM's: the token decoded alone)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _echo(self, req: CompletionRequest, j: int, stream: RequestStream) -> str:
+        """Choice j's prompt as its text begins with `echo`: the prompt string as sent, else its ids decoded."""
+        prompt = req.prompts[j // req.params.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(stream.prompt_token_ids)
+
+    def _logprobs(self, req: CompletionRequest, token_ids: list[int], entries: list, offset: int = 0) -> dict:
+        """The logprobs object of `token_ids` scored by `entries` (None for a prompt's first token)."""
+        if req.chat:
+            return protocol.chat_logprobs(token_ids, entries, self._token_text)
+        return protocol.completion_logprobs(token_ids, entries, self._token_text, offset)
+
+    def _echoed_logprobs(self, req: CompletionRequest, stream: RequestStream, token_ids: list[int], entries: list
+                         ) -> dict:
+        """With `echo`, the prompt's tokens (the first unscored) before `token_ids`'."""
+        if req.echo:
+            prompt_entries = stream.prompt_logprobs or [None] * (len(stream.prompt_token_ids) - 1)
+            token_ids, entries = stream.prompt_token_ids + token_ids, [None, *prompt_entries, *entries]
+        return self._logprobs(req, token_ids, entries)
 
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
         choices = []
-        for stream in streams:
+        for j, stream in enumerate(streams):
             async for _ in stream:
                 pass
             if stream.finish_reason == "error":
                 raise APIError(500, f"the request failed: {stream.error}", type="internal_error")
             text = self.tokenizer.decode(stream.output_token_ids)
             last = stream.stop_text_index
-            choices.append((text if last is None else text[:last], stream.finish_reason))
-        return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices, _usage(streams)))
+            text = text if last is None else text[:last]
+            logprobs = None
+            if stream.output_logprobs is not None:
+                logprobs = self._echoed_logprobs(req, stream, stream.output_token_ids, stream.output_logprobs)
+            choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason, logprobs))
+        return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
+                                                     _usage(streams, req.params.n)))
 
     async def _stream(self, request, req: CompletionRequest, rid: str, streams) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -216,26 +252,41 @@ class OpenAIServing:
         texts = [TextDeltas(self.tokenizer.decode, req.params.stop_strings) for _ in streams]
         chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created)
         first = [True] * len(streams)
+        offsets = [0] * len(streams)  # text_offset of each choice's next token, for completions' logprobs
         async for index, delta in _merge(streams):
             if delta.finish_reason == "error":
                 err = error_body(f"the request failed: {delta.error}", "internal_error")
                 await response.write(_sse(err))
                 break
+            stream = streams[index]
             text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
+            logprobs = None
+            if stream.output_logprobs is not None and delta.token_id is not None:
+                if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
+                    logprobs = self._echoed_logprobs(req, stream, [delta.token_id], [delta.logprobs])
+                else:
+                    logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
+                if not req.chat:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if req.echo and first[index]:
+                text = self._echo(req, index, stream) + text
             # One chunk per token, its text possibly "" (an incomplete character, or text that may
             # start a stop string, is held back): a client timing chunks times tokens.
-            await response.write(chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index]))
+            await response.write(chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index],
+                                               logprobs=logprobs))
             first[index] = False
         if req.include_usage:
             await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created,
-                                                           _usage(streams))))
+                                                           _usage(streams, req.params.n))))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
 
-def _usage(streams: list[RequestStream]) -> dict:
-    return protocol.usage(sum(len(s.prompt_token_ids) for s in streams), sum(len(s.output_token_ids) for s in streams))
+def _usage(streams: list[RequestStream], n: int = 1) -> dict:
+    """Each prompt counted once, whatever its number of samples `n` (OpenAI's usage)."""
+    return protocol.usage(sum(len(s.prompt_token_ids) for s in streams[::n]),
+                          sum(len(s.output_token_ids) for s in streams))
 
 
 def _sse(obj: dict) -> bytes:
@@ -274,6 +325,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     app[SERVING] = serving
     app.router.add_get("/health", serving.health)
     app.router.add_get("/v1/models", serving.models)
+    app.router.add_get("/metrics", PrometheusStatLogger(serving.async_llm, serving.model_name).metrics)
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat_completions)
     return app
@@ -287,7 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests past this get 503 with Retry-After")
     parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health (or ${API_KEY_ENV})")
+                        help=f"require 'Authorization: Bearer KEY' on the /v1 routes (or ${API_KEY_ENV})")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--step-log", default=None, help="write one JSON line per engine step to this file")

@@ -8,13 +8,15 @@ is a 400 and never a 500. Field names, defaults and shapes follow OpenAI's API a
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanolab.sampling import SamplingParams
+from nanolab.sampling import MAX_LOGPROBS, MAX_N, PositionLogprobs, SamplingParams
 
 
 class APIError(Exception):
@@ -37,7 +39,10 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 @dataclass
 class CompletionRequest:
     """One checked request. `prompts` holds the completion prompts (each a str or token ids);
-    a chat request holds `messages` instead."""
+    a chat request holds `messages` instead. `params.n` samples a prompt; `params.logprobs` is the
+    top log-probabilities a token (completions' `logprobs`, chat's `top_logprobs` under
+    `logprobs: true`); `echo` puts the prompt before a completion's text, and its logprobs
+    (`params.prompt_logprobs`) before the completion's."""
 
     chat: bool
     params: SamplingParams
@@ -45,20 +50,19 @@ class CompletionRequest:
     include_usage: bool
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
+    echo: bool = False
 
 
 # The fields this server implements, by route.
 _FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
-           "stream_options"}
-COMPLETION_FIELDS = _FIELDS | {"prompt"}
-CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens"}
+           "stream_options", "n", "best_of", "logprobs"}
+COMPLETION_FIELDS = _FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
 # Fields the server does not implement (OpenAI's, and vLLM's extra sampling fields), with the values
 # at which they change nothing: accepted at those, a 400 naming the field at any other, never ignored.
+# `top_logprobs` and `echo` are implemented on one route each (chat's, completions').
 NOOP_VALUES = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None,),
@@ -206,6 +210,23 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
             len(s) > MAX_STOP_LENGTH for s in ([stop] if isinstance(stop, str) else stop or [])):
         raise APIError(400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} "
                             "characters", param="stop")
+    n = _field(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]", 1)
+    best_of = _field(body, "best_of", _is_int, "an integer")
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"'best_of'={best_of} must equal 'n' ({n}): every sample is returned, none ranked",
+                       param="best_of")
+    echo = False
+    if chat:
+        wanted = _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                     f"an integer in [0, {MAX_LOGPROBS}]", 0)
+        if top and not wanted:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        logprobs = top if wanted else None
+    else:
+        logprobs = _field(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                          f"an integer in [0, {MAX_LOGPROBS}]")
+        echo = _field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     try:
         params = SamplingParams(
             temperature=_field(body, "temperature", _is_number, "a number", 1.0),
@@ -213,7 +234,8 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
             top_k=_field(body, "top_k", _is_int, "an integer", 0),
             seed=_field(body, "seed", _is_int, "an integer"),
             max_tokens=max_tokens, stop=stop or None,
-            ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False))
+            ignore_eos=_field(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False),
+            n=n, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     except ValueError as e:
         # "SamplingParams.top_p=2: must be in (0, 1]" -> param "top_p"
         match = re.match(r"SamplingParams\.(\w+)=", str(e))
@@ -230,7 +252,7 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         return CompletionRequest(True, params, stream, include_usage, messages=messages)
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
-    return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]))
+    return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]), echo=echo)
 
 
 # Response objects.
@@ -245,14 +267,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None]], use: dict) -> dict:
-    """A whole (non-streamed) response; `choices` are (text, finish_reason) in prompt order."""
+def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | None], token_text: Callable,
+                        offset: int = 0) -> dict:
+    """Completions' (legacy) logprobs object: per token its text, its log-probability, its top
+    alternatives as {text: logprob} with the token itself among them (vLLM's), and where its text
+    starts (from `offset`). An entry None (a prompt's first token) is scored null."""
+    tokens = [token_text(t) for t in token_ids]
+    top = []
+    for token, entry in zip(tokens, entries):
+        if entry is None:
+            top.append(None)
+            continue
+        alternatives = {token_text(i): lp for i, lp in entry[1]}
+        alternatives.setdefault(token, entry[0])
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": top,
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], token_text: Callable) -> dict:
+    """Chat's logprobs object: per token its text, log-probability, UTF-8 bytes and top alternatives."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                        for t, (lp, top) in zip(token_ids, entries)]}
+
+
+def completion(rid: str, model: str, chat: bool, choices: list[tuple[str, str | None, dict | None]], use: dict
+               ) -> dict:
+    """A whole (non-streamed) response; `choices` are (text, finish_reason, logprobs) in order."""
     if chat:
-        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                 "finish_reason": reason} for i, (text, reason) in enumerate(choices)]
+        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": reason} for i, (text, reason, logprobs) in enumerate(choices)]
     else:
-        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                for i, (text, reason) in enumerate(choices)]
+        body = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                for i, (text, reason, logprobs) in enumerate(choices)]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": body, "usage": use}
 
@@ -268,13 +319,15 @@ class ChunkEncoder:
                 "model": model}
         self._head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":[{"index":'
 
-    def encode(self, index: int, text: str, finish_reason: str | None, role: bool = False) -> bytes:
+    def encode(self, index: int, text: str, finish_reason: str | None, role: bool = False,
+               logprobs: dict | None = None) -> bytes:
         if self.chat:
             body = (',"delta":{"role":"assistant","content":' if role else ',"delta":{"content":') \
                 + json.dumps(text) + "}"
         else:
             body = ',"text":' + json.dumps(text)
-        return (self._head + str(index) + body + ',"logprobs":null,"finish_reason":' + json.dumps(finish_reason)
+        lp = "null" if logprobs is None else json.dumps(logprobs, separators=(",", ":"))
+        return (self._head + str(index) + body + ',"logprobs":' + lp + ',"finish_reason":' + json.dumps(finish_reason)
                 + "}]}\n\n").encode()
 
 

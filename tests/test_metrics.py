@@ -1,0 +1,107 @@
+"""`GET /metrics` on the tiny model with prefix caching: the token counters hold the exact counts,
+each request adds one time to first token and one end-to-end latency, the gauges read the engine
+(a running request while one streams, none after, every block used or free), a repeated prompt
+hits the prefix cache, and an abort leaves the gauges at zero."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import MODEL, run_with_client, sse
+
+from nanolab import LLM
+
+NUM_BLOCKS, BLOCK_SIZE = 64, 16
+PROMPT = list(range(3, 43))  # 40 tokens: two full blocks and 8 tokens
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=8,
+               enable_prefix_caching=True)
+
+
+async def scrape(client) -> dict[str, float]:
+    """Every sample of `/metrics` by name, histogram buckets left out; fails unless each carries
+    this server's model_name."""
+    r = await client.get("/metrics")
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(await r.text()):
+        for s in family.samples:
+            if s.name.startswith("nanolab:") and not s.name.endswith("_bucket"):
+                assert s.labels == {"model_name": MODEL}, s
+                samples[s.name] = s.value
+    return samples
+
+
+def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
+    engine = llm.engine
+
+    async def body(client, async_llm):
+        before = await scrape(client)
+        request = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        # The same prompt again, streamed: its first two blocks come from the prefix cache.
+        streamed = await sse(await client.post("/v1/completions", json={
+            **request, "stream": True, "stream_options": {"include_usage": True}}))
+        # A third request, read while it runs.
+        r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True})
+        assert r.status == 200
+        await r.content.readline()
+        await r.content.readline()  # a token has arrived: the core's message after that step came with it
+        during = await scrape(client)
+        rest = await sse(r)
+        after = await scrape(client)
+        return before, whole["usage"], streamed[-2]["usage"], rest, during, after
+
+    before, usage_whole, usage_streamed, rest, during, after = run_with_client(llm, body)
+    assert rest[-1] == "[DONE]"
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["nanolab:prompt_tokens_total"] == usage_whole["prompt_tokens"] + usage_streamed["prompt_tokens"] + 3
+    assert delta["nanolab:generation_tokens_total"] == 4 + 4 + 200
+    assert delta["nanolab:time_to_first_token_seconds_count"] == 3
+    assert delta["nanolab:e2e_request_latency_seconds_count"] == 3
+    assert delta["nanolab:inter_token_latency_seconds_count"] == 3 + 3 + 199
+    assert 0 < delta["nanolab:time_to_first_token_seconds_sum"] <= delta["nanolab:e2e_request_latency_seconds_sum"]
+
+    assert during["nanolab:num_requests_running"] == 1 and during["nanolab:num_requests_waiting"] == 0
+    assert during["nanolab:kv_blocks_used"] > 0
+    assert during["nanolab:kv_cache_usage_perc"] == during["nanolab:kv_blocks_used"] / NUM_BLOCKS
+    for gauges in (before, during, after):
+        assert gauges["nanolab:kv_blocks_used"] + gauges["nanolab:kv_blocks_free"] == NUM_BLOCKS
+    assert after["nanolab:num_requests_running"] == after["nanolab:num_requests_waiting"] == 0
+    assert after["nanolab:kv_blocks_used"] == 0 and after["nanolab:kv_cache_usage_perc"] == 0
+
+    # The prefix cache, in tokens, as the scheduler counts them.
+    scheduler = engine.scheduler
+    assert after["nanolab:prefix_cache_queries_total"] == scheduler.prefix_cache_queries
+    assert after["nanolab:prefix_cache_hits_total"] == scheduler.prefix_cache_hits
+    assert delta["nanolab:prefix_cache_queries_total"] == 2 * len(PROMPT) + 3
+    assert delta["nanolab:prefix_cache_hits_total"] == 2 * BLOCK_SIZE
+
+
+def test_an_abort_leaves_the_gauges_at_zero(llm):
+    """The core sends its stats once more when an abort leaves it idle, with no step to carry them."""
+
+    async def body(client, async_llm):
+        r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True})
+        assert r.status == 200
+        await r.content.readline()
+        await r.content.readline()
+        during = await scrape(client)
+        r.close()  # the client goes away mid-stream
+        for _ in range(200):
+            after = await scrape(client)
+            if after["nanolab:num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return during, after
+
+    during, after = run_with_client(llm, body)
+    assert during["nanolab:num_requests_running"] == 1 and during["nanolab:kv_blocks_used"] > 0
+    assert after["nanolab:num_requests_running"] == 0 and after["nanolab:kv_blocks_used"] == 0
