@@ -1,6 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
-`capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`.
+`capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`,
+`prefixbench`.
 
 Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -38,6 +39,9 @@ LAZY_COMMANDS = {
                    "decode ms/step against the bandwidth floor: nanolab, HF (compiled and eager), gpt-fast (Day 61)"),
     "tpbench": ("nanolab.lab.tpbench", "lab",
                 "decode ms/step at tensor-parallel sizes 1 and 2, with the NCCL time per step (CUDA)"),
+    "prefixbench": ("nanolab.lab.prefixbench", "lab",
+                    "prefix caching on and off: TTFT at a shared prefix and a chat's second turn, the cost "
+                    "with no hits, the hit rate (Day 64)"),
 }
 
 # Errors that mean the input was bad, not that nanolab is broken: reported in one line, exit 2.

@@ -112,7 +112,7 @@ class EngineConfig:
     compile: bool | None = None  # decode steps through inductor; None: on with CUDA graphs
     async_scheduling: bool | None = None  # launch step t + 1 before reading back step t; None: on with graphs
     enable_chunked_prefill: bool = True  # a token budget per step, decode rows first, prompts in chunks
-    enable_prefix_caching: bool = False  # a prompt starts after the cached full blocks of its prefix
+    enable_prefix_caching: bool = True  # a prompt starts after the cached full blocks of its prefix
     max_num_batched_tokens: int = 512  # the tokens one step feeds, with chunked prefill: every step fits a graph
     tensor_parallel_size: int = 1  # processes the model is sharded over, rank 0 coordinating
     distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
@@ -221,8 +221,9 @@ class EngineConfig:
             "enable_chunked_prefill": dict(action=argparse.BooleanOptionalAction, default=True,
                                            help="a token budget per step, decode rows first and prompts in chunks "
                                                 "(--no-enable-chunked-prefill: whole prompts, or decode)"),
-            "enable_prefix_caching": dict(action=argparse.BooleanOptionalAction, default=False,
-                                          help="reuse the cached K/V of a prompt's leading full blocks (default: off)"),
+            "enable_prefix_caching": dict(action=argparse.BooleanOptionalAction, default=True,
+                                          help="reuse the cached K/V of a prompt's leading full blocks "
+                                               "(--no-enable-prefix-caching: recompute every prompt)"),
             "max_num_batched_tokens": dict(type=int, default=512, help="the tokens one step feeds (default: 512)"),
             "tensor_parallel_size": dict(type=int, default=1,
                                          help="shard the model over this many processes, rank 0 coordinating"),

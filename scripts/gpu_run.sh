@@ -4,11 +4,13 @@
 # a percent-format notebook is valid Python). Results land in data/ and figures/ under the
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
-#                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed]
+#                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
 #   (default: the first three)
+# Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
+# prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
+# prometheus-client==0.26.0`), and pytest-xdist and execnet for cuda (`... pytest-xdist==3.8.0 execnet`).
 # cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI), four
-# files at a time when the pytest-xdist and execnet wheels are in third_party/wheels (carry third_party;
-# `pip download --no-deps -d third_party/wheels pytest-xdist==3.8.0 execnet` fetches them).
+# files at a time when the pytest-xdist wheel installed.
 # floor runs floorbench (chapter 61c's table: nanolab, HF's default and eager paths, and gpt-fast from
 # $GPT_FAST, default third_party/gpt-fast, when that checkout is there), $FLOOR_ARGS added.
 # tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism (the
@@ -25,6 +27,11 @@
 # tailbudget serves prompts of 256 to 2,048 tokens with every step graphed under budgets of 2,048 and 512
 # tokens a step (under 512 every mixed step fits a graph; data/day63_long_budget*), tailmixed the mixed step's parts with varlen steps eager and graphed
 # (data/day63_mixed_*).
+# prefix (Day 64) runs prefixbench on Llama-3.2-1B shapes, into data/day64_*: TTFT with prefix caching on and off
+# at a 2,048-token shared system prompt and at a chat's second turn over a 4,096-token history (servers over
+# loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
+# server's /metrics reports for 16 shared system prompts (needs the prometheus-client wheel); $PREFIX_ARGS added.
+# About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -35,6 +42,14 @@ parts=(${parts[*]})
 status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+wheels=0
+if compgen -G "third_party/wheels/*.whl" >/dev/null; then
+    if python3 -m pip install -q --no-deps third_party/wheels/*.whl; then
+        wheels=1
+    else
+        echo "the wheels in third_party/wheels did not install" >&2
+    fi
+fi
 for part in "${parts[@]}"; do
     echo "== $part ($(date -u +%T))"
     case $part in
@@ -49,8 +64,7 @@ for part in "${parts[@]}"; do
                 tests/test_tensor_parallel.py -k nccl || status=1
             python3 -m nanolab tpbench --models llama-3.2-1b,llama-3.1-8b ${TPBENCH_ARGS:-} || status=1 ;;
         cuda) xdist=()
-              if compgen -G "third_party/wheels/pytest_xdist-*.whl" >/dev/null &&
-                  python3 -m pip install -q --no-deps third_party/wheels/*.whl; then
+              if ((wheels)) && compgen -G "third_party/wheels/pytest_xdist-*.whl" >/dev/null; then
                   xdist=(-n "${CUDA_WORKERS:-4}" --dist loadfile)  # files at once on the one GPU
               fi
               python3 -m pytest -q -p no:cacheprovider -rs "${xdist[@]}" \
@@ -72,6 +86,7 @@ for part in "${parts[@]}"; do
                   --stem day63 || status=1 ;;
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
+        prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;

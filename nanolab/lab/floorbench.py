@@ -534,7 +534,9 @@ def main(args: argparse.Namespace) -> int:
     compile = {"default": None, "on": True, "off": False}[args.compile]
     if args.eager_beside and args.compile != "on":
         raise ValueError("--eager-beside: needs --compile on (the nanolab arm is then the compiled step)")
-    engine_args = dict(device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False)
+    # Prefix caching off: TTFT repeats one prompt, and HF's generate keeps nothing between calls.
+    engine_args = dict(device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
+                       enable_prefix_caching=False)
     llm = LLM(args.model, compile=compile, **engine_args)
     extra = []
     if args.eager_beside:

@@ -32,6 +32,7 @@ class RequestResult:
     prompt_tokens: int | None  # the usage chunk's prompt_tokens
     finish_reason: str | None
     error: str | None = None
+    text: str = ""  # the streamed text, chunk after chunk (Day 64: a chat's reply goes back in its next turn)
 
     @property
     def ok(self) -> bool:
@@ -83,6 +84,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     payload = {"model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.max_tokens,
                "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     chunks: list[float] = []
+    texts: list[str] = []
     usage: dict = {}
     finish = error = None
     send = time.perf_counter()
@@ -104,6 +106,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
                         error = f"error chunk: {msg['error']}"
                     elif msg.get("choices"):
                         chunks.append(now)
+                        texts.append(msg["choices"][0].get("text") or "")
                         finish = msg["choices"][0].get("finish_reason") or finish
                     elif msg.get("usage"):
                         usage = msg["usage"]
@@ -112,7 +115,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         error = f"{type(e).__name__}: {e}"
     return RequestResult(req.index, len(req.prompt_token_ids), req.max_tokens, send, tuple(chunks),
-                         usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error)
+                         usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error, "".join(texts))
 
 
 @dataclass(frozen=True)

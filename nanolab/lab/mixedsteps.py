@@ -152,7 +152,7 @@ def _running_engine(model, rows: int, context: int, longest_prompt: int, budget:
     blocks = rows * cdiv(context + RUNNING_TOKENS, 16) + cdiv(longest_prompt + 64, 16) + 16
     config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=rows + 2,
                           read="streamed" if cuda else "reference", max_num_batched_tokens=budget,
-                          cudagraph_mode=cudagraph_mode)
+                          cudagraph_mode=cudagraph_mode, enable_prefix_caching=False)  # every prompt's chunks computed
     engine = Engine(model, config, sampler=sampler, progress=False)
     prefill(engine, random_prompts(rows, context, model.config.vocab_size, seed=2), RUNNING_TOKENS)
     return engine

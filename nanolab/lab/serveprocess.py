@@ -50,11 +50,12 @@ def split_arm(arm: str) -> tuple[str, str | None]:
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                   max_waiting: int = 1024, chunked_prefill: bool | None = None,
-                  max_num_batched_tokens: int | None = None, cudagraph_mode: str | None = None) -> list[str]:
+                  max_num_batched_tokens: int | None = None, cudagraph_mode: str | None = None,
+                  prefix_caching: bool | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
     `chunked_prefill` None leaves the server's default; `max_num_batched_tokens`, the tokens a step
-    feeds, None the server's default; `cudagraph_mode` likewise."""
+    feeds, None the server's default; `cudagraph_mode` and `prefix_caching` (Day 64) likewise."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -68,6 +69,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if cudagraph_mode is not None:
         argv += ["--cudagraph-mode", cudagraph_mode]
+    if prefix_caching is not None:
+        argv.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     return argv
 
 

@@ -1,0 +1,77 @@
+"""Day 64's figures: TTFT with prefix caching on and off, and no-hit throughput per repeat. Each
+function takes measured tables (`prefixbench`'s) and returns a Figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+# An arm's colour and its bars' label.
+PREFIX_ARMS = {"off": ("C7", "prefix caching off"), "on": ("C0", "prefix caching on")}
+
+
+def plot_prefix_ttft(summary: pd.DataFrame) -> Figure:
+    """`<prefix>_ttft` (part, phase, arm, ttft_p50_ms, ttft_p90_ms): one panel per part (the
+    shared prefix's cold and warm requests, the multi-turn chat's turns 1 and 2), a bar per arm
+    at each phase to its p50 TTFT with a whisker up to p90, and above each phase off over on at p50."""
+    parts = list(dict.fromkeys(summary.part))
+    fig = Figure(figsize=(5.2 * len(parts), 4.2))
+    axes = fig.subplots(1, len(parts), squeeze=False)[0]
+    width = 0.38
+    for ax, part in zip(axes, parts, strict=True):
+        rows = summary[summary.part == part]
+        phases = list(dict.fromkeys(rows.phase))
+        for j, arm in enumerate(PREFIX_ARMS):
+            colour, name = PREFIX_ARMS[arm]
+            got = rows[rows.arm == arm].set_index("phase").reindex(phases)
+            x = np.arange(len(phases)) + (j - 0.5) * width
+            p50, p90 = got.ttft_p50_ms.to_numpy(float), got.ttft_p90_ms.to_numpy(float)
+            ax.bar(x, p50, width, color=colour, label=name)
+            ax.errorbar(x, p50, yerr=[np.zeros_like(p50), np.nan_to_num(p90 - p50)], fmt="none", ecolor="k",
+                        capsize=3, lw=1)
+        by = rows.set_index(["phase", "arm"]).ttft_p50_ms
+        for i, phase in enumerate(phases):
+            if (phase, "off") in by.index and (phase, "on") in by.index:
+                top = rows[rows.phase == phase].ttft_p90_ms.max()
+                ax.annotate(f"{by[phase, 'off'] / by[phase, 'on']:.1f}x", (i, top), xytext=(0, 6),
+                            textcoords="offset points", ha="center", fontsize=9)
+        prompt = int(rows.prompt_len.max())
+        ax.set_xticks(range(len(phases)), phases)
+        ax.set_ylim(0, 1.15 * np.nanmax(rows.ttft_p90_ms.to_numpy(float)))  # from 0: bar heights in proportion
+        ax.set_ylabel("time to first token (ms): p50, whisker to p90")
+        ax.set_title(f"{part}, prompts up to {prompt:,} tokens (off / on above)", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="upper center", ncol=len(names))
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
+def plot_nohit_throughput(nohit: pd.DataFrame, aim: float = 0.99) -> Figure:
+    """`<prefix>_nohit` (repeat, arm, tokens_per_s): output tokens/s of each repeat's pass per arm
+    (left), and on over off per repeat with its median and the aim (right)."""
+    fig = Figure(figsize=(11, 4))
+    tput, ratio = fig.subplots(1, 2)
+    for arm, (colour, name) in PREFIX_ARMS.items():
+        part = nohit[nohit.arm == arm].sort_values("repeat")
+        tput.plot(part.repeat, part.tokens_per_s, "o-", color=colour, label=name)
+    tput.set_xlabel("repeat (arms alternate first)")
+    tput.set_ylabel("output tokens/s")
+    tput.set_title("output-token throughput at a 0% hit rate, one process", fontsize=9)
+    tput.legend(fontsize=8)
+    pairs = nohit.pivot_table(index="repeat", columns="arm", values="tokens_per_s")
+    r = pairs["on"] / pairs["off"]
+    ratio.plot(r.index, r.to_numpy(), "o", color="C0")
+    ratio.axhline(r.median(), color="C0", lw=1, label=f"median {r.median():.3f}")
+    ratio.axhline(1.0, color="k", lw=0.8, ls=":")
+    ratio.axhspan(aim, 2 - aim, color="C2", alpha=0.12, label=f"within {1 - aim:.0%}")
+    ratio.set_xlabel("repeat")
+    ratio.set_ylabel("tokens/s, on / off")
+    ratio.set_title("what prefix caching costs when nothing hits", fontsize=9)
+    ratio.legend(fontsize=8)
+    for ax in (tput, ratio):
+        ax.set_xticks(sorted(nohit.repeat.unique()))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
