@@ -256,7 +256,7 @@ def test_prefix_caching_under_the_cuda_defaults(sharp_gqa24, monkeypatch):
     with asynchronous scheduling on and caching off, the same tokens."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(3, 320, (70,), generator=g).tolist()
+    prompt, tail = (torch.randint(3, 320, (n,), generator=g).tolist() for n in (70, 9))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens = {}
     for caching, overlap in ((True, False), (True, True), (False, True)):
@@ -267,7 +267,7 @@ def test_prefix_caching_under_the_cuda_defaults(sharp_gqa24, monkeypatch):
         logits, keep = logit_recorder()
         first = engine.add_request(prompt, params)
         run_until_done(engine, on_step=None if overlap else keep)
-        turn = prompt + first.output_token_ids + torch.randint(3, 320, (9,), generator=g).tolist()
+        turn = prompt + first.output_token_ids + tail
         seqs = [engine.add_request(p, params) for p in (prompt, prompt[:37] + [9] * 5, turn, [4] * 30)]
         run_until_done(engine, on_step=None if overlap else keep)
         tokens[caching, overlap] = [s.output_token_ids for s in [first, *seqs]]
