@@ -56,6 +56,7 @@ def test_a_second_request_shares_the_full_blocks_of_its_prefix_and_never_the_las
     assert all(m.allocator.refs(b) == 1 for b in blocks)
     m.free_row(second)
     assert m.allocator.num_used == 0 and m.allocator.num_free == 16 and m.allocator.num_cached == 3
+    assert m.allocator.num_evictable == 3
     assert m.cached_prefix(prompt + [42, 43, 44])[0] != [], "freed blocks stay findable until evicted"
 
 

@@ -65,6 +65,11 @@ class BlockAllocator:
         """Keyed blocks, held or not."""
         return len(self._key_of)
 
+    @property
+    def num_evictable(self) -> int:
+        """Keyed blocks held by none: free to take, and findable until taken."""
+        return len(self._cached)
+
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 

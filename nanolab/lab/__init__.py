@@ -23,6 +23,8 @@ is loaded from its module on first use, so importing one instrument does not loa
 - `tpbench`: tensor parallelism at TP = 1 and 2, its agreement with one process, and its arithmetic (Day 62)
 - `graphbench`'s `fullgraphs` arm, `startup_table` and `plots.tail`: the serving tail with every step
   graphed, and the server's start (Day 63)
+- `prefixbench` and `plots.prefix`: prefix caching on and off, at a shared prefix, a chat's second
+  turn, no hits, and the hit rate /metrics reports (Day 64)
 - `results`: the front page's figure and the results page, from the committed tables
 """
 
@@ -50,11 +52,13 @@ _EXPORTS = {
                           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",
                           "plot_tp_steps", "plot_tuning_spread"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
+    "nanolab.lab.plots.prefix": ["plot_nohit_throughput", "plot_prefix_ttft", "plot_shared_blocks"],
     "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.plots.tail": ["plot_itl_cdf", "plot_startup"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
+    "nanolab.lab.prefixbench": ["prefix_ratios", "ttft_summary"],
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
                            "load_table", "measured_table", "run_label", "save_figure", "save_table", "show",
                            "table_label"],

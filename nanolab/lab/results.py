@@ -28,6 +28,7 @@ CHAPTERS = {
     "61d_the_cpu": "Day 61: bf16 against fp32, and the CPU",
     "62_two_gpus": "Day 62: two GPUs",
     "63_serving_tail": "Day 63: the serving tail",
+    "64_prefix_caching": "Day 64: prefix caching",
 }
 
 
@@ -148,6 +149,12 @@ HEADLINES = (
                  f"{(lambda r: r.itl_p99_ms / r.itl_p50_ms)(_at(t, arm='fullgraphs', rate=rate)):.1f}x "
                  f"({(lambda r: r.itl_p99_ms / r.itl_p50_ms)(_at(t, arm='graphs', rate=rate)):.1f}x)"
                  for rate in (16.0, 32.0, 48.0))),
+    Headline("64_prefix_caching", "day64_ttft",
+             "TTFT at a warm hit on a shared 2,048-token prompt, caching on (off); and over 4,096 tokens of chat",
+             lambda t: "; ".join(
+                 f"{_ms(_at(t, part=part, phase=phase, arm='on').ttft_p50_ms)} "
+                 f"({_ms(_at(t, part=part, phase=phase, arm='off').ttft_p50_ms)})"
+                 for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")))),
 )
 
 

@@ -1,11 +1,13 @@
-"""Day 64's figures: TTFT with prefix caching on and off, and no-hit throughput per repeat. Each
-function takes measured tables (`prefixbench`'s) and returns a Figure."""
+"""Day 64's figures: requests' block tables sharing a prefix, TTFT with prefix caching on and off,
+and no-hit throughput per repeat. Each function takes tables (`prefixbench`'s, or the chapter's)
+and returns a Figure."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 # An arm's colour and its bars' label.
 PREFIX_ARMS = {"off": ("C7", "prefix caching off"), "on": ("C0", "prefix caching on")}
@@ -73,5 +75,43 @@ def plot_nohit_throughput(nohit: pd.DataFrame, aim: float = 0.99) -> Figure:
     for ax in (tput, ratio):
         ax.set_xticks(sorted(nohit.repeat.unique()))
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_shared_blocks(tables: pd.DataFrame, pool: pd.DataFrame) -> Figure:
+    """Left: `tables` (request, index, block, refs, keyed): each request's block table, a cell per
+    block in order, its pool block's number inside; a block held by more than one table is coloured
+    by its number, one held alone is grey, and a block not yet full (not keyed) is hatched. Right:
+    `pool` (moment, state, blocks): the pool's blocks by state at each moment, as stacked bars."""
+    requests = list(dict.fromkeys(tables.request))
+    width = int(tables["index"].max()) + 1
+    fig = Figure(figsize=(13, 1.2 + 0.55 * len(requests)))
+    grid, states = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.4, 1]})
+    shared = sorted(set(tables.block[tables.refs > 1]))
+    colour = {b: f"C{i % 10}" for i, b in enumerate(shared)}
+    for r, request in enumerate(requests):
+        for row in tables[tables.request == request].itertuples():
+            y = -r
+            grid.add_patch(Rectangle((row.index, y), 0.94, 0.86, facecolor=colour.get(row.block, "0.85"),
+                                     hatch=None if row.keyed else "///", edgecolor="0.4", lw=0.5))
+            grid.text(row.index + 0.47, y + 0.43, str(row.block), ha="center", va="center", fontsize=7,
+                      color="white" if row.block in colour else "black")
+        grid.text(-0.3, -r + 0.43, request, ha="right", va="center", fontsize=8)
+    grid.set_xlim(-0.1, width)
+    grid.set_ylim(-len(requests) + 0.9, 1.0)
+    grid.set_axis_off()
+    grid.set_title("block tables: pool block numbers; coloured = shared, hatched = partial (not keyed)", fontsize=9)
+    moments = list(dict.fromkeys(pool.moment))
+    bottom = np.zeros(len(moments))
+    for state, c in (("held", "C0"), ("cached (free, findable)", "C2"), ("free", "0.85")):
+        counts = pool[pool.state == state].set_index("moment").reindex(moments).blocks.fillna(0).to_numpy(float)
+        states.barh(range(len(moments)), counts, left=bottom, color=c, label=state)
+        bottom += counts
+    states.set_yticks(range(len(moments)), moments, fontsize=8)
+    states.invert_yaxis()
+    states.set_xlabel("pool blocks")
+    states.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3)
+    states.set_title("the pool at each moment", fontsize=9)
     fig.tight_layout()
     return fig
