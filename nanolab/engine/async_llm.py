@@ -375,8 +375,9 @@ class AsyncLLM:
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
                      numbered: bool = True) -> list[RequestStream]:
-        """All or nothing: every request is validated before any is posted, and they go to the core
-        together, so requests with the same prompt (a request's n samples) compute it once."""
+        """All or nothing: every request is validated before any is posted. A request of `n`
+        samples is n streams, in order (`SamplingParams.samples`); they go to the core together,
+        so the samples compute their prompt once."""
         if self.dead is not None or self._post is None:
             raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
         prompts = [list(p) for p in prompts]
@@ -387,10 +388,11 @@ class AsyncLLM:
             self.limits.check(prompt, p)
         streams = []
         for prompt, p in zip(prompts, params):
-            stream = RequestStream(next(self._ids), prompt, p)
-            self._streams[stream.rid] = stream
-            self._waiting += 1
-            streams.append(stream)
+            for sample in p.samples():
+                stream = RequestStream(next(self._ids), prompt, sample)
+                self._streams[stream.rid] = stream
+                self._waiting += 1
+                streams.append(stream)
         # One message: the core queues the call's requests together (`EngineCore.add`).
         self._post(("add", [(s.rid, s.prompt_token_ids, s.params) for s in streams]))
         return streams

@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,6 +30,16 @@ def block_key(parent: bytes | None, tokens) -> bytes:
     and its own token ids, so two blocks share a key only when they and every block before them
     hold the same tokens (vLLM's prefix-caching hash chain)."""
     return hashlib.sha256((parent or b"") + array.array("q", tokens).tobytes()).digest()
+
+
+def chain_keys(parent: bytes | None, token_ids, first: int, stop: int, block_size: int) -> Iterator[bytes]:
+    """`block_key` of blocks first .. stop - 1 of `token_ids`, in order, each chained to the one
+    before (the first to `parent`): the tokens are packed to bytes once, not block by block."""
+    data = array.array("q", token_ids[first * block_size: stop * block_size]).tobytes()
+    width = 8 * block_size
+    for at in range(0, len(data), width):
+        parent = hashlib.sha256((parent or b"") + data[at: at + width]).digest()
+        yield parent
 
 
 class BlockAllocator:
@@ -192,18 +203,15 @@ class BlockManager:
         """The cached blocks (and their keys) of the longest run of full blocks that begins
         `token_ids`, leaving at least its last token uncached: a request must compute one token to
         be sampled. Empty without prefix caching."""
-        blocks, keys, parent = [], [], None
+        blocks, keys = [], []
         if not self.enable_prefix_caching:
             return blocks, keys
-        bs = self.block_size
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            key = block_key(parent, token_ids[start:start + bs])
+        for key in chain_keys(None, token_ids, 0, (len(token_ids) - 1) // self.block_size, self.block_size):
             block = self.allocator.lookup(key)
             if block is None:
                 break
             blocks.append(block)
             keys.append(key)
-            parent = key
         return blocks, keys
 
     def share_prefix(self, row: int, blocks: list[int], keys: list[bytes]) -> None:
@@ -231,9 +239,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, bs = self.table(row), self.block_size
-        full = min(table.num_tokens, len(token_ids)) // bs
-        for i in range(len(table.keys), full):
-            key = block_key(table.keys[-1] if table.keys else None, token_ids[i * bs:(i + 1) * bs])
+        first, full = len(table.keys), min(table.num_tokens, len(token_ids)) // bs
+        for i, key in enumerate(chain_keys(table.keys[-1] if table.keys else None, token_ids, first, full, bs), first):
             self.allocator.set_key(table.blocks[i], key)
             table.keys.append(key)
 

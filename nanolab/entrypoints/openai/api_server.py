@@ -175,17 +175,12 @@ class OpenAIServing:
                 raise APIError(400, f"the model's context is {limit} tokens, but {where} ({len(ids)} tokens) plus "
                                     f"max_tokens ({req.params.max_tokens}) needs {len(ids) + req.params.max_tokens}",
                                param="max_tokens")
-        for i, ids in enumerate(prompts):
-            try:
-                self.async_llm.limits.check(ids, req.params)
-            except (ValueError, TypeError) as e:
-                message = f"prompt {i}: {e}" if len(prompts) > 1 else str(e)
-                param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
-                raise APIError(400, message, param=param) from None
-        # Choice j is sample j % n of prompt j // n; a prompt's samples go to the engine together.
-        samples = req.params.samples()
-        return self.async_llm.add_requests([ids for ids in prompts for _ in samples],
-                                           [p for _ in prompts for p in samples])
+        try:  # choice j is sample j % n of prompt j // n
+            return self.async_llm.add_requests(prompts, [req.params] * len(prompts))
+        except (ValueError, TypeError) as e:
+            message = str(e) if len(prompts) > 1 else str(e).removeprefix("request 0: ")
+            param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
+            raise APIError(400, message, param=param) from None
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         req = protocol.parse_request(await self._body(request), chat=chat, model=self.model_name)
