@@ -20,6 +20,7 @@ from nanolab.lab.prefixbench import (
     HITS,
     PREFIX_SIZES,
     QUERIES,
+    TTFT_SPLIT,
     PrefixBench,
     PrefixCounters,
     PrefixSizes,
@@ -164,6 +165,24 @@ def test_each_request_gets_the_server_steps_inside_its_window():
     assert [(r["server_prefill_steps"], r["server_prefill_tokens"], r["server_prefill_graphed"],
              r["server_prefill_ms"]) for r in rows] == [(2, 552, 1, 7.0), (2, 33, 1, 4.0), (0, 0, 0, 0.0)]
     assert not any("window" in r for r in rows)
+
+
+def test_a_requests_ttft_splits_into_parts_that_add_up():
+    """Sent at 10.000 s, taken by the core at 10.002, two prompt steps called at 10.003 and 10.010
+    (4 and 3 ms of forward inside 5 and 4 ms calls), first chunk at 10.016: every part as
+    worked out by hand, and the parts add up to the TTFT."""
+    steps = pd.DataFrame({"t0": [10.003, 10.010, 10.015], "t": [10.008, 10.014, 10.0155],
+                          "phase": ["prefill", "mixed", "decode"], "tokens": [512, 40, 1],
+                          "graph": [False, True, True], "ms": [4.0, 3.0, 0.4]})
+    row = {"window": (9.9, 10.1), "sent_t": 10.000, "first_t": 10.016, "ttft_ms": 16.0}
+    add_server_steps([row], steps, pd.Series([9.5, 10.002]))
+    got = {k: round(row[k], 6) for k in TTFT_SPLIT}
+    assert got == {"front_ms": 2.0, "core_wait_ms": 1.0, "step_host_ms": 2.0, "server_prefill_ms": 7.0,
+                   "between_steps_ms": 2.0, "back_ms": 2.0}
+    assert sum(got.values()) == pytest.approx(row["ttft_ms"])
+    bare = {"window": (9.9, 10.1)}  # a log without start times or events: the split is NaN
+    add_server_steps([bare], steps.drop(columns="t0"))
+    assert all(np.isnan(bare[k]) for k in TTFT_SPLIT if k != "server_prefill_ms")
 
 
 def _shared(off_warm, on_warm, off_cold=100.0, on_cold=100.0) -> pd.DataFrame:

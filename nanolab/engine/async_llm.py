@@ -142,7 +142,10 @@ class EngineCore:
 
     def add(self, requests: list[tuple[int, list[int], SamplingParams]]) -> list[Output]:
         """Queue one client call's requests [(id, prompt, params)] in one `Engine.add_requests`, so
-        the samples of one prompt share it; all fail together if any is refused."""
+        the samples of one prompt share it; all fail together if any is refused. The step log gets
+        an "add" event, timed as the core takes them."""
+        if self._log is not None:
+            self._log.write(json.dumps({"t": time.monotonic(), "event": "add", "requests": len(requests)}) + "\n")
         try:
             seqs = self.engine.add_requests([r[1] for r in requests], [r[2] for r in requests])
         except (ValueError, TypeError) as e:  # checked by the client already; kept from killing the core
@@ -163,6 +166,7 @@ class EngineCore:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> list[Output]:
+        begin = time.monotonic()
         outputs = self.engine.step()
         if self.engine.stalled(outputs):
             # Nothing could be admitted and nothing runs: every waiting request was validated to fit
@@ -170,7 +174,7 @@ class EngineCore:
             raise RuntimeError("the engine scheduled nothing while requests were waiting")
         record = self.engine.last_step
         if self._log is not None and record is not None:
-            self._log.write(json.dumps({"t": time.monotonic(), "phase": record.phase, "rows": record.rows,
+            self._log.write(json.dumps({"t0": begin, "t": time.monotonic(), "phase": record.phase, "rows": record.rows,
                                         "batch": record.batch, "graph": record.graph, "tokens": record.tokens,
                                         "ms": record.seconds * 1e3}) + "\n")
         sent = []
@@ -256,8 +260,9 @@ def _core_process(factory: Callable[[], Engine], conn, step_log) -> None:
 
 class AsyncLLM:
     """An engine served to asyncio code. `max_waiting` bounds the requests accepted but not yet
-    producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord` plus `t`, the
-    `time.monotonic()` at its end)."""
+    producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord`, with `t0` and
+    `t`, the `time.monotonic()` as the core began and ended it: scheduling included), and one per
+    call of `add_requests` as the core took it (`"event": "add"`)."""
 
     def __init__(self, engine: Engine | None = None, *, max_waiting: int = 256,
                  step_log: str | Path | None = None) -> None:

@@ -22,13 +22,23 @@ STEP_COLUMNS = ["t", "phase", "rows", "batch", "graph", "tokens", "ms"]
 
 
 def read_step_log(path: str | Path) -> pd.DataFrame:
-    """The server's `--step-log`: one row a step (t, phase, rows, batch, graph, tokens, ms) and its
-    padding share; no rows when the log was never written."""
-    path = Path(path)
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    steps = pd.DataFrame(lines, columns=STEP_COLUMNS)
+    """The server's `--step-log`: one row a step (t, phase, rows, batch, graph, tokens, ms, and
+    t0 where the log has it) and its padding share; no rows when the log was never written. Event
+    lines (`read_step_events`) are left out."""
+    lines = [line for line in _log_lines(path) if "event" not in line]
+    steps = pd.DataFrame(lines, columns=STEP_COLUMNS + (["t0"] if lines and "t0" in lines[0] else []))
     steps["padding_share"] = (steps.batch - steps.rows) / steps.batch
     return steps
+
+
+def read_step_events(path: str | Path, event: str = "add") -> pd.Series:
+    """The monotonic times of the step log's `event` lines ("add": the core took a call's requests)."""
+    return pd.Series([line["t"] for line in _log_lines(path) if line.get("event") == event], dtype=float)
+
+
+def _log_lines(path: str | Path) -> list[dict]:
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def slice_steps(steps: pd.DataFrame, windows: dict[float, tuple[float, float]]) -> pd.DataFrame:

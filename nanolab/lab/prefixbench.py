@@ -50,7 +50,7 @@ import torch
 from nanolab import LLM, SamplingParams
 from nanolab.config import EngineConfig, resolve_device, resolve_dtype
 from nanolab.gates import Gate
-from nanolab.lab.compaction import read_step_log
+from nanolab.lab.compaction import read_step_events, read_step_log
 from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
@@ -242,21 +242,50 @@ def send_one(url: str, model: str, prompt: Sequence[int], max_tokens: int, count
     after = prefix_counters(url) if counted else None
     moved = after - before if before is not None and after is not None else None
     result = run.results[0]
+    to_monotonic = run.window[0] - run.start_s  # perf_counter -> the step log's clock
     return {"prompt_len": result.prompt_len, "ttft_ms": 1000 * result.ttft if result.ok else NAN,
             "output_tokens": result.output_tokens, "ok": result.tokens_match, "error": result.error or "",
             "queried_tokens": moved.queries if moved else NAN, "cached_tokens": moved.hits if moved else NAN,
-            "window": run.window}, result.text
+            "window": run.window, "sent_t": result.send_s + to_monotonic,
+            "first_t": result.chunk_s[0] + to_monotonic if result.chunk_s else NAN}, result.text
 
 
-def add_server_steps(rows: list[dict], steps: pd.DataFrame) -> None:
+# Where a sequential request's TTFT goes (`add_server_steps`), in order; they add up to the TTFT.
+TTFT_SPLIT = ("front_ms", "core_wait_ms", "step_host_ms", "server_prefill_ms", "between_steps_ms", "back_ms")
+
+
+def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | None = None) -> None:
     """Give each sequential request's row the server's prompt steps (prefill or mixed) that ended
     inside its `window` (popped from the row), from the server's step log: how many, the tokens
-    they fed (the prompt less what the cache held), how many replayed a graph, and their ms summed."""
+    they fed (the prompt less what the cache held), how many replayed a graph, and their ms summed.
+    Where the log has each step's start (`t0`) and the core's "add" events (`adds`), the row's TTFT
+    is also split (`TTFT_SPLIT`, NaN otherwise), between its send and first chunk (`sent_t`,
+    `first_t`, popped too):
+
+    - front: from the client's send to the core taking the request (HTTP, the server's checks,
+      the pipe to the core's process);
+    - core wait: from there to the core calling its first prompt step;
+    - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
+      emitting the token);
+    - server prefill: the prompt steps' own time (`ms`);
+    - between steps: gaps between consecutive prompt steps;
+    - back: from the last prompt step's end to the client's first chunk (the core's pipe, the event
+      loop, the HTTP write)."""
     for row in rows:
         t0, t1 = row.pop("window")
+        sent, first = row.pop("sent_t", NAN), row.pop("first_t", NAN)
         part = steps[(steps.t >= t0) & (steps.t <= t1) & (steps.phase != "decode")]
         row.update(server_prefill_steps=len(part), server_prefill_tokens=int(part.tokens.sum()),
                    server_prefill_graphed=int(part.graph.astype(bool).sum()), server_prefill_ms=float(part.ms.sum()))
+        split = dict.fromkeys(TTFT_SPLIT[:3] + TTFT_SPLIT[4:], NAN)
+        taken = adds[(adds >= sent) & (adds <= first)] if adds is not None else pd.Series(dtype=float)
+        if "t0" in part and len(part) and len(taken) and np.isfinite(first):
+            add, start, end = float(taken.iloc[0]), float(part.t0.iloc[0]), float(part.t.iloc[-1])
+            inside = float((part.t - part.t0).sum())  # the step calls' wall time, ms included
+            split = {"front_ms": 1e3 * (add - sent), "core_wait_ms": 1e3 * (start - add),
+                     "step_host_ms": 1e3 * inside - row["server_prefill_ms"],
+                     "between_steps_ms": 1e3 * (end - start - inside), "back_ms": 1e3 * (first - end)}
+        row.update(split)
 
 
 # The parts against one server.
@@ -365,7 +394,8 @@ def run_server_arm(arm: str, model: str, device: str, vocab: int, tokenizer: Tok
             out.hitrate = [run_hitrate(server.url, served, arm, sizes, vocab, block_size, seed=seed, log=log)]
         server.check_alive()
         startup = startup_columns(server.log.read_text(errors="replace"))
-    add_server_steps(out.shared + out.turns, read_step_log(step_log))  # written out when the server stopped
+    # Written out when the server stopped.
+    add_server_steps(out.shared + out.turns, read_step_log(step_log), read_step_events(step_log))
     out.server = {"arm": arm, "ready_s": server.ready_s, "server_exit": server.exit_code,
                   "metrics": "present" if counted else "absent", **startup}
     if server.exit_code != 0:
@@ -466,10 +496,10 @@ def ttft_summary(shared: pd.DataFrame, turns: pd.DataFrame) -> pd.DataFrame:
                          "ttft_p90_ms": ok.ttft_ms.quantile(0.9), "ttft_min_ms": ok.ttft_ms.min(),
                          "ttft_max_ms": ok.ttft_ms.max(), "cached_tokens": ok.cached_tokens.median(),
                          "server_prefill_tokens": ok.server_prefill_tokens.median(),
-                         "server_prefill_ms": ok.server_prefill_ms.median()})
+                         **{c: ok[c].median() if c in ok else NAN for c in TTFT_SPLIT}})
     return pd.DataFrame(rows, columns=["part", "phase", "arm", "requests", "completed", "prompt_len", "ttft_p50_ms",
                                        "ttft_p90_ms", "ttft_min_ms", "ttft_max_ms", "cached_tokens",
-                                       "server_prefill_tokens", "server_prefill_ms"])
+                                       "server_prefill_tokens", *TTFT_SPLIT])
 
 
 def prefix_ratios(summary: pd.DataFrame, nohit: pd.DataFrame, hitrate: pd.DataFrame) -> pd.DataFrame:
