@@ -224,10 +224,14 @@ lab.show(ttft[["part", "phase", "arm", "prompt_len", "cached_tokens", "server_pr
 # chunks of 512 tokens take 16.3 ms of 20.4. With caching on, one step of 50 tokens takes 3.9 ms.
 # That is more than one 512-token chunk without caching (about 3.3 ms), because those 50 queries
 # read 2,098 tokens of context each. The rest of the TTFT is outside the engine's steps: about
-# 4 ms at 2,048 tokens and 6 to 8 ms at 4,096, in both arms. It grows with the prompt, so it is
-# host work done per token, before and around the step: the request's ids parsed and checked,
-# sent to the engine's process, the prompt's keys hashed at admission. Caching removes the
-# prompt's compute, and what is left is these two costs. Both are the next day's work.
+# 4 ms at 2,048 tokens and 6 to 8 ms at 4,096, in both arms. It grows with the prompt. Caching
+# removes the prompt's compute, and what is left is these two costs.
+#
+# To find where the outside time goes, the step log now records when the engine's process takes
+# a request and when each step call begins, and prefixbench splits a request's TTFT with them:
+# front (the HTTP request, the server's checks, the pipe to the engine's process), the core's
+# wait, host work inside the step call, the steps, and back (the token's way to the client). The
+# H200 tables above predate it; the next run on the H200 fills those columns.
 #
 # ## The cost when nothing hits
 #
