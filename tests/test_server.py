@@ -206,9 +206,10 @@ def test_a_full_queue_answers_503_with_retry_after(llm, monkeypatch):
 def test_one_request_cannot_queue_more_prompts_than_the_limit(llm):
     async def body(client, _):
         r = await client.post("/v1/completions", json={"prompt": ["a"] * 5, "max_tokens": 2})
-        return r.status, (await r.json())["error"]["code"]
+        samples = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
+        return r.status, (await r.json())["error"]["code"], samples.status
 
-    assert run_with_client(llm, body, max_waiting=4) == (503, "overloaded")
+    assert run_with_client(llm, body, max_waiting=4) == (503, "overloaded", 503)  # 2 prompts x 3 samples
 
 
 def test_a_client_that_disconnects_frees_its_blocks(llm):
@@ -387,3 +388,30 @@ def test_n_logprobs_and_echo_are_what_generate_gives(llm):
     for entry in content:
         assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
         assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_samples_stream_by_index_and_echo_puts_the_prompt_first(llm):
+    """Two prompts of n=2, streamed with usage: four choices by index, prompt-major, each the text
+    of its whole twin, and usage counting each prompt once; echo without logprobs puts the prompt
+    string itself before the completion."""
+    prompts = ["one two", "three four five"]
+
+    async def body(client, _):
+        request = {"prompt": prompts, "n": 2, "seed": 9, "temperature": 1.0, "max_tokens": 4, "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={
+            **request, "stream": True, "stream_options": {"include_usage": True}}))
+        echoed = await (await client.post("/v1/completions", json={"prompt": prompts[1], "echo": True,
+                                                                   "max_tokens": 3, "temperature": 0})).json()
+        return whole, streamed, echoed
+
+    whole, streamed, echoed = run_with_client(llm, body)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    texts = [""] * 4
+    for event in streamed[:-2]:
+        texts[event["choices"][0]["index"]] += event["choices"][0]["text"]
+    assert texts == [c["text"] for c in whole["choices"]] and texts[0] != texts[1]
+    prompt_tokens = sum(len(llm.tokenizer.encode(p)) for p in prompts)
+    assert streamed[-2]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] == prompt_tokens
+    assert whole["usage"]["completion_tokens"] == 16
+    assert echoed["choices"][0]["text"].startswith(prompts[1]) and echoed["choices"][0]["logprobs"] is None
