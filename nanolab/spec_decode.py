@@ -1,0 +1,85 @@
+"""Speculative decoding's two halves, as functions of one request's tokens and probabilities:
+`propose_ngram` (prompt lookup: draft tokens copied from where the request's latest tokens
+occurred before) and `rejection_sample` / `greedy_accept` (which drafts the target model keeps,
+and the one token it adds after them). vLLM's names: `NgramProposer`, `RejectionSampler`.
+
+Acceptance keeps the target distribution exactly (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding"): draft token d_i is kept with probability
+min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is drawn from the residual
+max(p_i - q_i, 0), renormalized, and nothing after it is kept; when every draft is kept, a bonus
+token is drawn from p_{k+1}. A prompt-lookup draft is deterministic (q_i is one-hot on d_i), so
+d_i is kept with probability p_i(d_i) and a rejection draws from p_i without d_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to `k` draft tokens: the tokens that followed the latest earlier occurrence of the
+    longest suffix of `token_ids` between `max_n` and `min_n` tokens long (prompt lookup, as
+    vLLM's n-gram proposer). Empty when no suffix occurred before, or nothing followed it."""
+    if k < 1 or not 1 <= min_n <= max_n:
+        raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got k={k}, min_n={min_n}, max_n={max_n}")
+    tokens = list(token_ids)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        # The latest start i < length - n whose n tokens equal the suffix (the suffix itself excluded).
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i: i + n] == suffix:
+                return tokens[i + n: i + n + k]
+    return []
+
+
+def greedy_accept(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:
+    """Temperature 0: target_argmax [k + 1] (the target's choice after each prefix of the drafts)
+    and draft_tokens [k] -> the drafts that match, then the target's own token at the first
+    mismatch, or its bonus token after all k. 1 to k + 1 tokens: what plain greedy decoding emits."""
+    if len(target_argmax) != len(draft_tokens) + 1:
+        raise ValueError(f"{len(draft_tokens)} drafts need {len(draft_tokens) + 1} target tokens, "
+                         f"got {len(target_argmax)}")
+    out = []
+    for target, draft in zip(target_argmax, draft_tokens):
+        out.append(int(target))
+        if target != draft:
+            return out
+    out.append(int(target_argmax[-1]))
+    return out
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> list[int]:
+    """target_probs [k + 1, vocab] (the target's distribution after each prefix of the drafts,
+    with the request's temperature, top-k and top-p applied), draft_tokens [k], draft_probs
+    [k, vocab] or None for a deterministic draft (prompt lookup) -> the kept drafts, then one token
+    drawn from the residual at the first rejection or, when all are kept, the bonus token from
+    target_probs[k]. 1 to k + 1 tokens, distributed as sampling the target token by token."""
+    k = len(draft_tokens)
+    if target_probs.dim() != 2 or target_probs.shape[0] != k + 1:
+        raise ValueError(f"{k} drafts need target_probs of shape [{k + 1}, vocab], got {tuple(target_probs.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_probs.shape[1]):
+        raise ValueError(f"draft_probs must be [{k}, {target_probs.shape[1]}], got {tuple(draft_probs.shape)}")
+    p = target_probs.float()
+    out = []
+    for i, d in enumerate(draft_tokens):
+        q = None if draft_probs is None else draft_probs[i].float()
+        q_d = 1.0 if q is None else float(q[d])
+        keep = min(1.0, float(p[i, d]) / q_d) if q_d > 0 else 0.0
+        if float(torch.rand((), generator=generator)) < keep:
+            out.append(int(d))
+            continue
+        if q is None:
+            residual = p[i].clone()
+            residual[d] = 0.0
+        else:
+            residual = (p[i] - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p equals q (or p is all on d): the target's own draw
+            residual = p[i]
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    return out
