@@ -20,6 +20,7 @@ from nanolab.model.config import PRESETS
 DEFAULT_MODEL = "smollm2-135m"
 READS = ("streamed", "reference")
 CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's names for the two it shares with nanolab
+QUANTIZATIONS = (None, "fp8")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -116,6 +117,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the tokens one step feeds, with chunked prefill: every step fits a graph
     tensor_parallel_size: int = 1  # processes the model is sharded over, rank 0 coordinating
     distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
+    quantization: str | None = None  # "fp8": the layers' weights as e4m3 with a scale per output channel
     # Tensor parallelism on CUDA runs over NCCL, a path that has not yet passed on two GPUs: refused
     # unless asked for.
     unverified_nccl: bool = False
@@ -148,6 +150,9 @@ class EngineConfig:
                                     or not timeout > 0):
             raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds > 0, or None")
         check_bool("unverified_nccl", self.unverified_nccl)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: must be None or one of "
+                             f"{', '.join(repr(q) for q in QUANTIZATIONS if q)}")
         tp = self.tensor_parallel_size
         if tp > 1 and device.type == "cuda":
             if tp > torch.cuda.device_count():
@@ -213,6 +218,9 @@ class EngineConfig:
                                                help="the largest varlen step captured, in tokens "
                                                     "(default: --max-num-batched-tokens, at most 512)"),
             "read": dict(default="auto", choices=("auto", *READS), help="the paged read (default: streamed on CUDA)"),
+            "quantization": dict(default=None, choices=[q for q in QUANTIZATIONS if q],
+                                 help="fp8: the layers' weights as e4m3, a scale per output channel, quantized at "
+                                      "load (the embedding and the LM head stay in --dtype)"),
             "compile": dict(action=argparse.BooleanOptionalAction, default=None,
                             help="decode steps through inductor (default: on with CUDA graphs)"),
             "async_scheduling": dict(action=argparse.BooleanOptionalAction, default=None,

@@ -100,11 +100,11 @@ class LLM:
         if tp > 1:  # the workers load their shards while this process loads its own
             self.workers = Workers(tp, WorkerSpec(str(self.path), self.dtype, device.type, config.block_size,
                                                   config.max_num_seqs, config.read, None, config.cuda_graphs(device),
-                                                  self.compiled, config.distributed_timeout_s))
+                                                  self.compiled, config.distributed_timeout_s, config.quantization))
             runner = functools.partial(LeaderRunner, workers=self.workers)
         try:
             self.model = load_model(self.path, dtype=self.dtype, device=device,
-                                    tp=self.workers.tp if self.workers else None)
+                                    tp=self.workers.tp if self.workers else None, quantization=config.quantization)
             if self.workers:
                 # The pool is sized from what this rank's shard left free, and every rank takes it.
                 num_blocks, max_model_len = pool_size(config, c, device, self.dtype)

@@ -149,6 +149,7 @@ BAD_FIELDS = {
     "async_scheduling": [0, "on"],
     "enable_chunked_prefill": [1, None],
     "enable_prefix_caching": [1, None],
+    "quantization": ["int4", "FP8", 8, ""],
     "max_num_batched_tokens": [0, 2048.0],
     "tensor_parallel_size": [0, True],
     "distributed_timeout_s": [0, -1.0, "10", True],

@@ -82,6 +82,7 @@ class WorkerSpec:
     cuda_graphs: bool = False  # captured on every rank in the same order, so their collectives pair up
     compile: bool = False  # decode steps through inductor (`runner.compile_decode`), as rank 0's
     timeout_s: float | None = None  # the group's collective timeout (`join_group`); None: torch's
+    quantization: str | None = None  # as rank 0's (`load_model`)
 
 
 class FollowerBlockManager(BlockManager):
@@ -260,7 +261,8 @@ def worker_main() -> None:
     tp = join_group(rank, world_size, spec.device_type, spec.timeout_s)
     channel = Channel(rank_device(spec.device_type, rank), reader=stdin)
     try:
-        model = load_model(spec.path, dtype=spec.dtype, device=channel.device, prepack=spec.prepack, tp=tp)
+        model = load_model(spec.path, dtype=spec.dtype, device=channel.device, prepack=spec.prepack, tp=tp,
+                           quantization=spec.quantization)
         sizes = channel.receive()  # `Workers.size_caches`, or None: rank 0 failed before it got there
         if sizes is None:
             return

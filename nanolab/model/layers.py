@@ -16,6 +16,7 @@ from nanolab.kernels.elementwise import rope_, silu_mul
 from nanolab.kernels.gemv import step_linear
 from nanolab.model.config import ModelConfig
 from nanolab.model.parallel import TensorParallel
+from nanolab.model.quant import dequantize_fp8, quantize_fp8
 
 
 @torch.library.custom_op("nanolab::linear", mutates_args=())
@@ -96,12 +97,26 @@ class Linear(nn.Linear):
         self.packed: torch.Tensor | None = None
         self.opaque = False
         self.step_kernel = False
+        self.qweight: torch.Tensor | None = None  # [out, in] float8_e4m3fn, after `quantize_fp8_`
+        self.scale: torch.Tensor | None = None  # [out] fp32
+
+    def quantize_fp8_(self) -> None:
+        """Hold the weight as e4m3 with a scale per output row (`model.quant`) in place of the
+        weight itself, which is dropped. The forward then reads the weight back in the
+        activations' dtype before the matmul (the reference path, on any device)."""
+        if self.packed is not None:
+            raise ValueError("a prepacked Linear keeps its weight: quantize before prepack()")
+        self.qweight, self.scale = quantize_fp8(self.weight.data)
+        del self.weight
+        self.register_parameter("weight", None)
 
     def prepack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
         _PACKED[_weight_key(self.weight)] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return F.linear(x, dequantize_fp8(self.qweight, self.scale, x.dtype))
         if not self.opaque and torch.compiler.is_compiling() and x.device.type == "cpu" \
                 and math.prod(x.shape[:-1]) == 1:  # False, with no guard, for a dynamic batch (at least 2)
             # x [1, 1, in] * weight [out, in], summed over in: inductor fuses the two into one

@@ -102,9 +102,11 @@ def _fuse(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torc
 
 
 def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu", prepack: bool | None = None,
-               tp: TensorParallel | None = None) -> LlamaModel:
+               tp: TensorParallel | None = None, quantization: str | None = None) -> LlamaModel:
     """Build the model on the meta device and fill it straight from the checkpoint, so a
     model is never initialised twice. `tp`: this rank's shard only (`parallel.shard_state`).
+    `quantization="fp8"`: every decoder layer's projections are held as e4m3 with a scale per
+    output channel (`Linear.quantize_fp8_`); the embedding and the LM head stay in `dtype`.
 
     `prepack` (default: on for fp32 on the CPU, where oneDNN is available) routes every matmul
     through oneDNN with prepacked weights; see `layers.Linear`."""
@@ -120,10 +122,17 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, device="cpu", 
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
     model.eval().requires_grad_(False)
+    if quantization == "fp8":
+        for layer in model.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.quantize_fp8_()
+    elif quantization is not None:
+        raise ValueError(f"quantization={quantization!r}: must be None or 'fp8'")
     if prepack is None:
         prepack = torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if prepack:
         for module in model.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.qweight is None:
                 module.prepack()
     return model
