@@ -232,6 +232,18 @@ class BlockManager:
         table = self.table(row)
         return self.enable_prefix_caching and table.num_tokens // self.block_size > len(table.keys)
 
+    def commit_rows(self, seqs) -> None:
+        """`commit_full_blocks` for each of `seqs` (anything with `.row`, None once it left, and
+        `.token_ids`) whose row has a full block not keyed yet. Called every step over every row:
+        the check is inlined, and a row's tokens are listed only when a block is due."""
+        if not self.enable_prefix_caching:
+            return
+        tables, bs = self.tables, self.block_size
+        for seq in seqs:
+            row = seq.row
+            if row is not None and tables[row].num_tokens >= (len(tables[row].keys) + 1) * bs:
+                self.commit_full_blocks(row, seq.token_ids)
+
     def commit_full_blocks(self, row: int, token_ids) -> None:
         """Key every full block of `row` not keyed yet whose tokens `token_ids` (the sequence's, as
         far as the host knows them) covers, once its K/V is written or queued to be. Nothing

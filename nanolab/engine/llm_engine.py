@@ -457,10 +457,7 @@ class Engine:
         """Key the blocks a forward just filled, for prefix caching: only after the forward was
         launched without error, so a failed step leaves no block findable whose K/V was never
         written."""
-        blocks = self.block_manager
-        for seq in seqs:
-            if seq.row is not None and blocks.uncommitted(seq.row):
-                blocks.commit_full_blocks(seq.row, seq.token_ids)
+        self.block_manager.commit_rows(seqs)
 
     def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         # A forward's failure cannot be pinned on one row: every request of the step ends with it.
