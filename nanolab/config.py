@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, fields
 
@@ -92,6 +93,30 @@ def _check_model(model) -> None:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`; given to `EngineConfig` as this or a
+    dict of its fields). Method "ngram": each decoding row gets up to `num_speculative_tokens`
+    drafts by prompt lookup (`spec_decode.propose_ngram`, suffixes of `prompt_lookup_max` down to
+    `prompt_lookup_min` tokens), verified in one forward with the row's pending token. A decode step
+    of more than `max_num_seqs` rows decodes one token a row: there, verifying costs more than it
+    saves."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    max_num_seqs: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method={self.method!r}: must be 'ngram'")
+        check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
+        check_int("speculative_config.max_num_seqs", self.max_num_seqs)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the engine runs, as the user chose it. None and "auto" stay as given and are settled
     where they run: `device` and `dtype` when `LLM` loads the weights (an `Engine` runs where its
@@ -118,6 +143,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # processes the model is sharded over, rank 0 coordinating
     distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
     quantization: str | None = None  # "fp8": the layers' weights as e4m3 with a scale per output channel
+    speculative_config: SpeculativeConfig | dict | None = None  # None: one token a row each decode step
     # Tensor parallelism on CUDA runs over NCCL, a path that has not yet passed on two GPUs: refused
     # unless asked for.
     unverified_nccl: bool = False
@@ -150,6 +176,22 @@ class EngineConfig:
                                     or not timeout > 0):
             raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds > 0, or None")
         check_bool("unverified_nccl", self.unverified_nccl)
+        spec = self.speculative_config
+        if isinstance(spec, dict):
+            known = {f.name for f in fields(SpeculativeConfig)}
+            if set(spec) - known:
+                raise ValueError(f"speculative_config={spec!r}: unknown keys {sorted(set(spec) - known)}; "
+                                 f"known: {sorted(known)}")
+            try:
+                object.__setattr__(self, "speculative_config", SpeculativeConfig(**spec))
+            except ValueError as e:
+                raise ValueError(f"speculative_config={spec!r}: {e}") from None
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config={spec!r}: must be a SpeculativeConfig, a dict of its fields, "
+                             "or None")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("async_scheduling=True with speculative_config: a speculative step is read back "
+                             "before the next is launched")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: must be None or one of "
                              f"{', '.join(repr(q) for q in QUANTIZATIONS if q)}")
@@ -186,7 +228,10 @@ class EngineConfig:
         return self.cuda_graphs(device) if self.compile is None else self.compile
 
     def overlapped(self, device: torch.device) -> bool:
-        """Whether asynchronous scheduling is on for `device`: `async_scheduling`, else with CUDA graphs."""
+        """Whether asynchronous scheduling is on for `device`: `async_scheduling`, else with CUDA
+        graphs; never with speculative decoding."""
+        if self.speculative_config is not None:
+            return False
         return self.cuda_graphs(device) if self.async_scheduling is None else self.async_scheduling
 
     def replace(self, **changes) -> EngineConfig:
@@ -237,6 +282,9 @@ class EngineConfig:
                                          help="shard the model over this many processes, rank 0 coordinating"),
             "distributed_timeout_s": dict(type=float, default=None,
                                           help="a tensor-parallel group's collective timeout in seconds"),
+            "speculative_config": dict(type=json.loads, default=None,
+                                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                                            '"num_speculative_tokens": 4}\' (fields of SpeculativeConfig)'),
             "unverified_nccl": dict(action="store_true",
                                     help="allow tensor parallelism on CUDA (NCCL), not yet passed on two GPUs"),
         }

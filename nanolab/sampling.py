@@ -142,8 +142,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    logits = logits / p.temperature  # [vocab]
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [vocab] -> the distribution a sampled (not greedy) row draws from: temperature, then
+    top-k, then top-p, then softmax, in fp32."""
+    logits = logits.float() / p.temperature  # [vocab]
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -154,5 +156,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop = (cumulative - sorted_logits.softmax(-1)) >= p.top_p
         drop[0] = False  # the most likely token always stays (a top_p below fp32's smallest number is 0)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return logits.softmax(-1)
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(sampling_probs(logits, p), 1, generator=generator)[0]

@@ -224,6 +224,8 @@ def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
         if op[0] == "add":
             _, prompt_len, max_tokens, ignore_eos, n = op
             prompt = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+            if rng.random() < 0.4:  # a phrase repeated: prompt lookup finds drafts in it
+                prompt = (prompt[:3] * prompt_len)[:prompt_len]
             # Some requests want logprobs (their steps are read back at once) or their prompt's (no prefix hit).
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
                                     ignore_eos=ignore_eos, seed=rng.randrange(1000), n=n,
@@ -254,21 +256,34 @@ def drain(engine: Engine) -> None:
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
-def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False) -> Engine:
+def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
+                speculative: bool = False) -> Engine:
     # The model's whole context, longer than these pools: a request can ask for more than the pool
     # holds, and must be refused whole.
     model = load_tiny()
     return Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
                                       max_model_len=model.config.max_position_embeddings,
                                       max_num_batched_tokens=budget or 2048,
-                                      enable_chunked_prefill=budget is not None, enable_prefix_caching=caching))
+                                      enable_chunked_prefill=budget is not None, enable_prefix_caching=caching,
+                                      speculative_config={"num_speculative_tokens": 3} if speculative else None))
 
 
 @settings(max_examples=250, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
-       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET, caching=st.booleans())
-def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget, caching) -> None:
-    engine = make_engine(num_blocks, max_num_seqs, budget, caching)
+       finish=st.sampled_from(["abort", "complete"]), budget=BUDGET, caching=st.booleans(),
+       speculative=st.booleans())
+def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget, caching,
+                                          speculative) -> None:
+    """With speculation, drafts are kept and rejected at random (the tiny model's outputs repeat,
+    so prompt lookup proposes), and each rejected draft's slot must go back."""
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative)
+    spec_steps, run_speculative = [0], engine._run_speculative
+
+    def counted(out, drafts):
+        spec_steps[0] += 1
+        return run_speculative(out, drafts)
+
+    engine._run_speculative = counted
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -287,6 +302,8 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     assert not engine.requests
     assert all(s.finished and s.row is None for s in seqs)
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
+    if speculative:
+        event(f"engine: {'a speculative step' if spec_steps[0] else 'no speculative step'}")
 
 
 def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False

@@ -5,6 +5,7 @@ small vocabulary, seeded, so they are deterministic)."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
@@ -102,3 +103,86 @@ def test_a_sure_draft_is_always_kept_and_a_bonus_follows():
     assert all(rejection_sample(p, [2, 2], None, g) == [1] for _ in range(50))  # an impossible draft
     with pytest.raises(ValueError, match=r"target_probs of shape \[3, vocab\]"):
         rejection_sample(p[:2], [1, 2])
+
+
+# The engine with speculation, on a sharp model (a slot read wrong moves the logits by units).
+
+
+def spec_engine(sharp, k: int | None = 4, **kw):
+    from nanolab import Engine, EngineConfig
+
+    spec = None if k is None else {"num_speculative_tokens": k}
+    return Engine(sharp.model, EngineConfig(**{"block_size": 4, "max_num_batched_tokens": 64, "num_blocks": 96,
+                                               "speculative_config": spec, **kw}))
+
+
+def repetitive_prompts(seed: int, n: int = 3) -> list[list[int]]:
+    """Prompts that repeat a short phrase, so prompt lookup finds drafts, and differ in length."""
+    g = random.Random(seed)
+    return [[g.randrange(3, 320) for _ in range(g.randrange(3, 7))] * g.randrange(2, 5) for _ in range(n)]
+
+
+def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24):
+    """Three repetitive prompts together, greedy, 24 tokens: with drafts of up to 4 the same
+    tokens as without, every emitted token's logits within 1e-4 of a one-shot forward (a rejected
+    draft's slot left in a row would show), in fewer steps, with every block back."""
+    from conftest import assert_logits_match_reference, logit_recorder, run_until_done
+    from test_cache_properties import check_drained
+
+    from nanolab import SamplingParams
+
+    prompts = repetitive_prompts(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for k in (None, 4):
+        engine = spec_engine(sharp_gqa24, k)
+        logits, keep = logit_recorder()
+        seqs = engine.add_requests(prompts, [params] * len(prompts))
+        steps = run_until_done(engine, on_step=keep)
+        runs[k] = ([s.output_token_ids for s in seqs], steps)
+        assert_logits_match_reference(sharp_gqa24, seqs, logits)
+        check_drained(engine.kv_cache, engine.scheduler)
+    assert runs[4][0] == runs[None][0]
+    assert runs[4][1] < runs[None][1], "no draft was kept"
+
+
+def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):
+    """EOS inside a kept run of drafts ends the request there (what follows is dropped), max_tokens
+    is never passed, a pool too small to feed the drafts decodes one token a row, and a sampled
+    request (temperature 0.8, seeded) runs to its length; every block comes back."""
+    from conftest import run_until_done
+    from test_cache_properties import check_drained
+
+    from nanolab import SamplingParams
+
+    prompts = repetitive_prompts(1, 4)
+    plain = spec_engine(sharp_gqa24, None)
+    want = plain.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
+    run_until_done(plain)
+    for blocks in (96, 24):
+        engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4)
+        seqs = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
+        sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=11))
+        run_until_done(engine)
+        assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in want]
+        assert [s.finish_reason for s in seqs] == [s.finish_reason for s in want]
+        assert len(sampled.output_token_ids) == 11
+        check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_speculative_config_is_checked():
+    from nanolab import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens=0"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown keys"):
+        EngineConfig(speculative_config={"k": 2})
+    with pytest.raises(ValueError, match="speculative_config.method='eagle'"):
+        EngineConfig(speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="async_scheduling=True"):
+        EngineConfig(speculative_config={}, async_scheduling=True)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 2, "max_num_seqs": 4}'])
+    spec = EngineConfig.from_cli_args(args).speculative_config
+    assert (spec.num_speculative_tokens, spec.max_num_seqs, spec.method) == (2, 4, "ngram")

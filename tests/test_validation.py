@@ -150,6 +150,7 @@ BAD_FIELDS = {
     "enable_chunked_prefill": [1, None],
     "enable_prefix_caching": [1, None],
     "quantization": ["int4", "FP8", 8, ""],
+    "speculative_config": [{"num_speculative_tokens": 0}, {"k": 1}, "ngram", 4],
     "max_num_batched_tokens": [0, 2048.0],
     "tensor_parallel_size": [0, True],
     "distributed_timeout_s": [0, -1.0, "10", True],

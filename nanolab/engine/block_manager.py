@@ -232,6 +232,18 @@ class BlockManager:
         table = self.table(row)
         return self.enable_prefix_caching and table.num_tokens // self.block_size > len(table.keys)
 
+    def truncate(self, row: int, num_tokens: int) -> None:
+        """Shorten `row` to its first `num_tokens` tokens (a speculative step's rejected drafts),
+        releasing the blocks past them. Never into a keyed block: keys cover accepted tokens only."""
+        table = self.table(row)
+        if not len(table.keys) * self.block_size <= num_tokens <= table.num_tokens:
+            raise ValueError(f"row {row}: cannot truncate {table.num_tokens} tokens to {num_tokens} "
+                             f"({len(table.keys)} blocks keyed)")
+        keep = cdiv(num_tokens, self.block_size)
+        self.allocator.release(table.blocks[keep:])
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+
     def commit_rows(self, seqs) -> None:
         """`commit_full_blocks` for each of `seqs` (anything with `.row`, None once it left, and
         `.token_ids`) whose row has a full block not keyed yet. Called every step over every row:

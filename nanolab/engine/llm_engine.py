@@ -32,7 +32,8 @@ from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
 from nanolab.model.llama import LlamaModel
-from nanolab.sampling import PositionLogprobs, SamplingParams, compute_logprobs, sample_tokens
+from nanolab.sampling import PositionLogprobs, SamplingParams, compute_logprobs, sample_tokens, sampling_probs
+from nanolab.spec_decode import greedy_accept, propose_ngram, rejection_sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,7 +369,8 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
-        return self._run(out)
+        drafts = self._drafts(out)
+        return self._run_speculative(out, drafts) if drafts else self._run(out)
 
     def _run(self, out: SchedulerOutput) -> list[StepOutput]:
         """One forward over the scheduled step (a planned decode, or a varlen step of prompts,
@@ -395,6 +397,86 @@ class Engine:
         batch, graph = self.runner.last_decode if out.decode_only else (len(seqs), self.runner.last_varlen[1])
         self.last_step = StepRecord(out.phase, len(seqs), batch, graph, out.num_tokens, time.perf_counter() - start)
         return self._emit(sampled, tokens, logits)
+
+    # Speculative decoding (`EngineConfig.speculative_config`): a decode step of few rows feeds each
+    # row its pending token and the drafts prompt lookup proposes, verifies them in one varlen
+    # forward with logits at every fed token, keeps what `greedy_accept` / `rejection_sample` keep
+    # and one token more, and shortens each row's table past the tokens it rejected.
+
+    def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
+        """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
+        none proposed, or the pool lacks the blocks to feed them. A row asking for logprobs, or
+        with no room before max_tokens or the context, gets none."""
+        spec = self.config.speculative_config
+        if spec is None or not out.decode_only or len(out.seqs) > spec.max_num_seqs:
+            return None
+        drafts = {}
+        for i, seq in enumerate(out.seqs):
+            p = seq.params
+            room = min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
+                       spec.num_speculative_tokens if p.max_tokens is None
+                       else p.max_tokens - len(seq.output_token_ids) - 1)
+            if room >= 1 and seq.output_logprobs is None:
+                proposed = propose_ngram(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                if proposed:
+                    drafts[i] = proposed
+        if not drafts:
+            return None
+        blocks = self.block_manager
+        need = sum(blocks.table(s.row).blocks_needed(1 + len(drafts.get(i, ()))) for i, s in enumerate(out.seqs))
+        return drafts if need <= blocks.allocator.num_free else None
+
+    def _run_speculative(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> list[StepOutput]:
+        start = time.perf_counter()
+        seqs = out.seqs
+        before = [s.num_tokens for s in seqs]  # the pending token is the last of these
+        counts = [1 + len(drafts.get(i, ())) for i in range(len(seqs))]
+        for i, d in drafts.items():  # fed as tokens of the row for this forward, taken back after it
+            seqs[i].output_token_ids.extend(d)
+        try:
+            logits = self.runner.run_varlen(seqs, counts, [n - 1 for n in before], [True] * len(seqs),
+                                            all_logits=[i in drafts for i in range(len(seqs))])
+        except Exception as e:  # contained: the step's requests end, the engine goes on
+            return self._fail_forward(seqs, e)
+        finally:
+            for i, d in drafts.items():
+                del seqs[i].output_token_ids[-len(d):]
+        kept, rows, at = [], [], 0
+        for i, seq in enumerate(seqs):
+            row_logits = logits[at: at + counts[i]]  # [1 + drafts, vocab]: position j scores token j
+            at += counts[i]
+            d = drafts.get(i, [])
+            try:
+                if seq.params.greedy:
+                    tokens = greedy_accept(row_logits.argmax(-1).tolist(), d)
+                else:
+                    probs = torch.stack([sampling_probs(r, seq.params) for r in row_logits])
+                    tokens = rejection_sample(probs, d, None, seq.generator)
+            except Exception as e:  # this row alone ends with it
+                tokens = e
+            if not isinstance(tokens, Exception):
+                # The row holds its pending token and the drafts it kept; the rejected ones' slots go.
+                self.block_manager.truncate(seq.row, before[i] + len(tokens) - 1)
+                seq.num_computed_tokens = before[i] + len(tokens) - 1
+            kept.append(tokens)
+            rows.append(row_logits)
+        self._commit([s for s, t in zip(seqs, kept) if not isinstance(t, Exception)])
+        self.last_step = StepRecord("decode", len(seqs), len(seqs), False, sum(counts), time.perf_counter() - start)
+        outputs = []
+        for seq, tokens, row_logits in zip(seqs, kept, rows):
+            if isinstance(tokens, Exception):
+                outputs.append(self._fail(seq, f"sampling failed: {type(tokens).__name__}: {tokens}"))
+                continue
+            for j, token in enumerate(tokens):  # up to a stop: what follows it is dropped
+                if seq.finished:
+                    break
+                seq.output_token_ids.append(token)
+                reason = self._finish_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    self.requests.pop(seq.request_id, None)
+                outputs.append(StepOutput(seq, token, row_logits[j], seq.finished))
+        return outputs
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, every: list[bool], logits: torch.Tensor) -> torch.Tensor:
         """Append to each `every` row's `prompt_logprobs` what its segment's logits give (the logits
