@@ -82,3 +82,46 @@ def test_fp8_keeps_smollm2s_perplexity_within_1_percent_of_bf16():
     print(f"SmolLM2 perplexity over {len(ids)} tokens: bf16 {bf16:.3f}, fp8 {quantized:.3f} "
           f"({quantized / bf16 - 1:+.2%})")
     assert quantized / bf16 - 1 < 0.01
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fp8 GEMV in Triton's interpreter: CPU tensors only")
+@pytest.mark.parametrize("m, n, k, split", [(1, 40, 512, 1), (3, 70, 1024, 2), (16, 48, 256, 1)])
+def test_the_fp8_gemv_is_the_matmul_of_the_weight_read_back(m, n, k, split):
+    """The GEMV reading e4m3 bytes and scaling each column (in Triton's interpreter), against the
+    dequantized weight's matmul in float64: a column edge inside the last tile, split-K, 16 rows;
+    the rows' scales differ by orders of magnitude, so a scale on the wrong axis shows."""
+    from nanolab.kernels.gemv import GemvConfig, gemv
+
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 2, n)[:, None]
+    q, scale = quantize_fp8(w)
+    out = gemv(x, q, GemvConfig(16, 128, split), scale=scale)
+    ref = x.double() @ dequantize_fp8(q, scale).double().T
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="fp8 weight takes a contiguous fp32 scale"):
+        gemv(x, q)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled fp8 GEMV needs a CUDA device")
+def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path):
+    """On CUDA with graphs and the compiled decode step, the tiny model with fp8 layers: the fp8
+    GEMV's decode steps give the greedy tokens of the same fp8 model run with every layer's weight
+    read back (eager, F.linear)."""
+    from nanolab.kernels import gemv as gemv_module
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    fast = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8")
+    got = [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    reference = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8", enforce_eager=True,
+                    compile=False)
+    layer = reference.model.layers[0].self_attn.o_proj
+    x = torch.randn(2, layer.qweight.shape[1], device="cuda", dtype=torch.bfloat16)
+    direct = gemv_module.fp8_linear(x, layer.qweight, layer.scale)
+    readback = F.linear(x, dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16))
+    assert torch.allclose(direct.float(), readback.float(), rtol=2e-2, atol=2e-2)
+    want = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -65,7 +65,8 @@ def _x_tile(x_ptr, g_ptr, m, kk, mmask, stride_xm, K, dtype: tl.constexpr, NORM:
 def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           PDL: tl.constexpr = False, PRECISION: tl.constexpr = "ieee", g_ptr=None, res_ptr=None, stride_rm=0,
-          eps=0.0, NORM: tl.constexpr = False, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+          eps=0.0, NORM: tl.constexpr = False, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+          s_ptr=None, SCALED: tl.constexpr = False):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
     the kernel before it ahead of its first read of x. With SPLIT_K > 1 a share writes an fp32
@@ -73,7 +74,9 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     `_sum_splits` to add.
     What it reads of x and writes out (`_x_tile`): with NORM (SPLIT_K == 1), x's rows RMS-normed
     by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL (SPLIT_K
-    == 1), res [M, N] (rows stride_rm apart) added to the sum before it is rounded."""
+    == 1), res [M, N] (rows stride_rm apart) added to the sum before it is rounded. With SCALED, the
+    weight is fp8 (e4m3): each tile is converted to x's dtype in registers for the dot, and column n
+    of the sum is multiplied by s[n], the weight's scale for output channel n."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -87,12 +90,16 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     ss = tl.zeros([BLOCK_M], tl.float32)  # with NORM, each row's sum of squares over K
     dependent_launch(PDL)
     for k0 in range(first, first + per_split, BLOCK_K):
-        x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, w_ptr.dtype.element_ty, NORM, SWIGLU)
+        x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, x_ptr.dtype.element_ty, NORM, SWIGLU)
         ss += sq
         w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
+        if SCALED:  # e4m3 bytes read, widened in registers
+            w = w.to(x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
     if NORM:  # (x g) W^T, scaled by each row's 1 / rms: the norm's scale is one number a row
         acc *= tl.rsqrt(ss / K + eps)[:, None]
+    if SCALED:  # x (Q s)^T = (x Q^T) s: one scale a column, applied to the sum
+        acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
     mask = mmask[:, None] & nmask[None, :]
     if SPLIT_K == 1:
         if RESIDUAL:
@@ -155,7 +162,7 @@ def block_rows(m: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
          norm: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
-         swiglu: bool = False) -> torch.Tensor:
+         swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
     (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 by
     `_sum_splits` and rounded once. With `pdl`, both kernels launch as programmatic dependents
@@ -163,7 +170,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 
     Folded in: `norm` [K], x RMS-normed with that weight and `eps` first (one share of K only; the
     default tiles take one); `swiglu`, x [..., 2K] the fused gate/up output, taken as
-    silu(gate) * up; `residual` [..., N], added to the product before it is rounded."""
+    silu(gate) * up; `residual` [..., N], added to the product before it is rounded.
+
+    An fp8 weight (float8_e4m3fn) takes `scale` [N] fp32, its scale per output channel
+    (`model.quant`): the kernel reads one byte a weight and returns x @ (weight * scale[:, None]).T."""
     *lead, k_in = x.shape
     n, k = weight.shape
     x2 = x.reshape(-1, k_in)
@@ -175,6 +185,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {m}")
     if x2.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None) or fp8 and (scale.shape != (n,) or scale.dtype != torch.float32
+                                              or not scale.is_contiguous()):
+        raise ValueError("an fp8 weight takes a contiguous fp32 scale [N], and only an fp8 weight takes one; "
+                         f"got weight {weight.dtype}, scale {None if scale is None else (scale.dtype, scale.shape)}")
     cfg = config or step_config(n, k, m, swiglu, x.element_size(), norm=norm is not None)
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
@@ -196,7 +211,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
                 # fp32 rows multiplied in full fp32, as cuBLAS does by default, not in TF32
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
     folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res,
-                  stride_rm=0 if res is None else res.stride(0), RESIDUAL=res is not None)
+                  stride_rm=0 if res is None else res.stride(0), RESIDUAL=res is not None, s_ptr=scale, SCALED=fp8)
     if cfg.split_k == 1:
         _gemv[grid](x2, weight, out, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), 0, **folded, **meta)
     else:
@@ -230,3 +245,21 @@ def step_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @step_linear.register_fake
 def _(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("nanolab::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ (qweight * scale[:, None]).T for an e4m3 weight [N, K] and its scale [N]: on CUDA, up to
+    MAX_ROWS rows where `step_config`'s tiles divide K, through `gemv`, which reads one byte a
+    weight; otherwise (more rows, or the CPU) the weight read back in x's dtype and `F.linear`.
+    One operator inductor does not look into."""
+    m, k = x.numel() // x.shape[-1], x.shape[-1]
+    cfg = step_config(qweight.shape[0], k, m, element_size=1)
+    if x.is_cuda and m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous():
+        return gemv(x, qweight, cfg, pdl=ops_pdl(x.device), scale=scale)
+    return F.linear(x, (qweight.to(torch.float32) * scale[:, None]).to(x.dtype))
+
+
+@fp8_linear.register_fake
+def _(x, qweight, scale):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))

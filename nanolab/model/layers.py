@@ -13,10 +13,10 @@ from torch import nn
 
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_, silu_mul
-from nanolab.kernels.gemv import step_linear
+from nanolab.kernels.gemv import fp8_linear, step_linear
 from nanolab.model.config import ModelConfig
 from nanolab.model.parallel import TensorParallel
-from nanolab.model.quant import dequantize_fp8, quantize_fp8
+from nanolab.model.quant import quantize_fp8
 
 
 @torch.library.custom_op("nanolab::linear", mutates_args=())
@@ -102,8 +102,8 @@ class Linear(nn.Linear):
 
     def quantize_fp8_(self) -> None:
         """Hold the weight as e4m3 with a scale per output row (`model.quant`) in place of the
-        weight itself, which is dropped. The forward then reads the weight back in the
-        activations' dtype before the matmul (the reference path, on any device)."""
+        weight itself, which is dropped. The forward is `kernels.gemv.fp8_linear`: the fp8 GEMV for
+        a decode step's few rows on CUDA, the weight read back in the activations' dtype otherwise."""
         if self.packed is not None:
             raise ValueError("a prepacked Linear keeps its weight: quantize before prepack()")
         self.qweight, self.scale = quantize_fp8(self.weight.data)
@@ -116,7 +116,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            return F.linear(x, dequantize_fp8(self.qweight, self.scale, x.dtype))
+            return fp8_linear(x, self.qweight, self.scale)
         if not self.opaque and torch.compiler.is_compiling() and x.device.type == "cpu" \
                 and math.prod(x.shape[:-1]) == 1:  # False, with no guard, for a dynamic batch (at least 2)
             # x [1, 1, in] * weight [out, in], summed over in: inductor fuses the two into one
