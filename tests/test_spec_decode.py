@@ -186,3 +186,26 @@ def test_speculative_config_is_checked():
     args = parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 2, "max_num_seqs": 4}'])
     spec = EngineConfig.from_cli_args(args).speculative_config
     assert (spec.num_speculative_tokens, spec.max_num_seqs, spec.method) == (2, 4, "ngram")
+
+
+@pytest.mark.slow
+def test_speculative_greedy_on_smollm2_is_plain_greedy(smollm2_path):
+    """Real text: SmolLM2 asked to repeat a code edit, greedy, 40 tokens, with drafts of up to 4
+    and without: the same tokens, and some drafts kept (fewer steps)."""
+    from nanolab import LLM, SamplingParams
+
+    code = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n" \
+           "    return 2 * (width + height)\n"
+    prompt = [{"role": "user", "content": f"Rename width to w in this code and print it again:\n{code}"}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for spec in (None, {"num_speculative_tokens": 4}):
+        llm = LLM("smollm2-135m", device="cpu", speculative_config=spec)
+        seq = llm.engine.add_request(llm.tokenizer.encode_chat(prompt), params)
+        steps = 0
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+            steps += 1
+        runs[spec is not None] = (seq.output_token_ids, steps)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] < runs[False][1], "no draft was kept"
