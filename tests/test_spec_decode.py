@@ -144,6 +144,7 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24):
         check_drained(engine.kv_cache, engine.scheduler)
     assert runs[4][0] == runs[None][0]
     assert runs[4][1] < runs[None][1], "no draft was kept"
+    assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
 
 
 def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):

@@ -233,6 +233,8 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
         self.last_step: StepRecord | None = None
+        # Speculative decoding's counts (vLLM's): verify steps, drafts proposed, and drafts kept.
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
 
     @property
     def capture_report(self) -> CaptureReport | None:
@@ -460,7 +462,11 @@ class Engine:
                 seq.num_computed_tokens = before[i] + len(tokens) - 1
             kept.append(tokens)
             rows.append(row_logits)
+            if not isinstance(tokens, Exception):
+                self.spec_draft_tokens += len(d)
+                self.spec_accepted_tokens += len(tokens) - 1
         self._commit([s for s, t in zip(seqs, kept) if not isinstance(t, Exception)])
+        self.spec_steps += 1
         self.last_step = StepRecord("decode", len(seqs), len(seqs), False, sum(counts), time.perf_counter() - start)
         outputs = []
         for seq, tokens, row_logits in zip(seqs, kept, rows):

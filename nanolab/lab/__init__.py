@@ -25,6 +25,7 @@ is loaded from its module on first use, so importing one instrument does not loa
   graphed, and the server's start (Day 63)
 - `prefixbench` and `plots.prefix`: prefix caching on and off, at a shared prefix, a chat's second
   turn, no hits, and the hit rate /metrics reports (Day 64)
+- `specbench`: speculative decoding on real text, acceptance and ms a token at batch 1 (Day 65)
 - `results`: the front page's figure and the results page, from the committed tables
 """
 
