@@ -29,7 +29,7 @@ def block_key(parent: bytes | None, tokens) -> bytes:
     """The key of a full block: a SHA-256 over its parent's key (None for a sequence's first block)
     and its own token ids, so two blocks share a key only when they and every block before them
     hold the same tokens (vLLM's prefix-caching hash chain)."""
-    return hashlib.sha256((parent or b"") + array.array("q", tokens).tobytes()).digest()
+    return next(chain_keys(parent, tokens, 0, 1, len(tokens)))
 
 
 def chain_keys(parent: bytes | None, token_ids, first: int, stop: int, block_size: int) -> Iterator[bytes]:
@@ -226,11 +226,6 @@ class BlockManager:
             table.blocks.append(block)
         table.keys = list(keys)
         table.num_tokens = len(blocks) * self.block_size
-
-    def uncommitted(self, row: int) -> bool:
-        """Whether `row` has a full block not keyed yet (always False without prefix caching)."""
-        table = self.table(row)
-        return self.enable_prefix_caching and table.num_tokens // self.block_size > len(table.keys)
 
     def truncate(self, row: int, num_tokens: int) -> None:
         """Shorten `row` to its first `num_tokens` tokens (a speculative step's rejected drafts),
