@@ -210,3 +210,23 @@ def test_speculative_greedy_on_smollm2_is_plain_greedy(smollm2_path):
         runs[spec is not None] = (seq.output_token_ids, steps)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] < runs[False][1], "no draft was kept"
+
+
+def test_a_row_asking_for_logprobs_gets_them_beside_speculating_rows(sharp_gqa24):
+    """A row that asks for logprobs gets no drafts, but its steps may be speculative ones for the
+    rows beside it: it still gets one entry per token, the reference's log-probabilities."""
+    from conftest import run_until_done
+    from test_logprobs import assert_positions, reference
+
+    from nanolab import SamplingParams
+
+    prompts = repetitive_prompts(2, 2)
+    engine = spec_engine(sharp_gqa24, 4)
+    want, other = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                               logprobs=2),
+                                                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
+    run_until_done(engine)
+    assert engine.spec_steps > 0
+    ref = reference(sharp_gqa24, want.prompt_token_ids + want.output_token_ids)
+    n = len(want.prompt_token_ids)
+    assert_positions(want.output_logprobs, ref[n - 1:-1], want.output_token_ids, 2, "output token")

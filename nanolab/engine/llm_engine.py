@@ -460,28 +460,18 @@ class Engine:
                 # The row holds its pending token and the drafts it kept; the rejected ones' slots go.
                 self.block_manager.truncate(seq.row, before[i] + len(tokens) - 1)
                 seq.num_computed_tokens = before[i] + len(tokens) - 1
-            kept.append(tokens)
-            rows.append(row_logits)
-            if not isinstance(tokens, Exception):
                 self.spec_draft_tokens += len(d)
                 self.spec_accepted_tokens += len(tokens) - 1
+            kept.append(tokens)
+            rows.append(row_logits)
         self._commit([s for s, t in zip(seqs, kept) if not isinstance(t, Exception)])
         self.spec_steps += 1
         self.last_step = StepRecord("decode", len(seqs), len(seqs), False, sum(counts), time.perf_counter() - start)
         outputs = []
         for seq, tokens, row_logits in zip(seqs, kept, rows):
-            if isinstance(tokens, Exception):
-                outputs.append(self._fail(seq, f"sampling failed: {type(tokens).__name__}: {tokens}"))
-                continue
-            for j, token in enumerate(tokens):  # up to a stop: what follows it is dropped
-                if seq.finished:
-                    break
-                seq.output_token_ids.append(token)
-                reason = self._finish_reason(seq, token)
-                if reason is not None:
-                    self.scheduler.finish(seq, reason)
-                    self.requests.pop(seq.request_id, None)
-                outputs.append(StepOutput(seq, token, row_logits[j], seq.finished))
+            # A row's tokens in order, token j from row_logits[j]; what follows a stop is dropped.
+            tokens = [tokens] if isinstance(tokens, Exception) else tokens
+            outputs += self._emit([seq] * len(tokens), tokens, row_logits)
         return outputs
 
     def _record_prompt_logprobs(self, out: SchedulerOutput, every: list[bool], logits: torch.Tensor) -> torch.Tensor:
