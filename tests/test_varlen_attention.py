@@ -19,7 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolab.engine.block_manager import cdiv
-from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_reference
+from nanolab.kernels import varlen_attention as varlen_attention_module
+from nanolab.kernels.varlen_attention import (
+    choose_varlen_splits,
+    prompt_attention,
+    varlen_attention,
+    varlen_attention_op,
+    varlen_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 4  # the cache's block_size
@@ -143,6 +150,97 @@ def test_inputs_are_checked():
         varlen_attention(**{**case, "positions": case["positions"][:2]}, max_query_len=max_q)
     with pytest.raises(ValueError, match="power of two"):
         varlen_attention(**case, max_query_len=max_q, block_m=24)
+    with pytest.raises(ValueError, match="splits"):
+        varlen_attention(**case, max_query_len=max_q, splits=0)
+    with pytest.raises(ValueError, match="share_tiles"):
+        varlen_attention(**case, max_query_len=max_q, splits=2, share_tiles=0)
+
+
+# Contexts far apart, at 16-key tiles: a short query after 70 cached keys (5 tiles, several live
+# shares), a chunk over two query tiles, a short row of one tile (every share but the first empty),
+# a decode row of 3 tiles.
+UNEVEN = [(70, 3), (20, 12), (2, 2), (40, 1)]
+
+
+def poison_partials(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Make every split read's partials NaN until written, and keep them: a fold that read a
+    partial no share wrote returns NaN."""
+    partials, made = varlen_attention_module._partials, []
+
+    def poisoned(*shape_and_device):
+        made.append(tuple(t.fill_(float("nan")) for t in partials(*shape_and_device)))
+        return made[-1]
+
+    monkeypatch.setattr(varlen_attention_module, "_partials", poisoned)
+    return made
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_walks_equal_the_reference(splits, monkeypatch):
+    """Each program's key walk cut into `splits` one-tile-minimum shares and folded: the
+    reference's output. Every share writes its partials for every real token, an empty share
+    m = -inf and l = 0: the short row's shares past its one tile are empty."""
+    made = poison_partials(monkeypatch)
+    case, max_q = varlen_case(UNEVEN, 4, 2, 24, seed=4)
+    got = varlen_attention(**case, max_query_len=max_q, splits=splits, share_tiles=1, **TILES)
+    torch.testing.assert_close(got, varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    (_, m, l), = made  # m, l [num_tokens, heads, splits]
+    assert not m.isnan().any() and not l.isnan().any(), "a share left a real token's partials unwritten"
+    short = slice(*case["query_start_loc"][2:4].tolist())  # the (2, 2) segment's tokens: one tile, share 0's
+    assert short.stop - short.start == 2
+    assert (m[short, :, 0] > float("-inf")).all()
+    assert (m[short, :, 1:] == float("-inf")).all() and not l[short, :, 1:].any()
+
+
+def test_split_walks_of_at_least_share_tiles(monkeypatch):
+    """The default share minimum (4 tiles): of 8 shares, the 5-tile row's first two are live (4
+    tiles and 1), every shorter row's first alone."""
+    made = poison_partials(monkeypatch)
+    case, max_q = varlen_case(UNEVEN, 4, 2, 24, seed=5)
+    got = varlen_attention(**case, max_query_len=max_q, splits=8, **TILES)
+    torch.testing.assert_close(got, varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    (_, m, _), = made
+    live = (m > float("-inf")).all(dim=1)  # [num_tokens, splits]: a share that saw a key, for every head
+    assert live.tolist() == [[True, True] + [False] * 6] * 3 + [[True] + [False] * 7] * 15
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, monkeypatch):
+    """A captured step's split read: shares cut inside the kernel from each tile's own keys, the
+    fold's grid one program a token. Padding tokens have no partials (they stay NaN) and read
+    zeros."""
+    made = poison_partials(monkeypatch)
+    case, _ = varlen_case(UNEVEN, 4, 2, 24, seed=6)
+    n = case["q"].shape[0]
+    step = padded(case, extra_tokens=13, extra_segments=5)
+    got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 13, splits=splits, share_tiles=1, **TILES)
+    torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    assert not got[n:].any(), "a padding token was attended"
+    (_, m, _), = made
+    assert not m[:n].isnan().any() and m[n:].isnan().all()
+
+
+def test_the_operator_passes_splits_through(monkeypatch):
+    """The compiled step's operator, at the default 64-key tiles: a 5-tile context read in two
+    shares (4 tiles and 1); its schema and fake agree with it (`opcheck`)."""
+    made = poison_partials(monkeypatch)
+    case, _ = varlen_case([(300, 3), (2, 2)], 4, 2, 24, seed=7)
+    args = [case[k] for k in ("q", "k_pool", "v_pool", "block_table", "table_rows", "query_start_loc",
+                              "context_lens", "positions", "block_size")]
+    torch.testing.assert_close(varlen_attention_op(*args, splits=2), varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    (_, m, _), = made
+    assert (m[:3] > float("-inf")).all(), "the long row's two shares both read keys"
+    torch.library.opcheck(varlen_attention_op, args, {"splits": 2}, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_choose_varlen_splits():
+    # Llama-3.2-1B shapes (8 KV heads, groups of 4, 16-token query tiles): 50 new tokens are 4 tiles
+    # of 8 KV heads, 32 programs; 8 shares bring them past 132 SMs
+    assert choose_varlen_splits(50, 1, 8, 4) == 8
+    assert choose_varlen_splits(50, 1, 8, 4, num_sms=64) == 2
+    assert choose_varlen_splits(50, 1, 8, 4, max_splits=4) == 4
+    assert choose_varlen_splits(512, 1, 8, 4) == 1  # 33 tiles x 8 KV heads fill the SMs unshared
+    assert choose_varlen_splits(4, 4, 8, 4) == 8  # four decode rows: 4 tiles x 8 KV heads, capped
 
 
 SEGMENT = st.tuples(st.integers(0, 24), st.integers(1, 20))  # (history, q_len)
@@ -157,6 +255,15 @@ def test_kernel_equals_reference_on_random_segments(segments, shape, seed):
     ref = varlen_reference(**case)
     assert not ref.isnan().any()
     torch.testing.assert_close(varlen_attention(**case, max_query_len=max_q, **TILES), ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(segments=st.lists(SEGMENT, min_size=1, max_size=4), splits=st.sampled_from([2, 3, 4]),
+       share_tiles=st.integers(1, 2), seed=st.integers(0, 1000))
+def test_split_walks_equal_the_reference_on_random_segments(segments, splits, share_tiles, seed):
+    case, max_q = varlen_case(segments, 6, 2, 16, seed=seed)
+    got = varlen_attention(**case, max_query_len=max_q, splits=splits, share_tiles=share_tiles, **TILES)
+    torch.testing.assert_close(got, varlen_reference(**case), rtol=1e-5, atol=1e-5)
 
 
 def write_slots(case) -> torch.Tensor:

@@ -25,10 +25,16 @@ from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.plan import DecodePlan, VarlenPlan
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.elementwise import rope_write, rope_write_op
-from nanolab.kernels.paged_attention import paged_attention, paged_attention_op
+from nanolab.kernels.paged_attention import paged_attention, paged_attention_op, sm_count
 from nanolab.kernels.reference import attention_mask_bias, reference_read
 from nanolab.kernels.step_inputs import upload_step_inputs
-from nanolab.kernels.varlen_attention import prompt_attention, varlen_attention, varlen_attention_op, varlen_reference
+from nanolab.kernels.varlen_attention import (
+    choose_varlen_splits,
+    prompt_attention,
+    varlen_attention,
+    varlen_attention_op,
+    varlen_reference,
+)
 
 SINK = -1  # the pool slot past the last block
 # Pinned host slots a decode plan's step inputs go up from, in turn (`KVCache._upload`). Asynchronous
@@ -77,6 +83,7 @@ class KVCache:
         self.block_size = blocks.block_size
         self.num_layers = num_layers
         self.device = torch.device(device)
+        self.num_sms = sm_count(self.device)  # what the varlen read's split count aims to fill
         self.dtype = dtype
         if read == "auto":
             read = default_read(self.device)
@@ -163,8 +170,9 @@ class KVCache:
         after a preemption, or a decode row's one token) and plan the flattened forward that writes
         them, [1, sum(token_counts)]. `sampled[i]` (default: every row) says whether row i's last
         token gives logits: a chunk that leaves part of its prompt for a later step is not sampled.
-        `all_logits[i]` (default: none) makes every token of row i give logits, in order (its
-        prompt's logprobs), its last token's among them whether sampled or not; only unpadded.
+        `all_logits[i]` (default: none) makes every token of row i give logits, in order (a
+        prompt's logprobs, or a verify step's drafts), its last token's among them whether sampled
+        or not. A padded plan gives at most `max_rows` rows of logits (its `logits_index` buffer).
 
         `num_tokens` pads the plan to that many tokens (a capture size, at most the size
         `reserve_varlen` made room for) in the cache's fixed buffers, `input_ids` (host ints, one
@@ -176,14 +184,18 @@ class KVCache:
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} name a row twice: a row's tokens are one segment")
         all_logits = [False] * len(rows) if all_logits is None else [bool(x) for x in all_logits]
-        if len(all_logits) != len(rows) or num_tokens is not None and any(all_logits):
-            raise ValueError("all_logits takes one flag a row, and no padded plan takes it")
+        if len(all_logits) != len(rows):
+            raise ValueError(f"all_logits takes one flag a row, got {len(all_logits)} for {len(rows)} rows")
         if num_tokens is not None:
             if not sum(counts) <= num_tokens <= self._varlen_capacity:  # 0 until `reserve_varlen`
                 raise ValueError(f"num_tokens {num_tokens} must hold the step's {sum(counts)} tokens and fit the "
                                  f"{self._varlen_capacity} the varlen buffers were reserved for")
             if input_ids is None or len(input_ids) != sum(counts):
                 raise ValueError(f"a padded plan takes the step's {sum(counts)} input ids")
+            wanted = sum(n if every else due for n, due, every in zip(counts, sampled, all_logits, strict=True))
+            if wanted > self.max_rows:
+                raise ValueError(f"a padded plan gives at most {self.max_rows} rows of logits, this step asks "
+                                 f"{wanted}")
         tables = [self.blocks.table(row) for row in rows]
         starts = [t.num_tokens for t in tables]
         self._grow(tables, rows, counts)
@@ -399,9 +411,16 @@ def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: to
     if torch.compiler.is_compiling():  # one opaque node, with no host value of the plan's to guard on
         return varlen_attention_op(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
                                    plan.query_start_loc, plan.context_lens, positions[0], plan.block_size)[None]
+    kv_heads = kv.k_pools[layer].shape[1]
+    # A short step over a long context cuts each walk into shares. A padded (captured) step's split
+    # count is its size's: the graph holds it for whatever lengths it replays.
+    splits = choose_varlen_splits(plan.num_tokens, 1 if plan.padded else len(plan.query_lens), kv_heads,
+                                  q.shape[2] // kv_heads, kv.num_sms,
+                                  max_context=None if plan.padded else max(plan.planned_lens))
     return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
                             plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
-                            plan.max_query_len, grid_tokens=plan.num_tokens if plan.padded else None)[None]
+                            plan.max_query_len, grid_tokens=plan.num_tokens if plan.padded else None,
+                            splits=splits)[None]
 
 
 def _varlen_reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

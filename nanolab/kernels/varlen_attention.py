@@ -17,6 +17,14 @@ tiles the same way). The walk stops at the tile's last position, so a chunk neve
 cannot see, and a segment shorter than its tile (a decode row) leaves the rest of the tile masked.
 Tiles past a segment's end walk nothing and store nothing.
 
+A step of few query tiles over a long context (a short chunk after a long cached prefix) makes a
+grid too small to fill the GPU, each program walking many key tiles in turn. `splits` > 1 cuts each
+program's walk into that many contiguous shares, each its own program (split-K, flash-decoding, as
+`paged_attention`'s "split" variant does for decode): a share writes its un-normalised partials
+(max, denominator, accumulator), and a second kernel, `_varlen_fold`, folds each token's shares
+into the output. A share's range is cut inside the kernel from the keys its own tile sees, so a
+captured step's flat grid holds for any lengths. `choose_varlen_splits` picks the count for a shape.
+
 A segment that is a whole prompt, with nothing cached before it, reads only its own keys, and that
 is plain causal attention: `prompt_attention` hands each segment's own q, k and v (the forward's,
 not the pool's) to `scaled_dot_product_attention`, which on a GPU runs a flash kernel, faster than
@@ -25,13 +33,23 @@ not the pool's) to `scaled_dot_product_attention`, which on a GPU runs a flash k
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from nanolab.kernels.paged_attention import _attend_tile, _dot_mode, _pow2, _slots
+from nanolab.kernels.paged_attention import (
+    SHARE_TILES,
+    _attend_tile,
+    _dot_mode,
+    _fold_shares,
+    _partials,
+    _pow2,
+    _slots,
+    _tiles_per_share,
+)
 from nanolab.kernels.reference import reference_read
 
 BLOCK_M = 64  # query-tile rows: BLOCK_Q tokens x G heads
@@ -56,15 +74,20 @@ def _segment_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _varlen_group(
-    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_ot, stride_oh,
     scale, head_dim, segments,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr,
+    PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, SPLITS: tl.constexpr = 1,
+    SHARE_TILES: tl.constexpr = 1,
 ):
-    """One program: segment s, query tile qb, KV head kv. Row i of the [BLOCK_Q * G, D] query tile
-    is token qb * BLOCK_Q + i // G of the segment and query head kv * GROUP + i % G. On a FLAT grid
-    axis 0 numbers query tiles across all segments, and a program finds its segment by search."""
+    """One program: segment s, query tile qb, KV head kv, share sp of the walk. Row i of the
+    [BLOCK_Q * G, D] query tile is token qb * BLOCK_Q + i // G of the segment and query head
+    kv * GROUP + i % G. On a FLAT grid axis 0 numbers query tiles across all segments, and a program
+    finds its segment by search. With SPLITS == 1 the program walks every tile its queries can see
+    and writes the output normalised. Otherwise axis 2 is kv * SPLITS + sp: share sp walks its
+    contiguous part of those tiles (`_tiles_per_share`) and writes its un-normalised acc with its
+    m and l for every live row, an empty share m = -inf and l = acc = 0; `_varlen_fold` folds them."""
     if FLAT:
         j = tl.program_id(0)
         s = _segment_of(starts_ptr, j, segments, BLOCK_Q)
@@ -72,7 +95,8 @@ def _varlen_group(
     else:
         s = tl.program_id(0)
         qb = tl.program_id(1)
-    kv = tl.program_id(2)
+    kv = tl.program_id(2) // SPLITS
+    sp = tl.program_id(2) % SPLITS
     start = tl.load(starts_ptr + s)
     q_len = tl.load(starts_ptr + s + 1) - start
     i = tl.arange(0, BLOCK_Q * G)
@@ -91,19 +115,55 @@ def _varlen_group(
     # Keys this tile can see: up to its last position, and never past the row's length. A tile past
     # the segment's end has every pos at -1, so it walks nothing.
     n_keys = tl.minimum(tl.load(lens_ptr + s), tl.max(pos, axis=0) + 1)
+    n_tiles = tl.cdiv(n_keys, BLOCK_N)
+    # This share's tiles, cut from the tile's own n_keys so that the grid need not follow them;
+    # with SPLITS == 1 the one share is every tile.
+    per_share = _tiles_per_share(n_tiles, SPLITS, SHARE_TILES)
+    first = sp * per_share
+    last = tl.minimum(first + per_share, n_tiles)
     m = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * G], tl.float32)
     acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
-    for b in range(tl.cdiv(n_keys, BLOCK_N)):
+    for b in range(first, last):
         w = b * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = w < n_keys
         slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
         seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
         m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
                                  stride_ks, stride_kh, stride_vs, stride_vh, DOT)
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=qmask)
+    if SPLITS == 1:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # partials: acc [num_tokens, query heads, SPLITS, D] fp32, m and l [num_tokens, query heads, SPLITS]
+        part = (t * (GROUP * (tl.num_programs(2) // SPLITS)) + heads) * SPLITS + sp  # [M]
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=qmask)
+        tl.store(m_ptr + part, m, mask=live)
+        tl.store(l_ptr + part, l, mask=live)
+
+
+@triton.jit
+def _varlen_fold(
+    acc_ptr, m_ptr, l_ptr, starts_ptr, out_ptr, stride_ot, stride_oh, heads, head_dim, segments,
+    H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """One program: token t, all its query heads as the rows of an [H, D] tile. The output of each
+    head is its SPLITS shares' acc, each weighted by exp(m - max m), over their weighted l
+    (`_fold_shares`); a head no share saw a key for reads zeros. A token of no segment (a captured
+    step's padding, past the last) has no partials and leaves its output as it is: zeros."""
+    t = tl.program_id(0).to(tl.int64)  # int64: t * heads * SPLITS * D indexes the partials
+    if (t < tl.load(starts_ptr)) | (t >= tl.load(starts_ptr + segments)):
+        return
+    h = tl.arange(0, H)
+    d = tl.arange(0, D)
+    hmask = h < heads
+    qmask = hmask[:, None] & (d < head_dim)[None, :]
+    first_part = (t * heads + h) * SPLITS  # [H]: share 0 of each head
+    every = tl.full([], SPLITS, tl.int32)  # every share wrote its partials, empty or not
+    out = _fold_shares(acc_ptr, m_ptr, l_ptr, first_part, hmask, qmask, d, every, SPLITS, D)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
 
 
 def _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions) -> None:
@@ -137,6 +197,8 @@ def varlen_attention(
     grid_tokens: int | None = None,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    splits: int = 1,
+    share_tiles: int = SHARE_TILES,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -151,9 +213,11 @@ def varlen_attention(
     grid_tokens     host int or None: cut a flat grid for this many tokens instead, whatever the
                     segments hold (a captured step, whose grid cannot follow the step's lengths):
                     grid_tokens // tile + segments programs a KV head, each finding its segment
+    splits          host int >= 1: shares each program's key walk is cut into, each its own program,
+                    folded by `_varlen_fold` (`choose_varlen_splits` picks it); 1 walks it whole
     returns         [num_tokens, heads, head_dim]   in q's dtype
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
-    the keys per tile; both powers of two.
+    the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -161,6 +225,10 @@ def varlen_attention(
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+    if splits < 1:
+        raise ValueError(f"splits must be a positive int, got {splits}")
+    if share_tiles < 1:
+        raise ValueError(f"share_tiles must be positive, got {share_tiles}")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
@@ -176,32 +244,57 @@ def varlen_attention(
     if n == 0 or segments == 0:
         return out
     if grid_tokens is None:
-        grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads)
+        grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads * splits)
     else:  # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
-        grid = (grid_tokens // block_q + segments, 1, kv_heads)
+        grid = (grid_tokens // block_q + segments, 1, kv_heads * splits)
+    D = _pow2(d, 16)
+    # out stands in for the partials when there are none (splits == 1 never touches them)
+    acc, m, l = _partials(n, heads, splits, D, q.device) if splits > 1 else (out, out, out)
     _varlen_group[grid](
-        q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, out,
+        q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, out, acc, m, l,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
-        GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=_pow2(d, 16), PAGE=block_size,
-        DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None)
+        GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
+        DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles)
+    if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds
+        _varlen_fold[(n,)](acc, m, l, query_start_loc, out, out.stride(0), out.stride(1), heads, d, segments,
+                           H=_pow2(heads), D=D, SPLITS=splits)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: int, num_sms: int = 132,
+                         max_splits: int = 8, max_context: int | None = None) -> int:
+    """Shares per program for a varlen step: the smallest power of two, at most `max_splits`, that
+    brings the grid (query tiles x kv_heads x shares, the query tiles counted as the flat grid counts
+    them) to at least `num_sms` programs; 1 when the grid fills the SMs unshared, or when
+    `max_context` (the longest row, where the host knows it) fits one share's `SHARE_TILES` tiles.
+    The shares pay off only where each walk is long: a short context's extra shares walk nothing."""
+    if max_context is not None and max_context <= SHARE_TILES * BLOCK_N:
+        return 1
+    block_q = max(1, BLOCK_M // _pow2(group))
+    programs = (num_tokens // block_q + segments) * kv_heads
+    splits = 1
+    while splits < max_splits and programs * splits < num_sms:
+        splits *= 2
+    return splits
 
 
 @torch.library.custom_op("nanolab::varlen_attention", mutates_args=())
 def varlen_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                         table_rows: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                        positions: torch.Tensor, block_size: int) -> torch.Tensor:
+                        positions: torch.Tensor, block_size: int, splits: int = 1) -> torch.Tensor:
     """`varlen_attention` as one opaque operator, for a compiled varlen step: its grid's query axis
     is cut for the step's whole token count (q's first dimension, symbolic in the graph) instead of
     the longest segment, a host value a compiled step would have to guard on, so one graph serves
-    every mix of segments. The extra tiles lie past their segment's end and walk nothing."""
+    every mix of segments. The extra tiles lie past their segment's end and walk nothing. `splits`
+    is `varlen_attention`'s."""
     return varlen_attention(q, k_pool, v_pool, block_table, table_rows, block_size, query_start_loc, context_lens,
-                            positions, max(q.shape[0], 1))
+                            positions, max(q.shape[0], 1), splits=splits)
 
 
 @varlen_attention_op.register_fake
-def _(q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, block_size):
+def _(q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, block_size, splits=1):
     return torch.empty_like(q)
 
 
