@@ -122,20 +122,28 @@ def repetitive_prompts(seed: int, n: int = 3) -> list[list[int]]:
     return [[g.randrange(3, 320) for _ in range(g.randrange(3, 7))] * g.randrange(2, 5) for _ in range(n)]
 
 
-def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24):
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, graphed):
     """Three repetitive prompts together, greedy, 24 tokens: with drafts of up to 4 the same
     tokens as without, every emitted token's logits within 1e-4 of a one-shot forward (a rejected
-    draft's slot left in a row would show), in fewer steps, with every block back."""
+    draft's slot left in a row would show), in fewer steps, with every block back. `graphed`: the
+    varlen steps, verify steps among them, take the padded path a varlen graph replays (its CPU
+    stand-in), logits at every fed token through the graph's fixed `logits_index`."""
     from conftest import assert_logits_match_reference, logit_recorder, run_until_done
     from test_cache_properties import check_drained
+    from test_varlen_graphs import CapturedOnCPU
 
     from nanolab import SamplingParams
+    from nanolab.engine.graphs import capture_sizes
 
     prompts = repetitive_prompts(0)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
     for k in (None, 4):
         engine = spec_engine(sharp_gqa24, k)
+        if graphed:
+            engine.runner.varlen_graphs = stand_in = CapturedOnCPU(sharp_gqa24.model, engine.kv_cache,
+                                                                   capture_sizes(64))
         logits, keep = logit_recorder()
         seqs = engine.add_requests(prompts, [params] * len(prompts))
         steps = run_until_done(engine, on_step=keep)
@@ -144,6 +152,8 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24):
         check_drained(engine.kv_cache, engine.scheduler)
     assert runs[4][0] == runs[None][0]
     assert runs[4][1] < runs[None][1], "no draft was kept"
+    if graphed:  # the verify steps (more tokens than rows) replayed graphs
+        assert engine.spec_steps and len(stand_in.replayed) >= engine.spec_steps
     assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
 
 

@@ -174,18 +174,23 @@ class ModelRunner:
         num_computed_tokens[i] .. + num_scheduled_tokens[i] - 1 (a prompt, a chunk of one, or a
         decode row's pending token) -> logits [rows of logits, vocab] fp32, in order: at the last
         token of each sampled sequence, and at every token of a sequence with `all_logits[i]` (its
-        prompt's logprobs). With varlen graphs, a step that fits a capture size and wants no
-        prompt's logits is padded to it and replays that graph; otherwise the model runs eagerly."""
+        prompt's logprobs, or a verify step's drafts). With varlen graphs, a step that fits a capture
+        size and gives at most `max_rows` rows of logits (a graph's head runs on that many) is padded
+        to it and replays that graph; otherwise the model runs eagerly."""
         ids = list(itertools.chain.from_iterable(
             s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
         rows = [s.row for s in seqs]
-        every = all_logits is not None and any(all_logits)
-        size = None if self.varlen_graphs is None or every else self.varlen_graphs.lookup(len(ids))
+        every = [False] * len(seqs) if all_logits is None else list(all_logits)
+        wanted = sum(n if e else due for n, due, e in zip(num_scheduled_tokens, sampled, every, strict=True))
+        size = None
+        if self.varlen_graphs is not None and wanted <= self.kv_cache.max_rows:
+            size = self.varlen_graphs.lookup(len(ids))
         if size is not None:
-            plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, input_ids=ids, num_tokens=size)
-            self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled)
+            plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, input_ids=ids, num_tokens=size,
+                                             all_logits=every)
+            self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled, all_logits)
             self.last_varlen = (size, True)
-            return self.varlen_graphs.replay(plan, sum(sampled))
+            return self.varlen_graphs.replay(plan, wanted)
         plan = self.kv_cache.plan_varlen(rows, num_scheduled_tokens, sampled, all_logits=all_logits)
         self.planned("varlen", seqs, ids, num_scheduled_tokens, sampled, all_logits)
         self.last_varlen = (len(ids), False)
