@@ -1,7 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
 `capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`,
-`prefixbench`, `specbench`.
+`prefixbench`, `specbench`, `fp8bench`.
 
 Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -41,6 +41,8 @@ LAZY_COMMANDS = {
                 "decode ms/step at tensor-parallel sizes 1 and 2, with the NCCL time per step (CUDA)"),
     "specbench": ("nanolab.lab.specbench", "lab",
                   "speculative decoding on real text: acceptance and ms a token at batch 1, on and off (Day 65)"),
+    "fp8bench": ("nanolab.lab.fp8bench", "lab",
+                 "fp8 weights against bf16: ms a decode step against each floor, and perplexity (Day 65)"),
     "prefixbench": ("nanolab.lab.prefixbench", "lab",
                     "prefix caching on and off: TTFT at a shared prefix and a chat's second turn, the cost "
                     "with no hits, the hit rate (Day 64)"),

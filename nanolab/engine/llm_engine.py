@@ -444,18 +444,20 @@ class Engine:
             for i, d in drafts.items():
                 del seqs[i].output_token_ids[-len(d):]
         kept, rows, at = [], [], 0
+        # Every row's argmax in one read-back: a greedy row needs nothing more of its logits.
+        best = logits.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
         for i, seq in enumerate(seqs):
             row_logits = logits[at: at + counts[i]]  # [1 + drafts, vocab]: position j scores token j
-            at += counts[i]
             d = drafts.get(i, [])
             try:
                 if seq.params.greedy:
-                    tokens = greedy_accept(row_logits.argmax(-1).tolist(), d)
+                    tokens = greedy_accept(best[at: at + counts[i]], d)
                 else:
                     probs = torch.stack([sampling_probs(r, seq.params) for r in row_logits])
                     tokens = rejection_sample(probs, d, None, seq.generator)
             except Exception as e:  # this row alone ends with it
                 tokens = e
+            at += counts[i]
             if not isinstance(tokens, Exception):
                 # The row holds its pending token and the drafts it kept; the rejected ones' slots go.
                 self.block_manager.truncate(seq.row, before[i] + len(tokens) - 1)

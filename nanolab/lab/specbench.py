@@ -2,19 +2,35 @@
 lookup on and off (Day 65).
 
 Each prompt of a set (`tests/data/spec/<set>.jsonl`, chat messages: a summarization-like set and
-a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and on, so a
+a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and on, after one
+untimed prompt of each set (kernels compile for a shape's first step), so a
 token's time is the request's alone. A row per prompt and arm: tokens, wall time, steps, and the
 engine's speculative counts (verify steps, drafts proposed, drafts kept); the summary per set and
 arm: ms a token, the acceptance rate (drafts kept over drafts proposed), tokens a verify step
 gives, the speedup over off, and whether every output equals off's.
 
+Two more parts:
+
+- `batches` (`<prefix>_spec_batches_<device>`): output tokens a second against batch size, off and
+  on, the on arm never switching off (its `max_num_seqs` is the largest batch), so the table shows
+  where verifying starts to cost more than it saves: the switch-off point.
+- `verify` (`<prefix>_spec_verify_<device>`): what a verify step costs against a decode step at the
+  runner, whatever the weights (random ones accept nothing worth reporting): a batch of rows at
+  `--prompt-len` tokens, each step planned, run (a graph replayed where one fits) and its argmax read
+  back, the decode step one token a row, the verify step k + 1 (the pending token and k drafts),
+  logits at every one; each row is shortened back after the step, so every step sees the same
+  history. The two alternate; medians.
+
     python -m nanolab specbench --device cpu --model smollm2-135m
+    python -m nanolab specbench --model llama-3.2-1b --parts verify
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,9 +40,14 @@ import pandas as pd
 from nanolab import LLM, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
+from nanolab.lab.timing import prefill, random_prompts, sync
 from nanolab.model.weights import resolve_weights, weights_kind
 
 PROMPT_SETS = ("summarize", "code_edit")
+PARTS = ("latency", "batches", "verify")
+BATCHES = (1, 2, 4, 8, 16, 32)
+VERIFY_BATCHES = (1, 8)
+VERIFY_COST_TARGET = 1.2  # a verify step at k = 4 over a decode step, at most
 SETS_DIR = REPO_ROOT / "tests" / "data" / "spec"
 
 
@@ -58,13 +79,15 @@ def run_prompt(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
 
 
 def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k: int = 4, max_tokens: int = 64,
-                  directory: Path = SETS_DIR, log: Callable[[str], None] = print) -> pd.DataFrame:
+                  directory: Path = SETS_DIR, log: Callable[[str], None] = print, dtype: str = "auto") -> pd.DataFrame:
     """A row per prompt of each set and arm ("off", f"ngram k={k}"), each arm one `LLM`."""
     prompts = {name: load_prompt_set(name, directory) for name in sets}
     arms = {"off": None, f"ngram k={k}": {"num_speculative_tokens": k}}
     rows = []
     for arm, spec in arms.items():
-        llm = LLM(model, device=device, speculative_config=spec, enable_prefix_caching=False)
+        llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, enable_prefix_caching=False)
+        for conversations in prompts.values():  # untimed: first uses (kernels compiled for new shapes)
+            run_prompt(llm, conversations[0], max_tokens)
         for name, conversations in prompts.items():
             for i, messages in enumerate(conversations):
                 rows.append({"set": name, "arm": arm, "prompt": i, **run_prompt(llm, messages, max_tokens)})
@@ -93,23 +116,165 @@ def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def run_batches(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, batches: Sequence[int] = BATCHES,
+                k: int = 4, max_tokens: int = 64, directory: Path = SETS_DIR,
+                log: Callable[[str], None] = print, dtype: str = "auto") -> pd.DataFrame:
+    """A row per arm and batch: the sets' prompts, cycled to `batch` of them, generated together,
+    greedy; output tokens a second over the whole call. The on arm speculates at every batch."""
+    conversations = [m for name in sets for m in load_prompt_set(name, directory)]
+    arms = {"off": None, f"ngram k={k}": {"num_speculative_tokens": k, "max_num_seqs": max(batches)}}
+    rows = []
+    for arm, spec in arms.items():
+        llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, enable_prefix_caching=False,
+                  max_num_seqs=max(64, *batches))
+        engine = llm.engine
+        prompts = [llm.tokenizer.encode_chat(m) for m in conversations]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        for batch in batches:
+            chosen = list(itertools.islice(itertools.cycle(prompts), batch))
+            llm.generate([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)  # untimed: first uses
+            before = (engine.spec_steps, engine.spec_draft_tokens, engine.spec_accepted_tokens)
+            sync(llm.device)
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in chosen], params, use_tqdm=False)
+            sync(llm.device)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.token_ids) for o in outs)
+            spec = [after - b for after, b in zip((engine.spec_steps, engine.spec_draft_tokens,
+                                                   engine.spec_accepted_tokens), before)]
+            rows.append({"arm": arm, "batch": batch, "output_tokens": tokens, "seconds": seconds,
+                         "tokens_per_s": tokens / seconds, "verify_steps": spec[0], "draft_tokens": spec[1],
+                         "accepted_tokens": spec[2]})
+            log(f"{arm}, batch {batch}: {tokens / seconds:.0f} tokens/s")
+        llm.close()
+    table = pd.DataFrame(rows)
+    off = table[table.arm == "off"].set_index("batch").tokens_per_s
+    table["speedup_over_off"] = [t / off[b] for b, t in zip(table.batch, table.tokens_per_s, strict=True)]
+    return table
+
+
+def switch_off_batch(table: pd.DataFrame) -> int | None:
+    """The smallest batch at which speculation is no faster than off (None: faster at every one)."""
+    on = table[table.arm != "off"].sort_values("batch")
+    return next((int(r.batch) for r in on.itertuples() if r.speedup_over_off <= 1.0), None)
+
+
+def _step_times(llm: LLM, seqs: list, k: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds of decode and verify steps over `seqs` (each holding its pending token), alternated,
+    each row shortened back after every step; two untimed rounds first."""
+    runner, blocks = llm.engine.runner, llm.engine.block_manager
+    held = [s.num_tokens - 1 for s in seqs]  # in the cache: all but each row's pending token
+    batch = len(seqs)
+
+    def decode() -> None:
+        runner.decode(seqs).argmax(-1).tolist()
+
+    def verify() -> None:
+        for s in seqs:  # k drafts: the pending token again, which is as good as any to time
+            s.output_token_ids.extend([s.output_token_ids[-1]] * k)
+        try:
+            logits = runner.run_varlen(seqs, [k + 1] * batch, held, [True] * batch, all_logits=[True] * batch)
+            logits.argmax(-1).tolist()
+        finally:
+            for s in seqs:
+                del s.output_token_ids[-k:]
+
+    times = {"decode": [], "verify": []}
+    for i in range(repeats + 2):
+        for name, step in (("decode", decode), ("verify", verify)):
+            sync(llm.device)
+            start = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - start
+            for s, n in zip(seqs, held, strict=True):
+                blocks.truncate(s.row, n)
+            if i >= 2:
+                times[name].append(elapsed)
+    return times
+
+
+def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BATCHES, k: int = 4,
+                    prompt_len: int = 128, repeats: int = 30, log: Callable[[str], None] = print) -> pd.DataFrame:
+    """A row per batch: the median ms of a decode step and of a verify step of k drafts a row, at
+    the runner (see the module's docstring), and their ratio."""
+    llm = LLM(model, device=device, enable_prefix_caching=False, async_scheduling=False,
+              max_num_seqs=max(64, *batches))
+    engine, runner = llm.engine, llm.engine.runner
+    rows = []
+    for batch in batches:
+        seqs = prefill(engine, random_prompts(batch, prompt_len, llm.config.vocab_size), new_tokens=1 << 20)
+        times = _step_times(llm, seqs, k, repeats)
+        decode_ms, verify_ms = (1e3 * statistics.median(times[n]) for n in ("decode", "verify"))
+        rows.append({"batch": batch, "k": k, "prompt_len": prompt_len, "repeats": repeats, "decode_ms": decode_ms,
+                     "verify_ms": verify_ms, "verify_over_decode": verify_ms / decode_ms,
+                     "decode_graphed": runner.last_decode[1], "verify_graphed": runner.last_varlen[1],
+                     "verify_tokens": batch * (k + 1)})
+        log(f"batch {batch}: decode {decode_ms:.3f} ms, verify of k={k} {verify_ms:.3f} ms "
+            f"({verify_ms / decode_ms:.2f}x, target {VERIFY_COST_TARGET}x)")
+        for s in seqs:
+            engine.abort_request(s.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    llm.close()
+    return pd.DataFrame(rows)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="a preset name or a model folder")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated prompt sets of tests/data/spec")
     parser.add_argument("--k", type=int, default=4, help="the most drafts a row (num_speculative_tokens)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", help="the weights' dtype for latency and batches")
+    parser.add_argument("--parts", default="latency", help=f"comma-separated, from {', '.join(PARTS)}")
+    parser.add_argument("--batches", default=None,
+                        help=f"batch sizes: for batches (default {','.join(map(str, BATCHES))}) and verify "
+                             f"(default {','.join(map(str, VERIFY_BATCHES))})")
     parser.add_argument("--prefix", default="day65", help="tables go to data/<prefix>_spec_<device>.csv, ...")
 
 
+def _parse_batches(text: str | None, default: Sequence[int]) -> list[int]:
+    if text is None:
+        return list(default)
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches {text!r}: comma-separated positive batch sizes")
+    return batches
+
+
 def main(args: argparse.Namespace) -> int:
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or any(p not in PARTS for p in parts):
+        raise ValueError(f"--parts {args.parts!r}: choose from {', '.join(PARTS)}")
+    if args.k < 1 or args.max_tokens < 1:
+        raise ValueError("--k and --max-tokens must be positive")
     device = resolve_device(args.device)
-    table = run_specbench(args.model, str(device), args.sets.split(","), args.k, args.max_tokens)
-    summary = spec_summary(table)
-    label = run_label(device, args.model, resolve_dtype("auto", device),
+    label = run_label(device, args.model, resolve_dtype(args.dtype, device),
                       weights=weights_kind(resolve_weights(args.model)))
-    print(summary.round(3).to_string(index=False))
-    for stem, df in ((f"{args.prefix}_spec", table.assign(token_ids=table.token_ids.map(json.dumps))),
-                     (f"{args.prefix}_spec_summary", summary)):
-        print(f"{stem}: {save_table(df, stem, label)}")
-    return 0 if summary.outputs_equal_off.all() else 1
+    sets = args.sets.split(",")
+    status = 0
+    for part in parts:
+        if part == "latency":
+            table = run_specbench(args.model, str(device), sets, args.k, args.max_tokens, dtype=args.dtype)
+            summary = spec_summary(table)
+            print(summary.round(3).to_string(index=False))
+            for stem, df in ((f"{args.prefix}_spec", table.assign(token_ids=table.token_ids.map(json.dumps))),
+                             (f"{args.prefix}_spec_summary", summary)):
+                print(f"{stem}: {save_table(df, stem, label)}")
+            status |= 0 if summary.outputs_equal_off.all() else 1
+        elif part == "batches":
+            table = run_batches(args.model, str(device), sets, _parse_batches(args.batches, BATCHES), args.k,
+                                args.max_tokens, dtype=args.dtype)
+            print(table.round(3).to_string(index=False))
+            where = switch_off_batch(table)
+            print("speculation is faster at every batch measured" if where is None
+                  else f"speculation is no faster from batch {where}")
+            print(f"{args.prefix}_spec_batches: {save_table(table, f'{args.prefix}_spec_batches', label)}")
+        else:
+            table = run_verify_cost(args.model, str(device), _parse_batches(args.batches, VERIFY_BATCHES), args.k)
+            print(table.round(3).to_string(index=False))
+            print(f"{args.prefix}_spec_verify: {save_table(table, f'{args.prefix}_spec_verify', label)}")
+    return status
