@@ -293,9 +293,34 @@ for sample in out.outputs:
 assert len({tuple(s.token_ids) for s in out.outputs}) > 1, "the samples are the same"
 
 # %% [markdown]
+# ## A second run, with the split read
+#
+# The warm step above runs 32 programs for the H200's 132 SMs, each walking the whole context.
+# Since then the varlen read can cut each walk into shares and fold them (`splits`, chosen so the
+# grid fills the SMs). prefixbench ran again on that code, and its tables are kept beside the
+# first run's as `day64split_*`. This time the TTFT split's columns are filled.
+
+# %%
+split = lab.measured_table("day64split_ttft", "scripts/gpu_run.sh prefix (then renamed day64split_*)")
+lab.show(split[["part", "phase", "arm", "ttft_p50_ms", "front_ms", "core_wait_ms", "step_host_ms",
+                "server_prefill_ms", "between_steps_ms", "back_ms"]].round(2))
+lab.show(lab.load_table("day64split_ratios", "h200")[["ratio", "value", "aim", "met"]].round(3))
+
+# %% [markdown]
+# The second turn over 4,096 tokens went from 13.2 to 9.5 ms, 4.1x faster than without caching.
+# The warm hit at 2,048 tokens did not move: 7.8 ms, 2.5x. Its one 50-token step still takes
+# 3.8 ms, about what the 64-token step at 4,096 tokens takes. So that step's time no longer grows
+# with the context, and it is not the attention walk that holds it. The split also shows where the
+# rest goes. Front (HTTP, checks, the pipe to the core) costs 2.6 ms and back 0.7 ms, with less
+# than 1 ms of host work in the step call.
+#
+# The no-hit pass in this run spread from 0.82 to 1.16 between repeats, with a median of 0.968.
+# A spread that wide cannot resolve a 1% cost. The first run's repeats sat between 0.988 and
+# 0.996, and the gate below rests on that run.
+#
 # ## The gates
 #
-# Asserted on the H200 tables. The TTFT aims are shown with their ratio to target. They are not
+# Asserted on the H200 tables of the first run. The TTFT aims are shown with their ratio to target. They are not
 # met, and the chapter does not pretend they are.
 
 # %%

@@ -125,3 +125,16 @@ def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path):
     assert torch.allclose(direct.float(), readback.float(), rtol=2e-2, atol=2e-2)
     want = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_a_quantized_models_bytes_are_its_e4m3_weights_and_scales():
+    """fp8bench's floor: a quantized Linear counts one byte a weight and four a scale, a tied
+    weight once."""
+    from nanolab.lab.fp8bench import agreed_prefix, stored_weight_bytes
+
+    model = torch.nn.Sequential(Linear(32, 16), Linear(16, 8))
+    model[0].weight.data, model[1].weight.data = torch.randn(16, 32), torch.randn(8, 16)
+    assert stored_weight_bytes(model) == (16 * 32 + 8 * 16) * 4
+    model[0].quantize_fp8_()
+    assert stored_weight_bytes(model) == 16 * 32 + 16 * 4 + 8 * 16 * 4
+    assert agreed_prefix([1, 2, 3], [1, 2, 4]) == 2 and agreed_prefix([1, 2], [1, 2, 3]) == 2

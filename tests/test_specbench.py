@@ -32,3 +32,15 @@ def test_the_summary_is_worked_by_hand():
     assert on.tokens_per_verify_step == pytest.approx((8 + 6) / 6)
     assert on.speedup_over_off == pytest.approx(100 / 37.5)
     assert not on.outputs_equal_off  # prompt 1's last token differs
+
+
+def test_the_switch_off_batch_is_where_speculation_stops_paying():
+    from nanolab.lab.specbench import switch_off_batch
+
+    table = pd.DataFrame({"arm": ["off"] * 3 + ["ngram k=4"] * 3, "batch": [1, 4, 16] * 2,
+                          "speedup_over_off": [1.0, 1.0, 1.0, 1.6, 1.0, 0.7]})
+    assert switch_off_batch(table) == 4  # no faster is not faster
+    table.loc[4, "speedup_over_off"] = 1.01
+    assert switch_off_batch(table) == 16
+    table.loc[5, "speedup_over_off"] = 1.2
+    assert switch_off_batch(table) is None

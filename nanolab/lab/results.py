@@ -29,6 +29,7 @@ CHAPTERS = {
     "62_two_gpus": "Day 62: two GPUs",
     "63_serving_tail": "Day 63: the serving tail",
     "64_prefix_caching": "Day 64: prefix caching",
+    "65_below_the_floor": "Day 65: fp8 weights and speculative decoding",
 }
 
 
@@ -155,6 +156,10 @@ HEADLINES = (
                  f"{_ms(_at(t, part=part, phase=phase, arm='on').ttft_p50_ms)} "
                  f"({_ms(_at(t, part=part, phase=phase, arm='off').ttft_p50_ms)})"
                  for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")))),
+    Headline("65_below_the_floor", "day65_fp8_steps",
+             "the batch-1 decode step with fp8 weights (bf16), and fp8 over its floor",
+             lambda t: (lambda f, b: f"{_ms(f.ms_per_step)} ({_ms(b.ms_per_step)}), {f.x_floor:.2f}x the floor")(
+                 _at(t, arm="fp8", batch=1), _at(t, arm="bf16", batch=1))),
 )
 
 

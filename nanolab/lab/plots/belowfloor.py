@@ -1,0 +1,68 @@
+"""Day 65's figures: a decode step's bytes and time in bf16 and fp8 against their floors, and
+output tokens a second against batch size with speculation on and off. Each function takes a
+bench's table and returns a Figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+ARM_COLOURS = {"bf16": "C7", "fp8": "C0"}
+
+
+def plot_fp8_steps(steps: pd.DataFrame) -> Figure:
+    """`<prefix>_fp8_steps` (arm, batch, weight_bytes, kv_bytes, floor_ms, ms_per_step): the bytes a
+    step must read per arm and batch (left, weights and K/V stacked), and the measured ms a step
+    beside its floor (right, the floor as a hatched bar behind the measured one)."""
+    fig = Figure(figsize=(11, 4))
+    nbytes, ms = fig.subplots(1, 2)
+    batches = sorted(steps.batch.unique())
+    arms = [a for a in ARM_COLOURS if a in set(steps.arm)]
+    width = 0.8 / len(arms)
+    for j, arm in enumerate(arms):
+        rows = steps[steps.arm == arm].set_index("batch").reindex(batches)
+        x = np.arange(len(batches)) + (j - (len(arms) - 1) / 2) * width
+        colour = ARM_COLOURS[arm]
+        weights, kv = rows.weight_bytes.to_numpy(float) / 1e9, rows.kv_bytes.to_numpy(float) / 1e9
+        nbytes.bar(x, weights, width, color=colour, label=f"{arm} weights")
+        nbytes.bar(x, kv, width, bottom=weights, color=colour, alpha=0.45, label=f"{arm} K/V")
+        ms.bar(x, rows.floor_ms, width, color="none", edgecolor=colour, hatch="//", label=f"{arm} floor")
+        ms.bar(x, rows.ms_per_step, width * 0.6, color=colour, label=f"{arm} measured")
+        for xi, m, f in zip(x, rows.ms_per_step, rows.floor_ms, strict=True):
+            ms.annotate(f"{m / f:.1f}x", (xi, m), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+    for ax in (nbytes, ms):
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    nbytes.set_ylabel("GB a decode step must read")
+    ms.set_ylabel("ms a decode step (x its floor above)")
+    nbytes.set_title("what a step reads", fontsize=9)
+    ms.set_title("what a step takes, against its floor", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_spec_batches(batches: pd.DataFrame) -> Figure:
+    """`<prefix>_spec_batches` (arm, batch, tokens_per_s, speedup_over_off): output tokens a second
+    against batch size per arm (left, log-log), and speculation's speedup over off (right, the line
+    at 1 where it stops paying)."""
+    fig = Figure(figsize=(11, 4))
+    tput, gain = fig.subplots(1, 2)
+    for i, (arm, rows) in enumerate(batches.groupby("arm", sort=False)):
+        rows = rows.sort_values("batch")
+        tput.plot(rows.batch, rows.tokens_per_s, "o-", color=f"C{7 if arm == 'off' else i}", label=arm)
+        if arm != "off":
+            gain.plot(rows.batch, rows.speedup_over_off, "o-", color=f"C{i}", label=arm)
+    gain.axhline(1.0, color="k", lw=1, ls="--")
+    tput.set_xscale("log", base=2)
+    tput.set_yscale("log")
+    gain.set_xscale("log", base=2)
+    tput.set_ylabel("output tokens / s")
+    gain.set_ylabel("speculation's tokens / s over off")
+    for ax in (tput, gain):
+        ax.set_xlabel("requests at once (batch)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
