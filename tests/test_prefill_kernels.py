@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.elementwise import rope_, rope_write, silu_mul
+from nanolab.kernels.elementwise import rope_, rope_write, silu_mul, silu_mul_op
 from nanolab.model.layers import rope_cos_sin
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -41,6 +41,9 @@ def test_silu_mul_is_swiglu():
     x = torch.randn(3, 5, 2 * 1100, device=DEVICE)  # 1,100 columns: two tiles, the second ragged
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    # the operator a compiled batch-1 step calls: the same values, and a fake that gives its shape
+    torch.testing.assert_close(silu_mul_op(x[:1, :1]), F.silu(gate[:1, :1]) * up[:1, :1], atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(silu_mul_op, (x[:1, :1],), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 24), (6, 1, 64), (3, 3, 16)])

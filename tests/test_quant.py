@@ -106,16 +106,18 @@ def test_the_fp8_gemv_is_the_matmul_of_the_weight_read_back(m, n, k, split):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled fp8 GEMV needs a CUDA device")
-def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path):
-    """On CUDA with graphs and the compiled decode step, the tiny model with fp8 layers: the fp8
-    GEMV's decode steps give the greedy tokens of the same fp8 model run with every layer's weight
-    read back (eager, F.linear)."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path, batch):
+    """On CUDA with graphs and the compiled decode step, the tiny model with fp8 layers: the
+    compiled steps at batch 1 (SwiGLU's activation written by its own kernel) and 2 (the fp8 GEMV
+    at every projection) give the greedy tokens, and their log-probabilities, of the same fp8 model
+    run with every layer's weight read back (eager, F.linear)."""
     from nanolab.kernels import gemv as gemv_module
 
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = ["The capital of France is", "def fibonacci(n):"][:batch]
     fast = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8")
-    got = [o.token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+    got = fast.generate(prompts, params, use_tqdm=False)
     reference = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8", enforce_eager=True,
                     compile=False)
     layer = reference.model.layers[0].self_attn.o_proj
@@ -123,10 +125,12 @@ def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path):
     direct = gemv_module.fp8_linear(x, layer.qweight, layer.scale)
     readback = F.linear(x, dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16))
     assert torch.allclose(direct.float(), readback.float(), rtol=2e-2, atol=2e-2)
-    want = [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-
-
+    want = reference.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want, strict=True):  # each token's log-probability: (chosen, top-k) a position
+        fast_lp = torch.tensor([lp for lp, _ in g.outputs[0].logprobs])
+        want_lp = torch.tensor([lp for lp, _ in w.outputs[0].logprobs])
+        torch.testing.assert_close(fast_lp, want_lp, atol=5e-2, rtol=0)
 def test_a_quantized_models_bytes_are_its_e4m3_weights_and_scales():
     """fp8bench's floor: a quantized Linear counts one byte a weight and four a scale, a tied
     weight once."""

@@ -1,6 +1,6 @@
 """FP8 weights against bf16: the decode step's time and bytes, and the quality they cost (Day 65).
 
-Two parts, each its own table:
+Four parts, each its own table:
 
 - `steps` (`day65_fp8_steps_<device>`): ms a decode step of whole `generate` calls
   (`lab.timing.time_generate`, as floorbench times them) with the weights in bf16 and with
@@ -13,9 +13,15 @@ Two parts, each its own table:
   with the LM head quantized as well (a lab variant of the loaded model: the engine keeps its head
   in bf16); and how many of the first 32 greedy tokens of each prompt of the speculation prompt sets
   agree with bf16's.
+- `tiles` (`day65_fp8_tiles_<device>`, CUDA): each layer projection with an e4m3 weight, chained
+  in a graph as a step runs it, through every GEMV tile and inductor's compiled reduction
+  (`lab.gemvbench.fp8_chain_table`), beside bf16's.
+- `profile` (`day65_fp8_profile_<device>`, CUDA): the GPU kernels of whole `generate` calls' decode
+  steps in bf16 and fp8, by kernel and class (`lab.stepparts.kernel_class`), per step.
 
     python -m nanolab fp8bench --model llama-3.2-1b --parts steps
     python -m nanolab fp8bench --model smollm2-135m --parts quality
+    python -m nanolab fp8bench --model llama-3.2-1b --parts tiles,profile
 """
 
 from __future__ import annotations
@@ -28,14 +34,17 @@ import pandas as pd
 import torch
 
 from nanolab import LLM, SamplingParams
+from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.costs import kv_read_bytes
 from nanolab.lab.floorbench import nanolab_generate, nanolab_label
+from nanolab.lab.gemvbench import fp8_chain_table
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
+from nanolab.lab.stepparts import kernel_class
 from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
 
-PARTS = ("steps", "quality")
+PARTS = ("steps", "quality", "tiles", "profile")
 BATCHES = (1, 8)
 PROMPT_LEN = 128
 STEPS = 256
@@ -97,6 +106,31 @@ def run_steps(model: str, device: str | None, batches: Sequence[int] = BATCHES, 
     bf16 = table[table.arm == "bf16"].set_index("batch").ms_per_step
     table["speedup_over_bf16"] = [bf16[b] / ms for b, ms in zip(table.batch, table.ms_per_step, strict=True)]
     return table
+
+
+def run_profile(model: str, batches: Sequence[int] = BATCHES, prompt_len: int = PROMPT_LEN, steps: int = 64,
+                log: Callable[[str], None] = print) -> pd.DataFrame:
+    """A row per arm, batch and kernel: its GPU us a decode step over `steps` steps of a whole
+    `generate` call (prefill included, a few us a step at these lengths), and its class."""
+    engine_args = dict(device="cuda", max_num_seqs=max(64, *batches), enable_chunked_prefill=False,
+                       enable_prefix_caching=False)
+    tables = []
+    for name, quantization in (("bf16", None), ("fp8", "fp8")):
+        llm = LLM(model, quantization=quantization, **engine_args)
+        for batch in batches:
+            run = nanolab_generate(llm, random_prompts(batch, prompt_len, llm.config.vocab_size))
+            run(steps)  # warm
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run(steps)
+                torch.cuda.synchronize()
+            t = kernel_table(prof, steps, name).assign(batch=batch)
+            t["class"] = t.kernel.map(kernel_class)
+            tables.append(t)
+            log(f"{name} batch {batch}: {t.us_per_step.sum():.1f} us of kernels a step; "
+                + ", ".join(f"{c} {us:.1f}" for c, us in t.groupby("class").us_per_step.sum().items()))
+        llm.close()
+    return pd.concat(tables, ignore_index=True)
 
 
 def step_lines(table: pd.DataFrame) -> list[str]:
@@ -189,7 +223,19 @@ def main(args: argparse.Namespace) -> int:
     if "quality" in parts and kind != "real":
         raise ValueError(f"--parts quality needs real weights; {args.model} has {kind} weights")
     for part in parts:
-        if part == "steps":
+        if part in ("tiles", "profile") and device.type != "cuda":
+            raise ValueError(f"--parts {part} runs on CUDA only")
+        if part == "tiles":
+            from nanolab.model.config import ModelConfig
+            table = fp8_chain_table(ModelConfig.from_dir(resolve_weights(args.model)))
+            dtype = torch.bfloat16
+            best = table.dropna(subset=["us"]).sort_values("us").groupby(["projection", "rows"]).head(3)
+            print(pd.concat([table[~table.arm.str.startswith("fp8 gemv") | table.arm.str.contains("step_config")],
+                             best]).to_string(index=False))
+        elif part == "profile":
+            table = run_profile(args.model, batches)
+            dtype = torch.bfloat16
+        elif part == "steps":
             table = run_steps(args.model, str(device), batches, steps=args.steps, repeats=args.repeats)
             dtype = resolve_dtype("auto", device)
             print("\n".join(step_lines(table)))
@@ -197,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
             dtype = torch.bfloat16
             table = run_quality(args.model, str(device))
         label = run_label(device, args.model, dtype, weights=kind)
-        print(table.round(4).to_string(index=False))
+        if part not in ("tiles", "profile"):
+            print(table.round(4).to_string(index=False))
         print(f"wrote {save_table(table, f'{args.prefix}_fp8_{part}', label)}")
     return 0

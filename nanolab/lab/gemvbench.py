@@ -19,6 +19,7 @@ import triton
 from nanolab.kernels.gemv import MAX_ROWS, GemvConfig, gemv, step_config
 from nanolab.kernels.pdl import supports_pdl
 from nanolab.lab.timing import time_us
+from nanolab.model.quant import quantize_fp8
 from nanolab.progress import progress_bar
 
 NAN = float("nan")
@@ -44,12 +45,13 @@ def choose_config(n: int, k: int, num_sms: int = 132) -> GemvConfig:
     return GemvConfig(block_n, block_k, split)
 
 
-def sweep_configs(n: int, k: int) -> list[GemvConfig]:
+def sweep_configs(n: int, k: int, element_size: int = 2) -> list[GemvConfig]:
+    """Tiles to sweep for an [n, k] weight of `element_size`-byte elements (bf16 activations)."""
     out = []
     for block_n in (16, 32, 64, 128):
-        for block_k in (128, 256, 512):
+        for block_k in (128, 256, 512) + ((1024,) if element_size == 1 and block_n <= 64 else ()):
             for split in (1, 2, 4, 8):
-                stage_bytes = (block_n + 16) * block_k * 2  # a weight tile and the activation tile, 16-bit
+                stage_bytes = (block_n * element_size + 16 * 2) * block_k  # a weight tile and the activation tile
                 stages = min(4, 200_000 // stage_bytes)  # what an H200 SM's 227 KiB of shared memory holds
                 if k % (split * block_k) == 0 and stages >= 2:
                     out.append(GemvConfig(block_n, block_k, split, num_stages=stages))
@@ -100,6 +102,60 @@ def chained_projection_table(config, dtype=torch.bfloat16, rows=(8,), layers: in
                             "tb_s": n * k * ws[0].element_size() / us / 1e6, "rel_err": err, "error": ""})
         del ws
     return pd.DataFrame(records)
+
+
+def fp8_chain_table(config, rows=(1, 8), layers: int = 16, repeats: int = 20, progress: bool = True
+                    ) -> pd.DataFrame:
+    """Each layer projection with an e4m3 weight and its scale per output channel, as
+    `chained_projection_table` times it (`layers` launches in one CUDA graph, a weight each, as
+    programmatic dependents), `us` per launch. Arms: the bf16 weight through `gemv` with
+    `step_config`'s tiles (batch 1: inductor's compiled reduction, which the bf16 step runs there);
+    the fp8 weight through `gemv` with `step_config(element_size=1)`'s tiles and every tile of
+    `sweep_configs` for one-byte weights; at batch 1, the fp8 weight widened inside inductor's compiled
+    reduction. TB/s counts the stored weight once (and its fp32 scales)."""
+    shapes = {name: nk for name, nk in projection_shapes(config).items() if name != "lm_head"}
+    jobs = [(name, nk, m) for name, nk in shapes.items() for m in rows]
+    reduce_bf16 = torch.compile(lambda x, w: (x.unsqueeze(-2) * w).sum(-1), dynamic=False)
+    reduce_fp8 = torch.compile(lambda x, q, s: ((x.unsqueeze(-2) * q.to(x.dtype)).sum(-1) * s).to(x.dtype),
+                               dynamic=False)
+    records = []
+    for name, (n, k), m in progress_bar(jobs, desc="fp8 projections", enabled=progress):
+        records += _time_fp8_chain(name, n, k, m, layers, repeats, reduce_bf16, reduce_fp8)
+    return pd.DataFrame(records)
+
+
+def _time_fp8_chain(name: str, n: int, k: int, m: int, layers: int, repeats: int, reduce_bf16, reduce_fp8
+                    ) -> list[dict]:
+    device = torch.device("cuda")
+    ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
+    qs = [quantize_fp8(w) for w in ws]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    q_last, s_last = qs[-1]
+    ref = F.linear(x.double(), q_last.double() * s_last.double()[:, None])
+    ref_bf16 = F.linear(x.double(), ws[-1].double())
+    chosen = step_config(n, k, m, element_size=1)
+    arms: list[tuple[str, Callable, torch.Tensor, int]] = []  # (arm, launch i, reference, bytes a launch)
+    if m == 1:
+        arms.append(("bf16 compiled reduction", lambda i: reduce_bf16(x, ws[i]), ref_bf16, 2 * n * k))
+        arms.append(("fp8 compiled reduction", lambda i: reduce_fp8(x, *qs[i]), ref, n * k + 4 * n))
+    else:
+        cfg16 = step_config(n, k, m)
+        arms.append(("bf16 gemv (step_config)", lambda i: gemv(x, ws[i], cfg16, pdl=True), ref_bf16, 2 * n * k))
+    for c in dict.fromkeys([chosen, *sweep_configs(n, k, element_size=1)]):
+        arm = (f"fp8 gemv {c.block_n}x{c.block_k} split {c.split_k} stages {c.num_stages}"
+               + (" (step_config)" if c == chosen else ""))
+        arms.append((arm, lambda i, c=c: gemv(x, qs[i][0], c, pdl=True, scale=qs[i][1]), ref, n * k + 4 * n))
+    records = []
+    for arm, one, reference, nbytes in arms:
+        row = {"projection": name, "n": n, "k": k, "rows": m, "arm": arm}
+        try:
+            err = float((one(layers - 1).double() - reference).norm() / reference.norm())
+            us = time_us(lambda one=one: [one(i) for i in range(layers)], device, repeats) / layers
+        except Exception as e:  # a tile the card cannot hold: recorded, and the sweep goes on
+            records.append({**row, "us": NAN, "tb_s": NAN, "rel_err": NAN, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        records.append({**row, "us": us, "tb_s": nbytes / us / 1e6, "rel_err": err, "error": ""})
+    return records
 
 
 # Each layer projection's neighbours `lab.folds.step_projection` folds into it (`fold_table`).

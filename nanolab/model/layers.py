@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.elementwise import rope_, silu_mul
+from nanolab.kernels.elementwise import rope_, silu_mul, silu_mul_op
 from nanolab.kernels.gemv import fp8_linear, step_linear
 from nanolab.model.config import ModelConfig
 from nanolab.model.parallel import TensorParallel
@@ -203,6 +203,11 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if eager_on_gpu(gate_up):
             out = self.down_proj(silu_mul(gate_up))
+        elif gate_up.is_cuda and not INTERPRETED and math.prod(gate_up.shape[:-1]) == 1:
+            # compiled, one row: the activation [1, 1, inter] written once by its own kernel. Fused into
+            # down's reduction, inductor recomputes it for every output channel, reading gate and up
+            # hidden x inter times (`data/day65_fp8_profile_h200.csv`).
+            out = self.down_proj(silu_mul_op(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             out = self.down_proj(F.silu(gate) * up)
