@@ -66,3 +66,37 @@ def plot_spec_batches(batches: pd.DataFrame) -> Figure:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_fp8_tiles(tiles: pd.DataFrame, bandwidth_tb_s: float) -> Figure:
+    """`<prefix>_fp8_tiles` (projection, n, k, rows, arm, us): per layer projection and batch, us a
+    launch for bf16 (its step's path) and for the e4m3 weight (the best GEMV tile, and at batch 1
+    inductor's compiled reduction), each beside the time its weight's bytes take at
+    `bandwidth_tb_s` (a tick): a bar far above its tick is latency, not bytes."""
+    rows_list = sorted(tiles.rows.unique())
+    fig = Figure(figsize=(5.5 * len(rows_list), 4))
+    axes = np.atleast_1d(fig.subplots(1, len(rows_list)))
+    projections = list(dict.fromkeys(tiles.projection))
+    for ax, m in zip(axes, rows_list, strict=True):
+        t = tiles[(tiles.rows == m) & tiles.us.notna()]
+        arms = {"bf16": (t[t.arm.str.startswith("bf16")], 2),
+                "fp8 GEMV, best tile": (t[t.arm.str.startswith("fp8 gemv")], 1)}
+        if (t.arm == "fp8 compiled reduction").any():
+            arms["fp8 compiled reduction"] = (t[t.arm == "fp8 compiled reduction"], 1)
+        width = 0.8 / len(arms)
+        for j, (name, (sub, nbytes)) in enumerate(arms.items()):
+            best = sub.groupby("projection").us.min().reindex(projections)
+            shape = t.groupby("projection")[["n", "k"]].first().reindex(projections)
+            x = np.arange(len(projections)) + (j - (len(arms) - 1) / 2) * width
+            colour = ARM_COLOURS["bf16"] if name == "bf16" else f"C{j - 1}"
+            ax.bar(x, best, width, color=colour, label=name)
+            floor_us = shape.n * shape.k * nbytes / (bandwidth_tb_s * 1e6)
+            ax.scatter(x, floor_us, marker="_", s=200, color="k", zorder=3,
+                       label="its bytes at the copy bandwidth" if j == 0 else None)
+        ax.set_xticks(range(len(projections)), projections)
+        ax.set_ylabel("us a launch, chained in a graph")
+        ax.set_title(f"{m} row{'s' if m > 1 else ''}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
