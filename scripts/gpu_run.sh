@@ -5,7 +5,7 @@
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
-#                      [fp8] [verify] [smollm2] [smolspec]
+#                      [fp8] [verify] [smollm2] [smolspec] [specload]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -42,6 +42,8 @@
 # _build/smollm2, and once both are there they are joined, checked and converted by transformers into
 # the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches, bf16, then latency
 # in fp32: data/day65_spec*, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
+# specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
+# and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -113,6 +115,8 @@ for part in "${parts[@]}"; do
             else
                 echo "smollm2: kept $(ls _build/smollm2 | grep -c part) of the GGUF's 2 pieces; carry the other next"
             fi ;;
+        specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
+                      --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches ${SPEC_ARGS:-} || status=1
             python3 -m nanolab specbench --model smollm2-135m --parts latency --dtype float32 --prefix day65fp32 || status=1
             python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;

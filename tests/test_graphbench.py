@@ -24,7 +24,14 @@ from nanolab.lab.compaction import (
 from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench, startup_columns, startup_table
 from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
 from nanolab.lab.offlinesteps import time_offline
-from nanolab.lab.serveprocess import SERVER_TOKEN_BUDGET, ServeProcess, free_port, serve_command, split_arm
+from nanolab.lab.serveprocess import (
+    SERVER_TOKEN_BUDGET,
+    ServeProcess,
+    arm_speculation,
+    free_port,
+    serve_command,
+    split_arm,
+)
 from nanolab.lab.servingmetrics import SLO, check_requests, first_ttfts, itl_quantiles, serving_metrics, sustained_rates
 from nanolab.lab.workload import WORKLOADS, PlannedRequest, Workload, rate_schedule, request_plan
 
@@ -331,7 +338,9 @@ def test_run_arm_on_the_stand_in(fake_script, tmp_path):
 
 def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_path):
     assert split_arm("graphs") == ("graphs", None) and split_arm("eager-whole") == ("eager", "whole")
-    for unknown in ("graphs-sometimes", "graphs-compiled", "compiled"):
+    assert split_arm("fullgraphs-chunked+ngram") == ("fullgraphs", "chunked")
+    assert arm_speculation("fullgraphs+ngram") == {"method": "ngram"} and arm_speculation("graphs") is None
+    for unknown in ("graphs-sometimes", "graphs-compiled", "compiled", "graphs+eagle", "graphs+"):
         with pytest.raises(ValueError, match="unknown arm"):
             split_arm(unknown)
     argv = lambda **kw: serve_command("m", 1, device="cpu", eager=True, step_log=tmp_path / "s", **kw)
@@ -340,6 +349,7 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     assert not any("chunked" in a for a in argv())  # the server's default
     assert argv(max_num_batched_tokens=512)[-2:] == ["--max-num-batched-tokens", "512"]
     assert "--max-num-batched-tokens" not in argv()
+    assert argv(speculative_config={"method": "ngram"})[-2:] == ["--speculative-config", '{"method": "ngram"}']
     seen = {}
 
     def command(model, port, *, device, eager, step_log, **kw):
@@ -422,6 +432,9 @@ def test_the_server_takes_every_flag_serve_command_passes(tmp_path):
                                                                                           str(tmp_path / "s"))
     assert parser.parse_args(serve_command("tiny", 1, device="cpu", eager=False, step_log=tmp_path / "s",
                                            chunked_prefill=True)[4:]).enable_chunked_prefill
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert parser.parse_args(serve_command("tiny", 1, device="cpu", eager=False, step_log=tmp_path / "s",
+                                           speculative_config=spec)[4:]).speculative_config == spec
 
 
 def test_the_recorded_default_budget_is_the_servers():
@@ -514,6 +527,11 @@ def test_ratios_against_their_aims():
     detail = graphbench_ratios(with_prefill, offline).set_index(["ratio", "arm"]).loc[
         ("ITL p99 / p50 at the highest sustainable rate", "graphs"), "detail"]
     assert detail.endswith("12 prefill steps among 300 decode steps, 9.50 ms at the median")
+    rates["tpot_p50_ms"] = 5.0
+    spec = pd.concat([rates, rates[rates.arm == "graphs"].assign(arm="graphs+ngram", itl_p50_ms=[1.8, 4.4])])
+    worse = graphbench_ratios(spec, offline).set_index(["ratio", "arm", "rate"]).xs("speculating / plain ITL p50")
+    assert worse.loc[("graphs+ngram", 1.0)].met and worse.loc[("graphs+ngram", 1.0)].value == pytest.approx(0.9)
+    assert not worse.loc[("graphs+ngram", 64.0)].met  # 4.4 against 4.0 ms: speculation cost 10% at load
 
 
 def test_figures_draw_from_the_tables():

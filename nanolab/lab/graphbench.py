@@ -1,10 +1,10 @@
 """Day 58's serving measurement: the real server over loopback, with CUDA graphs on and off.
 
 For each arm (`serveprocess`: "graphs", "eager" = `--enforce-eager`, either optionally naming its
-prefill, "-chunked" or "-whole") this starts `python -m nanolab serve` with a step log, sends a
-seeded Poisson stream of streamed completions at each rate from its own aiohttp client
-(`workload`, `loadclient`), and reduces the timings with `vllm bench serve`'s definitions
-(`servingmetrics`).
+prefill, "-chunked" or "-whole", then optionally "+ngram" for a server that speculates, Day 65)
+this starts `python -m nanolab serve` with a step log, sends a seeded Poisson stream of streamed
+completions at each rate from its own aiohttp client (`workload`, `loadclient`), and reduces the
+timings with `vllm bench serve`'s definitions (`servingmetrics`).
 
 Rates are the seed's 1, 2, 4 and 8 requests/s, then doubled until the server saturates (the rate
 at which it takes requests in falls below 0.9x the offered rate, `sustained_rates`) or `max_rate`.
@@ -49,6 +49,7 @@ from nanolab.lab.serveprocess import (
     GRAPHED,
     SERVER_TOKEN_BUDGET,
     ServeProcess,
+    arm_speculation,
     free_port,
     serve_command,
     split_arm,
@@ -124,6 +125,8 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
         extra["max_num_batched_tokens"] = max_num_batched_tokens
     if mode in GRAPHED:  # named, not left to the server's default
         extra["cudagraph_mode"] = "full" if mode == "fullgraphs" else "full_decode_only"
+    if arm_speculation(arm) is not None:
+        extra["speculative_config"] = arm_speculation(arm)
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -235,7 +238,7 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = DEFAULT_ARMS, 
         for arm in arms:
             batches = table[table.arm == arm].step_batch.dropna().astype(int).unique()
             batches = [b for b in batches if b >= 1]
-            if batches:
+            if batches and arm_speculation(arm) is None:  # a speculating arm's plain decode step is its base's
                 log(f"{arm}: timing decode steps in-process at batch {', '.join(map(str, sorted(batches)))}")
                 offline_tables.append(time_offline(model, device, arm, batches, context, dtype=dtype, read=read,
                                                    max_num_seqs=max_num_seqs, steps=offline_steps,
@@ -260,7 +263,9 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
       step log's): the engine step inside the server, then the path from step to client;
     - per arm, ITL p99 over p50 at its highest sustainable rate (aim: 3x or less);
     - at each rate both ran, ITL p99 of an arm's whole-prompt server over its chunked one (aim:
-      above 1, chunking shortens the tail)."""
+      above 1, chunking shortens the tail);
+    - at each rate both ran, a speculating arm's ("+ngram") ITL p50 over its plain arm's (aim: 1 or
+      less), TPOT p50 beside it in the detail."""
     records = []
     by = rates.set_index(["arm", "rate"])
     arms = rates.arm.unique()
@@ -271,6 +276,18 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
                 records.append({"ratio": "eager / graphs ITL p50", "arm": "both", "rate": rate,
                                 "value": eager / graphs, "aim": ">= 3", "met": eager / graphs >= 3,
                                 "detail": f"ITL p50 {eager:.2f} ms eager, {graphs:.2f} ms graphs"})
+    for arm in arms:  # a speculating arm against the same server without it
+        base = arm.partition("+")[0]
+        if "+" not in arm or base not in set(arms):
+            continue
+        for rate in sorted(set(rates[rates.arm == arm].rate) & set(rates[rates.arm == base].rate)):
+            on, off_ms = by.loc[(arm, rate), "itl_p50_ms"], by.loc[(base, rate), "itl_p50_ms"]
+            records.append({"ratio": "speculating / plain ITL p50", "arm": arm, "rate": rate, "value": on / off_ms,
+                            "aim": "<= 1", "met": on / off_ms <= 1,
+                            "detail": f"ITL p50 {on:.2f} ms speculating, {off_ms:.2f} ms plain (a verify step's "
+                                      "tokens reach the client together, so their gaps are short); TPOT p50 "
+                                      f"{by.loc[(arm, rate), 'tpot_p50_ms']:.2f} ms speculating, "
+                                      f"{by.loc[(base, rate), 'tpot_p50_ms']:.2f} ms plain"})
     off = offline.set_index(["arm", "batch"]).ms_p50 if len(offline) else pd.Series(dtype=float)
     for (arm, rate), row in by.iterrows():
         if row.step_batch == row.step_batch and (arm, int(row.step_batch)) in off.index:

@@ -27,6 +27,7 @@ ARMS = ("graphs", "fullgraphs", "eager")
 GRAPHED = ("graphs", "fullgraphs")  # the modes that capture decode graphs
 DEFAULT_ARMS = ("graphs", "eager")  # what a bench runs unless told: Day 58's comparison
 PREFILLS = ("chunked", "whole")  # an arm's optional suffix: the server's prefill
+SPECULATIONS = ("ngram",)  # an arm's optional "+" suffix: the server's speculative method (Day 65)
 # The server's token budget a step unless told (`serve --max-num-batched-tokens`'s default), as the table
 # records it.
 SERVER_TOKEN_BUDGET = EngineConfig.max_num_batched_tokens
@@ -40,22 +41,33 @@ def free_port() -> int:
 
 def split_arm(arm: str) -> tuple[str, str | None]:
     """An arm's graphs mode and prefill: "graphs-whole" -> ("graphs", "whole"); "eager" ->
-    ("eager", None), the server's default prefill."""
-    mode, _, prefill = arm.partition("-")
-    if mode not in ARMS or prefill not in ("", *PREFILLS):
-        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, optionally ending in -{' or -'.join(PREFILLS)}")
+    ("eager", None), the server's default prefill. Either may end in "+ngram" (`arm_speculation`)."""
+    base, plus, spec = arm.partition("+")
+    mode, _, prefill = base.partition("-")
+    if mode not in ARMS or prefill not in ("", *PREFILLS) or (plus and spec not in SPECULATIONS):
+        raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, optionally ending in -{' or -'.join(PREFILLS)}, "
+                         f"then optionally +{' or +'.join(SPECULATIONS)}")
     return mode, prefill or None
+
+
+def arm_speculation(arm: str) -> dict | None:
+    """The server's `speculative_config` for an arm: "graphs+ngram" speculates by prompt lookup with
+    the config's defaults; an arm without the suffix, None."""
+    split_arm(arm)
+    _, plus, spec = arm.partition("+")
+    return {"method": spec} if plus else None
 
 
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                   max_waiting: int = 1024, chunked_prefill: bool | None = None,
                   max_num_batched_tokens: int | None = None, cudagraph_mode: str | None = None,
-                  prefix_caching: bool | None = None) -> list[str]:
+                  prefix_caching: bool | None = None, speculative_config: dict | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
     `chunked_prefill` None leaves the server's default; `max_num_batched_tokens`, the tokens a step
-    feeds, None the server's default; `cudagraph_mode` and `prefix_caching` (Day 64) likewise."""
+    feeds, None the server's default; `cudagraph_mode` and `prefix_caching` (Day 64) likewise;
+    `speculative_config` (Day 65), given as JSON."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -71,6 +83,8 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv += ["--cudagraph-mode", cudagraph_mode]
     if prefix_caching is not None:
         argv.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    if speculative_config is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config)]
     return argv
 
 
