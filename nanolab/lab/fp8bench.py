@@ -11,8 +11,9 @@ Four parts, each its own table:
 - `quality` (`day65_fp8_quality_<device>`, real weights only): the perplexity of
   `tests/data/perplexity.txt` in bf16, with the layers in fp8 (what `quantization="fp8"` holds), and
   with the LM head quantized as well (a lab variant of the loaded model: the engine keeps its head
-  in bf16); and how many of the first 32 greedy tokens of each prompt of the speculation prompt sets
-  agree with bf16's.
+  in bf16), and with prompt steps through an fp8 GEMM, activations quantized a row at a time
+  (`torch._scaled_mm`, another lab variant: the W8A8 design not kept); and how many of the first 32 greedy tokens
+  of each prompt of the speculation prompt sets agree with bf16's.
 - `tiles` (`day65_fp8_tiles_<device>`, CUDA): each layer projection with an e4m3 weight, chained
   in a graph as a step runs it, through every GEMV tile and inductor's compiled reduction
   (`lab.gemvbench.fp8_chain_table`), beside bf16's.
@@ -34,6 +35,7 @@ import pandas as pd
 import torch
 
 from nanolab import LLM, SamplingParams
+from nanolab.kernels.gemv import MAX_ROWS
 from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.costs import kv_read_bytes
 from nanolab.lab.floorbench import nanolab_generate, nanolab_label
@@ -65,6 +67,45 @@ def stored_weight_bytes(model: torch.nn.Module) -> int:
             for t in (m.qweight, m.scale):
                 seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
+
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (xq [rows, K] float8_e4m3fn, scale [rows, 1] fp32): each row scaled by its
+    own absolute maximum over 448, so x ~ xq * scale (`model.quant`'s rule, a row of activations
+    in place of a weight's output channel; vLLM's dynamic per-token scales)."""
+    if x.dim() != 2:
+        raise ValueError(f"rows to quantize are [rows, K], got shape {tuple(x.shape)}")
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX  # [rows, 1]
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] @ (qweight * scale[:, None]).T -> [rows, N] in x's dtype, on fp8 tensor cores (or
+    the CPU's `torch._scaled_mm`): x's rows quantized to e4m3 with a scale each
+    (`quantize_rows_fp8`), the row scales [rows, 1] and the weight's [1, N] applied to the fp32 sum.
+    K and N must be multiples of 16. The design Day 65 measured for a prompt's chunk and did not
+    keep: SmolLM2's perplexity moves 1.85% with it, over the 1% gate."""
+    xq, x_scale = quantize_rows_fp8(x)
+    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
+
+
+def fp8_gemm_chunks_(llm: LLM) -> None:
+    """The lab variant of W8A8 prompt steps: every quantized `Linear` of this `LLM`'s model
+    multiplies more than `MAX_ROWS` rows through `scaled_mm_linear` (activations quantized to e4m3
+    a row at a time) instead of the widened weight. Changes this `LLM`'s model alone."""
+    for module in llm.model.modules():
+        if isinstance(module, Linear) and module.qweight is not None:
+            def forward(x, m=module):
+                rows = x.numel() // x.shape[-1]
+                if rows <= MAX_ROWS:
+                    return Linear.forward(m, x)
+                out = scaled_mm_linear(x.reshape(rows, x.shape[-1]), m.qweight, m.scale)
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+            module.forward = forward
 
 
 def quantize_head_(llm: LLM) -> None:
@@ -170,11 +211,14 @@ def run_quality(model: str, device: str | None, dtype: str = "bfloat16",
                 log: Callable[[str], None] = print) -> pd.DataFrame:
     """A row per variant ("bf16", "fp8 layers", "fp8 layers and head"): perplexity of the text and
     its change against bf16, and the greedy agreement with bf16 over the prompt sets."""
-    variants = {"bf16": (None, False), "fp8 layers": ("fp8", False), "fp8 layers and head": ("fp8", True)}
+    variants = {"bf16": (None, False), "fp8 layers": ("fp8", False), "fp8 layers and head": ("fp8", True),
+                "fp8 layers, W8A8 prompt steps": ("fp8", "chunks")}
     rows, reference = [], None
     for name, (quantization, head) in variants.items():
         llm = LLM(model, device=device, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
-        if head:
+        if head == "chunks":
+            fp8_gemm_chunks_(llm)
+        elif head:
             quantize_head_(llm)
         ids = llm.tokenizer.encode(TEXT.read_text())
         prompts = [llm.tokenizer.encode_chat(m) for s in PROMPT_SETS for m in load_prompt_set(s)]
