@@ -1,0 +1,132 @@
+"""Where a prompt step after a cached prefix spends its time (Day 64).
+
+With prefix caching a request behind a shared system prompt feeds only its own suffix, but that
+step still reads the whole prefix's K/V. Two tables:
+
+- `<prefix>_prefix_steps`: every step of requests of `suffix` new tokens after a `system_len`-token
+  system prompt already in the cache, sent one at a time to an `LLM` with the engine's defaults:
+  its phase, the tokens it fed, whether a graph replayed, and its wall time from scheduling to the
+  sampled token on the host (`Engine.last_step`). A decode step of the same engine at batch 1 is
+  timed beside them.
+- `<prefix>_prefix_kernels` (CUDA): the GPU kernels of those requests' steps under the profiler,
+  by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
+
+    python -m nanolab prefixsteps --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from nanolab import LLM, SamplingParams
+from nanolab.config import resolve_device, resolve_dtype
+from nanolab.lab.capturebench import kernel_table
+from nanolab.lab.report import run_label, save_table
+from nanolab.lab.stepparts import kernel_class
+from nanolab.model.weights import resolve_weights, weights_kind
+
+SYSTEM_LEN = 2048
+SUFFIXES = (16, 50, 200, 400)
+PROFILED_SUFFIX = 50  # the shared-prefix request of `prefixbench`: 2,048 + about 50 tokens
+
+
+def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(1, vocab, size=n).tolist()
+
+
+def run_request(llm: LLM, prompt: list[int], max_tokens: int = 1) -> list[dict]:
+    """One request alone, greedy, stepped to its end: a row per step that ran a forward."""
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    rows = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        r = engine.last_step
+        if r is not None:
+            rows.append({"phase": r.phase, "tokens": r.tokens, "graph": r.graph, "ms": 1e3 * r.seconds})
+    return rows
+
+
+def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suffixes: Sequence[int] = SUFFIXES,
+                     repeats: int = 5, decode_steps: int = 32, profile: bool | None = None,
+                     log: Callable[[str], None] = print) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """(steps, kernels): the tables above. Each suffix's requests follow two untimed ones (the
+    system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels."""
+    if system_len < 1 or repeats < 1 or decode_steps < 1 or not suffixes or min(suffixes) < 1:
+        raise ValueError("system_len, repeats, decode_steps and every suffix must be positive")
+    llm = LLM(model, device=device)
+    if not llm.engine_config.enable_prefix_caching:
+        raise ValueError("prefixsteps measures prefix caching: the engine has it off")
+    cuda = llm.device.type == "cuda"
+    profile = cuda if profile is None else profile
+    rng = np.random.default_rng(0)
+    vocab = llm.config.vocab_size
+    system = _ids(rng, system_len, vocab)
+    for _ in range(2):  # untimed: the prefix written, then a hit (first uses of its shapes)
+        run_request(llm, system + _ids(rng, max(suffixes), vocab))
+    rows = []
+    for suffix in suffixes:
+        run_request(llm, system + _ids(rng, suffix, vocab))  # untimed: this suffix's step shape
+        for i in range(repeats):
+            for j, step in enumerate(run_request(llm, system + _ids(rng, suffix, vocab))):
+                rows.append({"case": "prefix hit", "system_len": system_len, "suffix": suffix, "request": i,
+                             "step": j, **step})
+        done = [r for r in rows if r["suffix"] == suffix and r["phase"] != "decode"]
+        log(f"{suffix} tokens after a cached {system_len}: {statistics.median(r['ms'] for r in done):.3f} ms "
+            f"a prompt step ({sum(r['graph'] for r in done)} of {len(done)} graphed)")
+    decode = run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
+    decode_ms = [r["ms"] for r in decode if r["phase"] == "decode"]
+    rows += [{"case": "decode", "system_len": 0, "suffix": 0, "request": 0, "step": j, **r}
+             for j, r in enumerate(decode)]
+    log(f"decode at batch 1: {statistics.median(decode_ms):.3f} ms a step")
+    kernels = None
+    if profile:
+        tables = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                run_request(llm, system + _ids(rng, PROFILED_SUFFIX, vocab))
+            torch.cuda.synchronize()
+        tables.append(kernel_table(prof, repeats, f"prefix hit + {PROFILED_SUFFIX}"))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
+            torch.cuda.synchronize()
+        tables.append(kernel_table(prof, decode_steps, "decode"))
+        kernels = pd.concat(tables, ignore_index=True)
+        kernels["class"] = kernels.kernel.map(kernel_class)
+        for arm, t in kernels.groupby("arm", sort=False):
+            log(f"{arm}: {t.us_per_step.sum():.0f} us of kernels a step; "
+                + ", ".join(f"{c} {us:.0f}" for c, us in t.groupby("class").us_per_step.sum().items()))
+    llm.close()
+    return pd.DataFrame(rows), kernels
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.2-1b", help="a preset name or a model folder")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--system-len", type=int, default=SYSTEM_LEN, help="the cached system prompt's tokens")
+    parser.add_argument("--suffixes", default=",".join(map(str, SUFFIXES)), help="new tokens a request feeds")
+    parser.add_argument("--repeats", type=int, default=5, help="timed requests a suffix")
+    parser.add_argument("--prefix", default="day64", help="tables go to data/<prefix>_prefix_steps_<device>.csv")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        suffixes = [int(s) for s in args.suffixes.split(",")]
+    except ValueError:
+        raise ValueError(f"--suffixes {args.suffixes!r}: comma-separated token counts") from None
+    device = resolve_device(args.device)
+    steps, kernels = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats)
+    label = run_label(device, args.model, resolve_dtype("auto", device),
+                      weights=weights_kind(resolve_weights(args.model)))
+    print(steps.groupby(["case", "suffix", "phase"]).ms.median().round(3).to_string())
+    print(f"{args.prefix}_prefix_steps: {save_table(steps, f'{args.prefix}_prefix_steps', label)}")
+    if kernels is not None:
+        print(kernels.groupby("arm", sort=False).head(12).round(1).to_string(index=False))
+        print(f"{args.prefix}_prefix_kernels: {save_table(kernels, f'{args.prefix}_prefix_kernels', label)}")
+    return 0

@@ -1,0 +1,24 @@
+"""`lab.prefixsteps`: a request behind a cached system prompt feeds only its suffix, in one prompt
+step, and the table says so; bad sizes are refused before any engine is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanolab.lab.prefixsteps import run_prefix_steps
+
+
+def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
+    steps, kernels = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23), repeats=2,
+                                      decode_steps=3, log=lambda _: None)
+    assert kernels is None  # the profiler's kernels are CUDA's
+    hits = steps[steps.case == "prefix hit"]
+    assert set(hits.phase) == {"prefill"} and len(hits) == 4  # one prompt step a request, nothing decoded after
+    assert (hits.tokens == hits.suffix).all()  # 64 cached tokens: four full blocks, none fed again
+    decode = steps[(steps.case == "decode") & (steps.phase == "decode")]
+    assert len(decode) == 3 and (decode.tokens == 1).all() and (steps.ms > 0).all()
+
+
+def test_sizes_are_checked_first():
+    with pytest.raises(ValueError, match="must be positive"):
+        run_prefix_steps("tiny", "cpu", suffixes=(0,))
