@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from nanolab import LLM, SamplingParams
 from nanolab.engine.async_llm import AsyncLLM
+from nanolab.entrypoints.openai import protocol
 from nanolab.entrypoints.openai.api_server import SERVING, OpenAIServing, build_app
 from nanolab.sampling import sample
 
@@ -84,6 +85,11 @@ BAD = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, True]}, 400, "prompt"),
     ({"prompt": [1, 10**6]}, 400, "prompt"),
+    ({"prompt": [1, "2"]}, 400, "prompt"),
+    ({"prompt": [True, 1]}, 400, "prompt"),
+    ({"prompt": [[1, 2], [3, None]]}, 400, "prompt"),
+    ({"prompt": [[1, 2], []]}, 400, "prompt"),
+    ({"prompt": [[1, 2], 3]}, 400, "prompt"),
     ({"prompt": "x" * 5000}, 400, "prompt"),
     ({"max_tokens": 4}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -140,6 +146,33 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
         error = payload["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], request
         assert error["param"] == param, (request, error)
+
+
+def test_token_ids_are_checked_once_where_the_vocabulary_is_known(llm):
+    """The protocol tells a token-id prompt by its first item and reads its ids only to copy them;
+    `AsyncLLM.add_requests` checks each id once, by type and range. A bad id anywhere in any
+    prompt is a 400 that names the prompt and the range."""
+    class Counted(list):
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    req = protocol.parse_request({"prompt": Counted(range(2000))}, chat=False, model=MODEL)
+    assert req.prompts == [list(range(2000))] and Counted.reads == 1
+
+    async def body(client, _):
+        errors = []
+        for prompt in ([1, 2, 3.0], [[1, 2], [3, 512]]):
+            r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            errors.append((r.status, (await r.json())["error"]))
+        return errors
+
+    (status, error), (status2, error2) = run_with_client(llm, body)
+    assert (status, error["param"], error["message"]) == (400, "prompt", "prompt token ids must be ints in [0, 512)")
+    assert (status2, error2["param"], error2["message"]) == (400, "prompt",
+                                                             "request 1: prompt token ids must be ints in [0, 512)")
 
 
 def test_fields_at_their_no_op_values_are_accepted(llm):

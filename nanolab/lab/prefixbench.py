@@ -262,8 +262,8 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
     is also split (`TTFT_SPLIT`, NaN otherwise), between its send and first chunk (`sent_t`,
     `first_t`, popped too):
 
-    - front: from the client's send to the core taking the request (HTTP, the server's checks,
-      the pipe to the core's process);
+    - front: from the client's send to the core taking the request (the client's JSON encoding
+      and new connection, HTTP, the server's checks, the pipe to the core's process);
     - core wait: from there to the core calling its first prompt step;
     - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
       emitting the token);

@@ -38,11 +38,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 @dataclass
 class CompletionRequest:
-    """One checked request. `prompts` holds the completion prompts (each a str or token ids);
-    a chat request holds `messages` instead. `params.n` samples a prompt; `params.logprobs` is the
-    top log-probabilities a token (completions' `logprobs`, chat's `top_logprobs` under
-    `logprobs: true`); `echo` puts the prompt before a completion's text, and its logprobs
-    (`params.prompt_logprobs`) before the completion's."""
+    """One checked request. `prompts` holds the completion prompts (each a str or token ids, whose
+    ids `AsyncLLM.add_requests` checks); a chat request holds `messages` instead. `params.n`
+    samples a prompt; `params.logprobs` is the top log-probabilities a token (completions'
+    `logprobs`, chat's `top_logprobs` under `logprobs: true`); `echo` puts the prompt before a
+    completion's text, and its logprobs (`params.prompt_logprobs`) before the completion's."""
 
     chat: bool
     params: SamplingParams
@@ -150,21 +150,19 @@ def _field(body: dict, name: str, ok, what: str, default=None):
     return value
 
 
-def _ints(values: list) -> bool:
-    """Every item an int and none a bool, checked by type at C speed (a prompt is thousands of ids)."""
-    return set(map(type, values)) == {int}
-
-
 def _prompts(value) -> list[str | list[int]]:
-    """OpenAI's prompt shapes: a string, a list of strings, a list of token ids, or a list of those."""
+    """OpenAI's prompt shapes: a string, a list of strings, a list of token ids, or a list of those.
+    A token-id list is told by its first item. Its ids are checked once, by type and range, where
+    the vocabulary is known (`AsyncLLM.add_requests`, a 400 naming the prompt): a prompt is
+    thousands of ids, and every request is checked on the server's event loop."""
     if _text(value):
         return [value]
     if isinstance(value, list) and value:
+        if _is_int(value[0]):
+            return [list(value)]
         if all(_text(p) for p in value):
             return list(value)
-        if _ints(value):
-            return [list(value)]
-        if all(isinstance(p, list) and p and _ints(p) for p in value):
+        if all(isinstance(p, list) and p and _is_int(p[0]) for p in value):
             return [list(p) for p in value]
     raise APIError(400, "'prompt' must be a string (valid Unicode), a list of strings, a list of token ids, or a "
                         "list of token-id lists, and not empty", param="prompt")
