@@ -1,7 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
 `capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`,
-`prefixbench`, `prefixsteps`, `specbench`, `fp8bench`.
+`prefixbench`, `prefixsteps`, `varlenbench`, `specbench`, `fp8bench`.
 
 Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -41,6 +41,8 @@ LAZY_COMMANDS = {
                 "decode ms/step at tensor-parallel sizes 1 and 2, with the NCCL time per step (CUDA)"),
     "prefixsteps": ("nanolab.lab.prefixsteps", "lab",
                     "a prompt step after a cached prefix: its time and kernels, beside a decode step (Day 64)"),
+    "varlenbench": ("nanolab.lab.varlenbench", "lab",
+                    "the varlen read alone over its tiles and launch: chunks, prefix hits, verify steps (CUDA)"),
     "specbench": ("nanolab.lab.specbench", "lab",
                   "speculative decoding on real text: acceptance and ms a token at batch 1, on and off (Day 65)"),
     "fp8bench": ("nanolab.lab.fp8bench", "lab",

@@ -199,6 +199,8 @@ def varlen_attention(
     block_n: int = BLOCK_N,
     splits: int = 1,
     share_tiles: int = SHARE_TILES,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -218,6 +220,7 @@ def varlen_attention(
     returns         [num_tokens, heads, head_dim]   in q's dtype
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
     the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
+    `num_warps` and `num_stages` (None: Triton's default) are the group kernel's launch.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -229,6 +232,9 @@ def varlen_attention(
         raise ValueError(f"splits must be a positive int, got {splits}")
     if share_tiles < 1:
         raise ValueError(f"share_tiles must be positive, got {share_tiles}")
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages is not None and num_stages < 1:
+        raise ValueError(f"num_warps must be a power of two up to 16 and num_stages positive or None, got "
+                         f"{num_warps} and {num_stages}")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
@@ -255,7 +261,8 @@ def varlen_attention(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
-        DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles)
+        DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds
         _varlen_fold[(n,)](acc, m, l, query_start_loc, out, out.stride(0), out.stride(1), heads, d, segments,
                            H=_pow2(heads), D=D, SPLITS=splits)

@@ -1,0 +1,169 @@
+"""The varlen read alone (`kernels.varlen_attention`), swept over its tiles and launch: the steps
+that are not decode-only (a prompt's chunk, a short prompt after a cached prefix, a verify step's
+few tokens a row) read the paged pool through it, and on the H200 its kernel took 35% of a
+512-token mixed step (`data/day63_mixed_kernels_h200.csv`). CUDA only.
+
+Each case lays its segments' K/V over a pool of `block_size`-token blocks in a shuffled order (as
+a served pool holds them), at a model's head shapes. Every config of `sweep_configs` is checked
+against `varlen_reference` and timed alone in a CUDA graph with L2 flushed (`timing.time_us`), a
+captured step's flat grid included (`grid_tokens`, the case's tokens rounded up to a capture
+size). TB/s counts the K/V the case must read once.
+
+    python -m nanolab varlenbench --model llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import pandas as pd
+import torch
+import triton
+
+from nanolab.config import resolve_device
+from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, choose_varlen_splits, varlen_attention, varlen_reference
+from nanolab.lab.report import run_label, save_table
+from nanolab.lab.timing import time_us
+from nanolab.model.config import ModelConfig
+from nanolab.model.weights import resolve_weights, weights_kind
+from nanolab.progress import progress_bar
+
+NAN = float("nan")
+
+
+class VarlenCase(NamedTuple):
+    name: str
+    segments: tuple[tuple[int, int], ...]  # (cached history, new tokens) a segment
+
+
+# The steps a served engine runs through the read, at Llama-3.2-1B's budget of 512 tokens a step.
+CASES = (
+    VarlenCase("prompt chunk 512, nothing cached", ((0, 512),)),
+    VarlenCase("prompt chunk 512 after 1,536", ((1536, 512),)),
+    VarlenCase("50 tokens after a cached 2,048", ((2048, 50),)),
+    VarlenCase("verify: 8 rows of 5 over 256", tuple((256, 5) for _ in range(8))),
+    VarlenCase("mixed: chunk 448 + 64 decode rows over 512", ((0, 448),) + tuple((512, 1) for _ in range(64))),
+)
+
+
+class VarlenConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int | None
+    splits: int | None  # None: `choose_varlen_splits`'s count for the case
+
+
+DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
+
+
+def sweep_configs() -> list[VarlenConfig]:
+    out = [DEFAULT]
+    for block_m in (32, 64, 128):
+        for block_n in (32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    for splits in (None, 1):
+                        out.append(VarlenConfig(block_m, block_n, warps, stages, splits))
+    return list(dict.fromkeys(out))
+
+
+def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
+                dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> dict:
+    """The read's arguments for `case`: a pool holding every segment's keys in shuffled blocks,
+    the persistent table, and the queries."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [h + n for h, n in case.segments]
+    per_row = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(per_row) + 1
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
+    for s, n in enumerate(per_row):
+        table[s, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    starts = [0]
+    for _, n in case.segments:
+        starts.append(starts[-1] + n)
+    positions = [p for h, n in case.segments for p in range(h, h + n)]
+    pool = (num_blocks * block_size + 1, kv_heads, head_dim)
+    out = dict(q=torch.randn(starts[-1], heads, head_dim, generator=g), k_pool=torch.randn(pool, generator=g),
+               v_pool=torch.randn(pool, generator=g), block_table=table, table_rows=torch.arange(len(lens)),
+               query_start_loc=torch.tensor(starts), context_lens=torch.tensor(lens),
+               positions=torch.tensor(positions))
+    out = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in out.items()}
+    return {**out, "block_size": block_size}
+
+
+def capture_tokens(tokens: int) -> int:
+    """The captured size a step of `tokens` pads to: the next power of two, at least 8."""
+    return max(8, triton.next_power_of_2(tokens))
+
+
+def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats: int = 30,
+              sms: int | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """A row per config: its error against the reference and us a call, flat (captured) grid."""
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device)
+    n = args["q"].shape[0]
+    grid_tokens = capture_tokens(n)
+    ref = varlen_reference(**args).float()
+    sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
+    kv_bytes = 2 * sum(h + q for h, q in case.segments) * kv_heads * d * args["k_pool"].element_size()
+    rows = []
+    for c in configs:
+        group = heads // kv_heads
+        splits = c.splits or choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
+                                                  max_context=max(h + q for h, q in case.segments))
+        run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
+            **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
+            block_n=c.block_n, splits=splits, num_warps=c.num_warps, num_stages=c.num_stages)
+        row = {"case": case.name, "tokens": n, "segments": len(case.segments), "block_m": c.block_m,
+               "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
+               "engine_default": c == DEFAULT}
+        try:
+            err = float((run().float() - ref).abs().max())
+            us = time_us(run, args["q"].device, repeats)
+        except Exception as e:  # a tile the card cannot hold: recorded, and the sweep goes on
+            rows.append({**row, "max_err": NAN, "us": NAN, "tb_s": NAN, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        rows.append({**row, "max_err": err, "us": us, "tb_s": kv_bytes / us / 1e6, "error": ""})
+    return rows
+
+
+def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Sequence[VarlenConfig] | None = None,
+                    repeats: int = 30, log: Callable[[str], None] = print) -> pd.DataFrame:
+    config = ModelConfig.from_dir(resolve_weights(model))
+    configs = list(configs or sweep_configs())
+    rows = []
+    for case in progress_bar(cases, desc="varlen cases", unit="case"):
+        part = time_case(case, config, configs, repeats)
+        rows += part
+        ok = [r for r in part if r["us"] == r["us"]]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        default = next((r for r in part if r["engine_default"]), None)
+        if best and default:
+            log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
+                f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
+                f"splits {best['splits']})")
+    return pd.DataFrame(rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.2-1b", help="a preset name or a model folder (its head shapes)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--prefix", default="day64", help="the table goes to data/<prefix>_varlen_sweep_<device>.csv")
+
+
+def main(args: argparse.Namespace) -> int:
+    device = resolve_device(None)
+    if device.type != "cuda":
+        raise ValueError("varlenbench times the Triton kernel on a GPU: no CUDA device here")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be positive")
+    table = run_varlenbench(args.model, repeats=args.repeats)
+    label = run_label(device, args.model, torch.bfloat16, weights=weights_kind(resolve_weights(args.model)))
+    print(table.dropna(subset=["us"]).sort_values("us").groupby("case").head(3).to_string(index=False))
+    print(f"{args.prefix}_varlen_sweep: {save_table(table, f'{args.prefix}_varlen_sweep', label)}")
+    return 0
