@@ -33,6 +33,7 @@
 #   the row gets one more token from the model, and the blocks past what it kept go back.
 
 # %%
+import pandas as pd
 import torch
 
 import nanolab.lab as lab
@@ -222,10 +223,9 @@ lab.show(summary[["set", "arm", "output_tokens", "ms_per_token", "acceptance_rat
 # %%
 on_gpu = {dtype: lab.measured_table(stem, "scripts/gpu_run.sh smolspec")
           for dtype, stem in (("bf16", "day65_spec_summary"), ("fp32", "day65fp32_spec_summary"))}
-for dtype, table in on_gpu.items():
-    print(f"H200, SmolLM2 in {dtype}:")
-    lab.show(table[["set", "arm", "ms_per_token", "acceptance_rate", "tokens_per_verify_step", "speedup_over_off",
-                    "outputs_equal_off"]].round(3))
+both = pd.concat([t.assign(dtype=d) for d, t in on_gpu.items()], ignore_index=True)
+lab.show(both[["dtype", "set", "arm", "ms_per_token", "acceptance_rate", "tokens_per_verify_step", "speedup_over_off",
+               "outputs_equal_off"]].round(3))
 code_bf16 = on_gpu["bf16"].set_index(["set", "arm"]).loc[("code_edit", "ngram k=4")]
 print(f"code editing, bf16: {code_bf16.speedup_over_off:.2f}x lower latency, {code_bf16.speedup_over_off / 1.8:.2f} "
       "of the 1.8x aim")
