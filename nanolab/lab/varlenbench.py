@@ -24,6 +24,7 @@ import torch
 import triton
 
 from nanolab.config import resolve_device
+from nanolab.kernels.paged_attention import SHARE_TILES
 from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, choose_varlen_splits, varlen_attention, varlen_reference
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.timing import time_us
@@ -55,13 +56,19 @@ class VarlenConfig(NamedTuple):
     num_warps: int
     num_stages: int | None
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
+    share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
 
 
 def sweep_configs() -> list[VarlenConfig]:
-    out = [DEFAULT]
+    """The engine's launch; at its tiles, share counts from 1 to 32 with the engine's fewest tiles a
+    share and with one (a short step over a long context walks its keys in turn, so more, shorter
+    shares shorten the walk); then tiles, warps and stages, each with the engine's share count and
+    with none."""
+    out = [DEFAULT] + [DEFAULT._replace(splits=s, share_tiles=t)
+                       for s in (1, 2, 4, 8, 16, 32) for t in (SHARE_TILES, 1)]
     for block_m in (32, 64, 128):
         for block_n in (32, 64):
             for warps in (4, 8):
@@ -118,9 +125,11 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
                                                   max_context=max(h + q for h, q in case.segments))
         run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
-            block_n=c.block_n, splits=splits, num_warps=c.num_warps, num_stages=c.num_stages)
+            block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
+            num_stages=c.num_stages)
         row = {"case": case.name, "tokens": n, "segments": len(case.segments), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
+               "share_tiles": c.share_tiles,
                "engine_default": c == DEFAULT}
         try:
             err = float((run().float() - ref).abs().max())
@@ -146,7 +155,7 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
         if best and default:
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
-                f"splits {best['splits']})")
+                f"splits {best['splits']} of at least {best['share_tiles']} tiles)")
     return pd.DataFrame(rows)
 
 
