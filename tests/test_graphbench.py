@@ -27,10 +27,10 @@ from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.serveprocess import (
     SERVER_TOKEN_BUDGET,
     ServeProcess,
-    arm_speculation,
     free_port,
     serve_command,
     split_arm,
+    split_speculation,
 )
 from nanolab.lab.servingmetrics import SLO, check_requests, first_ttfts, itl_quantiles, serving_metrics, sustained_rates
 from nanolab.lab.workload import WORKLOADS, PlannedRequest, Workload, rate_schedule, request_plan
@@ -339,7 +339,8 @@ def test_run_arm_on_the_stand_in(fake_script, tmp_path):
 def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_path):
     assert split_arm("graphs") == ("graphs", None) and split_arm("eager-whole") == ("eager", "whole")
     assert split_arm("fullgraphs-chunked+ngram") == ("fullgraphs", "chunked")
-    assert arm_speculation("fullgraphs+ngram") == {"method": "ngram"} and arm_speculation("graphs") is None
+    assert split_speculation("fullgraphs+ngram") == ("fullgraphs", {"method": "ngram"})
+    assert split_speculation("graphs") == ("graphs", None)
     for unknown in ("graphs-sometimes", "graphs-compiled", "compiled", "graphs+eagle", "graphs+"):
         with pytest.raises(ValueError, match="unknown arm"):
             split_arm(unknown)

@@ -116,7 +116,7 @@ def test_the_w8a8_variants_matmul_is_the_matmul_of_the_weight_read_back_within_e
     fp32 sum. Rows differ in scale by orders of magnitude and so do the weight's channels, so a
     row's scale dropped or one taken from the wrong row shows; every output stays within the bound
     e4m3's rounding of the activations allows (1/16 of each product's size), plus bf16's rounding."""
-    from nanolab.lab.fp8bench import quantize_rows_fp8, scaled_mm_linear
+    from nanolab.lab.fp8bench import scaled_mm_linear
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(80, 64, generator=g) * torch.logspace(-2, 2, 80)[:, None]).to(torch.bfloat16)
@@ -127,11 +127,9 @@ def test_the_w8a8_variants_matmul_is_the_matmul_of_the_weight_read_back_within_e
     bound = (x.double().abs() @ w.abs().T) / 16 + ref.abs() * 2.0**-8
     assert out.shape == (80, 48) and out.dtype == torch.bfloat16
     assert bool(((out.double() - ref).abs() <= bound).all())
-    xq, x_scale = quantize_rows_fp8(x)
-    assert xq.dtype == E4M3 and x_scale.shape == (80, 1)
-    assert bool(((dequantize_fp8(xq, x_scale[:, 0]) - x.float()).abs() <= fp8_error_bound(x, x_scale[:, 0])).all())
-    with pytest.raises(ValueError, match=r"\[rows, K\]"):
-        quantize_rows_fp8(x[0])
+    xq, x_scale = quantize_fp8(x)  # the activations' rows, by the weights' rule
+    assert xq.dtype == E4M3 and x_scale.shape == (80,)
+    assert bool(((dequantize_fp8(xq, x_scale) - x.float()).abs() <= fp8_error_bound(x, x_scale)).all())
 
 
 @pytest.mark.cuda

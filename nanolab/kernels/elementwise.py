@@ -179,4 +179,3 @@ def silu_mul_op(x: torch.Tensor) -> torch.Tensor:
 @silu_mul_op.register_fake
 def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-

@@ -137,7 +137,7 @@ def step_config(n: int, k: int, m: int, swiglu: bool = False, element_size: int 
     for elements wider than bf16's (`element_size` bytes). A deep one-byte (e4m3) weight takes four
     shares of 128-wide tiles, the best of its sweep at 8 rows (`data/day65_fp8_tiles_h200.csv`). With
     `norm`, one share of K: a share cannot see a row's whole sum of squares."""
-    if k >= 4 * n and element_size == 1:  # one-byte weights: four shares of narrower tiles (day65_fp8_tiles)
+    if k >= 4 * n and element_size == 1:
         block_n, block_k, split = 32, 128, 4
     elif k >= 4 * n:
         block_n, block_k, split = 32, 512, 2

@@ -45,6 +45,7 @@ from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
 from nanolab.lab.stepparts import kernel_class
 from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
+from nanolab.model.quant import quantize_fp8
 
 PARTS = ("steps", "quality", "tiles", "profile")
 BATCHES = (1, 8)
@@ -69,28 +70,15 @@ def stored_weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, K] -> (xq [rows, K] float8_e4m3fn, scale [rows, 1] fp32): each row scaled by its
-    own absolute maximum over 448, so x ~ xq * scale (`model.quant`'s rule, a row of activations
-    in place of a weight's output channel; vLLM's dynamic per-token scales)."""
-    if x.dim() != 2:
-        raise ValueError(f"rows to quantize are [rows, K], got shape {tuple(x.shape)}")
-    xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX  # [rows, 1]
-    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
 def scaled_mm_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [rows, K] @ (qweight * scale[:, None]).T -> [rows, N] in x's dtype, on fp8 tensor cores (or
-    the CPU's `torch._scaled_mm`): x's rows quantized to e4m3 with a scale each
-    (`quantize_rows_fp8`), the row scales [rows, 1] and the weight's [1, N] applied to the fp32 sum.
+    the CPU's `torch._scaled_mm`): x's rows quantized to e4m3 with a scale each, by the rule a
+    weight's output channels are (`quantize_fp8`; vLLM's dynamic per-token scales), the row scales
+    [rows, 1] and the weight's [1, N] applied to the fp32 sum.
     K and N must be multiples of 16. The design Day 65 measured for a prompt's chunk and did not
     keep: SmolLM2's perplexity moves 1.85% with it, over the 1% gate."""
-    xq, x_scale = quantize_rows_fp8(x)
-    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype)
+    xq, x_scale = quantize_fp8(x)
+    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
 
 
 def fp8_gemm_chunks_(llm: LLM) -> None:
@@ -209,17 +197,15 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 def run_quality(model: str, device: str | None, dtype: str = "bfloat16",
                 log: Callable[[str], None] = print) -> pd.DataFrame:
-    """A row per variant ("bf16", "fp8 layers", "fp8 layers and head"): perplexity of the text and
+    """A row per variant ("bf16", "fp8 layers", and the lab's variants of it): perplexity of the text and
     its change against bf16, and the greedy agreement with bf16 over the prompt sets."""
-    variants = {"bf16": (None, False), "fp8 layers": ("fp8", False), "fp8 layers and head": ("fp8", True),
-                "fp8 layers, W8A8 prompt steps": ("fp8", "chunks")}
+    variants = {"bf16": (None, None), "fp8 layers": ("fp8", None), "fp8 layers and head": ("fp8", quantize_head_),
+                "fp8 layers, W8A8 prompt steps": ("fp8", fp8_gemm_chunks_)}  # name -> (quantization, lab variant)
     rows, reference = [], None
-    for name, (quantization, head) in variants.items():
+    for name, (quantization, variant) in variants.items():
         llm = LLM(model, device=device, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
-        if head == "chunks":
-            fp8_gemm_chunks_(llm)
-        elif head:
-            quantize_head_(llm)
+        if variant is not None:
+            variant(llm)
         ids = llm.tokenizer.encode(TEXT.read_text())
         prompts = [llm.tokenizer.encode_chat(m) for s in PROMPT_SETS for m in load_prompt_set(s)]
         ppl, tokens = perplexity(llm, ids), greedy_tokens(llm, prompts)

@@ -49,10 +49,10 @@ from nanolab.lab.serveprocess import (
     GRAPHED,
     SERVER_TOKEN_BUDGET,
     ServeProcess,
-    arm_speculation,
     free_port,
     serve_command,
     split_arm,
+    split_speculation,
 )
 from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, itl_quantiles, serving_metrics
 from nanolab.lab.workload import SEED_RATES, WORKLOADS, Workload, rate_schedule, request_plan
@@ -125,8 +125,9 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
         extra["max_num_batched_tokens"] = max_num_batched_tokens
     if mode in GRAPHED:  # named, not left to the server's default
         extra["cudagraph_mode"] = "full" if mode == "fullgraphs" else "full_decode_only"
-    if arm_speculation(arm) is not None:
-        extra["speculative_config"] = arm_speculation(arm)
+    speculative_config = split_speculation(arm)[1]
+    if speculative_config is not None:
+        extra["speculative_config"] = speculative_config
     argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
                    max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                    max_waiting=max(1024, workload.max_requests + warmup), **extra)
@@ -238,7 +239,7 @@ def run_graphbench(model: str, device: str, arms: Sequence[str] = DEFAULT_ARMS, 
         for arm in arms:
             batches = table[table.arm == arm].step_batch.dropna().astype(int).unique()
             batches = [b for b in batches if b >= 1]
-            if batches and arm_speculation(arm) is None:  # a speculating arm's plain decode step is its base's
+            if batches and split_speculation(arm)[1] is None:  # a speculating arm's plain decode step is its base's
                 log(f"{arm}: timing decode steps in-process at batch {', '.join(map(str, sorted(batches)))}")
                 offline_tables.append(time_offline(model, device, arm, batches, context, dtype=dtype, read=read,
                                                    max_num_seqs=max_num_seqs, steps=offline_steps,
@@ -277,8 +278,8 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
                                 "value": eager / graphs, "aim": ">= 3", "met": eager / graphs >= 3,
                                 "detail": f"ITL p50 {eager:.2f} ms eager, {graphs:.2f} ms graphs"})
     for arm in arms:  # a speculating arm against the same server without it
-        base = arm.partition("+")[0]
-        if "+" not in arm or base not in set(arms):
+        base, speculation = split_speculation(arm)
+        if speculation is None or base not in set(arms):
             continue
         for rate in sorted(set(rates[rates.arm == arm].rate) & set(rates[rates.arm == base].rate)):
             on, off_ms = by.loc[(arm, rate), "itl_p50_ms"], by.loc[(base, rate), "itl_p50_ms"]

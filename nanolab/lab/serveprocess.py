@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def split_arm(arm: str) -> tuple[str, str | None]:
     """An arm's graphs mode and prefill: "graphs-whole" -> ("graphs", "whole"); "eager" ->
-    ("eager", None), the server's default prefill. Either may end in "+ngram" (`arm_speculation`)."""
+    ("eager", None), the server's default prefill. Either may end in "+ngram" (`split_speculation`)."""
     base, plus, spec = arm.partition("+")
     mode, _, prefill = base.partition("-")
     if mode not in ARMS or prefill not in ("", *PREFILLS) or (plus and spec not in SPECULATIONS):
@@ -50,12 +50,13 @@ def split_arm(arm: str) -> tuple[str, str | None]:
     return mode, prefill or None
 
 
-def arm_speculation(arm: str) -> dict | None:
-    """The server's `speculative_config` for an arm: "graphs+ngram" speculates by prompt lookup with
-    the config's defaults; an arm without the suffix, None."""
+def split_speculation(arm: str) -> tuple[str, dict | None]:
+    """An arm without its speculation, and the server's `speculative_config` for it:
+    "graphs+ngram" -> ("graphs", {"method": "ngram"}), prompt lookup with the config's defaults;
+    an arm without the suffix -> (arm, None)."""
     split_arm(arm)
-    _, plus, spec = arm.partition("+")
-    return {"method": spec} if plus else None
+    plain, plus, spec = arm.partition("+")
+    return plain, {"method": spec} if plus else None
 
 
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
