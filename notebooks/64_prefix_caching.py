@@ -310,8 +310,8 @@ lab.show(lab.load_table("day64split_ratios", "h200")[["ratio", "value", "aim", "
 # The second turn over 4,096 tokens went from 13.2 to 9.5 ms, 4.1x faster than without caching.
 # The warm hit at 2,048 tokens did not move: 7.8 ms, 2.5x. Its one 50-token step still takes
 # 3.8 ms, about what the 64-token step at 4,096 tokens takes. So that step's time no longer grows
-# with the context, and it is not the attention walk that holds it. The split also shows where the
-# rest goes. Front (HTTP, checks, the pipe to the core) costs 2.6 ms and back 0.7 ms, with less
+# with the context; where its 3.8 ms go, these tables do not say. The split does show where the
+# rest of the TTFT goes. Front (HTTP, checks, the pipe to the core) costs 2.6 ms and back 0.7 ms, with less
 # than 1 ms of host work in the step call.
 #
 # The no-hit pass in this run spread from 0.82 to 1.16 between repeats, with a median of 0.968.

@@ -109,8 +109,8 @@ print(f"bf16 batch 1, down with SwiGLU fused in: {silu_down.us_per_step.sum() / 
 # The next section times the same product alone at 10 us. Fused, the reduction recomputes
 # silu(gate) * up for each of its 2,048 output channels, so it reads gate and up 2,048 times.
 # The step now writes the activation once, with its own small kernel, before `down` reads it.
-# That took bf16 at batch 1 from 1.154 ms (this table's first run, on 2026-12-03) to 1.04 to
-# 1.09 ms over two runs: the table above, and the variant's below.
+# That took bf16 at batch 1 from 1.154 ms (this table's first run, on 2026-12-03, in the
+# repository's history) to the 1.093 ms above.
 #
 # The fp8 arm has no such fusion to lose: its projections are the Triton GEMV, opaque to
 # inductor. Its projections took 784 us a step at batch 1 against bf16's 970.
@@ -137,11 +137,11 @@ lab.show(best.groupby(["rows", "projection", "kind"]).us.min().unstack().round(2
 # 1.5 us. Summed over a layer at batch 1, the best fp8 path is about 35 us against bf16's 45.
 # Across 16 layers that is at most 0.17 ms a step, and the step measured gains less.
 #
-# One variant was measured in the step and not kept: inductor's reduction over the widened bytes
-# for every projection narrower than gate/up. Alone it beat the GEMV (6.2 us against 7.1 for
-# `qkv`). Inside the step it made fp8 slower at batch 1, 1.106 ms against the GEMV's 1.02 to
-# 1.06 (`data/day65reduce_fp8_steps_h200.csv`). The deep `down` weight takes four shares of
-# 128-wide tiles now, the best of its sweep at 8 rows.
+# At batch 1, inductor's reduction over the widened bytes beats the GEMV alone for every
+# projection narrower than gate/up (6.2 us against 7.1 for `qkv`). Inside the step it did not: a
+# trial that sent those projections through it made fp8's step slower, so the engine keeps the
+# GEMV. That trial's code was not kept, and neither are its numbers. The deep `down` weight takes
+# four shares of 128-wide tiles now, the best of its sweep at 8 rows.
 #
 # Getting under 0.55 ms needs fewer, larger launches, not fewer bytes: the fixed cost of a
 # projection's launch, about 5 us, times the 64 projections of a step is most of what separates
