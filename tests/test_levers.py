@@ -229,6 +229,7 @@ def test_folded_step_folds_every_norm_add_and_swiglu_into_the_projections(monkey
 def test_kernel_classes():
     assert kernel_class("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT") == "projections"
     assert kernel_class("_paged_decode_group") == "attention read"
+    assert kernel_class("_varlen_group") == kernel_class("_varlen_fold") == "attention read"
     assert kernel_class("triton_red_fused__to_copy_add_mean_mul_rsqrt_0") == "fused by inductor"
     assert kernel_class("void at::native::vectorized_layer_norm_kernel<c10::BFloat16") == "norms"
     assert kernel_class("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps") == "sampling"

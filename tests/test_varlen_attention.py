@@ -135,6 +135,32 @@ def test_a_flat_grid_over_padding_equals_the_reference(segments):
         varlen_attention(**step, max_query_len=1, grid_tokens=n, **TILES)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_captured_grid_counts_the_tokens_not_the_table_rows(splits, monkeypatch):
+    """A captured step's plan has a segment per table row, 64 here, and three decode rows of one
+    token each: the grid, the search and the fold look at the first grid_tokens segments alone
+    (every real one, since each holds a token), so the flat grid is 3 // tile + 3 programs a KV
+    head and share, not 3 // tile + 64, and the last real segment is still read."""
+    import nanolab.kernels.varlen_attention as va
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    kernel = va._varlen_group
+    monkeypatch.setattr(va, "_varlen_group", Recorder())
+    case, _ = varlen_case([(7, 1), (0, 1), (21, 1)], 4, 2, 24, seed=7)
+    n = case["q"].shape[0]
+    step = padded(case, extra_tokens=0, extra_segments=61)
+    got = varlen_attention(**step, max_query_len=1, grid_tokens=n, splits=splits, share_tiles=1, **TILES)
+    torch.testing.assert_close(got, varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    block_q = TILES["block_m"] // 2  # a group of two query heads
+    assert grids == [(n // block_q + n, 1, 2 * splits)]
+
+
 def test_default_tiles_and_one_token_segments_only():
     """Decode rows alone (every segment one token), at the default 64-wide tiles."""
     case, max_q = varlen_case([(7, 1), (0, 1), (21, 1)], 4, 2, 24, seed=2)
@@ -231,6 +257,23 @@ def test_the_operator_passes_splits_through(monkeypatch):
     (_, m, _), = made
     assert (m[:3] > float("-inf")).all(), "the long row's two shares both read keys"
     torch.library.opcheck(varlen_attention_op, args, {"splits": 2}, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("num_sms", [132, 2])
+def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
+    """The compiled step's operator over a captured step's plan (a segment per table row, padding
+    tokens after the real ones): the flat grid cut for q's tokens reads what the reference reads,
+    the split count chosen inside for them (8 with 132 SMs to fill, 1 with 2)."""
+    made = poison_partials(monkeypatch)
+    case, _ = varlen_case([(300, 3), (2, 2), (40, 1)], 4, 2, 24, seed=8)
+    n = case["q"].shape[0]
+    step = padded(case, extra_tokens=3, extra_segments=20)
+    args = [step[k] for k in ("q", "k_pool", "v_pool", "block_table", "table_rows", "query_start_loc",
+                              "context_lens", "positions", "block_size")]
+    got = varlen_attention_op(*args, num_sms=num_sms)
+    torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    assert not got[n:].any(), "a padding token was attended"
+    assert len(made) == (num_sms == 132), "the split read runs where the SMs want more programs"
 
 
 def test_choose_varlen_splits():

@@ -144,11 +144,13 @@ def test_capture_sizes_follow_vllms_list():
 
 @needs_cuda
 @pytest.mark.cuda
-def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, compile):
     """An engine whose varlen steps replay graphs against one that runs them eagerly: the same
     requests, chunked so steps mix chunks and decode rows, every step's logits within 1e-3 (fp32
     weights, TF32 off). Each graphed step replayed the smallest size holding it, and a plan given
-    to a graph of another size is refused."""
+    to a graph of another size is refused. Compiled, the graphs capture the compiled model
+    (`DecodeForward.varlen`)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     path = sharp_gqa24.path
     prompts = [torch.randint(1, 200, (n,)).tolist() for n in (37, 5, 61, 12)]
@@ -156,7 +158,7 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch):
     runs = {}
     for mode in ("full", "full_decode_only"):
         llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=48, max_num_seqs=8,
-                  num_blocks=64, compile=False, cudagraph_mode=mode, async_scheduling=False)
+                  num_blocks=64, compile=compile, cudagraph_mode=mode, async_scheduling=False)
         engine = llm.engine  # synchronous: every step's logits come back with its tokens
         seen, logits = [], {}
         for prompt in prompts:
@@ -272,3 +274,40 @@ def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model):
             plan = cache.plan_varlen(rows, (5, 3), input_ids=[4, 8, 15, 16, 23, 42, 7, 9], num_tokens=16)
             logits.append(varlen_step(tiny_model, cache, plan)[:2])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter")
+def test_the_compiled_varlen_step_gives_the_eager_steps_logits_in_one_graph(sharp_gqa24):
+    """What a varlen graph captures when the engine compiles (`DecodeForward.varlen`): padded steps
+    of two sizes and different mixes of segments (decode rows, a chunk after history, a whole
+    prompt) through the compiled model give the eager model's logits within 1e-4, and one graph
+    serves both sizes and every mix: the token count is symbolic and no host value of the plan is
+    guarded on."""
+    from nanolab import load_model
+    from nanolab.engine.runner import compile_decode
+
+    model = load_model(sharp_gqa24.path, dtype=torch.float32)
+    config = model.config
+    kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+              head_dim=config.head_dim, num_blocks=32, block_size=4, max_rows=6, read="streamed")
+    eager, compiled = make_cache(**kw), make_cache(**kw)
+    forward = compile_decode(model)
+    torch._dynamo.reset()
+    steps = [((0, 1), (9, 4), [True, True]), ((0, 1, 2), (1, 1, 11), [True, True, True]),
+             ((2, 3), (3, 2), [True, False])]
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for cache in (eager, compiled):
+            cache.reserve_varlen(16)
+            for _ in range(4):
+                cache.blocks.open_row()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for i, (rows, counts, sampled) in enumerate(steps):
+            ids = torch.randint(3, config.vocab_size, (sum(counts),), generator=g).tolist()
+            size = 8 if sum(counts) <= 8 else 16
+            want = varlen_step(model, eager, eager.plan_varlen(rows, counts, sampled, input_ids=ids, num_tokens=size))
+            plan = compiled.plan_varlen(rows, counts, sampled, input_ids=ids, num_tokens=size)
+            got = varlen_step(forward.varlen, compiled, plan)
+            torch.testing.assert_close(got[:sum(sampled)], want[:sum(sampled)], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, i=i: f"step {i}: {m}")
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1

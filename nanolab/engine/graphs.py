@@ -152,9 +152,11 @@ def varlen_step(model: Callable, cache: KVCache, plan: VarlenPlan) -> torch.Tens
 class VarlenGraphs:
     """A CUDA graph of `varlen_step` per token count of `sizes` (vLLM's mixed-batch graphs, keyed on
     the padded token count). A step of n tokens replays the smallest size holding n; a step larger
-    than every size runs eagerly. The cache's varlen buffers are reserved for the largest size."""
+    than every size runs eagerly. The cache's varlen buffers are reserved for the largest size.
+    `model` is what the graphs capture: the model, or a compiled stand-in taking the same arguments
+    (`runner.DecodeForward.varlen`); `vocab_size` its logits' width."""
 
-    def __init__(self, model: Callable, cache: KVCache, sizes: tuple[int, ...]) -> None:
+    def __init__(self, model: Callable, cache: KVCache, sizes: tuple[int, ...], vocab_size: int) -> None:
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {cache.device}")
         if cache.read != "streamed":
@@ -169,7 +171,7 @@ class VarlenGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Every graph copies its logits here, [max_rows, vocab] fp32, outside the pool: kept per
         # graph, 51 outputs of Llama-3's vocabulary at 64 rows would hold 1.6 GiB.
-        self.logits = torch.empty((cache.max_rows, model.config.vocab_size), dtype=torch.float32,
+        self.logits = torch.empty((cache.max_rows, vocab_size), dtype=torch.float32,
                                   device=cache.device)
         self.report: CaptureReport | None = None
 

@@ -270,9 +270,11 @@ class KVCache:
             self._varlen_sizes)
         return VarlenPlan(
             table_rows=table_rows, write_slots=write_slots[:num_tokens], query_start_loc=loc_, context_lens=lens_,
-            positions=positions_[None, :num_tokens], logits_index=logits_index_, block_table=self.block_table,
+            positions=positions_[:num_tokens][None], logits_index=logits_index_, block_table=self.block_table,
             block_size=self.block_size, query_lens=tuple(counts), planned_lens=lens, rows=rows,
-            input_ids=ids[None, :num_tokens], padded=True, epoch=self._varlen_plans)
+            # [1, num_tokens] views whose strides are a contiguous tensor's, so that a compiled step
+            # (whose token count is symbolic) has no stride of the buffer's to guard on
+            input_ids=ids[:num_tokens][None], padded=True, epoch=self._varlen_plans)
 
     def plan_varlen_padding(self, num_tokens: int) -> VarlenPlan:
         """A padded plan of `num_tokens` tokens and no real segment, touching no row: what a
@@ -410,7 +412,8 @@ def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: to
     plan, kv = view.plan, view.cache
     if torch.compiler.is_compiling():  # one opaque node, with no host value of the plan's to guard on
         return varlen_attention_op(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
-                                   plan.query_start_loc, plan.context_lens, positions[0], plan.block_size)[None]
+                                   plan.query_start_loc, plan.context_lens, positions[0], plan.block_size,
+                                   num_sms=kv.num_sms)[None]
     kv_heads = kv.k_pools[layer].shape[1]
     # A short step over a long context cuts each walk into shares. A padded (captured) step's split
     # count is its size's: the graph holds it for whatever lengths it replays.

@@ -4,7 +4,8 @@ Which forward a decode step runs is fixed at construction: the model eagerly, or
 as `forward` (the model compiled by inductor, `compile_decode`), and on top of either, CUDA graphs
 over the capture buckets. A decode batch outside the capture list runs the same planned step
 eagerly. A step that is not decode-only (whole prompts, chunks, and decode rows beside them) runs
-the model eagerly over one flattened varlen plan.
+one flattened varlen plan: padded to a capture size, it replays a varlen graph of the same forward
+(`DecodeForward.varlen` when compiled); larger, or with no varlen graphs, the model eagerly.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ class DecodeForward:
         self.batch_1_options = batch_1_options
         self.pdl, self.steady = pdl, steady
 
+    def varlen(self, ids: torch.Tensor, positions: torch.Tensor, cache=None,
+               logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """A varlen step (ids [1, num_tokens]) through `batched`, whose token count is symbolic
+        for it as the batch is for decode: the norms, residual adds and activations fused, the
+        varlen read one opaque op (`varlen_attention_op`). What a varlen graph captures."""
+        with pdl_module.launching_dependents(self.pdl):
+            return self.batched(ids, positions, cache=cache, logits_index=logits_index)
+
     @property
     def tune_batch_1(self) -> bool:
         return self.batch_1_options == BATCH_1_OPTIONS
@@ -153,7 +162,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
             if varlen_capture_size is not None:
-                self.varlen_graphs = VarlenGraphs(model, kv_cache, capture_sizes(varlen_capture_size))
+                # With a compiled decode step, the varlen graphs capture its compiled model too: a
+                # step of few tokens (a verify step, a short prompt after a cached prefix) is as
+                # many small launches as the eager model has kernels.
+                varlen_forward = self.forward.varlen if isinstance(self.forward, DecodeForward) else model
+                self.varlen_graphs = VarlenGraphs(varlen_forward, kv_cache, capture_sizes(varlen_capture_size),
+                                                  model.config.vocab_size)
                 self.varlen_graphs.capture(self.graphs.pool, progress=progress)
 
     def close(self) -> None:

@@ -214,7 +214,9 @@ def varlen_attention(
     max_query_len   host int, the longest segment: the grid's query-tile axis
     grid_tokens     host int or None: cut a flat grid for this many tokens instead, whatever the
                     segments hold (a captured step, whose grid cannot follow the step's lengths):
-                    grid_tokens // tile + segments programs a KV head, each finding its segment
+                    grid_tokens // tile + min(segments, grid_tokens) programs a KV head, each finding
+                    its segment; segments past the first grid_tokens must be empty (a padded plan's
+                    padding, after its real segments)
     splits          host int >= 1: shares each program's key walk is cut into, each its own program,
                     folded by `_varlen_fold` (`choose_varlen_splits` picks it); 1 walks it whole
     returns         [num_tokens, heads, head_dim]   in q's dtype
@@ -251,7 +253,13 @@ def varlen_attention(
         return out
     if grid_tokens is None:
         grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads * splits)
-    else:  # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
+    else:
+        # A captured step has a segment per table row (max_rows), but at most grid_tokens of them
+        # hold a token: the rest are padding, empty, after the real ones. The search, the grid and
+        # the fold look at those alone; a grid cut for every row launched 64 to 256 programs a KV
+        # head and share that walked nothing, several times the real step's work.
+        segments = min(segments, grid_tokens)
+        # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
         grid = (grid_tokens // block_q + segments, 1, kv_heads * splits)
     D = _pow2(d, 16)
     # out stands in for the partials when there are none (splits == 1 never touches them)
@@ -290,18 +298,26 @@ def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: i
 @torch.library.custom_op("nanolab::varlen_attention", mutates_args=())
 def varlen_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                         table_rows: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                        positions: torch.Tensor, block_size: int, splits: int = 1) -> torch.Tensor:
-    """`varlen_attention` as one opaque operator, for a compiled varlen step: its grid's query axis
-    is cut for the step's whole token count (q's first dimension, symbolic in the graph) instead of
-    the longest segment, a host value a compiled step would have to guard on, so one graph serves
-    every mix of segments. The extra tiles lie past their segment's end and walk nothing. `splits`
-    is `varlen_attention`'s."""
+                        positions: torch.Tensor, block_size: int, splits: int | None = None,
+                        num_sms: int = 132) -> torch.Tensor:
+    """`varlen_attention` as one opaque operator, for a compiled varlen step. Its grid is the flat
+    one a captured step's is, cut for the step's whole token count (q's first dimension, symbolic
+    in the graph) instead of the longest segment, a host value a compiled step would have to
+    guard on, so one graph serves every mix of segments: segments past q's token count must be
+    empty (a padded plan's padding). `splits` is `varlen_attention`'s; None chooses it here, at
+    run time, for the token count on `num_sms` SMs (`choose_varlen_splits`, as a captured eager
+    step does for its size), which the graph then holds."""
+    n, heads = q.shape[0], q.shape[1]
+    kv_heads = k_pool.shape[1]
+    if splits is None:
+        splits = choose_varlen_splits(n, 1, kv_heads, heads // kv_heads, num_sms)
     return varlen_attention(q, k_pool, v_pool, block_table, table_rows, block_size, query_start_loc, context_lens,
-                            positions, max(q.shape[0], 1), splits=splits)
+                            positions, max(n, 1), grid_tokens=max(n, 1), splits=splits)
 
 
 @varlen_attention_op.register_fake
-def _(q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, block_size, splits=1):
+def _(q, k_pool, v_pool, block_table, table_rows, query_start_loc, context_lens, positions, block_size, splits=None,
+      num_sms=132):
     return torch.empty_like(q)
 
 

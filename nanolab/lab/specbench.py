@@ -19,7 +19,8 @@ Two more parts:
   `--prompt-len` tokens, each step planned, run (a graph replayed where one fits) and its argmax read
   back, the decode step one token a row, the verify step k + 1 (the pending token and k drafts),
   logits at every one; each row is shortened back after the step, so every step sees the same
-  history. The two alternate; medians.
+  history. The two alternate; medians. On CUDA, `<prefix>_spec_verify_kernels_<device>` adds both
+  steps' GPU kernels under the profiler, by kernel and class, us a step.
 
     python -m nanolab specbench --device cpu --model smollm2-135m
     python -m nanolab specbench --model llama-3.2-1b --parts verify
@@ -159,9 +160,9 @@ def switch_off_batch(table: pd.DataFrame) -> int | None:
     return next((int(r.batch) for r in on.itertuples() if r.speedup_over_off <= 1.0), None)
 
 
-def _step_times(llm: LLM, seqs: list, k: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of decode and verify steps over `seqs` (each holding its pending token), alternated,
-    each row shortened back after every step; two untimed rounds first."""
+def _steps(llm: LLM, seqs: list, k: int) -> dict[str, Callable[[], None]]:
+    """The decode and the verify step over `seqs` (each holding its pending token), each row
+    shortened back after the step, so every step sees the same history."""
     runner, blocks = llm.engine.runner, llm.engine.block_manager
     held = [s.num_tokens - 1 for s in seqs]  # in the cache: all but each row's pending token
     batch = len(seqs)
@@ -179,31 +180,64 @@ def _step_times(llm: LLM, seqs: list, k: int, repeats: int) -> dict[str, list[fl
             for s in seqs:
                 del s.output_token_ids[-k:]
 
-    times = {"decode": [], "verify": []}
+    def shortened(step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            step()
+            for s, n in zip(seqs, held, strict=True):
+                blocks.truncate(s.row, n)
+        return run
+
+    return {"decode": shortened(decode), "verify": shortened(verify)}
+
+
+def _step_times(llm: LLM, steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of `steps`, alternated; two untimed rounds first."""
+    times = {name: [] for name in steps}
     for i in range(repeats + 2):
-        for name, step in (("decode", decode), ("verify", verify)):
+        for name, step in steps.items():
             sync(llm.device)
             start = time.perf_counter()
             step()
             elapsed = time.perf_counter() - start
-            for s, n in zip(seqs, held, strict=True):
-                blocks.truncate(s.row, n)
             if i >= 2:
                 times[name].append(elapsed)
     return times
 
 
+def _step_kernels(steps: dict[str, Callable[[], None]], repeats: int, batch: int, k: int) -> pd.DataFrame:
+    """Each step's CUDA kernels under the profiler over `repeats` runs (`capturebench.kernel_table`)."""
+    import torch
+
+    from nanolab.lab.capturebench import kernel_table
+    from nanolab.lab.stepparts import kernel_class
+
+    tables = []
+    for name, step in steps.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                step()
+            torch.cuda.synchronize()
+        tables.append(kernel_table(prof, repeats, name).assign(batch=batch, k=k))
+    kernels = pd.concat(tables, ignore_index=True)
+    kernels["class"] = kernels.kernel.map(kernel_class)
+    return kernels
+
+
 def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BATCHES, k: int = 4,
-                    prompt_len: int = 128, repeats: int = 30, log: Callable[[str], None] = print) -> pd.DataFrame:
-    """A row per batch: the median ms of a decode step and of a verify step of k drafts a row, at
-    the runner (see the module's docstring), and their ratio."""
+                    prompt_len: int = 128, repeats: int = 30, profile: bool | None = None,
+                    log: Callable[[str], None] = print) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """(costs, kernels): a row per batch, the median ms of a decode step and of a verify step of k
+    drafts a row, at the runner (see the module's docstring), and their ratio; with `profile`
+    (default: on CUDA), both steps' kernels per batch."""
     llm = LLM(model, device=device, enable_prefix_caching=False, async_scheduling=False,
               max_num_seqs=max(64, *batches))
     engine, runner = llm.engine, llm.engine.runner
-    rows = []
+    profile = llm.device.type == "cuda" if profile is None else profile
+    rows, kernels = [], []
     for batch in batches:
         seqs = prefill(engine, random_prompts(batch, prompt_len, llm.config.vocab_size), new_tokens=1 << 20)
-        times = _step_times(llm, seqs, k, repeats)
+        steps = _steps(llm, seqs, k)
+        times = _step_times(llm, steps, repeats)
         decode_ms, verify_ms = (1e3 * statistics.median(times[n]) for n in ("decode", "verify"))
         rows.append({"batch": batch, "k": k, "prompt_len": prompt_len, "repeats": repeats, "decode_ms": decode_ms,
                      "verify_ms": verify_ms, "verify_over_decode": verify_ms / decode_ms,
@@ -211,12 +245,17 @@ def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BAT
                      "verify_tokens": batch * (k + 1)})
         log(f"batch {batch}: decode {decode_ms:.3f} ms, verify of k={k} {verify_ms:.3f} ms "
             f"({verify_ms / decode_ms:.2f}x, target {VERIFY_COST_TARGET}x)")
+        if profile:
+            kernels.append(_step_kernels(steps, repeats, batch, k))
+            for arm, t in kernels[-1].groupby("arm", sort=False):
+                log(f"  {arm}: {t.us_per_step.sum():.0f} us of kernels in {t.calls.sum() / repeats:.0f} launches; "
+                    + ", ".join(f"{c} {us:.0f}" for c, us in t.groupby("class").us_per_step.sum().items()))
         for s in seqs:
             engine.abort_request(s.request_id)
         while engine.has_unfinished_requests():
             engine.step()
     llm.close()
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows), (pd.concat(kernels, ignore_index=True) if kernels else None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -274,7 +313,12 @@ def main(args: argparse.Namespace) -> int:
                   else f"speculation is no faster from batch {where}")
             print(f"{args.prefix}_spec_batches: {save_table(table, f'{args.prefix}_spec_batches', label)}")
         else:
-            table = run_verify_cost(args.model, str(device), _parse_batches(args.batches, VERIFY_BATCHES), args.k)
+            table, kernels = run_verify_cost(args.model, str(device), _parse_batches(args.batches, VERIFY_BATCHES),
+                                             args.k)
             print(table.round(3).to_string(index=False))
             print(f"{args.prefix}_spec_verify: {save_table(table, f'{args.prefix}_spec_verify', label)}")
+            if kernels is not None:
+                print(kernels.groupby(["batch", "arm"], sort=False).head(10).round(1).to_string(index=False))
+                stem = f"{args.prefix}_spec_verify_kernels"
+                print(f"{stem}: {save_table(kernels, stem, label)}")
     return status

@@ -19,7 +19,7 @@ KERNEL_CLASSES = (
     # activation fused in) are named after it.
     ("projections", ("nvjet", "gemm", "cutlass", "splitkreduce", "triton_tem", "_mm", "_gemv", "_sum_splits",
                      "_norm_qkv_rope", "_norm_gate_up", "_norm_head")),
-    ("attention read", ("_paged_decode", "_merge_splits")),
+    ("attention read", ("_paged_decode", "_merge_splits", "_varlen_group", "_varlen_fold")),
     ("sampling", ("argmax", "reduce_kernel", "_chunk_max", "_pick")),
     ("norms", ("layer_norm", "rms")),
     ("fused by inductor", ("triton_",)),
