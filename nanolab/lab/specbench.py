@@ -225,11 +225,12 @@ def _step_kernels(steps: dict[str, Callable[[], None]], repeats: int, batch: int
 
 def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BATCHES, k: int = 4,
                     prompt_len: int = 128, repeats: int = 30, profile: bool | None = None,
-                    log: Callable[[str], None] = print) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+                    log: Callable[[str], None] = print,
+                    dtype: str = "auto") -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """(costs, kernels): a row per batch, the median ms of a decode step and of a verify step of k
     drafts a row, at the runner (see the module's docstring), and their ratio; with `profile`
     (default: on CUDA), both steps' kernels per batch."""
-    llm = LLM(model, device=device, enable_prefix_caching=False, async_scheduling=False,
+    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, async_scheduling=False,
               max_num_seqs=max(64, *batches))
     engine, runner = llm.engine, llm.engine.runner
     profile = llm.device.type == "cuda" if profile is None else profile
@@ -264,7 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated prompt sets of tests/data/spec")
     parser.add_argument("--k", type=int, default=4, help="the most drafts a row (num_speculative_tokens)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="auto", help="the weights' dtype for latency and batches")
+    parser.add_argument("--dtype", default="auto", help="the weights' dtype")
     parser.add_argument("--parts", default="latency", help=f"comma-separated, from {', '.join(PARTS)}")
     parser.add_argument("--batches", default=None,
                         help=f"batch sizes: for batches (default {','.join(map(str, BATCHES))}) and verify "
@@ -314,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{args.prefix}_spec_batches: {save_table(table, f'{args.prefix}_spec_batches', label)}")
         else:
             table, kernels = run_verify_cost(args.model, str(device), _parse_batches(args.batches, VERIFY_BATCHES),
-                                             args.k)
+                                             args.k, dtype=args.dtype)
             print(table.round(3).to_string(index=False))
             print(f"{args.prefix}_spec_verify: {save_table(table, f'{args.prefix}_spec_verify', label)}")
             if kernels is not None:

@@ -9,6 +9,13 @@ against `varlen_reference` and timed alone in a CUDA graph with L2 flushed (`tim
 captured step's flat grid included (`grid_tokens`, the case's tokens rounded up to a capture
 size). TB/s counts the K/V the case must read once.
 
+Inside a graphed step the engine's launch has read the same shapes in about twice the time it
+takes here, so the engine's launch is also timed in the layouts a step hands it (`LAYOUTS`):
+`step` gives the read what a captured step does, a table row per engine row (the padding rows
+empty, after the real ones) and q as a view of the fused qkv projection's output; `step, large
+pool` also scatters the case's blocks over a pool of `--pool-gib` GiB a layer (K and V each), as a
+served pool of many rows holds them. Each row of the table names its layout.
+
     python -m nanolab varlenbench --model llama-3.2-1b
 """
 
@@ -24,6 +31,7 @@ import torch
 import triton
 
 from nanolab.config import resolve_device
+from nanolab.engine.graphs import capture_sizes
 from nanolab.kernels.paged_attention import SHARE_TILES
 from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, choose_varlen_splits, varlen_attention, varlen_reference
 from nanolab.lab.report import run_label, save_table
@@ -48,6 +56,17 @@ CASES = (
     VarlenCase("verify: 8 rows of 5 over 256", tuple((256, 5) for _ in range(8))),
     VarlenCase("mixed: chunk 448 + 64 decode rows over 512", ((0, 448),) + tuple((512, 1) for _ in range(64))),
 )
+
+
+class Layout(NamedTuple):
+    name: str
+    table_rows: int | None = None  # segments in the table, the padding ones empty; None: the case's own
+    fused_q: bool = False  # q a view of [tokens, heads + 2 kv_heads, head_dim], as the qkv projection writes it
+    pool_gib: float | None = None  # K (and V) pool per layer, the case's blocks scattered over it; None: just fits
+
+
+ENGINE_ROWS = 256  # the server's max_num_seqs: a captured step's table rows
+LAYOUTS = (Layout("alone"), Layout("step", ENGINE_ROWS, True), Layout("step, large pool", ENGINE_ROWS, True, 4.0))
 
 
 class VarlenConfig(NamedTuple):
@@ -79,28 +98,45 @@ def sweep_configs() -> list[VarlenConfig]:
 
 
 def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
-                dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0) -> dict:
+                dtype: torch.dtype = torch.bfloat16, device: str = "cuda", seed: int = 0,
+                layout: Layout = LAYOUTS[0]) -> dict:
     """The read's arguments for `case`: a pool holding every segment's keys in shuffled blocks,
-    the persistent table, and the queries."""
+    the persistent table, and the queries, laid out as `layout` says (padding segments, after the
+    real ones, hold no token and read nothing)."""
     g = torch.Generator().manual_seed(seed)
     lens = [h + n for h, n in case.segments]
     per_row = [math.ceil(n / block_size) for n in lens]
     num_blocks = sum(per_row) + 1
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    table = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
+    if layout.pool_gib is not None:
+        slot_bytes = kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        num_blocks = max(num_blocks, int(layout.pool_gib * (1 << 30)) // (block_size * slot_bytes))
+    order = torch.randperm(num_blocks, generator=g)[:sum(per_row)].tolist()
+    segments = max(len(lens), layout.table_rows or 0)
+    pad = segments - len(lens)
+    table = torch.full((len(lens) + 1, max(per_row)), -1, dtype=torch.int32)  # the last row: the padding's
     for s, n in enumerate(per_row):
         table[s, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
     starts = [0]
     for _, n in case.segments:
         starts.append(starts[-1] + n)
+    tokens = starts[-1]
     positions = [p for h, n in case.segments for p in range(h, h + n)]
-    pool = (num_blocks * block_size + 1, kv_heads, head_dim)
-    out = dict(q=torch.randn(starts[-1], heads, head_dim, generator=g), k_pool=torch.randn(pool, generator=g),
-               v_pool=torch.randn(pool, generator=g), block_table=table, table_rows=torch.arange(len(lens)),
-               query_start_loc=torch.tensor(starts), context_lens=torch.tensor(lens),
+    # Random K/V in the slots the case reads; a large pool stays zeros elsewhere (it is GiBs).
+    used = torch.tensor([b for row, n in zip(table.tolist(), per_row) for b in row[:n]])
+    slots = (used[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    pools = []
+    for _ in range(2):
+        pool = torch.zeros(num_blocks * block_size + 1, kv_heads, head_dim, dtype=dtype, device=device)
+        pool[slots.to(device)] = torch.randn(len(slots), kv_heads, head_dim, generator=g).to(device, dtype)
+        pools.append(pool)
+    # q [tokens, heads, head_dim], inside the qkv projection's output when the layout says so
+    width = heads + 2 * kv_heads if layout.fused_q else heads
+    q = torch.randn(tokens, width, head_dim, generator=g).to(device, dtype)[:, :heads]
+    out = dict(block_table=table, table_rows=torch.tensor(list(range(len(lens))) + [len(lens)] * pad),
+               query_start_loc=torch.tensor(starts + [tokens] * pad), context_lens=torch.tensor(lens + [0] * pad),
                positions=torch.tensor(positions))
-    out = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in out.items()}
-    return {**out, "block_size": block_size}
+    out = {k: v.to(device) for k, v in out.items()}
+    return {**out, "q": q, "k_pool": pools[0], "v_pool": pools[1], "block_size": block_size}
 
 
 def capture_tokens(tokens: int) -> int:
@@ -109,25 +145,32 @@ def capture_tokens(tokens: int) -> int:
 
 
 def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats: int = 30,
-              sms: int | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """A row per config: its error against the reference and us a call, flat (captured) grid."""
+              sms: int | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+              layout: Layout = LAYOUTS[0]) -> list[dict]:
+    """A row per config: its error against the reference and us a call, flat (captured) grid. Laid
+    out alone, the grid is cut for the case's tokens rounded up to a power of two and a share count
+    chosen knowing the longest context; in a step's layout, as a captured step cuts it: the engine's
+    capture size and the count chosen for that size alone (`kv_cache._varlen_streamed`)."""
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device)
+    args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device, layout=layout)
     n = args["q"].shape[0]
-    grid_tokens = capture_tokens(n)
+    step = layout.table_rows is not None
+    grid_tokens = next(size for size in capture_sizes(max(n, 512)) if size >= n) if step else capture_tokens(n)
     ref = varlen_reference(**args).float()
     sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
     kv_bytes = 2 * sum(h + q for h, q in case.segments) * kv_heads * d * args["k_pool"].element_size()
     rows = []
     for c in configs:
         group = heads // kv_heads
-        splits = c.splits or choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
-                                                  max_context=max(h + q for h, q in case.segments))
+        splits = c.splits or (choose_varlen_splits(grid_tokens, 1, kv_heads, group, sms) if step else
+                              choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
+                                                   max_context=max(h + q for h, q in case.segments)))
         run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
             num_stages=c.num_stages)
-        row = {"case": case.name, "tokens": n, "segments": len(case.segments), "block_m": c.block_m,
+        row = {"case": case.name, "layout": layout.name, "tokens": n, "grid_tokens": grid_tokens,
+               "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
                "engine_default": c == DEFAULT}
@@ -142,12 +185,14 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
 
 
 def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Sequence[VarlenConfig] | None = None,
-                    repeats: int = 30, log: Callable[[str], None] = print) -> pd.DataFrame:
+                    repeats: int = 30, layouts: Sequence[Layout] = LAYOUTS,
+                    log: Callable[[str], None] = print) -> pd.DataFrame:
+    """Every config of the sweep on every case alone; then the engine's launch in each other layout."""
     config = ModelConfig.from_dir(resolve_weights(model))
     configs = list(configs or sweep_configs())
     rows = []
     for case in progress_bar(cases, desc="varlen cases", unit="case"):
-        part = time_case(case, config, configs, repeats)
+        part = time_case(case, config, configs, repeats, layout=layouts[0])
         rows += part
         ok = [r for r in part if r["us"] == r["us"]]
         best = min(ok, key=lambda r: r["us"]) if ok else None
@@ -156,12 +201,19 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles)")
+        for layout in layouts[1:]:
+            (r,) = time_case(case, config, [DEFAULT], repeats, layout=layout)
+            rows.append(r)
+            log(f"  the engine's launch, {layout.name}: {r['us']:.1f} us ({r['splits']} shares, "
+                f"{r['table_segments']} table rows, grid for {r['grid_tokens']} tokens)")
     return pd.DataFrame(rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.2-1b", help="a preset name or a model folder (its head shapes)")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--pool-gib", type=float, default=LAYOUTS[-1].pool_gib,
+                        help="the large pool's K (and V) GiB a layer, for the last layout")
     parser.add_argument("--prefix", default="day64", help="the table goes to data/<prefix>_varlen_sweep_<device>.csv")
 
 
@@ -171,8 +223,11 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("varlenbench times the Triton kernel on a GPU: no CUDA device here")
     if args.repeats < 1:
         raise ValueError("--repeats must be positive")
-    table = run_varlenbench(args.model, repeats=args.repeats)
+    if args.pool_gib <= 0:
+        raise ValueError("--pool-gib must be positive")
+    layouts = LAYOUTS[:-1] + (LAYOUTS[-1]._replace(pool_gib=args.pool_gib),)
+    table = run_varlenbench(args.model, repeats=args.repeats, layouts=layouts)
     label = run_label(device, args.model, torch.bfloat16, weights=weights_kind(resolve_weights(args.model)))
-    print(table.dropna(subset=["us"]).sort_values("us").groupby("case").head(3).to_string(index=False))
+    print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout"]).head(3).to_string(index=False))
     print(f"{args.prefix}_varlen_sweep: {save_table(table, f'{args.prefix}_varlen_sweep', label)}")
     return 0
