@@ -36,7 +36,8 @@
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
 # 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*).
 # varlen sweeps the varlen read's tiles, warps, stages and splits alone on the steps that use it: a prompt chunk,
-# a short prompt after a cached prefix, a verify step, a mixed step (data/day64_varlen_sweep_*).
+# a short prompt after a cached prefix, a verify step, a mixed step, and the engine's launch also in the layouts a
+# step hands it (data/day64_varlen_sweep_*), $VARLEN_ARGS added (e.g. "--dtype float32 --prefix day65fp32").
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added; verify the cost of a verify step of k = 4 drafts against a
 # decode step there (data/day65_spec_verify_*). smollm2 brings the embedded model onto the box: its
@@ -120,7 +121,7 @@ for part in "${parts[@]}"; do
             else
                 echo "smollm2: kept $(ls _build/smollm2 | grep -c part) of the GGUF's 2 pieces; carry the other next"
             fi ;;
-        varlen) python3 -m nanolab varlenbench --model llama-3.2-1b || status=1 ;;
+        varlen) python3 -m nanolab varlenbench --model llama-3.2-1b ${VARLEN_ARGS:-} || status=1 ;;
         prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;

@@ -185,14 +185,15 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
 
 
 def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Sequence[VarlenConfig] | None = None,
-                    repeats: int = 30, layouts: Sequence[Layout] = LAYOUTS,
+                    repeats: int = 30, layouts: Sequence[Layout] = LAYOUTS, dtype: torch.dtype = torch.bfloat16,
                     log: Callable[[str], None] = print) -> pd.DataFrame:
-    """Every config of the sweep on every case alone; then the engine's launch in each other layout."""
+    """Every config of the sweep on every case alone; then the engine's launch in each other layout.
+    `dtype` is the pool's and the queries' (an fp32 pool multiplies at IEEE precision)."""
     config = ModelConfig.from_dir(resolve_weights(model))
     configs = list(configs or sweep_configs())
     rows = []
     for case in progress_bar(cases, desc="varlen cases", unit="case"):
-        part = time_case(case, config, configs, repeats, layout=layouts[0])
+        part = time_case(case, config, configs, repeats, dtype=dtype, layout=layouts[0])
         rows += part
         ok = [r for r in part if r["us"] == r["us"]]
         best = min(ok, key=lambda r: r["us"]) if ok else None
@@ -202,7 +203,7 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles)")
         for layout in layouts[1:]:
-            (r,) = time_case(case, config, [DEFAULT], repeats, layout=layout)
+            (r,) = time_case(case, config, [DEFAULT], repeats, dtype=dtype, layout=layout)
             rows.append(r)
             log(f"  the engine's launch, {layout.name}: {r['us']:.1f} us ({r['splits']} shares, "
                 f"{r['table_segments']} table rows, grid for {r['grid_tokens']} tokens)")
@@ -214,6 +215,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--pool-gib", type=float, default=LAYOUTS[-1].pool_gib,
                         help="the large pool's K (and V) GiB a layer, for the last layout")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="the pool's and the queries' dtype")
     parser.add_argument("--prefix", default="day64", help="the table goes to data/<prefix>_varlen_sweep_<device>.csv")
 
 
@@ -226,8 +229,9 @@ def main(args: argparse.Namespace) -> int:
     if args.pool_gib <= 0:
         raise ValueError("--pool-gib must be positive")
     layouts = LAYOUTS[:-1] + (LAYOUTS[-1]._replace(pool_gib=args.pool_gib),)
-    table = run_varlenbench(args.model, repeats=args.repeats, layouts=layouts)
-    label = run_label(device, args.model, torch.bfloat16, weights=weights_kind(resolve_weights(args.model)))
+    dtype = getattr(torch, args.dtype)
+    table = run_varlenbench(args.model, repeats=args.repeats, layouts=layouts, dtype=dtype)
+    label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout"]).head(3).to_string(index=False))
     print(f"{args.prefix}_varlen_sweep: {save_table(table, f'{args.prefix}_varlen_sweep', label)}")
     return 0
