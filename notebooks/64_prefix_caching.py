@@ -349,7 +349,13 @@ print(f"outside the prompt step: {outside:.2f} ms; with a step of no time, TTFT 
 # The split table above bounds what any faster step can buy. The server's work around the step
 # (front, core wait, host work, back) came to about 4.2 ms in that run. Even a step that took no
 # time would leave the warm hit at about 4.7x, under the 5x aim. The aim needs the server's fixed
-# costs down as well as the step.
+# costs down as well as the step. Two of them are gone since that run, and neither is measured on
+# the H200 yet:
+#
+# - The engine core checked every prompt id again after the server had. It now queues what the
+#   server checked.
+# - prefixbench's requests opened a new connection each. They now share one kept-alive connection
+#   per part, as an SDK client's do, so a TTFT no longer holds a TCP handshake.
 #
 # ## The gates
 #

@@ -176,6 +176,8 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, c
         runs[mode] = logits
         if mode == "full":
             graphs = engine.runner.varlen_graphs
+            # compiled, the graphs captured the compiled model's varlen entry, not the eager model
+            assert (graphs.model == engine.runner.forward.varlen) if compile else graphs.model is engine.runner.model
             replayed = [n for n, graphed in seen if graphed]
             assert replayed and all(n in graphs.sizes for n in replayed)
             row = engine.kv_cache.blocks.open_row()

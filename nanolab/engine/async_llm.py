@@ -3,8 +3,9 @@ running batch; each has its own stream of new tokens.
 
 An `EngineCore` owns the `Engine` and is the only code that touches it. Between steps it applies
 the adds and aborts that asyncio posted, then steps while there is work, and hands back each
-step's tokens in one message, with the engine's `SchedulerStats` after the step. It runs in one
-of two places:
+step's tokens in one message, with the engine's `SchedulerStats` after the step. A request is
+checked once, by `AsyncLLM.add_requests` before it is posted; the core queues it as posted. The
+core runs in one of two places:
 - **a thread** of this process (`AsyncLLM(engine)`): tests and notebooks can reach into the engine;
 - **a process of its own** (`await AsyncLLM.spawn(factory)`), as vLLM's engine core does: the
   server's choice. A thread would share the interpreter lock with the event loop that writes every
@@ -140,20 +141,18 @@ class EngineCore:
         self._rids: dict[int, int] = {}  # engine request id -> client id
         self._log = None if step_log is None else Path(step_log).open("w", buffering=1 << 16)
 
-    def add(self, requests: list[tuple[int, list[int], SamplingParams]]) -> list[Output]:
-        """Queue one client call's requests [(id, prompt, params)] in one `Engine.add_requests`, so
-        the samples of one prompt share it; all fail together if any is refused. The step log gets
-        an "add" event, timed as the core takes them."""
+    def add(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+        """Queue one client call's requests [(id, prompt, params)] together, so the samples of one
+        prompt share it. They come only from `AsyncLLM.add_requests`, which checked them against
+        this engine's `RequestLimits` and posted prompt lists no caller holds: they are queued
+        without `Engine.add_requests`' second check. The step log gets an "add" event, timed as
+        the core takes them."""
         if self._log is not None:
             self._log.write(json.dumps({"t": time.monotonic(), "event": "add", "requests": len(requests)}) + "\n")
-        try:
-            seqs = self.engine.add_requests([r[1] for r in requests], [r[2] for r in requests])
-        except (ValueError, TypeError) as e:  # checked by the client already; kept from killing the core
-            return [(rid, None, "error", str(e), None, None, None) for rid, _, _ in requests]
+        seqs = self.engine._queue([r[1] for r in requests], [r[2] for r in requests])
         for (rid, _, _), seq in zip(requests, seqs):
             self._seqs[rid] = seq
             self._rids[seq.request_id] = rid
-        return []
 
     def abort(self, rid: int) -> None:
         seq = self._seqs.pop(rid, None)
@@ -216,7 +215,7 @@ class EngineCore:
                 while message is not None:
                     kind = message[0]
                     if kind == "add":
-                        outputs += self.add(message[1])
+                        self.add(message[1])
                     elif kind == "abort":
                         self.abort(message[1])
                     elif kind == "stop":
@@ -380,9 +379,10 @@ class AsyncLLM:
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
                      numbered: bool = True) -> list[RequestStream]:
-        """All or nothing: every request is validated before any is posted. A request of `n`
-        samples is n streams, in order (`SamplingParams.samples`); they go to the core together,
-        so the samples compute their prompt once."""
+        """All or nothing: every request is validated before any is posted, and only here: the core
+        queues what it is posted unchecked (`EngineCore.add`). A request of `n` samples is n
+        streams, in order (`SamplingParams.samples`); they go to the core together, so the samples
+        compute their prompt once."""
         if self.dead is not None or self._post is None:
             raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
         prompts = [list(p) for p in prompts]
@@ -391,15 +391,19 @@ class AsyncLLM:
         else:
             (prompt,), (p,) = prompts, params
             self.limits.check(prompt, p)
-        streams = []
+        streams, requests = [], []
         for prompt, p in zip(prompts, params):
+            # The core's own copy of the checked ids: a stream's `prompt_token_ids` is the caller's
+            # to change, and a core on a thread reads what it is posted after this returns.
+            checked = list(prompt)
             for sample in p.samples():
                 stream = RequestStream(next(self._ids), prompt, sample)
                 self._streams[stream.rid] = stream
                 self._waiting += 1
                 streams.append(stream)
+                requests.append((stream.rid, checked, sample))
         # One message: the core queues the call's requests together (`EngineCore.add`).
-        self._post(("add", [(s.rid, s.prompt_token_ids, s.params) for s in streams]))
+        self._post(("add", requests))
         return streams
 
     def abort(self, stream: RequestStream) -> None:

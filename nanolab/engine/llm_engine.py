@@ -309,14 +309,17 @@ class Engine:
         return self._queue(prompts, list(params))
 
     def _queue(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        """Queue requests that `RequestLimits.check` has passed, each prompt a list no caller holds:
+        `add_requests`' copies, or the engine core's (`EngineCore.add`, checked by `AsyncLLM`)."""
         # Validated input: nothing here raises (SamplingParams checked the seed's range), so a batch
         # is queued whole.
         seqs = []
         first: dict[tuple[int, ...], Sequence] = {}  # prompt -> the first request of this call with it
         for prompt, p in zip(prompts, params):
             generator = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
-            seq = Sequence(next(self._ids), prompt, p, generator, parent=first.get(tuple(prompt)))
-            first.setdefault(tuple(prompt), seq)
+            key = tuple(prompt)
+            seq = Sequence(next(self._ids), prompt, p, generator, parent=first.get(key))
+            first.setdefault(key, seq)
             if p.logprobs is not None:
                 seq.output_logprobs = []
             if p.prompt_logprobs is not None:

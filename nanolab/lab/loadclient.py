@@ -1,5 +1,7 @@
 """The load client: it sends a request plan to a server at the plan's arrival times, streaming
 each completion over its own connection, and times every chunk as it arrives. Day 58.
+`KeepAliveClient` sends requests one at a time over one kept-alive connection instead, as an SDK
+client does.
 
 A request's result keeps the raw times (send, each chunk); TTFT, TPOT and ITL are read from them
 as `vllm bench serve` defines them.
@@ -10,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -87,20 +90,24 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     texts: list[str] = []
     usage: dict = {}
     finish = error = None
+    done = False
     send = time.perf_counter()
     try:
         async with session.post(f"{url}/v1/completions", json=payload) as resp:
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             else:
+                # Read to the body's end, past [DONE]: a connection is kept for the next request only
+                # once its response has ended.
                 async for raw in resp.content:  # one SSE line at a time
                     now = time.perf_counter()  # before parsing: the chunk's arrival
                     line = raw.strip()
-                    if not line.startswith(b"data:"):
+                    if done or not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        break
+                        done = True
+                        continue
                     msg = json.loads(data)
                     if "error" in msg:
                         error = f"error chunk: {msg['error']}"
@@ -110,7 +117,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
                         finish = msg["choices"][0].get("finish_reason") or finish
                     elif msg.get("usage"):
                         usage = msg["usage"]
-                else:
+                if not done:
                     error = error or "the stream ended without [DONE]"
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         error = f"{type(e).__name__}: {e}"
@@ -145,3 +152,50 @@ def run_plan(url: str, model: str, plan: Sequence[PlannedRequest], timeout_s: fl
     is already running."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, run_plan_async(url, model, plan, timeout_s)).result()
+
+
+class KeepAliveClient:
+    """Requests sent one after another over one kept-alive connection, as an SDK client sends
+    them: the first opens it and every later one reuses it, so a later request's TTFT holds no TCP
+    handshake. Each is timed as `send_request` times it, from just before its POST (its JSON
+    encoding included). The session lives on an event loop of its own thread, so a notebook, whose
+    own loop is already running, can call `send`; use it as a context manager, or `close` it."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = 600.0) -> None:
+        self.url, self.model = url, model
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nanolab-keepalive-client", daemon=True)
+        self._thread.start()
+        self._session = self._run(self._open(timeout_s))
+
+    async def _open(self, timeout_s: float) -> aiohttp.ClientSession:
+        # One connection: requests never overlap, and a second would only be opened if they did.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1),
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def send(self, req: PlannedRequest) -> PlanRun:
+        """Stream `req` now (its `arrival_s` is ignored) and return once it has ended: a `PlanRun` of
+        its one result."""
+        async def one() -> PlanRun:
+            mono, start = time.monotonic(), time.perf_counter()
+            result = await send_request(self._session, self.url, self.model, replace(req, arrival_s=0.0), start)
+            return PlanRun([result], start, time.perf_counter(), (mono, time.monotonic()))
+
+        return self._run(one())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._session.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> KeepAliveClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

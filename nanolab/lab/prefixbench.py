@@ -21,10 +21,11 @@ Four parts, each a table (`PARTS`):
   and held against `ideal_hits`: every request after the first of its prompt finds the prompt's
   full blocks.
 
-Every sequential request (shared, turns) also records the tokens it found cached where the
-server has `/metrics` (`cached_tokens`, the hit counter's step over the request), and the server's
-prompt steps inside its window from the step log (`add_server_steps`): what TTFT spent in the
-engine's steps, and what outside them.
+The sequential parts (shared, turns) send over one kept-alive connection each, as an SDK client
+does (`loadclient.KeepAliveClient`): a TTFT holds no TCP handshake. Every sequential request also
+records the tokens it found cached where the server has `/metrics` (`cached_tokens`, the hit
+counter's step over the request), and the server's prompt steps inside its window from the step
+log (`add_server_steps`): what TTFT spent in the engine's steps, and what outside them.
 
     python -m nanolab prefixbench --model llama-3.2-1b
     python -m nanolab prefixbench --device cpu --model smollm2-135m --system-len 256 --history-len 512
@@ -52,7 +53,7 @@ from nanolab.config import EngineConfig, resolve_device, resolve_dtype
 from nanolab.gates import Gate
 from nanolab.lab.compaction import read_step_events, read_step_log
 from nanolab.lab.graphbench import startup_columns
-from nanolab.lab.loadclient import run_plan
+from nanolab.lab.loadclient import KeepAliveClient, run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
 from nanolab.lab.report import run_label, save_figure, save_table
 from nanolab.lab.serveprocess import ServeProcess, free_port, serve_command
@@ -233,13 +234,14 @@ def prefix_counters(url: str) -> PrefixCounters | None:
     return PrefixCounters(values[QUERIES], values[HITS]) if QUERIES in values and HITS in values else None
 
 
-def send_one(url: str, model: str, prompt: Sequence[int], max_tokens: int, counted: bool) -> tuple[dict, str]:
-    """One streamed completion alone on the server: its row (prompt, TTFT and tokens, what it moved
-    the prefix counters by, NaN unless `counted`, and its `window` in monotonic seconds, the step
-    log's clock, for `add_server_steps`) and its text."""
-    before = prefix_counters(url) if counted else None
-    run = run_plan(url, model, [PlannedRequest(0, 0.0, tuple(prompt), max_tokens)])
-    after = prefix_counters(url) if counted else None
+def send_one(client: KeepAliveClient, prompt: Sequence[int], max_tokens: int, counted: bool) -> tuple[dict, str]:
+    """One streamed completion alone on the server, over `client`'s kept-alive connection (TTFT from
+    just before the POST, as `send_request` times it): its row (prompt, TTFT and tokens, what it
+    moved the prefix counters by, NaN unless `counted`, and its `window` in monotonic seconds, the
+    step log's clock, for `add_server_steps`) and its text."""
+    before = prefix_counters(client.url) if counted else None
+    run = client.send(PlannedRequest(0, 0.0, tuple(prompt), max_tokens))
+    after = prefix_counters(client.url) if counted else None
     moved = after - before if before is not None and after is not None else None
     result = run.results[0]
     to_monotonic = run.window[0] - run.start_s  # perf_counter -> the step log's clock
@@ -262,8 +264,8 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
     is also split (`TTFT_SPLIT`, NaN otherwise), between its send and first chunk (`sent_t`,
     `first_t`, popped too):
 
-    - front: from the client's send to the core taking the request (the client's JSON encoding
-      and new connection, HTTP, the server's checks, the pipe to the core's process);
+    - front: from the client's send to the core taking the request (the client's JSON encoding,
+      HTTP over the kept-alive connection, the server's checks, the pipe to the core's process);
     - core wait: from there to the core calling its first prompt step;
     - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
       emitting the token);
@@ -293,14 +295,16 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
 
 def run_shared(url: str, model: str, arm: str, sizes: PrefixSizes, vocab: int, *, seed: int = 0, counted: bool,
                log: Callable[[str], None] = print) -> list[dict]:
-    """The shared-prefix requests one at a time after the warm-ups: one row each."""
+    """The shared-prefix requests one at a time after the warm-ups, over one kept-alive connection
+    (the first warm-up opens it): one row each."""
     warmups, prompts = shared_prompts(sizes, vocab, seed)
-    for prompt in warmups:
-        send_one(url, model, prompt, sizes.max_tokens, counted=False)
     rows = []
-    for i, prompt in enumerate(prompts):
-        row, _ = send_one(url, model, prompt, sizes.max_tokens, counted)
-        rows.append({"arm": arm, "phase": "cold" if i == 0 else "warm", "request": i, **row})
+    with KeepAliveClient(url, model) as client:
+        for prompt in warmups:
+            send_one(client, prompt, sizes.max_tokens, counted=False)
+        for i, prompt in enumerate(prompts):
+            row, _ = send_one(client, prompt, sizes.max_tokens, counted)
+            rows.append({"arm": arm, "phase": "cold" if i == 0 else "warm", "request": i, **row})
     ttft = pd.DataFrame(rows).groupby("phase").ttft_ms.median()
     log(f"{arm}: shared prefix of {sizes.system_len}: TTFT cold {ttft.get('cold', NAN):.1f} ms, "
         f"warm p50 {ttft.get('warm', NAN):.1f} ms over {len(rows) - 1}")
@@ -309,19 +313,21 @@ def run_shared(url: str, model: str, arm: str, sizes: PrefixSizes, vocab: int, *
 
 def run_turns(url: str, model: str, arm: str, sizes: PrefixSizes, vocab: int, tokenizer: Tokenizer, *,
               seed: int = 0, counted: bool, log: Callable[[str], None] = print) -> list[dict]:
-    """Each conversation's two turns, one request at a time: two rows a conversation."""
+    """Each conversation's two turns, one request at a time over one kept-alive connection: two rows
+    a conversation."""
     rng = np.random.default_rng([seed, 64, 5])
-    for _ in range(sizes.warmup):  # histories no conversation shares
-        send_one(url, model, _ids(rng, sizes.history_len + sizes.question_len, vocab), sizes.turn1_tokens,
-                 counted=False)
     rows = []
-    for c in range(sizes.conversations):
-        turn1, question = conversation(sizes, vocab, c, seed)
-        first, text = send_one(url, model, turn1, sizes.turn1_tokens, counted)
-        reply, source = reply_ids(text, first["output_tokens"] or sizes.turn1_tokens, tokenizer, vocab, c, seed)
-        second, _ = send_one(url, model, turn1 + reply + question, sizes.max_tokens, counted)
-        rows += [{"arm": arm, "conversation": c, "turn": 1, "reply": "", **first},
-                 {"arm": arm, "conversation": c, "turn": 2, "reply": source, **second}]
+    with KeepAliveClient(url, model) as client:
+        for _ in range(sizes.warmup):  # histories no conversation shares
+            send_one(client, _ids(rng, sizes.history_len + sizes.question_len, vocab), sizes.turn1_tokens,
+                     counted=False)
+        for c in range(sizes.conversations):
+            turn1, question = conversation(sizes, vocab, c, seed)
+            first, text = send_one(client, turn1, sizes.turn1_tokens, counted)
+            reply, source = reply_ids(text, first["output_tokens"] or sizes.turn1_tokens, tokenizer, vocab, c, seed)
+            second, _ = send_one(client, turn1 + reply + question, sizes.max_tokens, counted)
+            rows += [{"arm": arm, "conversation": c, "turn": 1, "reply": "", **first},
+                     {"arm": arm, "conversation": c, "turn": 2, "reply": source, **second}]
     t = pd.DataFrame(rows).groupby("turn").ttft_ms.median()
     log(f"{arm}: {sizes.conversations} conversations over {sizes.history_len} tokens: TTFT p50 turn 1 "
         f"{t.get(1, NAN):.1f} ms, turn 2 {t.get(2, NAN):.1f} ms")
