@@ -17,6 +17,7 @@ from nanolab.lab.varlenbench import (
     case_inputs,
     sweep_configs,
     time_case,
+    time_decode_read,
 )
 from nanolab.model.config import ModelConfig
 
@@ -57,3 +58,15 @@ def test_the_steps_layouts_read_what_the_reference_reads(tiny_path, one_thread):
                            dtype=torch.float32, layout=layout)
         assert row["error"] == "" and row["max_err"] < 1e-4, row
         assert (row["layout"], row["table_segments"], row["grid_tokens"]) == (layout.name, 6, 16)
+
+
+@pytest.mark.skipif(not INTERPRETED or torch.cuda.is_available(), reason="the kernel in Triton's interpreter: CPU only")
+def test_the_decode_read_a_row_a_token_reads_what_the_reference_reads(tiny_path, one_thread):
+    """Segments of few tokens (a verify step's rows, a chunk after a prefix) as one decode row a token,
+    padded to the captured size: every real token reads what the varlen reference reads."""
+    config = ModelConfig.from_dir(tiny_path)
+    case = VarlenCase("two verify rows and a short chunk", ((40, 5), (23, 5), (7, 3)))
+    for layout in (Layout("alone"), Layout("step", 6, True)):
+        row = time_decode_read(case, config, repeats=1, sms=4, device="cpu", dtype=torch.float32, layout=layout)
+        assert row["error"] == "" and row["max_err"] < 1e-4, row
+        assert (row["read"], row["tokens"], row["grid_tokens"]) == ("decode, a row a token", 13, 16)

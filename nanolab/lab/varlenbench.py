@@ -16,6 +16,11 @@ empty, after the real ones) and q as a view of the fused qkv projection's output
 pool` also scatters the case's blocks over a pool of `--pool-gib` GiB a layer (K and V each), as a
 served pool of many rows holds them. Each row of the table names its layout.
 
+Cases whose segments are short (a verify step, a short prompt after a cached prefix) are also read
+by the engine's decode read, a decode row a token over the captured size's rows, in every layout
+(`read`): each token reads its keys again, but from L2 after the first, through the kernel a decode
+step already runs.
+
     python -m nanolab varlenbench --model llama-3.2-1b
 """
 
@@ -32,7 +37,7 @@ import triton
 
 from nanolab.config import resolve_device
 from nanolab.engine.graphs import capture_sizes
-from nanolab.kernels.paged_attention import SHARE_TILES
+from nanolab.kernels.paged_attention import SHARE_TILES, paged_attention
 from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, choose_varlen_splits, varlen_attention, varlen_reference
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.timing import time_us
@@ -66,6 +71,7 @@ class Layout(NamedTuple):
 
 
 ENGINE_ROWS = 256  # the server's max_num_seqs: a captured step's table rows
+DECODE_READ_MAX_QUERY = 64  # the decode read a row a token is timed on cases of segments up to this long
 LAYOUTS = (Layout("alone"), Layout("step", ENGINE_ROWS, True), Layout("step, large pool", ENGINE_ROWS, True, 4.0))
 
 
@@ -169,7 +175,7 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
             num_stages=c.num_stages)
-        row = {"case": case.name, "layout": layout.name, "tokens": n, "grid_tokens": grid_tokens,
+        row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
@@ -182,6 +188,50 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
             continue
         rows.append({**row, "max_err": err, "us": us, "tb_s": kv_bytes / us / 1e6, "error": ""})
     return rows
+
+
+def per_token_inputs(args: dict, segments: Sequence[tuple[int, int]], grid_tokens: int) -> dict:
+    """`case_inputs`' arguments as the decode read takes them, a row per token padded to
+    `grid_tokens` rows: token t of a segment is a decode row of the segment's table row, reading
+    keys 0..its position (its context the position + 1). Padding rows are a padded decode step's:
+    the all-sink table row, context 1, position 0."""
+    n = args["q"].shape[0]
+    pad_row = args["block_table"].shape[0] - 1
+    rows = [s for s, (_, q_len) in enumerate(segments) for _ in range(q_len)] + [pad_row] * (grid_tokens - n)
+    positions = args["positions"].tolist() + [0] * (grid_tokens - n)
+    device = args["q"].device
+    q = torch.zeros((grid_tokens, *args["q"].shape[1:]), dtype=args["q"].dtype, device=device)
+    q[:n] = args["q"]
+    return dict(q=q[:, None], k_pool=args["k_pool"], v_pool=args["v_pool"], block_table=args["block_table"],
+                table_rows=torch.tensor(rows, device=device), block_size=args["block_size"],
+                context_lens=torch.tensor([p + 1 for p in positions], device=device),
+                positions=torch.tensor(positions, device=device)[:, None])
+
+
+def time_decode_read(case: VarlenCase, config, repeats: int = 30, sms: int | None = None, device: str = "cuda",
+                     dtype: torch.dtype = torch.bfloat16, layout: Layout = LAYOUTS[0]) -> dict:
+    """The case read by the engine's decode read (`paged_attention`, its default launch) as one
+    decode row per token, over the captured size's rows: a candidate for steps of few tokens a
+    segment (a verify step), each token's keys read from L2 after the first. Its error against the
+    reference and us a call, as `time_case`'s rows."""
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device, layout=layout)
+    n = args["q"].shape[0]
+    grid_tokens = next(size for size in capture_sizes(max(n, 512)) if size >= n)
+    ref = varlen_reference(**args).float()
+    sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
+    inputs = per_token_inputs(args, case.segments, grid_tokens)
+    run = lambda: paged_attention(**inputs, num_sms=sms)  # noqa: E731
+    kv_bytes = 2 * sum(h + q for h, q in case.segments) * kv_heads * d * args["k_pool"].element_size()
+    row = {"case": case.name, "layout": layout.name, "read": "decode, a row a token", "tokens": n,
+           "grid_tokens": grid_tokens, "segments": len(case.segments), "table_segments": grid_tokens,
+           "engine_default": False}
+    try:
+        err = float((run()[:n, 0].float() - ref).abs().max())
+        us = time_us(run, args["q"].device, repeats)
+    except Exception as e:
+        return {**row, "max_err": NAN, "us": NAN, "tb_s": NAN, "error": f"{type(e).__name__}: {e}"[:200]}
+    return {**row, "max_err": err, "us": us, "tb_s": kv_bytes / us / 1e6, "error": ""}
 
 
 def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Sequence[VarlenConfig] | None = None,
@@ -207,6 +257,11 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
             rows.append(r)
             log(f"  the engine's launch, {layout.name}: {r['us']:.1f} us ({r['splits']} shares, "
                 f"{r['table_segments']} table rows, grid for {r['grid_tokens']} tokens)")
+        if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:
+            for layout in layouts:
+                r = time_decode_read(case, config, repeats, dtype=dtype, layout=layout)
+                rows.append(r)
+                log(f"  the decode read, a row a token, {layout.name}: {r['us']:.1f} us")
     return pd.DataFrame(rows)
 
 
@@ -232,6 +287,7 @@ def main(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     table = run_varlenbench(args.model, repeats=args.repeats, layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
-    print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout"]).head(3).to_string(index=False))
+    print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)
+          .to_string(index=False))
     print(f"{args.prefix}_varlen_sweep: {save_table(table, f'{args.prefix}_varlen_sweep', label)}")
     return 0
