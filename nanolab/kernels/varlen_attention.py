@@ -256,8 +256,8 @@ def varlen_attention(
     else:
         # A captured step has a segment per table row (max_rows), but at most grid_tokens of them
         # hold a token: the rest are padding, empty, after the real ones. The search, the grid and
-        # the fold look at those alone; a grid cut for every row launched 64 to 256 programs a KV
-        # head and share that walked nothing, several times the real step's work.
+        # the fold look at those alone; a grid cut for every row launched a program a KV head and
+        # share for each of them (64 rows by default), walking nothing.
         segments = min(segments, grid_tokens)
         # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
         grid = (grid_tokens // block_q + segments, 1, kv_heads * splits)

@@ -70,7 +70,7 @@ class Layout(NamedTuple):
     pool_gib: float | None = None  # K (and V) pool per layer, the case's blocks scattered over it; None: just fits
 
 
-ENGINE_ROWS = 256  # the server's max_num_seqs: a captured step's table rows
+ENGINE_ROWS = 64  # EngineConfig.max_num_seqs' default: a captured step's table rows
 DECODE_READ_MAX_QUERY = 64  # the decode read a row a token is timed on cases of segments up to this long
 LAYOUTS = (Layout("alone"), Layout("step", ENGINE_ROWS, True), Layout("step, large pool", ENGINE_ROWS, True, 4.0))
 
