@@ -144,8 +144,8 @@ def test_capture_sizes_follow_vllms_list():
 
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, compile):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, compiled):
     """An engine whose varlen steps replay graphs against one that runs them eagerly: the same
     requests, chunked so steps mix chunks and decode rows, every step's logits within 1e-3 (fp32
     weights, TF32 off). Each graphed step replayed the smallest size holding it, and a plan given
@@ -158,7 +158,7 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, c
     runs = {}
     for mode in ("full", "full_decode_only"):
         llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=48, max_num_seqs=8,
-                  num_blocks=64, compile=compile, cudagraph_mode=mode, async_scheduling=False)
+                  num_blocks=64, compile=compiled, cudagraph_mode=mode, async_scheduling=False)
         engine = llm.engine  # synchronous: every step's logits come back with its tokens
         seen, logits = [], {}
         for prompt in prompts:
@@ -177,7 +177,7 @@ def test_varlen_graphs_replay_the_eager_steps_logits(sharp_gqa24, monkeypatch, c
         if mode == "full":
             graphs = engine.runner.varlen_graphs
             # compiled, the graphs captured the compiled model's varlen entry, not the eager model
-            assert (graphs.model == engine.runner.forward.varlen) if compile else graphs.model is engine.runner.model
+            assert (graphs.model == engine.runner.forward.varlen) if compiled else graphs.model is engine.runner.model
             replayed = [n for n, graphed in seen if graphed]
             assert replayed and all(n in graphs.sizes for n in replayed)
             row = engine.kv_cache.blocks.open_row()
@@ -284,18 +284,19 @@ def test_the_compiled_varlen_step_gives_the_eager_steps_logits_in_one_graph(shar
     of two sizes and different mixes of segments (decode rows, a chunk after history, a whole
     prompt) through the compiled model give the eager model's logits within 1e-4, and one graph
     serves both sizes and every mix: the token count is symbolic and no host value of the plan is
-    guarded on."""
+    guarded on. The larger size comes first, as the engine captures, and equals the cache's rows,
+    so a token count that dynamo tied to another dimension of the same size would compile twice."""
     from nanolab import load_model
     from nanolab.engine.runner import compile_decode
 
     model = load_model(sharp_gqa24.path, dtype=torch.float32)
     config = model.config
     kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
-              head_dim=config.head_dim, num_blocks=32, block_size=4, max_rows=6, read="streamed")
+              head_dim=config.head_dim, num_blocks=32, block_size=4, max_rows=16, read="streamed")
     eager, compiled = make_cache(**kw), make_cache(**kw)
     forward = compile_decode(model)
     torch._dynamo.reset()
-    steps = [((0, 1), (9, 4), [True, True]), ((0, 1, 2), (1, 1, 11), [True, True, True]),
+    steps = [((0, 1, 2), (1, 1, 11), [True, True, True]), ((0, 1), (9, 4), [True, True]),
              ((2, 3), (3, 2), [True, False])]
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():

@@ -87,6 +87,11 @@ class DecodeForward:
         """A varlen step (ids [1, num_tokens]) through `batched`, whose token count is symbolic
         for it as the batch is for decode: the norms, residual adds and activations fused, the
         varlen read one opaque op (`varlen_attention_op`). What a varlen graph captures."""
+        # The token count as a symbol of its own: left to duck sizing, a count equal to another of
+        # the step's sizes (the cache's rows, the block table's width) would share its symbol, and
+        # the graph traced at that count would guard on the tie and compile again for the others.
+        for tensor, dim in ((ids, 1), (positions, 1), (cache.plan.write_slots, 0)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
         with pdl_module.launching_dependents(self.pdl):
             return self.batched(ids, positions, cache=cache, logits_index=logits_index)
 
