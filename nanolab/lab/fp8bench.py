@@ -36,13 +36,12 @@ import torch
 
 from nanolab import LLM, SamplingParams
 from nanolab.kernels.gemv import MAX_ROWS
-from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.costs import kv_read_bytes
 from nanolab.lab.floorbench import nanolab_generate, nanolab_label
 from nanolab.lab.gemvbench import fp8_chain_table
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
-from nanolab.lab.stepparts import kernel_class
+from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
 from nanolab.model.quant import quantize_fp8
@@ -150,14 +149,9 @@ def run_profile(model: str, batches: Sequence[int] = BATCHES, prompt_len: int = 
             run = nanolab_generate(llm, random_prompts(batch, prompt_len, llm.config.vocab_size))
             run(steps)  # warm
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                run(steps)
-                torch.cuda.synchronize()
-            t = kernel_table(prof, steps, name).assign(batch=batch)
-            t["class"] = t.kernel.map(kernel_class)
+            t = profiled_kernels(lambda run=run: run(steps), steps, name).assign(batch=batch)
             tables.append(t)
-            log(f"{name} batch {batch}: {t.us_per_step.sum():.1f} us of kernels a step; "
-                + ", ".join(f"{c} {us:.1f}" for c, us in t.groupby("class").us_per_step.sum().items()))
+            log(f"{name} batch {batch}: {class_line(t, digits=1)}")
         llm.close()
     return pd.concat(tables, ignore_index=True)
 

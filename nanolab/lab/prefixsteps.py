@@ -22,13 +22,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from nanolab import LLM, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
-from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.report import run_label, save_table
-from nanolab.lab.stepparts import kernel_class
+from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.model.weights import resolve_weights, weights_kind
 
 SYSTEM_LEN = 2048
@@ -87,21 +85,14 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
     log(f"decode at batch 1: {statistics.median(decode_ms):.3f} ms a step")
     kernels = None
     if profile:
-        tables = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeats):
-                run_request(llm, system + _ids(rng, PROFILED_SUFFIX, vocab))
-            torch.cuda.synchronize()
-        tables.append(kernel_table(prof, repeats, f"prefix hit + {PROFILED_SUFFIX}"))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
-            torch.cuda.synchronize()
-        tables.append(kernel_table(prof, decode_steps, "decode"))
+        hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
+        tables = [profiled_kernels(lambda: [run_request(llm, prompt) for prompt in hits], repeats,
+                                   f"prefix hit + {PROFILED_SUFFIX}"),
+                  profiled_kernels(lambda: run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1),
+                                   decode_steps, "decode")]
         kernels = pd.concat(tables, ignore_index=True)
-        kernels["class"] = kernels.kernel.map(kernel_class)
         for arm, t in kernels.groupby("arm", sort=False):
-            log(f"{arm}: {t.us_per_step.sum():.0f} us of kernels a step; "
-                + ", ".join(f"{c} {us:.0f}" for c, us in t.groupby("class").us_per_step.sum().items()))
+            log(f"{arm}: {class_line(t)}")
     llm.close()
     return pd.DataFrame(rows), kernels
 

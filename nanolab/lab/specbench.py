@@ -41,6 +41,7 @@ import pandas as pd
 from nanolab import LLM, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
+from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import prefill, random_prompts, sync
 from nanolab.model.weights import resolve_weights, weights_kind
 
@@ -205,22 +206,9 @@ def _step_times(llm: LLM, steps: dict[str, Callable[[], None]], repeats: int) ->
 
 
 def _step_kernels(steps: dict[str, Callable[[], None]], repeats: int, batch: int, k: int) -> pd.DataFrame:
-    """Each step's CUDA kernels under the profiler over `repeats` runs (`capturebench.kernel_table`)."""
-    import torch
-
-    from nanolab.lab.capturebench import kernel_table
-    from nanolab.lab.stepparts import kernel_class
-
-    tables = []
-    for name, step in steps.items():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(repeats):
-                step()
-            torch.cuda.synchronize()
-        tables.append(kernel_table(prof, repeats, name).assign(batch=batch, k=k))
-    kernels = pd.concat(tables, ignore_index=True)
-    kernels["class"] = kernels.kernel.map(kernel_class)
-    return kernels
+    """Each step's CUDA kernels under the profiler over `repeats` runs (`stepparts.profiled_kernels`)."""
+    return pd.concat([profiled_kernels(lambda step=step: [step() for _ in range(repeats)], repeats, name)
+                      .assign(batch=batch, k=k) for name, step in steps.items()], ignore_index=True)
 
 
 def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BATCHES, k: int = 4,
@@ -249,8 +237,7 @@ def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BAT
         if profile:
             kernels.append(_step_kernels(steps, repeats, batch, k))
             for arm, t in kernels[-1].groupby("arm", sort=False):
-                log(f"  {arm}: {t.us_per_step.sum():.0f} us of kernels in {t.calls.sum() / repeats:.0f} launches; "
-                    + ", ".join(f"{c} {us:.0f}" for c, us in t.groupby("class").us_per_step.sum().items()))
+                log(f"  {arm}: {class_line(t)} ({t.calls.sum() / repeats:.0f} launches)")
         for s in seqs:
             engine.abort_request(s.request_id)
         while engine.has_unfinished_requests():

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import pandas as pd
 import torch
 
 from nanolab import Engine
+from nanolab.lab.capturebench import kernel_table
 from nanolab.lab.timing import drain, prefill
 
 # Kernel classes of the waterfall, matched in order against a kernel's name.
@@ -34,6 +36,24 @@ def kernel_class(name: str) -> str:
         if any(k in lowered for k in keys):
             return cls
     return "other elementwise"
+
+
+def profiled_kernels(run: Callable[[], object], steps: int, arm: str) -> pd.DataFrame:
+    """The CUDA kernels `run()` launches under the profiler, over the `steps` steps it runs
+    (`capturebench.kernel_table`: calls, GPU us, us a step, share), each with its class."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    table = kernel_table(prof, steps, arm)
+    table["class"] = table.kernel.map(kernel_class)
+    return table
+
+
+def class_line(table: pd.DataFrame, digits: int = 0) -> str:
+    """One arm's kernels as a line: us a step in all, then by class."""
+    by_class = table.groupby("class").us_per_step.sum()
+    return (f"{table.us_per_step.sum():.{digits}f} us of kernels a step; "
+            + ", ".join(f"{c} {us:.{digits}f}" for c, us in by_class.items()))
 
 
 def breakdown(profile: pd.DataFrame, ms_per_step: float) -> pd.DataFrame:

@@ -150,6 +150,12 @@ def capture_tokens(tokens: int) -> int:
     return max(8, triton.next_power_of_2(tokens))
 
 
+def engine_capture_size(tokens: int) -> int:
+    """The engine's capture size for a step of `tokens` (`graphs.capture_sizes`, past its default
+    512 when the step is longer)."""
+    return next(size for size in capture_sizes(max(tokens, 512)) if size >= tokens)
+
+
 def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats: int = 30,
               sms: int | None = None, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
               layout: Layout = LAYOUTS[0]) -> list[dict]:
@@ -161,7 +167,7 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
     args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device, layout=layout)
     n = args["q"].shape[0]
     step = layout.table_rows is not None
-    grid_tokens = next(size for size in capture_sizes(max(n, 512)) if size >= n) if step else capture_tokens(n)
+    grid_tokens = engine_capture_size(n) if step else capture_tokens(n)
     ref = varlen_reference(**args).float()
     sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
     kv_bytes = 2 * sum(h + q for h, q in case.segments) * kv_heads * d * args["k_pool"].element_size()
@@ -217,7 +223,7 @@ def time_decode_read(case: VarlenCase, config, repeats: int = 30, sms: int | Non
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     args = case_inputs(case, heads, kv_heads, d, dtype=dtype, device=device, layout=layout)
     n = args["q"].shape[0]
-    grid_tokens = next(size for size in capture_sizes(max(n, 512)) if size >= n)
+    grid_tokens = engine_capture_size(n)
     ref = varlen_reference(**args).float()
     sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
     inputs = per_token_inputs(args, case.segments, grid_tokens)
