@@ -97,15 +97,21 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`; given to `EngineConfig` as this or a
     dict of its fields). Method "ngram": each decoding row gets up to `num_speculative_tokens`
     drafts by prompt lookup (`spec_decode.propose_ngram`, suffixes of `prompt_lookup_max` down to
-    `prompt_lookup_min` tokens), verified in one forward with the row's pending token. A decode step
-    of more than `max_num_seqs` rows decodes one token a row: there, verifying costs more than it
-    saves."""
+    `prompt_lookup_min` tokens), verified in one forward with the row's pending token.
+
+    Two rules switch it off where verifying costs more than it saves, and the engine then overlaps
+    its steps as it does without speculation (`async_scheduling`): a decode step of more than
+    `max_num_seqs` rows decodes one token a row; and a request whose verify step kept none of its
+    drafts gets none for the next step, then for twice as many steps after each such verify step
+    in a row, at most `max_draft_backoff` (0: never paused). A verify step that keeps one ends the
+    pause."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     max_num_seqs: int = 8
+    max_draft_backoff: int = 32
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -114,6 +120,7 @@ class SpeculativeConfig:
         check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
         check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
         check_int("speculative_config.max_num_seqs", self.max_num_seqs)
+        check_int("speculative_config.max_draft_backoff", self.max_draft_backoff, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -189,9 +196,6 @@ class EngineConfig:
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise ValueError(f"speculative_config={spec!r}: must be a SpeculativeConfig, a dict of its fields, "
                              "or None")
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("async_scheduling=True with speculative_config: a speculative step is read back "
-                             "before the next is launched")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r}: must be None or one of "
                              f"{', '.join(repr(q) for q in QUANTIZATIONS if q)}")
@@ -229,9 +233,8 @@ class EngineConfig:
 
     def overlapped(self, device: torch.device) -> bool:
         """Whether asynchronous scheduling is on for `device`: `async_scheduling`, else with CUDA
-        graphs; never with speculative decoding."""
-        if self.speculative_config is not None:
-            return False
+        graphs. With speculative decoding, a step that may speculate still runs synchronously (its
+        drafts need the tokens before it on the host); the others overlap."""
         return self.cuda_graphs(device) if self.async_scheduling is None else self.async_scheduling
 
     def replace(self, **changes) -> EngineConfig:

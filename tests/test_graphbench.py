@@ -467,12 +467,15 @@ def test_whole_over_chunked_itl_p99_at_each_rate():
 
 
 def step_log(records) -> pd.DataFrame:
-    df = pd.DataFrame(records, columns=["phase", "rows", "batch", "graph"]).assign(t=0.0, tokens=1, ms=1.0)
-    return df.assign(padding_share=(df.batch - df.rows) / df.batch)
+    """(phase, rows, batch, graph[, tokens]) a step; tokens default to the rows (a plain decode step's)."""
+    records = [(*r, r[1]) if len(r) == 4 else r for r in records]
+    df = pd.DataFrame(records, columns=["phase", "rows", "batch", "graph", "tokens"]).assign(t=0.0, ms=1.0)
+    return df.assign(padding_share=(df.batch - df.tokens) / df.batch)
 
 
-GOOD = [("prefill", 3, 3, False), ("decode", 3, 4, True), ("decode", 5, 8, True), ("decode", 1, 1, True),
-        ("decode", 64, 64, True), ("decode", 65, 65, False)]  # 65 rows: outside the list, eagerly
+GOOD = [("prefill", 3, 3, False, 40), ("decode", 3, 4, True), ("decode", 5, 8, True), ("decode", 1, 1, True),
+        ("decode", 64, 64, True), ("decode", 65, 65, False),  # 65 rows: outside the list, eagerly
+        ("decode", 1, 8, True, 5), ("decode", 2, 16, True, 10)]  # verify steps: a batch row a fed token
 
 
 def test_compaction_gate_passes_a_compacted_log_and_fails_every_defect():
@@ -480,9 +483,11 @@ def test_compaction_gate_passes_a_compacted_log_and_fails_every_defect():
     assert smallest_bucket(65, BUCKETS) is None
     good = check_compaction(step_log(GOOD), BUCKETS, expect_graphs=True)
     assert good, good
-    assert good.numbers["decode steps"] == 5 and good.numbers["graphed"] == 4
+    assert good.numbers["decode steps"] == 7 and good.numbers["graphed"] == 6
     for defect in [("decode", 3, 8, True),  # a bucket bigger than needed
                    ("decode", 5, 4, True),  # a bucket too small to hold the rows
+                   ("decode", 1, 1, True, 5),  # a verify step at its rows' bucket, not its tokens'
+                   ("decode", 2, 8, True, 2),  # a plain step at a verify step's bucket
                    ("decode", 3, 4, False)]:  # padded without a graph
         bad = check_compaction(step_log([*GOOD, defect]), BUCKETS)
         assert not bad and bad.numbers["off the smallest bucket"] == 1, defect
@@ -493,6 +498,9 @@ def test_compaction_gate_passes_a_compacted_log_and_fails_every_defect():
     assert not check_compaction(step_log([("prefill", 3, 3, False)]), BUCKETS)  # no decode step: nothing shown
     summary = step_summary(step_log([*GOOD, ("decode", 3, 8, True)]).assign(arm="graphs", rate=1.0))
     assert not check_compaction(summary, BUCKETS)
+    summary = step_summary(step_log(GOOD).assign(arm="graphs", rate=1.0))
+    assert check_compaction(summary, BUCKETS, expect_graphs=True)
+    assert summary.tokens.isna().sum() == 1  # the prefill step's: only a decode step's fed tokens are kept
 
 
 def test_median_rows_weighs_each_step_by_its_tokens_and_windows_slice():

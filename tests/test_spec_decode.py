@@ -10,7 +10,10 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from nanolab.kernels import INTERPRETED
 from nanolab.spec_decode import greedy_accept, propose_ngram, rejection_sample
 
 # Chi-square's 0.999 quantile with 4 degrees of freedom (a vocabulary of 5): a correct sampler
@@ -29,6 +32,23 @@ def test_propose_ngram_copies_what_followed_the_longest_latest_match():
     assert propose_ngram([3], k=2) == []
     with pytest.raises(ValueError, match="k >= 1"):
         propose_ngram([1, 2], k=0)
+
+
+def _propose_by_definition(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup as its docstring defines it: for n from the longest down, the latest earlier
+    start whose n tokens equal the last n, and up to k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i: i + n] == tokens[len(tokens) - n:]]
+        if starts:
+            return tokens[starts[-1] + n: starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 5), st.integers(1, 4), st.data())
+def test_propose_ngram_is_its_definition(tokens, k, max_n, data):
+    min_n = data.draw(st.integers(1, max_n))
+    assert propose_ngram(tokens, k, max_n, min_n) == _propose_by_definition(tokens, k, max_n, min_n)
 
 
 def test_greedy_accept_keeps_the_matching_drafts_and_adds_one():
@@ -122,28 +142,41 @@ def repetitive_prompts(seed: int, n: int = 3) -> list[list[int]]:
     return [[g.randrange(3, 320) for _ in range(g.randrange(3, 7))] * g.randrange(2, 5) for _ in range(n)]
 
 
-@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, graphed):
+@pytest.mark.parametrize(("path", "read"), [
+    ("decode", "reference"), ("padded", "reference"), ("varlen", "reference"),
+    pytest.param("padded", "streamed", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter"))])
+def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read):
     """Three repetitive prompts together, greedy, 24 tokens: with drafts of up to 4 the same
     tokens as without, every emitted token's logits within 1e-4 of a one-shot forward (a rejected
-    draft's slot left in a row would show), in fewer steps, with every block back. `graphed`: the
-    varlen steps, verify steps among them, take the padded path a varlen graph replays (its CPU
-    stand-in), logits at every fed token through the graph's fixed `logits_index`."""
+    draft's slot left in a row would show, and so would a fed token reading past its position), in
+    fewer steps, with every block back. `path`: how the verify steps run. "decode", a decode step
+    of a batch row a fed token; "padded", the same padded to a bucket's rows, as a decode graph
+    replays it; "varlen", a varlen step with logits at every fed token, padded as a varlen graph
+    replays it (its CPU stand-in), which a tensor-parallel leader and a step of more tokens than
+    the cache's rows take. `read`: the cache's paged read (the streamed one, the GPU's, in
+    Triton's interpreter)."""
     from conftest import assert_logits_match_reference, logit_recorder, run_until_done
     from test_cache_properties import check_drained
     from test_varlen_graphs import CapturedOnCPU
 
     from nanolab import SamplingParams
+    from nanolab.engine.buckets import DecodeBuckets
     from nanolab.engine.graphs import capture_sizes
 
     prompts = repetitive_prompts(0)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
     for k in (None, 4):
-        engine = spec_engine(sharp_gqa24, k)
-        if graphed:
-            engine.runner.varlen_graphs = stand_in = CapturedOnCPU(sharp_gqa24.model, engine.kv_cache,
-                                                                   capture_sizes(64))
+        engine = spec_engine(sharp_gqa24, k, read=read)
+        runner, cache = engine.runner, engine.kv_cache
+        planned, plan_decode = [], cache.plan_decode
+        cache.plan_decode = lambda rows, planned=planned, plan=plan_decode, **kw: (planned.append(kw),
+                                                                                 plan(rows, **kw))[1]
+        if path == "padded":
+            runner.buckets = DecodeBuckets.default(cache.max_rows, cache.max_width, min_width=16)
+        if path == "varlen":
+            runner.verify = runner._verify_varlen
+            runner.varlen_graphs = stand_in = CapturedOnCPU(sharp_gqa24.model, cache, capture_sizes(64))
         logits, keep = logit_recorder()
         seqs = engine.add_requests(prompts, [params] * len(prompts))
         steps = run_until_done(engine, on_step=keep)
@@ -152,9 +185,60 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, graphed):
         check_drained(engine.kv_cache, engine.scheduler)
     assert runs[4][0] == runs[None][0]
     assert runs[4][1] < runs[None][1], "no draft was kept"
-    if graphed:  # the verify steps (more tokens than rows) replayed graphs
-        assert engine.spec_steps and len(stand_in.replayed) >= engine.spec_steps
+    verified = [kw for kw in planned if kw.get("query_lens") is not None]
+    if path == "varlen":  # the verify steps (more tokens than rows) replayed graphs
+        assert not verified and engine.spec_steps and len(stand_in.replayed) >= engine.spec_steps
+    else:
+        assert len(verified) == engine.spec_steps
+        padded = [kw["batch_size"] for kw in verified if (kw["batch_size"] or 0) > sum(kw["query_lens"])]
+        assert bool(padded) == (path == "padded")
     assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
+
+
+def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_again(sharp_gqa24, monkeypatch):
+    """Two requests at once. The proposer offers the first only tokens greedy never picks here and
+    the second the tokens greedy will pick. The first's drafts pause after each verify step, 1, 2,
+    4 then 8 steps, while the second goes on speculating and keeping every draft; over
+    `max_num_seqs` = 1, neither gets any. While nothing can speculate, steps overlap under
+    asynchronous scheduling (a step is left in flight), and through every switch the tokens are
+    plain greedy's (an overlapped step's logits are not kept)."""
+    from conftest import run_until_done
+
+    from nanolab import SamplingParams
+    from nanolab.engine import llm_engine
+
+    prompts = repetitive_prompts(1, n=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    want = [s.output_token_ids for s in plain.add_requests(prompts, [params] * 2)]
+    run_until_done(plain)
+    wrong = next(t for t in range(3, 320) if t not in {t for out in want for t in out})
+
+    def propose(tokens, k, *args):  # the first request: wrong tokens; the second: greedy's own
+        right = tokens[:len(prompts[1])] == prompts[1]
+        done = len(tokens) - len(prompts[1])
+        return want[1][done:done + k] if right else [wrong] * k
+
+    monkeypatch.setattr(llm_engine, "propose_ngram", propose)
+    for max_rows in (8, 1):
+        engine = spec_engine(sharp_gqa24, 2, async_scheduling=True, speculative_config={
+            "num_speculative_tokens": 2, "max_num_seqs": max_rows, "max_draft_backoff": 8})
+        seqs, overlapped, verified = engine.add_requests(prompts, [params] * 2), 0, []
+        while engine.has_unfinished_requests():
+            drafts = seqs[0].num_draft_tokens
+            engine.step()
+            overlapped += engine._inflight is not None
+            if seqs[0].num_draft_tokens > drafts:
+                verified.append(engine.num_steps)
+        assert [s.output_token_ids for s in seqs] == want
+        assert overlapped > 5
+        first, second = seqs
+        assert first.num_accepted_tokens == 0 and first.num_draft_tokens == 2 * len(verified)
+        # a verify step that kept nothing pauses the next 1, 2, 4, 8, 8, ... steps' drafts
+        assert [b - a - 1 for a, b in zip(verified, verified[1:])] == [1, 2, 4, 8, 8][:max(0, len(verified) - 1)]
+        assert (len(verified) >= 4) == (max_rows > 1)
+        assert second.num_accepted_tokens == second.num_draft_tokens
+        assert (second.num_draft_tokens > 4) == (max_rows > 1)
 
 
 def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):
@@ -190,8 +274,10 @@ def test_speculative_config_is_checked():
         EngineConfig(speculative_config={"k": 2})
     with pytest.raises(ValueError, match="speculative_config.method='eagle'"):
         EngineConfig(speculative_config={"method": "eagle"})
-    with pytest.raises(ValueError, match="async_scheduling=True"):
-        EngineConfig(speculative_config={}, async_scheduling=True)
+    for backoff in (-1, 1.5, "3", True):
+        with pytest.raises(ValueError, match="speculative_config.max_draft_backoff"):
+            EngineConfig(speculative_config={"max_draft_backoff": backoff})
+    assert EngineConfig(speculative_config={}, async_scheduling=True).async_scheduling
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 2, "max_num_seqs": 4}'])
@@ -240,3 +326,39 @@ def test_a_row_asking_for_logprobs_gets_them_beside_speculating_rows(sharp_gqa24
     ref = reference(sharp_gqa24, want.prompt_token_ids + want.output_token_ids)
     n = len(want.prompt_token_ids)
     assert_positions(want.output_logprobs, ref[n - 1:-1], want.output_token_ids, 2, "output token")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_verify_steps_replay_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, compiled):
+    """On CUDA with graphs: speculating, every verify step replays a decode graph (a batch row a fed
+    token), the tokens equal plain greedy's, and every emitted token's logits are within 1e-3 of
+    the plain run's (fp32 weights, TF32 off)."""
+    from nanolab import LLM, SamplingParams
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    prompts = repetitive_prompts(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for k in (None, 4):
+        # 16 rows: a verify step of the three prompts' 5 tokens each fits a decode bucket
+        llm = LLM(str(sharp_gqa24.path), device="cuda", dtype="float32", max_num_seqs=16, num_blocks=96,
+                  block_size=4, compile=compiled, async_scheduling=False, enable_prefix_caching=False,
+                  speculative_config=None if k is None else {"num_speculative_tokens": k})
+        engine, logits, verify_graphs = llm.engine, {}, []
+        seqs = engine.add_requests(prompts, [params] * len(prompts))
+        while engine.has_unfinished_requests():
+            spec = engine.spec_steps
+            for out in engine.step():
+                logits.setdefault(out.seq.request_id, []).append(out.logits.float().cpu())
+            if engine.spec_steps > spec:
+                verify_graphs.append(engine.last_step.graph)
+        runs[k] = ([s.output_token_ids for s in seqs], [torch.stack(logits[s.request_id]) for s in seqs])
+        if k:
+            assert verify_graphs and all(verify_graphs), verify_graphs
+            assert engine.spec_accepted_tokens > 0
+        llm.close()
+    assert runs[4][0] == runs[None][0]
+    for on, off in zip(runs[4][1], runs[None][1], strict=True):
+        torch.testing.assert_close(on, off, rtol=1e-3, atol=1e-3)

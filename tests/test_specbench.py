@@ -24,7 +24,8 @@ def test_the_summary_is_worked_by_hand():
         ("on", 0, [1] * 10, 0.5, 4, 12, 6), ("on", 1, [2] * 9 + [3], 0.25, 2, 8, 2),
     ]
     table = pd.DataFrame([{"set": "s", "arm": a, "prompt": p, "token_ids": t, "output_tokens": len(t), "seconds": s,
-                           "verify_steps": v, "draft_tokens": d, "accepted_tokens": k}
+                           "verify_steps": v, "draft_tokens": d, "accepted_tokens": k,
+                           "decode_step_ms": 2.0 + p, "verify_step_ms": 3.0 + 2 * p if v else float("nan")}
                           for a, p, t, s, v, d, k in rows])
     on = spec_summary(table).set_index("arm").loc["on"]
     assert on.ms_per_token == pytest.approx(37.5)  # 0.75 s over 20 tokens
@@ -32,6 +33,7 @@ def test_the_summary_is_worked_by_hand():
     assert on.tokens_per_verify_step == pytest.approx((8 + 6) / 6)
     assert on.speedup_over_off == pytest.approx(100 / 37.5)
     assert not on.outputs_equal_off  # prompt 1's last token differs
+    assert (on.decode_step_ms, on.verify_step_ms) == (2.5, 4.0)  # medians over the two prompts
 
 
 def test_the_switch_off_batch_is_where_speculation_stops_paying():

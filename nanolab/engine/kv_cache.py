@@ -318,13 +318,19 @@ class KVCache:
         gather_short()
         return slots, positions
 
-    def plan_decode(self, rows, *, batch_size: int | None = None, width: int | None = None) -> DecodePlan:
+    def plan_decode(self, rows, *, batch_size: int | None = None, width: int | None = None,
+                    query_lens=None) -> DecodePlan:
         """Grow every row's table by this step's token and return where everything goes.
 
         Positions are read before the tables grow: a new token's position is the number of tokens
         before it. `batch_size` pads the batch up to a capture bucket: the extra rows point at the
         all-sink table row, write to the sink and read one sink slot. `width` is the read
         rectangle's width, at least the longest row (default: exactly the longest row).
+
+        `query_lens[i]` (default 1) feeds row i that many tokens (a verify step's pending token and
+        drafts): each is a batch row of the plan, in order, over the same table row, writing its own
+        slot and reading the row's keys up to its own position, as a one-token decode row would.
+        The forward writes every row's K/V before it reads, so a later token sees the earlier ones.
 
         The host writes four scalars per row into `step_inputs` and one block-table entry for each
         row that crossed into a new block. The plan's tensors are views of those fixed buffers, so
@@ -335,29 +341,36 @@ class KVCache:
         empty = [row for row, t in zip(rows, tables, strict=True) if t.num_tokens == 0]
         if empty:
             raise ValueError(f"decode over empty rows {empty}: a row needs its prompt before it can decode")
-        batch = len(rows) if batch_size is None else batch_size
-        if not len(rows) <= batch <= self.max_rows:
-            raise ValueError(f"batch_size {batch} must hold the {len(rows)} rows and fit the {self.max_rows} "
+        counts = [1] * len(rows) if query_lens is None else [int(n) for n in query_lens]
+        if len(counts) != len(rows) or min(counts, default=1) < 1:
+            raise ValueError(f"query_lens must give each of the {len(rows)} rows at least one token, got {query_lens}")
+        real = sum(counts)  # batch rows: one a fed token
+        batch = real if batch_size is None else batch_size
+        if not real <= batch <= self.max_rows:
+            raise ValueError(f"batch_size {batch} must hold the {real} fed tokens and fit the {self.max_rows} "
                              "rows of the cache")
-        longest = max((t.num_tokens for t in tables), default=0) + 1
-        width = longest if width is None else width
+        longest = max((t.num_tokens + n for t, n in zip(tables, counts, strict=True)), default=0)
+        width = max(longest, 1) if width is None else width
         if not longest <= width <= self.max_width:
             raise ValueError(f"width {width} must hold the longest row ({longest} tokens with this step's) "
                              f"and fit the block table ({self.max_width} tokens a row)")
-        positions = [t.num_tokens for t in tables]
-        self._grow(tables, rows, [1] * len(rows))
-        pad = batch - len(rows)
+        # A batch row per fed token: its cache row and its position (tokens before it).
+        token_rows = [row for row, n in zip(rows, counts, strict=True) for _ in range(n)]
+        positions = [t.num_tokens + j for t, n in zip(tables, counts, strict=True) for j in range(n)]
+        slot_tables = [t for t, n in zip(tables, counts, strict=True) for _ in range(n)]
+        self._grow(tables, rows, counts)
+        pad = batch - real
         step = torch.tensor([
-            list(rows) + [self.pad_row] * pad,  # table row of each batch row
-            [t.slot(p) for t, p in zip(tables, positions, strict=True)] + [SINK] * pad,  # write slot
-            [p + 1 for p in positions] + [1] * pad,  # context length, this step's token included
+            token_rows + [self.pad_row] * pad,  # table row of each batch row
+            [t.slot(p) for t, p in zip(slot_tables, positions, strict=True)] + [SINK] * pad,  # write slot
+            [p + 1 for p in positions] + [1] * pad,  # context length, this token included
             positions + [0] * pad,  # position of the new token
         ], dtype=torch.int64)
         views = {name: buffer[:batch] for name, buffer in self.step_inputs.items()}
         self._upload(step, [view.view(-1) for view in views.values()])
         self._plans += 1
         return DecodePlan(**views, block_table=self.block_table, block_size=self.block_size, width=width,
-                          planned_lens=tuple(p + 1 for p in positions), rows=rows, epoch=self._plans)
+                          planned_lens=tuple(p + 1 for p in positions), rows=tuple(token_rows), epoch=self._plans)
 
     def _upload(self, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
         """step [4, batch] int64 on the host -> the four device views `dsts`. On CUDA one kernel

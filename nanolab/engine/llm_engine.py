@@ -235,6 +235,7 @@ class Engine:
         self.last_step: StepRecord | None = None
         # Speculative decoding's counts (vLLM's): verify steps, drafts proposed, and drafts kept.
         self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.num_steps = 0  # steps run: the clock a request's paused drafts wait on, and the next step's index
 
     @property
     def capture_report(self) -> CaptureReport | None:
@@ -364,18 +365,22 @@ class Engine:
         """Run one step and return what it produced: outputs only for the requests sampled, so a
         request whose prompt is partly in the cache gains nothing. With asynchronous scheduling a
         decode step is launched before the one in flight is read back, so what a call returns is
-        the previous decode step's tokens (`_step_async`)."""
+        the previous decode step's tokens (`_step_async`). A step that may carry drafts runs
+        synchronously: the in-flight step is read back first, in a call of its own."""
         self.last_step = None
-        if self.async_scheduling:
-            return self._step_async()
-        if self._inflight is not None:  # asynchronous scheduling was turned off with a step in flight
+        if self.async_scheduling and not self._may_speculate():
+            outputs = self._step_async()
+        elif self._inflight is not None:  # the in-flight step read back, nothing launched: the clock waits
             prev, self._inflight = self._inflight, None
             return self._retire(prev)
-        out = self.scheduler.schedule()
-        if not out.seqs:
-            return []
-        drafts = self._drafts(out)
-        return self._run_speculative(out, drafts) if drafts else self._run(out)
+        else:
+            out = self.scheduler.schedule()
+            if not out.seqs:
+                return []
+            drafts = self._drafts(out)
+            outputs = self._run_speculative(out, drafts) if drafts else self._run(out)
+        self.num_steps += 1
+        return outputs
 
     def _run(self, out: SchedulerOutput) -> list[StepOutput]:
         """One forward over the scheduled step (a planned decode, or a varlen step of prompts,
@@ -404,14 +409,30 @@ class Engine:
         return self._emit(sampled, tokens, logits)
 
     # Speculative decoding (`EngineConfig.speculative_config`): a decode step of few rows feeds each
-    # row its pending token and the drafts prompt lookup proposes, verifies them in one varlen
-    # forward with logits at every fed token, keeps what `greedy_accept` / `rejection_sample` keep
-    # and one token more, and shortens each row's table past the tokens it rejected.
+    # row its pending token and the drafts prompt lookup proposes, verifies them in one forward
+    # with logits at every fed token (`ModelRunner.verify`: a decode step of a batch row a token),
+    # keeps what `greedy_accept` / `rejection_sample` keep and one token more, and shortens each
+    # row's table past the tokens it rejected.
+
+    def _speculating(self, seq: Sequence) -> bool:
+        """Whether `seq` gets drafts at the next step: not while paused after verify steps that kept
+        none of its drafts (`SpeculativeConfig.max_draft_backoff`)."""
+        return self.num_steps >= seq.drafts_from_step
+
+    def _may_speculate(self) -> bool:
+        """Whether the next step could carry drafts: speculation is configured, the running rows
+        are at most its `max_num_seqs`, and one of them still speculates. Such a step runs
+        synchronously; any other overlaps with the one before under asynchronous scheduling."""
+        spec = self.config.speculative_config
+        running = self.scheduler.running
+        return (spec is not None and 0 < len(running) <= spec.max_num_seqs
+                and any(self._speculating(s) for s in running))
 
     def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
-        none proposed, or the pool lacks the blocks to feed them. A row asking for logprobs, or
-        with no room before max_tokens or the context, gets none."""
+        none proposed, or the pool lacks the blocks to feed them. A row asking for logprobs, with
+        no room before max_tokens or the context, or no longer speculating (`_speculating`), gets
+        none."""
         spec = self.config.speculative_config
         if spec is None or not out.decode_only or len(out.seqs) > spec.max_num_seqs:
             return None
@@ -421,7 +442,7 @@ class Engine:
             room = min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
                        spec.num_speculative_tokens if p.max_tokens is None
                        else p.max_tokens - len(seq.output_token_ids) - 1)
-            if room >= 1 and seq.output_logprobs is None:
+            if room >= 1 and seq.output_logprobs is None and self._speculating(seq):
                 proposed = propose_ngram(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
                 if proposed:
                     drafts[i] = proposed
@@ -439,8 +460,7 @@ class Engine:
         for i, d in drafts.items():  # fed as tokens of the row for this forward, taken back after it
             seqs[i].output_token_ids.extend(d)
         try:
-            logits = self.runner.run_varlen(seqs, counts, [n - 1 for n in before], [True] * len(seqs),
-                                            all_logits=[i in drafts for i in range(len(seqs))])
+            logits = self.runner.verify(seqs, counts)  # [sum(counts), vocab]: every fed token's
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
         finally:
@@ -467,11 +487,18 @@ class Engine:
                 seq.num_computed_tokens = before[i] + len(tokens) - 1
                 self.spec_draft_tokens += len(d)
                 self.spec_accepted_tokens += len(tokens) - 1
+                seq.num_draft_tokens += len(d)
+                seq.num_accepted_tokens += len(tokens) - 1
+                if d:  # none kept: pause its drafts, twice as long as last time; one kept: go on
+                    cap = self.config.speculative_config.max_draft_backoff
+                    seq.draft_backoff = 0 if len(tokens) > 1 else min(cap, max(1, 2 * seq.draft_backoff))
+                    seq.drafts_from_step = self.num_steps + 1 + seq.draft_backoff
             kept.append(tokens)
             rows.append(row_logits)
         self._commit([s for s, t in zip(seqs, kept) if not isinstance(t, Exception)])
         self.spec_steps += 1
-        self.last_step = StepRecord("decode", len(seqs), len(seqs), False, sum(counts), time.perf_counter() - start)
+        batch, graph = self.runner.last_decode
+        self.last_step = StepRecord("decode", len(seqs), batch, graph, sum(counts), time.perf_counter() - start)
         outputs = []
         for seq, tokens, row_logits in zip(seqs, kept, rows):
             # A row's tokens in order, token j from row_logits[j]; what follows a stop is dropped.

@@ -129,6 +129,11 @@ class LeaderRunner(ModelRunner):
         with self._group_or_abort():
             return super().decode(*args, **kwargs)
 
+    def verify(self, seqs, query_lens) -> torch.Tensor:
+        # As a varlen step, which the workers follow from its call; a decode step's call carries
+        # no token counts.
+        return self._verify_varlen(seqs, query_lens)
+
     @contextlib.contextmanager
     def _group_or_abort(self):
         """A forward that fails on rank 0 after its call went out leaves the workers inside a

@@ -85,7 +85,9 @@ class VarlenPlan:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One decode step: a new token for each row, and rows padded up to a capture bucket."""
+    """One decode step: a new token for each batch row, and rows padded up to a capture bucket. A
+    verify step is one too: a cache row that feeds several tokens is a batch row a token, each
+    reading the row's keys up to its own position (`KVCache.plan_decode`'s `query_lens`)."""
 
     # Views of the cache's fixed buffers: the same addresses every step.
     table_rows: torch.Tensor  # [batch] int64: each batch row's block-table row; padded rows the all-sink one
@@ -96,8 +98,8 @@ class DecodePlan:
     # Host only: nothing inside the forward may read these.
     block_size: int
     width: int  # the read rectangle's width: the longest row, or the capture bucket's width
-    planned_lens: tuple[int, ...]  # context length of each real row when planned
-    rows: tuple[int, ...]  # the real cache rows, in batch order; padding rows follow them
+    planned_lens: tuple[int, ...]  # context length of each real batch row when planned
+    rows: tuple[int, ...]  # the cache row of each real batch row, in batch order; padding rows follow them
     epoch: int  # the cache's plan count when this one was built; a newer plan makes it stale
 
     @property
@@ -188,8 +190,10 @@ def check_plan_current(cache, plan: DecodePlan) -> Gate:
     """A plan is current while it is the newest the cache built (its epoch) and the tables still
     hold exactly the lengths it planned. Planning again fills the same buffers with other write
     slots, so an older plan would write over the newer one's."""
-    planned = plan.planned_lens  # host copies: the device buffers now hold whichever plan is newest
-    actual = [cache.blocks.table(row).num_tokens for row in plan.rows]
-    stale = sum(p != a for p, a in zip(planned, actual, strict=True))
+    planned = {}  # each cache row's length after the plan (its last batch row's): host copies, since
+    for row, n in zip(plan.rows, plan.planned_lens, strict=True):  # the device buffers hold the newest plan
+        planned[row] = max(n, planned.get(row, 0))
+    actual = [cache.blocks.table(row).num_tokens for row in planned]
+    stale = sum(p != a for p, a in zip(planned.values(), actual, strict=True))
     return Gate("check_plan_current", stale == 0 and plan.epoch == cache.plan_epoch,
                 {"rows": len(actual), "stale_rows": stale, "epoch": plan.epoch, "newest": cache.plan_epoch})

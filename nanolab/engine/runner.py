@@ -157,7 +157,8 @@ class ModelRunner:
                 buckets = buckets.without_width()
         self.buckets = buckets
         self.graphs: DecodeGraphs | None = None
-        # The last decode step's shape as it ran: (rows the forward ran at, whether a graph replayed).
+        # The last decode or verify step's shape as it ran: (rows, or a varlen verify step's tokens,
+        # the forward ran at, whether a graph replayed).
         self.last_decode: tuple[int, bool] = (0, False)
         # Varlen steps (prompt chunks beside decode rows) of up to varlen_capture_size tokens replay
         # a graph of the smallest capture size holding them (`capture_sizes`); larger ones run eagerly.
@@ -237,12 +238,44 @@ class ModelRunner:
         """One new token's logits for every sequence -> [rows, vocab] fp32. `ids` as `plan_step`."""
         plan, ids = self.plan_step(seqs, ids)
         self.planned("decode", seqs, ids, None, None)
+        return self._run_decode(plan, ids, len(seqs))
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
+        """A verify step: sequence i feeds its last query_lens[i] tokens (its pending token and the
+        drafts after it, none in the cache yet) -> logits at every one, in order, [sum(query_lens),
+        vocab] fp32. It runs as a decode step of a batch row a fed token (`plan_decode`'s
+        `query_lens`), through a decode graph when a bucket holds that many rows: each token reads its
+        row's keys through the decode read, which walks a short context once a token faster than the
+        varlen read splits it. More tokens than the cache's rows run as a varlen step."""
+        tokens = sum(query_lens)
+        if tokens > self.kv_cache.max_rows:
+            return self._verify_varlen(seqs, query_lens)
+        tables = [self.kv_cache.blocks.table(s.row) for s in seqs]
+        longest = max(t.num_tokens + n for t, n in zip(tables, query_lens, strict=True))
+        shape = None if self.buckets is None else self.buckets.lookup(tokens, longest)
+        plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
+                                         width=shape and shape[1], query_lens=query_lens)
+        host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
+        host[:tokens, 0] = torch.tensor([t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]])
+        return self._run_decode(plan, stage(host, self.device), tokens)
+
+    def _verify_varlen(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
+        """`verify` as a varlen step with logits at every token."""
+        held = [s.num_tokens - n for s, n in zip(seqs, query_lens, strict=True)]
+        logits = self.run_varlen(seqs, query_lens, held, [True] * len(seqs), all_logits=[True] * len(seqs))
+        self.last_decode = self.last_varlen
+        return logits
+
+    def _run_decode(self, plan: DecodePlan, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        """The planned decode step's logits for its first `rows` batch rows: its bucket's graph
+        replayed, else the forward eagerly. ids [rows or batch, 1]."""
         if self.graphs is not None:
             shape = (plan.batch_size, plan.width if self.buckets.widths is not None else None)
             if shape in self.graphs:
                 self.last_decode = (plan.batch_size, True)
-                return self.graphs.replay(shape, ids[: len(seqs)], plan)
+                return self.graphs.replay(shape, ids[:rows], plan)
         self.last_decode = (plan.batch_size, False)
         if ids.shape[0] < plan.batch_size:  # device ids cover the live rows only: pad with token 0
             ids = torch.cat([ids, ids.new_zeros((plan.batch_size - ids.shape[0], 1))])
-        return planned_step(self.forward, self.kv_cache, ids.to(self.device, non_blocking=True), plan)[: len(seqs)]
+        return planned_step(self.forward, self.kv_cache, ids.to(self.device, non_blocking=True), plan)[:rows]

@@ -35,6 +35,12 @@ class Sequence:
     text: TextDeltas | None = None  # the output's text, kept only for a request with stop strings
     stop_scanned: int = 0  # characters of `text` already searched for stop strings
     num_preemptions: int = 0
+    # Speculative decoding: drafts proposed for this request and how many were kept; after verify
+    # steps that kept none, the engine step from which it gets drafts again, and the pause's length.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafts_from_step: int = 0
+    draft_backoff: int = 0
     num_computed_tokens: int = 0  # back to 0 when preempted: recomputed from its tokens so far
     # The request queued beside this one with the same prompt (another of a request's n samples):
     # with prefix caching, this one is admitted only once that one's prompt is cached, and shares it.

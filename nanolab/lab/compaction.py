@@ -58,17 +58,20 @@ def smallest_bucket(rows: int, batch_sizes: Sequence[int]) -> int | None:
 
 
 def check_compaction(steps: pd.DataFrame, batch_sizes: Sequence[int], expect_graphs: bool | None = None) -> Gate:
-    """Each decode step ran at the smallest capture bucket holding its live rows when a graph
-    replayed, and unpadded (batch == rows) otherwise. `expect_graphs` True also asks that every
-    decode step inside the list replayed a graph; False that none did. `steps` is a step log, or
-    `step_summary`'s counts of one (its `steps` column weighs each row)."""
+    """Each decode step ran at the smallest capture bucket holding its fed tokens when a graph
+    replayed, and unpadded (batch == tokens) otherwise: a batch row a token, so a plain decode
+    step's live rows, a verify step's pending tokens and drafts (without a `tokens` column, the
+    rows). `expect_graphs` True also asks that every decode step inside the list replayed a graph;
+    False that none did. `steps` is a step log, or `step_summary`'s counts of one (its `steps`
+    column weighs each row)."""
     decode = steps[steps.phase == "decode"]
     count = decode.steps if "steps" in decode.columns else pd.Series(1, index=decode.index)
     graphed = decode.graph.astype(bool)
-    bucket = decode.rows.map(lambda r: smallest_bucket(int(r), batch_sizes))
-    expected = bucket.where(graphed, decode.rows)
+    fed = _fed(decode)
+    bucket = fed.map(lambda r: smallest_bucket(int(r), batch_sizes))
+    expected = bucket.where(graphed, fed)
     off = decode.batch != expected
-    inside = decode.rows <= max(batch_sizes)
+    inside = fed <= max(batch_sizes)
     wrong_mode = inside & (graphed != expect_graphs) if expect_graphs is not None else pd.Series(False, decode.index)
     total = int(count.sum())
     numbers = {"decode steps": total, "graphed": int(count[graphed].sum()), "off the smallest bucket":
@@ -76,9 +79,17 @@ def check_compaction(steps: pd.DataFrame, batch_sizes: Sequence[int], expect_gra
                "padding share (mean)": round(float((decode.padding_share * count).sum() / total), 3) if total else None}
     if off.any():
         first = decode[off].iloc[0]
-        numbers["first"] = f"{int(first.rows)} rows ran at {int(first.batch)}"
-    return Gate("row compaction: a decode step runs at the smallest bucket holding its live rows",
+        numbers["first"] = f"{int(first.rows)} rows ({int(fed[off].iloc[0])} tokens) ran at {int(first.batch)}"
+    return Gate("row compaction: a decode step runs at the smallest bucket holding its fed tokens",
                 total > 0 and not off.any() and not wrong_mode.any(), numbers)
+
+
+def _fed(steps: pd.DataFrame) -> pd.Series:
+    """Each step's batch rows before padding: its fed tokens where the log gives them for a decode
+    step, else its rows."""
+    if "tokens" not in steps.columns:
+        return steps.rows
+    return steps.tokens.where((steps.phase == "decode") & steps.tokens.notna(), steps.rows).astype(int)
 
 
 def weighted_median_rows(decode: pd.DataFrame) -> float:
@@ -92,11 +103,15 @@ def weighted_median_rows(decode: pd.DataFrame) -> float:
 
 
 def step_summary(steps: pd.DataFrame) -> pd.DataFrame:
-    """Steps counted by (arm, rate, phase, rows, batch, graph), with their median ms: the compaction
-    table of a whole run in a few hundred rows."""
+    """Steps counted by (arm, rate, phase, rows, batch, graph) and, for a decode step, its fed
+    tokens (a verify step feeds more than its rows; other phases leave it empty), with their median
+    ms: the compaction table of a whole run in a few hundred rows."""
     keys = ["arm", "rate", "phase", "rows", "batch", "graph"]
-    out = steps.groupby(keys, as_index=False).agg(steps=("ms", "size"), ms_p50=("ms", "median"))
-    out["padding_share"] = (out.batch - out.rows) / out.batch
+    if "tokens" in steps.columns:
+        steps = steps.assign(tokens=steps.tokens.where(steps.phase == "decode"))
+        keys.append("tokens")
+    out = steps.groupby(keys, as_index=False, dropna=False).agg(steps=("ms", "size"), ms_p50=("ms", "median"))
+    out["padding_share"] = (out.batch - _fed(out)) / out.batch
     return out
 
 

@@ -17,8 +17,8 @@ Two more parts:
 - `verify` (`<prefix>_spec_verify_<device>`): what a verify step costs against a decode step at the
   runner, whatever the weights (random ones accept nothing worth reporting): a batch of rows at
   `--prompt-len` tokens, each step planned, run (a graph replayed where one fits) and its argmax read
-  back, the decode step one token a row, the verify step k + 1 (the pending token and k drafts),
-  logits at every one; each row is shortened back after the step, so every step sees the same
+  back, the decode step one token a row, the verify step k + 1 (the pending token and k drafts,
+  `ModelRunner.verify`), logits at every one; each row is shortened back after the step, so every step sees the same
   history. The two alternate; medians. On CUDA, `<prefix>_spec_verify_kernels_<device>` adds both
   steps' GPU kernels under the profiler, by kernel and class, us a step.
 
@@ -62,21 +62,29 @@ def load_prompt_set(name: str, directory: Path = SETS_DIR) -> list[list[dict]]:
 
 
 def run_prompt(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
-    """One conversation alone, greedy, stepped to its end: its tokens, time, steps and the
-    engine's speculative counts over it."""
+    """One conversation alone, greedy, stepped to its end: its tokens, time, steps, the engine's
+    speculative counts over it, and the wall time of its steps by kind: the first (its prompt), and
+    the median decode step and verify step. With asynchronous scheduling a step's wall time is its
+    host's (the GPU runs behind it); the steps' sum is the request's time either way."""
     engine = llm.engine
     before = (engine.spec_steps, engine.spec_draft_tokens, engine.spec_accepted_tokens)
     seq = engine.add_request(llm.tokenizer.encode_chat(messages), SamplingParams(temperature=0, max_tokens=max_tokens))
-    steps, start = 0, time.perf_counter()
+    times = {"prompt": [], "decode": [], "verify": []}  # each step's wall seconds, by what it ran
+    start = time.perf_counter()
     while engine.has_unfinished_requests():
+        verified, at = engine.spec_steps, time.perf_counter()
         engine.step()
-        steps += 1
+        kind = "prompt" if not times["prompt"] else "verify" if engine.spec_steps > verified else "decode"
+        times[kind].append(time.perf_counter() - at)
     seconds = time.perf_counter() - start
     spec = [after - b for after, b in zip((engine.spec_steps, engine.spec_draft_tokens, engine.spec_accepted_tokens),
                                           before)]
     return {"prompt_tokens": len(seq.prompt_token_ids), "output_tokens": len(seq.output_token_ids),
-            "seconds": seconds, "ms_per_token": 1e3 * seconds / max(1, len(seq.output_token_ids)), "steps": steps,
-            "verify_steps": spec[0], "draft_tokens": spec[1], "accepted_tokens": spec[2],
+            "seconds": seconds, "ms_per_token": 1e3 * seconds / max(1, len(seq.output_token_ids)),
+            "steps": sum(map(len, times.values())), "verify_steps": spec[0], "draft_tokens": spec[1],
+            "accepted_tokens": spec[2], "prompt_step_ms": 1e3 * sum(times["prompt"]),
+            "decode_step_ms": 1e3 * statistics.median(times["decode"]) if times["decode"] else float("nan"),
+            "verify_step_ms": 1e3 * statistics.median(times["verify"]) if times["verify"] else float("nan"),
             "token_ids": seq.output_token_ids}
 
 
@@ -103,7 +111,8 @@ def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k:
 def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per set and arm: output tokens, ms a token (all tokens over all time), the acceptance
     rate, tokens a verify step gives (kept drafts plus the one it adds), the speedup in ms a token
-    over "off", and whether every output equals off's."""
+    over "off", the median over prompts of each prompt's median decode and verify step, and
+    whether every output equals off's."""
     rows = []
     for (name, arm), g in table.groupby(["set", "arm"], sort=False):
         off = table[(table.set == name) & (table.arm == "off")].set_index("prompt")
@@ -114,6 +123,7 @@ def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
                      "ms_per_token": ms, "acceptance_rate": kept / drafts if drafts else float("nan"),
                      "tokens_per_verify_step": (kept + verify) / verify if verify else float("nan"),
                      "speedup_over_off": 1e3 * off.seconds.sum() / off.output_tokens.sum() / ms,
+                     "decode_step_ms": g.decode_step_ms.median(), "verify_step_ms": g.verify_step_ms.median(),
                      "outputs_equal_off": same})
     return pd.DataFrame(rows)
 
@@ -175,8 +185,7 @@ def _steps(llm: LLM, seqs: list, k: int) -> dict[str, Callable[[], None]]:
         for s in seqs:  # k drafts: the pending token again, which is as good as any to time
             s.output_token_ids.extend([s.output_token_ids[-1]] * k)
         try:
-            logits = runner.run_varlen(seqs, [k + 1] * batch, held, [True] * batch, all_logits=[True] * batch)
-            logits.argmax(-1).tolist()
+            runner.verify(seqs, [k + 1] * batch).argmax(-1).tolist()
         finally:
             for s in seqs:
                 del s.output_token_ids[-k:]
@@ -191,18 +200,21 @@ def _steps(llm: LLM, seqs: list, k: int) -> dict[str, Callable[[], None]]:
     return {"decode": shortened(decode), "verify": shortened(verify)}
 
 
-def _step_times(llm: LLM, steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each of `steps`, alternated; two untimed rounds first."""
-    times = {name: [] for name in steps}
+def _step_times(llm: LLM, steps: dict[str, Callable[[], None]],
+                repeats: int) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """Seconds of each of `steps`, alternated, two untimed rounds first; and whether each last
+    replayed a graph."""
+    times, graphed = {name: [] for name in steps}, {}
     for i in range(repeats + 2):
         for name, step in steps.items():
             sync(llm.device)
             start = time.perf_counter()
             step()
             elapsed = time.perf_counter() - start
+            graphed[name] = llm.engine.runner.last_decode[1]
             if i >= 2:
                 times[name].append(elapsed)
-    return times
+    return times, graphed
 
 
 def _step_kernels(steps: dict[str, Callable[[], None]], repeats: int, batch: int, k: int) -> pd.DataFrame:
@@ -220,17 +232,17 @@ def run_verify_cost(model: str, device: str, batches: Sequence[int] = VERIFY_BAT
     (default: on CUDA), both steps' kernels per batch."""
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=False, async_scheduling=False,
               max_num_seqs=max(64, *batches))
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     profile = llm.device.type == "cuda" if profile is None else profile
     rows, kernels = [], []
     for batch in batches:
         seqs = prefill(engine, random_prompts(batch, prompt_len, llm.config.vocab_size), new_tokens=1 << 20)
         steps = _steps(llm, seqs, k)
-        times = _step_times(llm, steps, repeats)
+        times, graphed = _step_times(llm, steps, repeats)
         decode_ms, verify_ms = (1e3 * statistics.median(times[n]) for n in ("decode", "verify"))
         rows.append({"batch": batch, "k": k, "prompt_len": prompt_len, "repeats": repeats, "decode_ms": decode_ms,
                      "verify_ms": verify_ms, "verify_over_decode": verify_ms / decode_ms,
-                     "decode_graphed": runner.last_decode[1], "verify_graphed": runner.last_varlen[1],
+                     "decode_graphed": graphed["decode"], "verify_graphed": graphed["verify"],
                      "verify_tokens": batch * (k + 1)})
         log(f"batch {batch}: decode {decode_ms:.3f} ms, verify of k={k} {verify_ms:.3f} ms "
             f"({verify_ms / decode_ms:.2f}x, target {VERIFY_COST_TARGET}x)")

@@ -279,6 +279,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="the pool's and the queries' dtype")
     parser.add_argument("--prefix", default="day64", help="the table goes to data/<prefix>_varlen_sweep_<device>.csv")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated words; only the cases whose name holds one (e.g. verify,50 tokens)")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false",
+                        help="time only the engine's launch (and the decode read), not the sweep of tiles")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -291,7 +295,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--pool-gib must be positive")
     layouts = LAYOUTS[:-1] + (LAYOUTS[-1]._replace(pool_gib=args.pool_gib),)
     dtype = getattr(torch, args.dtype)
-    table = run_varlenbench(args.model, repeats=args.repeats, layouts=layouts, dtype=dtype)
+    cases = CASES
+    if args.cases is not None:
+        words = [w.strip() for w in args.cases.split(",") if w.strip()]
+        cases = tuple(c for c in CASES if any(w in c.name for w in words))
+        if not cases:
+            raise ValueError(f"--cases {args.cases!r} names none of: {'; '.join(c.name for c in CASES)}")
+    table = run_varlenbench(args.model, cases, None if args.sweep else [DEFAULT], repeats=args.repeats,
+                            layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)
           .to_string(index=False))
