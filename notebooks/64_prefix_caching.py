@@ -343,8 +343,13 @@ print(f"outside the prompt step: {outside:.2f} ms; with a step of no time, TTFT 
 # At the engine the 50-token step now takes about 2.7 ms, of which about 2.2 ms is kernels:
 # 0.9 ms of projections, the cuBLAS reading of every weight once, and 1.07 ms of attention read,
 # 67 us a layer. `varlenbench` reads the same shape alone, L2 flushed, in 37 us with the engine's
-# tiles and 28 us at its best (`data/day64_varlen_sweep_h200.csv`). Why the read takes nearly
-# twice as long inside the step is the next question for this step.
+# tiles and 28 us at its best (`data/day64_varlen_sweep_h200.csv`). Timed alone in the layouts a
+# captured step hands it (`data/day65read_bfloat16_varlen_sweep_h200.csv`, chapter 65), the read
+# takes 70 us, and as long again over a 4 GiB pool, so the pool's size is not the cause. Nor is
+# the share count the step fixes (8, where alone the read picks 4): alone at 8 shares the sweep
+# reads this shape in 28 us. What is left is the rest of the step's layout, a table row for each
+# of the engine's 64 rows and q read out of the fused projection's output, and which of the two
+# costs the time is not yet separated.
 #
 # The split table above bounds what any faster step can buy. The server's work around the step
 # (front, core wait, host work, back) came to about 4.2 ms in that run. Even a step that took no

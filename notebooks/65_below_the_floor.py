@@ -283,11 +283,12 @@ lab.show(reads.pivot_table(index=["dtype", "case"], columns=["read", "layout"], 
 # For 8 rows of 5 tokens over 256 keys, the decode read takes 15 us and the varlen read 50 us in
 # the step's layout. Each token rereads its row's keys, but from L2 after the first, and the
 # decode read has no segments to search. The varlen read takes 23 us alone and 50 in the step's
-# layout. The pool's size makes no difference; the share count does. Alone, the read splits each
-# walk knowing the contexts (2 shares); a captured step must fix its share count for any context,
-# and takes 8. That is the 2x gap between the read alone and inside a step that Day 64 could not
-# explain. In fp32 the varlen read is a disaster, 718 to 1,770 us, against 86 to 398 for the decode
-# read. That is where the fp32 verify steps' 14 ms went.
+# layout. The pool's size makes no difference, and neither does the share count the step fixes
+# (8, where alone the read picks 2): Day 64's sweep reads this shape alone at 8 shares in 30 us.
+# The rest of the step's layout, a table row per engine row and q inside the fused projection's
+# output, doubles the read, and which of the two does is not yet separated. In fp32 the varlen
+# read is a disaster, 718 to 1,770 us, against 86 to 398 for the decode read. That is where the
+# fp32 verify steps' 14 ms went.
 #
 # So a verify step is now a decode step (`ModelRunner.verify`). `plan_decode` gives each fed
 # token a batch row of its own over the row's table entry, with its own write slot and position.
@@ -448,13 +449,12 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 #   from plain greedy at a near tie; fp32 outputs are identical.
 # - A verify step is now a decode step of a batch row per fed token, through the decode read and
 #   the decode graphs. At Llama-3.2-1B shapes it costs 0.96x and 1.18x a decode step at batches 1
-#   and 8, inside the 1.2x allowed. In bf16 the varlen read was 3x slower on those shapes, since
-#   a captured step fixes its share count for any context. In fp32 it was 8x slower, which is
-#   what made fp32 speculation 4x slower than off.
+#   and 8, inside the 1.2x allowed. In a captured step's layout the varlen read was 3x slower on
+#   those shapes in bf16 and 8x in fp32, which is what made fp32 speculation 4x slower than off.
 # - Under graphbench's load on random weights, speculation made ITL p50 1.66x worse at 32 req/s.
 #   The engine now switches it off per step by batch size and pauses a request's drafts after
 #   verify steps that keep none, and overlaps every step that cannot carry drafts. That is
 #   tested on the CPU and not yet measured on the H200.
-# - Not yet built: overlapped speculative steps (drafts proposed on the device), a share count
-#   for the varlen read chosen from the step's contexts, a varlen read that fp32 does not cripple,
-#   and tensor parallelism with speculation through the decode path.
+# - Not yet built: overlapped speculative steps (drafts proposed on the device), a varlen read as
+#   fast inside a captured step as alone, one that fp32 does not cripple, and tensor parallelism
+#   with speculation through the decode path.
