@@ -29,33 +29,23 @@ def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int =
     if length < 2:
         return []
     last = tokens[-1]
-    # One pass back over the earlier tokens: every j holding the last token ends a match, which is
-    # then extended backwards up to max_n tokens; the longest wins, the latest among equals. One
-    # step's host time: a few microseconds over a long prompt, where comparing every n-token slice
-    # at every start for n = max_n .. min_n took a sizeable share of a small model's step.
+    # One pass back over the earlier tokens: each j holding the last token ends a match, extended
+    # backwards up to max_n tokens; the longest wins, the latest among equals. A step's host time
+    # grows with the prompt, so no n-token slice is compared at every start for every n.
     best_n, best_j = 0, -1
-    j = length - 1
-    while best_n < max_n:
-        try:
-            j = _last_index(tokens, last, j)
-        except ValueError:
-            break
+    for j in range(length - 2, -1, -1):
+        if tokens[j] != last:
+            continue
         n = 1
         while n < max_n and n <= j and tokens[j - n] == tokens[length - 1 - n]:
             n += 1
         if n > best_n:
             best_n, best_j = n, j
+            if n == max_n:
+                break
     if best_n < min_n:
         return []
     return tokens[best_j + 1: best_j + 1 + k]
-
-
-def _last_index(tokens: list[int], value: int, end: int) -> int:
-    """The largest index i < end with tokens[i] == value; ValueError when none."""
-    for i in range(end - 1, -1, -1):
-        if tokens[i] == value:
-            return i
-    raise ValueError(value)
 
 
 def greedy_accept(target_argmax: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:

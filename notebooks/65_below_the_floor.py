@@ -246,8 +246,13 @@ print(f"code editing, bf16: {code_bf16.speedup_over_off:.2f}x lower latency, {co
 # in bf16 take under 0.1 ms to read at this card's bandwidth, so a step pays for its launches and
 # its host work, and a synchronous step pays its host work in full.
 #
+# The step counts bound what any verify step can buy. One as cheap as an overlapped decode step
+# would give the ratio of steps, 1.95x on code editing in this run and 1.75x in the CPU run above,
+# whose requests pause their drafts after fruitless verify steps. The 1.8x aim therefore needs
+# verify steps overlapped with the host's work, as plain decode steps are, and not just cheaper.
+#
 # Two changes since this run cut that host work. Prompt lookup now takes one pass over the
-# tokens (8 us a call over 200 tokens, from 149, and a hypothesis test holds it to its
+# tokens (3 us a call over 200 tokens on this CPU, from 149, and a hypothesis test holds it to its
 # definition). A step that cannot carry drafts now overlaps again (below, under load). They have
 # not yet been measured on the H200.
 #
