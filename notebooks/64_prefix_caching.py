@@ -347,9 +347,13 @@ print(f"outside the prompt step: {outside:.2f} ms; with a step of no time, TTFT 
 # captured step hands it (`data/day65read_bfloat16_varlen_sweep_h200.csv`, chapter 65), the read
 # takes 70 us, and as long again over a 4 GiB pool, so the pool's size is not the cause. Nor is
 # the share count the step fixes (8, where alone the read picks 4): alone at 8 shares the sweep
-# reads this shape in 28 us. What is left is the rest of the step's layout, a table row for each
-# of the engine's 64 rows and q read out of the fused projection's output, and which of the two
-# costs the time is not yet separated.
+# reads this shape in 28 us. What is left is the rest of the step's layout: a table row for each
+# of the engine's 64 rows, and q read out of the fused projection's output. The grid points at
+# the first. A captured step cannot know how many of its segments hold tokens, so its flat grid
+# has a slot for each 16-query tile of its 56 tokens and one for every segment that could start
+# one, min(64 rows, 56 tokens): 59 slots for each KV head and share, 3,776 programs, most of which
+# search for a segment and exit. Alone the case has one segment, 5 slots and 320 programs at the
+# same share count. No run has yet timed the two apart.
 #
 # The split table above bounds what any faster step can buy. The server's work around the step
 # (front, core wait, host work, back) came to about 4.2 ms in that run. Even a step that took no

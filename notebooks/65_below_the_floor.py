@@ -290,8 +290,11 @@ lab.show(reads.pivot_table(index=["dtype", "case"], columns=["read", "layout"], 
 # decode read has no segments to search. The varlen read takes 23 us alone and 50 in the step's
 # layout. The pool's size makes no difference, and neither does the share count the step fixes
 # (8, where alone the read picks 2): Day 64's sweep reads this shape alone at 8 shares in 30 us.
-# The rest of the step's layout, a table row per engine row and q inside the fused projection's
-# output, doubles the read, and which of the two does is not yet separated. In fp32 the varlen
+# The rest of the step's layout doubles the read: a table row per engine row, and q inside the
+# fused projection's output. By the grid's arithmetic it is the first. A captured step's flat grid
+# has a slot for every segment that could hold a token, min(64 rows, 40 tokens), besides its query
+# tiles: 2,688 programs over the KV heads and shares, against 768 alone at 8 shares (chapter 64
+# works the same for a prompt step). No run has yet timed the two apart. In fp32 the varlen
 # read is a disaster, 718 to 1,770 us, against 86 to 398 for the decode read. That is where the
 # fp32 verify steps' 14 ms went.
 #
