@@ -12,9 +12,10 @@ size). TB/s counts the K/V the case must read once.
 Inside a graphed step the engine's launch has read the same shapes in about twice the time it
 takes here, so the engine's launch is also timed in the layouts a step hands it (`LAYOUTS`):
 `step` gives the read what a captured step does, a table row per engine row (the padding rows
-empty, after the real ones) and q as a view of the fused qkv projection's output; `step, large
-pool` also scatters the case's blocks over a pool of `--pool-gib` GiB a layer (K and V each), as a
-served pool of many rows holds them. Each row of the table names its layout.
+empty, after the real ones) and q as a view of the fused qkv projection's output; `table rows` and
+`fused q` each give it one of the two; `step, large pool` also scatters the case's blocks over a
+pool of `--pool-gib` GiB a layer (K and V each), as a served pool of many rows holds them. Each
+row of the table names its layout.
 
 Cases whose segments are short (a verify step, a short prompt after a cached prefix) are also read
 by the engine's decode read, a decode row a token over the captured size's rows, in every layout
@@ -72,7 +73,9 @@ class Layout(NamedTuple):
 
 ENGINE_ROWS = 64  # EngineConfig.max_num_seqs' default: a captured step's table rows
 DECODE_READ_MAX_QUERY = 64  # the decode read a row a token is timed on cases of segments up to this long
-LAYOUTS = (Layout("alone"), Layout("step", ENGINE_ROWS, True), Layout("step, large pool", ENGINE_ROWS, True, 4.0))
+# "step" changes two things at once; "table rows" and "fused q" each change one of them.
+LAYOUTS = (Layout("alone"), Layout("table rows", ENGINE_ROWS), Layout("fused q", fused_q=True),
+           Layout("step", ENGINE_ROWS, True), Layout("step, large pool", ENGINE_ROWS, True, 4.0))
 
 
 class VarlenConfig(NamedTuple):
@@ -274,7 +277,7 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.2-1b", help="a preset name or a model folder (its head shapes)")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--pool-gib", type=float, default=LAYOUTS[-1].pool_gib,
+    parser.add_argument("--pool-gib", type=float, default=next(t.pool_gib for t in LAYOUTS if t.pool_gib),
                         help="the large pool's K (and V) GiB a layer, for the last layout")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="the pool's and the queries' dtype")
@@ -293,7 +296,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be positive")
     if args.pool_gib <= 0:
         raise ValueError("--pool-gib must be positive")
-    layouts = LAYOUTS[:-1] + (LAYOUTS[-1]._replace(pool_gib=args.pool_gib),)
+    layouts = tuple(t._replace(pool_gib=args.pool_gib) if t.pool_gib else t for t in LAYOUTS)
     dtype = getattr(torch, args.dtype)
     cases = CASES
     if args.cases is not None:
