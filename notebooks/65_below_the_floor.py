@@ -302,8 +302,8 @@ lab.show(reads.pivot_table(index=["dtype", "case"], columns=["read", "layout"], 
 # token a batch row of its own over the row's table entry, with its own write slot and position.
 # The forward writes every row's K/V before it reads, so a later draft sees the earlier ones, and
 # each token reads keys up to its own position. The step replays the decode graph of the smallest
-# bucket holding its tokens. More tokens than the cache has rows fall back to the varlen step, and
-# so does a tensor-parallel leader, whose workers follow a varlen step's call. On the sharp models,
+# bucket holding its tokens. More tokens than the cache has rows fall back to the varlen step.
+# Under tensor parallelism the workers plan the same rows from rank 0's call. On the sharp models,
 # every emitted token's logits still match a one-shot forward to 1e-4 through every path: exact
 # rows, a bucket's padding, the varlen fallback, and the streamed read in Triton's interpreter.
 # Shifting the fed tokens' positions by one fails that test. A CUDA test checks that the verify
@@ -464,5 +464,4 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 #   verify steps that keep none, and overlaps every step that cannot carry drafts. That is
 #   tested on the CPU and not yet measured on the H200.
 # - Not yet built: overlapped speculative steps (drafts proposed on the device), a varlen read as
-#   fast inside a captured step as alone, one that fp32 does not cripple, and tensor parallelism
-#   with speculation through the decode path.
+#   fast inside a captured step as alone, and one that fp32 does not cripple.

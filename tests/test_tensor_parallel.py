@@ -178,6 +178,23 @@ def test_two_gloo_ranks_with_asynchronous_scheduling_decode_what_one_process_dec
     assert got == one
 
 
+def test_two_gloo_ranks_speculating_decode_what_one_process_decodes():
+    """Speculation under TP: each verify step is a decode step of a batch row per fed token, and the
+    worker plans the same rows from rank 0's call (its fed tokens and counts). Prompts that repeat a
+    phrase give prompt lookup drafts; fp32: every greedy token equals one process's without
+    speculation, which a worker planning the step otherwise would not give."""
+    kw = dict(device="cpu", dtype="float32", num_blocks=64, block_size=4)
+    prompts = [list(range(5 + i, 11 + i)) * 3 for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    one = [o.token_ids for o in LLM("tiny", **kw).generate(inputs, params)]
+    with LLM("tiny", tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3, "max_draft_backoff": 0},
+             **kw) as two:
+        got = [o.token_ids for o in two.generate(inputs, params)]
+        assert two.engine.spec_steps > 0 and two.engine.runner.last_decode[0] > 1
+    assert got == one
+
+
 def test_a_forward_that_fails_on_rank_0_ends_the_group_instead_of_hanging():
     """Rank 0's forward raises after its step went out, so the worker waits in a collective rank 0
     never joins: the request fails with the reason, the worker is ended, and every later request

@@ -53,9 +53,9 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 @dataclasses.dataclass
 class StepCall:
-    """One forward for the workers: `kind` "varlen" or "decode"; per row, its blocks after rank 0
-    planned the step and its token count before; a varlen step's ids (each row's fed tokens). A
-    decode step's ids follow by a broadcast over the group (`Channel.send_ids`)."""
+    """One forward for the workers: `kind` "varlen", "verify" or "decode"; per row, its blocks after
+    rank 0 planned the step and its token count before; a varlen or verify step's ids (each row's
+    fed tokens). A decode step's ids follow by a broadcast over the group (`Channel.send_ids`)."""
 
     kind: str
     rows: list[int]
@@ -129,10 +129,9 @@ class LeaderRunner(ModelRunner):
         with self._group_or_abort():
             return super().decode(*args, **kwargs)
 
-    def verify(self, seqs, query_lens) -> torch.Tensor:
-        # As a varlen step, which the workers follow from its call; a decode step's call carries
-        # no token counts.
-        return self._verify_varlen(seqs, query_lens)
+    def _verify_decode(self, *args, **kwargs) -> torch.Tensor:
+        with self._group_or_abort():
+            return super()._verify_decode(*args, **kwargs)
 
     @contextlib.contextmanager
     def _group_or_abort(self):
@@ -156,11 +155,11 @@ class LeaderRunner(ModelRunner):
     def planned(self, kind, seqs, ids, counts, sampled, all_logits=None) -> None:
         rows = [s.row for s in seqs]
         tables = [self.kv_cache.blocks.table(r) for r in rows]
-        fed = counts if kind == "varlen" else [1] * len(rows)
+        fed = [1] * len(rows) if kind == "decode" else counts
         call = StepCall(kind, rows, [list(t.blocks) for t in tables],
                         [t.num_tokens - n for t, n in zip(tables, fed, strict=True)], counts=counts, sampled=sampled,
                         all_logits=all_logits)
-        if kind == "varlen":
+        if kind != "decode":  # the fed tokens, each row's
             starts = list(itertools.accumulate(counts, initial=0))
             call.ids = [ids[a:b] for a, b in itertools.pairwise(starts)]
         self.channel.send(call)
@@ -215,9 +214,12 @@ def follow(runner: ModelRunner, channel: Channel) -> None:
     blocks = runner.kv_cache.blocks
     while (call := channel.receive()) is not None:
         blocks.adopt(call)
-        if call.kind == "varlen":
+        if call.kind in ("varlen", "verify"):
             seqs = [SimpleNamespace(row=r, token_ids=ids) for r, ids in zip(call.rows, call.ids, strict=True)]
-            runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled, call.all_logits)
+            if call.kind == "varlen":
+                runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled, call.all_logits)
+            else:  # a decode step of a batch row a fed token, planned as rank 0 planned it
+                runner._verify_decode(seqs, call.counts)
         else:
             seqs = [SimpleNamespace(row=r) for r in call.rows]
             runner.decode(seqs, channel.receive_ids(len(seqs)))

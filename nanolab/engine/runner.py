@@ -183,9 +183,9 @@ class ModelRunner:
     def planned(self, kind: str, seqs: list[Sequence], ids, counts: list[int] | None, sampled: list[bool] | None,
                 all_logits: list[bool] | None = None) -> None:
         """Called between a step's plan and its forward: "varlen" with the host ids, the counts,
-        which rows are sampled and which give logits at every token, or "decode" with its ids
-        [batch, 1] (host, or still being sampled on the device). Nothing here; a tensor-parallel
-        leader tells its workers (`engine.parallel`)."""
+        which rows are sampled and which give logits at every token; "verify" with the host ids
+        and the counts; or "decode" with its ids [batch, 1] (host, or still being sampled on the
+        device). Nothing here; a tensor-parallel leader tells its workers (`engine.parallel`)."""
 
     @torch.inference_mode()
     def run_varlen(self, seqs: list[Sequence], num_scheduled_tokens: list[int], num_computed_tokens: list[int],
@@ -248,16 +248,22 @@ class ModelRunner:
         `query_lens`), through a decode graph when a bucket holds that many rows: each token reads its
         row's keys through the decode read, which walks a short context once a token faster than the
         varlen read splits it. More tokens than the cache's rows run as a varlen step."""
-        tokens = sum(query_lens)
-        if tokens > self.kv_cache.max_rows:
+        if sum(query_lens) > self.kv_cache.max_rows:
             return self._verify_varlen(seqs, query_lens)
+        return self._verify_decode(seqs, query_lens)
+
+    def _verify_decode(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
+        """`verify` as a decode step of a batch row a fed token."""
+        tokens = sum(query_lens)
         tables = [self.kv_cache.blocks.table(s.row) for s in seqs]
         longest = max(t.num_tokens + n for t, n in zip(tables, query_lens, strict=True))
         shape = None if self.buckets is None else self.buckets.lookup(tokens, longest)
         plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
                                          width=shape and shape[1], query_lens=query_lens)
+        fed = [t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]]
+        self.planned("verify", seqs, fed, query_lens, None)
         host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
-        host[:tokens, 0] = torch.tensor([t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]])
+        host[:tokens, 0] = torch.tensor(fed)
         return self._run_decode(plan, stage(host, self.device), tokens)
 
     def _verify_varlen(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
