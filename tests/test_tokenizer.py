@@ -134,3 +134,61 @@ def test_smollm2_chat_template_matches_transformers(smollm2_dir: Path, messages:
     expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert tok.encode_chat(messages) == expected
     assert tok.decode(tok.encode_chat(messages), skip_special_tokens=False) == text
+
+
+def _chatml(tok) -> Tokenizer:
+    from nanolab.model.tokenizer import CHATML_TEMPLATE
+
+    return Tokenizer(tok, CHATML_TEMPLATE, SPECIAL_TOKENS[1], SPECIAL_TOKENS[2])
+
+
+@cache
+def chat_tokenizer() -> Tokenizer:
+    # "<|im_start|>x" overlaps "<|im_start|>": the longer added token must win where both match.
+    tok = build_byte_tokenizer(512)
+    tok.add_special_tokens(["<|im_start|>x"])
+    return _chatml(tok)
+
+
+_CHAT_TEXT = st.lists(st.sampled_from(["a", " ", "\n", "x", "é", "🙂", "42", "<|im_start|>", "<|im_end|>",
+                                      "<|endoftext|>", "<|im_", "|>"]), max_size=24).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(system=_CHAT_TEXT, users=st.lists(_CHAT_TEXT, min_size=1, max_size=3))
+def test_encode_chat_by_pieces_gives_the_whole_texts_ids(system: str, users: list[str]) -> None:
+    """The pieces between added tokens, encoded alone (and kept), give the ids of the rendered text
+    encoded whole, special-token strings typed into a message included."""
+    tok = chat_tokenizer()
+    assert tok._pieces is not None
+    messages = [{"role": "system", "content": system}] + [{"role": "user", "content": u} for u in users]
+    assert tok.encode_chat(messages) == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_encode_chat_encodes_a_repeated_system_prompt_once() -> None:
+    tok = _chatml(build_byte_tokenizer(512))
+    system = {"role": "system", "content": "You are a helpful assistant. " * 200}
+    tok.encode_chat([system, {"role": "user", "content": "first question"}])
+    before = tok._encode_piece.cache_info()
+    ids = tok.encode_chat([system, {"role": "user", "content": "second question"}])
+    after = tok._encode_piece.cache_info()
+    # Pieces: "system\n" + the prompt, "\n", "user\nsecond question", "\n", "assistant\n": one new.
+    assert after.misses - before.misses == 1 and after.hits - before.hits == 4
+    assert ids == tok.encode(tok.apply_chat_template([system, {"role": "user", "content": "second question"}]),
+                             add_special_tokens=False)
+
+
+def test_encode_chat_encodes_whole_where_pieces_would_change_the_ids() -> None:
+    """An added token that strips the space after it (rstrip) takes that space from the next piece:
+    that piece alone would encode differently, so such a tokenizer encodes the chat text whole."""
+    from tokenizers import AddedToken
+
+    tok = build_byte_tokenizer(512)
+    tok.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])
+    chat = _chatml(tok)
+    assert chat._pieces is None
+    messages = [{"role": "user", "content": "a<|sep|>   b <|sep|> c"}]
+    text = chat.apply_chat_template(messages)
+    assert chat.encode_chat(messages) == chat.encode(text, add_special_tokens=False)
+    sep = tok.token_to_id("<|sep|>")
+    assert chat.encode_chat(messages).count(sep) == 2

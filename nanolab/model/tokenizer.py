@@ -9,9 +9,10 @@ transformers at run time.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -148,6 +149,34 @@ def _token_string(value: str | dict | None) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+# Pre-tokenizers that split each piece of text by its own content alone (no "first piece" rule,
+# as Metaspace's prepend_scheme has): with them, a piece encodes to the same ids wherever it sits.
+_LOCAL_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split"})
+
+# Distinct text pieces whose ids `Tokenizer.encode_chat` keeps: a few system prompts and their turns.
+PIECE_CACHE_SIZE = 256
+
+
+def _piece_pattern(tok: HFTokenizer) -> re.Pattern | None:
+    """The pattern that cuts text at `tok`'s added tokens where `tok.encode` itself cuts it first,
+    leftmost-longest; or None where the ids of the pieces between them would depend on what is
+    around them: a normalizer, a position-aware or unknown pre-tokenizer, BPE dropout, an added
+    token that strips spaces or matches whole words only, or special tokens encoded as text."""
+    model = tok.model
+    if (tok.normalizer is not None or tok.pre_tokenizer is None or not isinstance(model, models.BPE)
+            or model.dropout is not None or tok.encode_special_tokens):
+        return None
+    pre = json.loads(tok.pre_tokenizer.__getstate__())
+    kinds = [p["type"] for p in pre["pretokenizers"]] if pre["type"] == "Sequence" else [pre["type"]]
+    added = list(tok.get_added_tokens_decoder().values())
+    if (not added or not set(kinds) <= _LOCAL_PRE_TOKENIZERS
+            or any(a.lstrip or a.rstrip or a.single_word for a in added)
+            or len({a.normalized for a in added}) > 1):  # `tokenizers` matches the two kinds in two passes
+        return None
+    contents = sorted({a.content for a in added}, key=len, reverse=True)  # the first alternative that matches wins
+    return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -173,6 +202,10 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # Chat text is encoded piece by piece between added tokens, a repeated piece (a shared system
+        # prompt) from this cache; None where that would change the ids (`_piece_pattern`).
+        self._pieces = _piece_pattern(tok)
+        self._encode_piece = lru_cache(maxsize=PIECE_CACHE_SIZE)(self._encode_plain)
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
@@ -222,8 +255,24 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from e
 
+    def _encode_plain(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False).ids)
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """`apply_chat_template`'s text as token ids (that validates the messages)."""
+        """`apply_chat_template`'s text as token ids (that validates the messages): the ids
+        `encode(text, add_special_tokens=False)` gives. Where the tokenizer allows (`_piece_pattern`),
+        the text is cut at its added tokens and each piece between them encoded once and kept
+        (`PIECE_CACHE_SIZE` pieces, least recently used dropped), so a conversation that repeats a
+        long system prompt pays only for its new turns."""
         # The template already spells out BOS where the model wants it, so add no specials again.
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        if self._pieces is None:
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        # re.split with a group: [text, token, text, token, ..., text]; odd items are added tokens.
+        for i, piece in enumerate(self._pieces.split(text)):
+            if i % 2:
+                ids.append(self._tok.token_to_id(piece))
+            elif piece:
+                ids.extend(self._encode_piece(piece))
+        return ids
