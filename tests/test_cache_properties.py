@@ -28,8 +28,10 @@ MAX_STEPS = 5000  # a drain that takes longer than this has livelocked
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
-    """The invariants that must hold between any two operations."""
+def check_pool(cache: KVCache, scheduler: Scheduler, inflight=()) -> None:
+    """The invariants that must hold between any two operations. `inflight`: the sequences of a
+    decode step launched and not yet read back (asynchronous scheduling), whose fed token each
+    table already holds."""
     allocator = cache.blocks.allocator
     tables = [t for t in cache.blocks.tables if t is not None]
     owned = [b for t in tables for b in t.blocks]
@@ -54,7 +56,9 @@ def check_pool(cache: KVCache, scheduler: Scheduler) -> None:
         # writes the previous sample and then samples one), fewer while its prompt is in chunks.
         table = cache.blocks.table(seq.row)
         assert table.num_tokens == seq.num_computed_tokens
-        assert seq.num_computed_tokens == seq.num_tokens - 1 or not seq.output_token_ids or seq.num_preemptions
+        ahead = any(seq is s for s in inflight)  # its in-flight token is in the table, not yet in its output
+        assert seq.num_computed_tokens == seq.num_tokens - 1 + ahead or not seq.output_token_ids \
+            or seq.num_preemptions
     for seq in scheduler.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.row is None and seq.num_computed_tokens == 0
 
@@ -216,10 +220,15 @@ def test_fake_forward_preempts_on_a_small_pool() -> None:
 
 # Level (b): the real Engine on tiny.
 
+def check_engine(engine: Engine) -> None:
+    """`check_pool` on the engine's cache and scheduler, with its in-flight step's sequences."""
+    check_pool(engine.kv_cache, engine.scheduler, engine._inflight.seqs if engine._inflight else ())
+
+
 def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
     rng = random.Random(seed)
     seqs: list[Sequence] = []
-    check_pool(engine.kv_cache, engine.scheduler)
+    check_engine(engine)
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, ignore_eos, n = op
@@ -240,10 +249,10 @@ def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
         elif op[0] == "step":
             for _ in range(op[1]):
                 engine.step()
-                check_pool(engine.kv_cache, engine.scheduler)
+                check_engine(engine)
         elif seqs:
             engine.abort_request(seqs[op[1] % len(seqs)].request_id)
-        check_pool(engine.kv_cache, engine.scheduler)
+        check_engine(engine)
     return seqs
 
 
@@ -252,12 +261,12 @@ def drain(engine: Engine) -> None:
         if not engine.has_unfinished_requests():
             return
         engine.step()
-        check_pool(engine.kv_cache, engine.scheduler)
+        check_engine(engine)
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
 def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
-                speculative: bool = False) -> Engine:
+                speculative: bool | int = False, overlapped: bool = False) -> Engine:
     # The model's whole context, longer than these pools: a request can ask for more than the pool
     # holds, and must be refused whole.
     model = load_tiny()
@@ -265,18 +274,24 @@ def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, c
                                       max_model_len=model.config.max_position_embeddings,
                                       max_num_batched_tokens=budget or 2048,
                                       enable_chunked_prefill=budget is not None, enable_prefix_caching=caching,
-                                      speculative_config={"num_speculative_tokens": 3} if speculative else None))
+                                      speculative_config={"num_speculative_tokens": 3,  # an int: its most rows
+                                                          "max_num_seqs": 8 if speculative is True else speculative}
+                                      if speculative else None,
+                                      async_scheduling=overlapped))
 
 
 @settings(max_examples=250, deadline=None)
 @given(ops=OPS, num_blocks=st.integers(6, 16), max_num_seqs=st.integers(1, 4), seed=st.integers(0, 2**31),
        finish=st.sampled_from(["abort", "complete"]), budget=BUDGET, caching=st.booleans(),
-       speculative=st.booleans())
+       speculative=st.sampled_from([False, 1, 2, 8]), overlapped=st.booleans())
 def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget, caching,
-                                          speculative) -> None:
+                                          speculative, overlapped) -> None:
     """With speculation, drafts are kept and rejected at random (the tiny model's outputs repeat,
-    so prompt lookup proposes), and each rejected draft's slot must go back."""
-    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative)
+    so prompt lookup proposes), and each rejected draft's slot must go back; `speculative` is the
+    most rows a step speculates at. `overlapped`: asynchronous scheduling, which with speculation
+    switches between overlapped steps (more rows than that, or every request's drafts paused) and
+    synchronous ones."""
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative, overlapped)
     spec_steps, run_speculative = [0], engine._run_speculative
 
     def counted(out, drafts):
@@ -284,11 +299,18 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
         return run_speculative(out, drafts)
 
     engine._run_speculative = counted
+    launches, launch = [0], engine._launch
+
+    def launched(*args):
+        launches[0] += 1
+        return launch(*args)
+
+    engine._launch = launched
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
             engine.abort_request(seq.request_id)
-            check_pool(engine.kv_cache, engine.scheduler)
+            check_engine(engine)
     else:
         drain(engine)
         for s in seqs:
@@ -304,6 +326,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     event(f"engine: {'preempted' if engine.scheduler.num_preemptions else 'no preemption'}")
     if speculative:
         event(f"engine: {'a speculative step' if spec_steps[0] else 'no speculative step'}")
+    if overlapped:
+        event(f"engine: {'a step overlapped' if launches[0] else 'no step overlapped'}"
+              f"{' beside speculation' if speculative and spec_steps[0] else ''}")
 
 
 def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False
