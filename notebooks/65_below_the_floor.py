@@ -320,27 +320,39 @@ for r in verify.itertuples():
 # %% [markdown]
 # A verify step of 5 tokens a row now costs 0.96x a decode step at batch 1 and 1.18x at batch 8,
 # inside the 1.2x allowed at both. The batch-1 figure flatters it. This run's batch-1 decode step
-# came out of inductor's tuning slower than usual: its projections took 1,012 us, against 799 in
-# the morning's run. That step's tuned reductions vary from compile to compile (Day 61c's tuning
-# spread). By kernels alone, the verify step's 1,081 us is 1.09x the morning's decode step (990 us).
+# came out of inductor's tuning slower than the run before it on the same decode path: its
+# projections took 1,012 us against 799, and its kernels 1,202 against 990. That step's tuned
+# reductions vary from compile to compile (Day 61's tuning spread), here by more than usual. By
+# kernels alone, the verify step's 1,081 us is 1.09x the faster compile's decode step.
 # At batch 8 the 40 fed tokens pad to the 64-row bucket, and the read is 195 us against the
 # decode step's 103. The kernel tables, the morning's run on the old path beside this one:
 
 # %%
 kernels = pd.concat([lab.measured_table(stem, "scripts/gpu_run.sh verify").assign(run=run)
-                     for run, stem in (("varlen step", "day65before_spec_verify_kernels"),
-                                       ("decode step", "day65_spec_verify_kernels"))], ignore_index=True)
+                     for run, stem in (("morning", "day65before_spec_verify_kernels"),
+                                       ("varlen, fixed", "day65varlen_spec_verify_kernels"),
+                                       ("decode path", "day65_spec_verify_kernels"))], ignore_index=True)
+fig = lab.plot_verify_kernels(kernels)
+if ON_GPU or not lab.figure_path("day65_verify_kernels", "h200").exists():
+    lab.save_figure(fig, "day65_verify_kernels", lab.table_label(kernels))
+lab.show(fig)
 lab.show(kernels.pivot_table(index=["batch", "arm", "run"], columns="class", values="us_per_step", aggfunc="sum",
                              sort=False).fillna(0).round(0))
 
 # %% [markdown]
-# The morning's "varlen step" rows are from before that day's other two changes to the varlen
-# path, which still serve prompt steps. The read's grid had launched programs for all 64 of a
-# captured step's segments, most of them empty; the grid now stops at the step's tokens, which a
-# test counts. And the varlen graphs had captured the model eagerly, a dozen small kernels a
-# layer; with compilation on they now capture the compiled model, its token count symbolic, which
-# a CPU test checks against the eager step within 1e-4 in one graph. On that path the verify
-# step's kernels had fallen from 1,948 to 1,347 us at batch 1.
+# *GPU kernels a step by class at Llama-3.2-1B shapes, a decode step beside a verify step of 4
+# drafts a row, in three runs: the morning's, with verify as a varlen step; a varlen step again
+# after the varlen path's two fixes below ("varlen, fixed", `day65varlen_spec_verify`, 1.27x and
+# 1.44x a decode step); and verify as a decode step. The attention read is what shrank.*
+
+# %% [markdown]
+# Between the morning's run and the "varlen, fixed" one, two changes to the varlen path, which
+# still serves prompt steps. The read's grid had launched programs for all 64 of a captured
+# step's segments, most of them empty; the grid now stops at the step's tokens, which a test
+# counts. And the varlen graphs had captured the model eagerly, a dozen small kernels a layer;
+# with compilation on they now capture the compiled model, its token count symbolic, which a CPU
+# test checks against the eager step within 1e-4 in one graph. They took the verify step's
+# kernels from 1,948 to 1,354 us at batch 1; the decode path takes them to 1,081.
 #
 # ## Under load
 #
@@ -353,6 +365,10 @@ lab.show(kernels.pivot_table(index=["batch", "arm", "run"], columns="class", val
 load = lab.measured_table("day65specload_graphbench", "scripts/gpu_run.sh specload")
 lab.show(load[["arm", "rate", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms", "median_rows",
                "output_throughput"]].round(2))
+fig = lab.plot_graphbench(load)
+if ON_GPU or not lab.figure_path("day65specload_graphbench", "h200").exists():
+    lab.save_figure(fig, "day65specload_graphbench", lab.table_label(load))
+lab.show(fig)
 itl = load.set_index(["arm", "rate"]).itl_p50_ms
 print(f"at 32 req/s, speculating over plain ITL p50: {itl['fullgraphs+ngram', 32.0] / itl['fullgraphs', 32.0]:.2f}x "
       "(aim: at most 1)")

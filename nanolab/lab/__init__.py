@@ -53,7 +53,7 @@ _EXPORTS = {
                           "plot_mixed_host", "plot_mixed_steps",
                           "plot_paper_speedup", "plot_projections", "plot_streamed_engine", "plot_streamed_read",
                           "plot_tp_steps", "plot_tuning_spread"],
-    "nanolab.lab.plots.belowfloor": ["plot_fp8_steps", "plot_fp8_tiles", "plot_spec_batches"],
+    "nanolab.lab.plots.belowfloor": ["plot_fp8_steps", "plot_fp8_tiles", "plot_spec_batches", "plot_verify_kernels"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.prefix": ["plot_nohit_throughput", "plot_prefix_ttft", "plot_shared_blocks"],
     "nanolab.lab.plots.results": ["plot_headline"],

@@ -1,6 +1,6 @@
-"""Day 65's figures: a decode step's bytes and time in bf16 and fp8 against their floors, and
-output tokens a second against batch size with speculation on and off. Each function takes a
-bench's table and returns a Figure."""
+"""Day 65's figures: a decode step's bytes and time in bf16 and fp8 against their floors, output
+tokens a second against batch size with speculation on and off, and a verify step's kernels
+beside a decode step's. Each function takes a bench's table and returns a Figure."""
 
 from __future__ import annotations
 
@@ -99,4 +99,38 @@ def plot_fp8_tiles(tiles: pd.DataFrame, bandwidth_tb_s: float) -> Figure:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot_verify_kernels(kernels: pd.DataFrame) -> Figure:
+    """`<prefix>_spec_verify_kernels` tables with a `run` column (arm "decode" or "verify", batch,
+    class, us_per_step): us of GPU kernels a step by class, one stacked bar per batch, run and arm,
+    so a verify step on each path stands beside the decode step of its run. One panel a batch."""
+    classes = list(dict.fromkeys(kernels.sort_values("us_per_step", ascending=False)["class"]))
+    batches = sorted(kernels.batch.unique())
+    most = max(len(set(zip(g.run, g.arm))) for _, g in kernels.groupby("batch"))
+    fig = Figure(figsize=(5.5 * len(batches), 1.6 + 0.55 * most))
+    axes = np.atleast_1d(fig.subplots(1, len(batches)))
+    for ax, batch in zip(axes, batches, strict=True):
+        rows = kernels[kernels.batch == batch]
+        bars = list(dict.fromkeys(zip(rows.run, rows.arm)))
+        totals = rows.pivot_table(index=["run", "arm"], columns="class", values="us_per_step", aggfunc="sum",
+                                  sort=False).reindex(index=pd.MultiIndex.from_tuples(bars), columns=classes)
+        totals = totals.fillna(0.0)
+        left = np.zeros(len(bars))
+        for i, cls in enumerate(classes):
+            ax.barh(range(len(bars)), totals[cls], left=left, color=f"C{i}", label=cls)
+            left += totals[cls].to_numpy()
+        for y, total in enumerate(left):
+            ax.annotate(f"{total:,.0f} us", (total, y), xytext=(3, 0), textcoords="offset points", va="center",
+                        fontsize=8)
+        ax.set_yticks(range(len(bars)), [f"{arm}\n({run})" for run, arm in bars], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("us of GPU kernels a step")
+        ax.set_title(f"batch {batch}, 4 drafts a row", fontsize=9)
+        ax.set_xlim(0, left.max() * 1.2)
+        ax.grid(alpha=0.3, axis="x")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(classes), 4), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.86))
     return fig
