@@ -573,3 +573,16 @@ def test_itl_quantiles_are_a_cdf_of_the_completed_requests_gaps():
     q = itl_quantiles(PlanRun([ok, failed], 0.0, 1.0, (0.0, 1.0)), points=3)
     assert q["quantile"].tolist() == [0.0, 0.5, 1.0] and q.gaps.tolist() == [3] * 3
     np.testing.assert_allclose(q.itl_ms, [100.0, 200.0, 300.0])
+
+
+def test_spec_columns_are_what_a_window_moved_the_counters_by():
+    from nanolab.lab.graphbench import SPEC_COUNTERS, spec_columns
+
+    names = list(SPEC_COUNTERS.values())  # verify steps, drafts proposed, drafts kept
+    before = dict(zip(names, (2.0, 8.0, 3.0), strict=True))
+    after = dict(zip(names, (5.0, 20.0, 9.0), strict=True))
+    assert spec_columns(before, after) == {"verify_steps": 3, "draft_tokens": 12, "accepted_tokens": 6,
+                                           "acceptance_rate": 0.5}
+    for missing in (None, {}):  # a server without /metrics, or without the counters
+        assert all(v != v for v in spec_columns(before, missing).values())
+    assert spec_columns(before, before)["acceptance_rate"] != spec_columns(before, before)["acceptance_rate"]

@@ -105,3 +105,23 @@ def test_an_abort_leaves_the_gauges_at_zero(llm):
     during, after = run_with_client(llm, body)
     assert during["nanolab:num_requests_running"] == 1 and during["nanolab:kv_blocks_used"] > 0
     assert after["nanolab:num_requests_running"] == 0 and after["nanolab:kv_blocks_used"] == 0
+
+
+def test_speculative_counters_read_the_engine():
+    """With speculation on, the verify steps, drafts proposed and drafts kept that `/metrics` reports
+    are the engine's own counts (vLLM's spec_decode counters), and a repeated phrase got drafts."""
+    spec = LLM(MODEL, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=8,
+               speculative_config={"num_speculative_tokens": 3})
+
+    async def body(client, async_llm):
+        before = await scrape(client)
+        await (await client.post("/v1/completions", json={"prompt": list(range(3, 9)) * 5, "max_tokens": 24,
+                                                          "temperature": 0, "ignore_eos": True})).json()
+        return before, await scrape(client)
+
+    before, after = run_with_client(spec, body)
+    engine = spec.engine
+    assert before["nanolab:spec_decode_num_drafts_total"] == 0
+    assert after["nanolab:spec_decode_num_drafts_total"] == engine.spec_steps > 0
+    assert after["nanolab:spec_decode_num_draft_tokens_total"] == engine.spec_draft_tokens > 0
+    assert after["nanolab:spec_decode_num_accepted_tokens_total"] == engine.spec_accepted_tokens

@@ -23,6 +23,10 @@ class SchedulerStats(NamedTuple):
     num_free_blocks: int  # held by none, cached ones (evictable) included: what an allocation can take
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits: int  # of those, tokens found cached
+    # Speculative decoding, from the engine's start: verify steps, drafts proposed, drafts kept.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -30,12 +34,13 @@ class SchedulerStats(NamedTuple):
         return self.num_used_blocks / (self.num_used_blocks + self.num_free_blocks)
 
 
-def scheduler_stats(engine: Engine) -> tuple[int, int, int, int, int, int]:
+def scheduler_stats(engine: Engine) -> tuple[int, ...]:
     """`engine`'s `SchedulerStats` fields, as the plain tuple the core sends after every step (a
     tuple of ints pickles in a few bytes)."""
     scheduler, allocator = engine.scheduler, engine.block_manager.allocator
     return (len(scheduler.running), len(scheduler.waiting), allocator.num_used, allocator.num_free,
-            scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)
+            scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, engine.spec_steps,
+            engine.spec_draft_tokens, engine.spec_accepted_tokens)
 
 
 @dataclass(slots=True)

@@ -79,6 +79,22 @@ def startup_columns(log_text: str) -> dict:
     return out
 
 
+# Speculative decoding's counters on `/metrics` (vLLM's names, `vllm:` made `nanolab:`), by column.
+SPEC_COUNTERS = {"verify_steps": "nanolab:spec_decode_num_drafts_total",
+                 "draft_tokens": "nanolab:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "nanolab:spec_decode_num_accepted_tokens_total"}
+
+
+def spec_columns(before: dict[str, float], after: dict[str, float] | None) -> dict[str, float]:
+    """What a rate's window moved the server's speculative counters by (two `/metrics` scrapes), and
+    the acceptance rate (drafts kept over drafts proposed); NaN where the server lacks them."""
+    nan = float("nan")
+    cols = {col: after[name] - before[name] if after and name in after and name in before else nan
+            for col, name in SPEC_COUNTERS.items()}
+    cols["acceptance_rate"] = cols["accepted_tokens"] / cols["draft_tokens"] if cols["draft_tokens"] else nan
+    return cols
+
+
 def startup_table(bench_log: str) -> pd.DataFrame:
     """One row per server a graphbench log started: its arm, seconds to ready, `--cudagraph-mode`
     and `--max-num-batched-tokens` as given (None: the default), and `startup_columns` of the
@@ -146,9 +162,14 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
             run_plan(server.url, served, plan)
         for rate in rate_schedule(rates, max_rate):
             plan = request_plan(rate, workload.requests_at(rate), vocab_size, workload, seed)
+            before = server.metrics() if speculative_config is not None else None
             run = run_plan(server.url, served, plan)
             server.check_alive()
             m = {"arm": arm, "prefill": prefill or "default", "rate": rate, **serving_metrics(run, slo)}
+            if before is not None:
+                m.update(spec_columns(before, server.metrics()))
+                log(f"{arm:>6} {rate:5g} req/s: {m['verify_steps']:.0f} verify steps kept {m['accepted_tokens']:.0f} "
+                    f"of {m['draft_tokens']:.0f} drafts ({m['acceptance_rate']:.2f})")
             out.rates.append(m)
             out.itl.append(itl_quantiles(run).assign(arm=arm, rate=rate))
             out.windows[rate] = run.window

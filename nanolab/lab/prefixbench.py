@@ -56,7 +56,7 @@ from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import KeepAliveClient, run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
 from nanolab.lab.report import run_label, save_figure, save_table
-from nanolab.lab.serveprocess import ServeProcess, free_port, serve_command
+from nanolab.lab.serveprocess import ServeProcess, free_port, parse_metrics, serve_command
 from nanolab.lab.servingmetrics import SLO, serving_metrics
 from nanolab.lab.timing import drain, sync
 from nanolab.lab.workload import TOKEN_ID_FLOOR, WORKLOADS, PlannedRequest, Workload, request_plan
@@ -194,17 +194,6 @@ def ideal_hits(plan: Sequence[PlannedRequest], picks: Sequence[int], system_len:
 
 
 # The server's counters.
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus text exposition by its name, summed over its label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,17 @@ class ServeProcess:
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as resp:
             return json.load(resp)["data"][0]["id"]
 
+    def metrics(self) -> dict[str, float] | None:
+        """The server's `GET /metrics`, each sample by name (`parse_metrics`), or None where it has
+        none (404)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+                return parse_metrics(resp.read().decode())
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+
     def stop(self) -> int | None:
         """SIGTERM, and wait; kill after `stop_timeout_s`."""
         if self.proc is None or self.exit_code is not None:
@@ -160,3 +171,14 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition by its name, summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values

@@ -4,7 +4,8 @@
 Two sources, each read where it lives:
 - the engine core's state, the `SchedulerStats` its last message carried (`AsyncLLM.scheduler_stats`),
   is read when Prometheus scrapes: requests running and waiting, KV blocks used and free, the
-  pool's usage, and the prefix cache's cumulative queries and hits, in tokens;
+  pool's usage, the prefix cache's cumulative queries and hits, in tokens, and speculative
+  decoding's cumulative verify steps, drafts proposed and drafts kept;
 - tokens and latencies are counted on the event loop as each message of the core's arrives
   (`IterationStats`): prompt and generation token counters, and histograms of time to first token,
   inter-token latency and end-to-end request latency, in seconds.
@@ -88,6 +89,12 @@ class PrometheusStatLogger:
                         "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield self._one(CounterMetricFamily, "nanolab:prefix_cache_hits",
                         "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_drafts",
+                        "Verify steps run by speculative decoding.", s.spec_decode_num_drafts)
+        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_draft_tokens",
+                        "Draft tokens proposed.", s.spec_decode_num_draft_tokens)
+        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_accepted_tokens",
+                        "Draft tokens kept.", s.spec_decode_num_accepted_tokens)
 
     def _one(self, family, name: str, documentation: str, value: float):
         metric = family(name, documentation, labels=["model_name"])
