@@ -34,6 +34,25 @@ E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
+# The engine's state, read from `SchedulerStats` at each scrape: (kind, name after "nanolab:", the
+# field it reads, help text).
+ENGINE_SERIES = (
+    (GaugeMetricFamily, "num_requests_running", "num_running_reqs", "Requests in the running batch."),
+    (GaugeMetricFamily, "num_requests_waiting", "num_waiting_reqs", "Requests queued, not yet admitted."),
+    (GaugeMetricFamily, "kv_blocks_used", "num_used_blocks", "KV-cache blocks held by requests."),
+    (GaugeMetricFamily, "kv_blocks_free", "num_free_blocks",
+     "KV-cache blocks held by none, cached (evictable) ones included."),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV-cache blocks held, from 0 to 1."),
+    (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache."),
+    (CounterMetricFamily, "prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    (CounterMetricFamily, "spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Verify steps run by speculative decoding."),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens kept."),
+)
+
+
 class PrometheusStatLogger:
     """One server's registry (vLLM's `PrometheusStatLogger`): a stat logger of `async_llm` for the
     counters and histograms, and a collector of the registry for the engine's state."""
@@ -75,26 +94,8 @@ class PrometheusStatLogger:
     def collect(self):
         """The engine's state as of the core's last message, for the registry at each scrape."""
         s = self.async_llm.scheduler_stats
-        yield self._one(GaugeMetricFamily, "nanolab:num_requests_running", "Requests in the running batch.",
-                        s.num_running_reqs)
-        yield self._one(GaugeMetricFamily, "nanolab:num_requests_waiting", "Requests queued, not yet admitted.",
-                        s.num_waiting_reqs)
-        yield self._one(GaugeMetricFamily, "nanolab:kv_blocks_used", "KV-cache blocks held by requests.",
-                        s.num_used_blocks)
-        yield self._one(GaugeMetricFamily, "nanolab:kv_blocks_free",
-                        "KV-cache blocks held by none, cached (evictable) ones included.", s.num_free_blocks)
-        yield self._one(GaugeMetricFamily, "nanolab:kv_cache_usage_perc",
-                        "Fraction of KV-cache blocks held, from 0 to 1.", s.kv_cache_usage)
-        yield self._one(CounterMetricFamily, "nanolab:prefix_cache_queries",
-                        "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
-        yield self._one(CounterMetricFamily, "nanolab:prefix_cache_hits",
-                        "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_drafts",
-                        "Verify steps run by speculative decoding.", s.spec_decode_num_drafts)
-        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_draft_tokens",
-                        "Draft tokens proposed.", s.spec_decode_num_draft_tokens)
-        yield self._one(CounterMetricFamily, "nanolab:spec_decode_num_accepted_tokens",
-                        "Draft tokens kept.", s.spec_decode_num_accepted_tokens)
+        for family, name, field, documentation in ENGINE_SERIES:
+            yield self._one(family, f"nanolab:{name}", documentation, getattr(s, field))
 
     def _one(self, family, name: str, documentation: str, value: float):
         metric = family(name, documentation, labels=["model_name"])
