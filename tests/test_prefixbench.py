@@ -32,7 +32,6 @@ from nanolab.lab.prefixbench import (
     ideal_hits,
     nohit_configs,
     nohit_pairs,
-    parse_metrics,
     prefix_counters,
     prefix_ratios,
     reply_ids,
@@ -43,7 +42,7 @@ from nanolab.lab.prefixbench import (
     sizes_from_args,
     ttft_summary,
 )
-from nanolab.lab.serveprocess import serve_command
+from nanolab.lab.serveprocess import parse_metrics, serve_command
 from nanolab.lab.workload import TOKEN_ID_FLOOR, PlannedRequest, Workload
 from nanolab.model.tokenizer import Tokenizer
 

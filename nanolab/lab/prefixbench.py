@@ -38,8 +38,6 @@ import gc
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -56,7 +54,7 @@ from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import KeepAliveClient, run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
 from nanolab.lab.report import run_label, save_figure, save_table
-from nanolab.lab.serveprocess import ServeProcess, free_port, parse_metrics, serve_command
+from nanolab.lab.serveprocess import ServeProcess, free_port, scrape_metrics, serve_command
 from nanolab.lab.servingmetrics import SLO, serving_metrics
 from nanolab.lab.timing import drain, sync
 from nanolab.lab.workload import TOKEN_ID_FLOOR, WORKLOADS, PlannedRequest, Workload, request_plan
@@ -212,15 +210,10 @@ class PrefixCounters:
 def prefix_counters(url: str) -> PrefixCounters | None:
     """The server's prefix-cache counters from `GET /metrics`, or None where it has no /metrics
     (404) or the text lacks either counter."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            return None
-        raise
-    values = parse_metrics(text)
-    return PrefixCounters(values[QUERIES], values[HITS]) if QUERIES in values and HITS in values else None
+    values = scrape_metrics(url)
+    if values is None or QUERIES not in values or HITS not in values:
+        return None
+    return PrefixCounters(values[QUERIES], values[HITS])
 
 
 def send_one(client: KeepAliveClient, prompt: Sequence[int], max_tokens: int, counted: bool) -> tuple[dict, str]:

@@ -145,15 +145,8 @@ class ServeProcess:
             return json.load(resp)["data"][0]["id"]
 
     def metrics(self) -> dict[str, float] | None:
-        """The server's `GET /metrics`, each sample by name (`parse_metrics`), or None where it has
-        none (404)."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
-                return parse_metrics(resp.read().decode())
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise
+        """`scrape_metrics` of this server."""
+        return scrape_metrics(self.url)
 
     def stop(self) -> int | None:
         """SIGTERM, and wait; kill after `stop_timeout_s`."""
@@ -171,6 +164,18 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def scrape_metrics(url: str) -> dict[str, float] | None:
+    """The `GET /metrics` of the server at `url`, each sample by name (`parse_metrics`), or None
+    where it has none (404)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            return parse_metrics(resp.read().decode())
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
 
 
 def parse_metrics(text: str) -> dict[str, float]:

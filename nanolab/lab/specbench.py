@@ -18,8 +18,8 @@ Two more parts:
   runner, whatever the weights (random ones accept nothing worth reporting): a batch of rows at
   `--prompt-len` tokens, each step planned, run (a graph replayed where one fits) and its argmax read
   back, the decode step one token a row, the verify step k + 1 (the pending token and k drafts,
-  `ModelRunner.verify`), logits at every one; each row is shortened back after the step, so every step sees the same
-  history. The two alternate; medians. On CUDA, `<prefix>_spec_verify_kernels_<device>` adds both
+  `ModelRunner.verify`), logits at every one; each row is shortened back after the step, so every
+  step sees the same history. The two alternate; medians. On CUDA, `<prefix>_spec_verify_kernels_<device>` adds both
   steps' GPU kernels under the profiler, by kernel and class, us a step.
 
     python -m nanolab specbench --device cpu --model smollm2-135m
