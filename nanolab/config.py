@@ -101,10 +101,13 @@ class SpeculativeConfig:
 
     Two rules switch it off where verifying costs more than it saves, and the engine then overlaps
     its steps as it does without speculation (`async_scheduling`): a decode step of more than
-    `max_num_seqs` rows decodes one token a row; and a request whose verify step kept none of its
-    drafts gets none for the next step, then for twice as many steps after each such verify step
-    in a row, at most `max_draft_backoff` (0: never paused). A verify step that keeps one ends the
-    pause."""
+    `max_num_seqs` rows decodes one token a row; and a request that gets no draft to keep (prompt
+    lookup finds no match, or its verify step kept none of its drafts) looks up none for the next
+    step, then for twice as many steps after each such step in a row, at most `max_draft_backoff`
+    (0: never paused), each pause running on to a step numbered a multiple of its length, so that
+    paused requests look up together. A verify step that keeps one ends the pause. Whether a step
+    runs synchronously is decided by a lookup over the tokens a request already has, so a lookup
+    that finds nothing never stops the overlap."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

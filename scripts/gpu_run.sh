@@ -11,7 +11,8 @@
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
 # prometheus-client==0.26.0`), and pytest-xdist and execnet for cuda (`... pytest-xdist==3.8.0 execnet`).
 # cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI), four
-# files at a time when the pytest-xdist wheel installed.
+# files at a time when the pytest-xdist wheel installed, each test's outcome logged as it ends to
+# $OUT/cuda_tests.log (_build/ without $OUT); the output shows the failures, errors and skips.
 # floor runs floorbench (chapter 61c's table: nanolab, HF's default and eager paths, and gpt-fast from
 # $GPT_FAST, default third_party/gpt-fast, when that checkout is there), $FLOOR_ARGS added.
 # tp is for a machine with two GPUs (nvidia-h200-x2): the NCCL tests of tensor parallelism (the
@@ -85,8 +86,13 @@ for part in "${parts[@]}"; do
               if ((wheels)) && compgen -G "third_party/wheels/pytest_xdist-*.whl" >/dev/null; then
                   xdist=(-n "${CUDA_WORKERS:-4}" --dist loadfile)  # files at once on the one GPU
               fi
-              python3 -m pytest -q -p no:cacheprovider -rs "${xdist[@]}" \
-                  $(grep -lE "needs_cuda|cuda.is_available|mark.cuda" tests/test_*.py) || status=1 ;;
+              # Every test's outcome as it ends, in a log of its own (under $OUT when set): a run cut
+              # off by a time limit still names the tests that failed before it.
+              log=${OUT:-_build}/cuda_tests.log
+              mkdir -p "$(dirname "$log")"
+              python3 -m pytest -v -p no:cacheprovider -rs "${xdist[@]}" \
+                  $(grep -lE "needs_cuda|cuda.is_available|mark.cuda" tests/test_*.py) > "$log" 2>&1 || status=1
+              grep -E "FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)" "$log" | tail -60 ;;
         floor) gpt=${GPT_FAST:-third_party/gpt-fast}
             python3 -m nanolab floorbench --model llama-3.2-1b $([[ -d $gpt ]] && echo --gpt-fast "$gpt") \
                 ${FLOOR_ARGS:-} || status=1 ;;

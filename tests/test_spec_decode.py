@@ -146,8 +146,8 @@ def repetitive_prompts(seed: int, n: int = 3) -> list[list[int]]:
     ("decode", "reference"), ("padded", "reference"), ("varlen", "reference"),
     pytest.param("padded", "streamed", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter"))])
 def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read):
-    """Three repetitive prompts together, greedy, 24 tokens: with drafts of up to 4 the same
-    tokens as without, every emitted token's logits within 1e-4 of a one-shot forward (a rejected
+    """Three repetitive prompts together, greedy, 24 tokens: with drafts of up to 4, never paused,
+    the same tokens as without, every emitted token's logits within 1e-4 of a one-shot forward (a rejected
     draft's slot left in a row would show, and so would a fed token reading past its position), in
     fewer steps, with every block back. `path`: how the verify steps run. "decode", a decode step
     of a batch row a fed token; "padded", the same padded to a bucket's rows, as a decode graph
@@ -167,7 +167,9 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = {}
     for k in (None, 4):
-        engine = spec_engine(sharp_gqa24, k, read=read)
+        # never paused (`max_draft_backoff` 0): every step looks its drafts up
+        engine = spec_engine(sharp_gqa24, k, read=read, **({} if k is None else {"speculative_config": {
+            "num_speculative_tokens": k, "max_draft_backoff": 0}}))
         runner, cache = engine.runner, engine.kv_cache
         planned, plan_decode = [], cache.plan_decode
         cache.plan_decode = lambda rows, planned=planned, plan=plan_decode, **kw: (planned.append(kw),
@@ -195,10 +197,19 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read
     assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
 
 
+def check_pauses(steps: list[int], cap: int) -> None:
+    """`steps`, the steps at which a request that never kept a draft looked its drafts up: after
+    the i-th, a pause of b = min(2 ** i, cap) steps, ending on a step numbered a multiple of b, so
+    the next lookup is b + 1 to 2b steps later, at a multiple of b."""
+    for i, (a, c) in enumerate(zip(steps, steps[1:])):
+        b = min(2 ** i, cap)
+        assert b < c - a <= 2 * b and c % b == 0, (i, a, c, b)
+
+
 def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_again(sharp_gqa24, monkeypatch):
     """Two requests at once. The proposer offers the first only tokens greedy never picks here and
-    the second the tokens greedy will pick. The first's drafts pause after each verify step, 1, 2,
-    4 then 8 steps, while the second goes on speculating and keeping every draft; over
+    the second the tokens greedy will pick. The first's drafts pause after each verify step, at
+    least 1, 2, 4 then 8 steps (`check_pauses`), while the second goes on speculating and keeping every draft; over
     `max_num_seqs` = 1, neither gets any. While nothing can speculate, steps overlap under
     asynchronous scheduling (a step is left in flight), and through every switch the tokens are
     plain greedy's (an overlapped step's logits are not kept)."""
@@ -225,20 +236,56 @@ def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_aga
             "num_speculative_tokens": 2, "max_num_seqs": max_rows, "max_draft_backoff": 8})
         seqs, overlapped, verified = engine.add_requests(prompts, [params] * 2), 0, []
         while engine.has_unfinished_requests():
-            drafts = seqs[0].num_draft_tokens
+            drafts, step = seqs[0].num_draft_tokens, engine.num_steps
             engine.step()
             overlapped += engine._inflight is not None
             if seqs[0].num_draft_tokens > drafts:
-                verified.append(engine.num_steps)
+                verified.append(step)
         assert [s.output_token_ids for s in seqs] == want
         assert overlapped > 5
         first, second = seqs
         assert first.num_accepted_tokens == 0 and first.num_draft_tokens == 2 * len(verified)
-        # a verify step that kept nothing pauses the next 1, 2, 4, 8, 8, ... steps' drafts
-        assert [b - a - 1 for a, b in zip(verified, verified[1:])] == [1, 2, 4, 8, 8][:max(0, len(verified) - 1)]
+        check_pauses(verified, 8)
         assert (len(verified) >= 4) == (max_rows > 1)
         assert second.num_accepted_tokens == second.num_draft_tokens
         assert (second.num_draft_tokens > 4) == (max_rows > 1)
+
+
+def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(sharp_gqa24, monkeypatch):
+    """Prompt lookup that never matches is a miss as a verify step that keeps nothing is: the
+    request looks up drafts at a step, then pauses at least 1, 2, 4, 8, 8 ... steps (`check_pauses`).
+    The lookup that finds nothing runs before the step, over the tokens the request has, so no
+    step runs synchronously for it: every decode step is left in flight. The tokens are plain
+    greedy's."""
+    from conftest import run_until_done
+
+    from nanolab import SamplingParams
+    from nanolab.engine import llm_engine
+
+    prompt = repetitive_prompts(1, n=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    want = plain.add_requests(prompt, [params])[0]
+    run_until_done(plain)
+    engine = spec_engine(sharp_gqa24, 2, async_scheduling=True, speculative_config={
+        "num_speculative_tokens": 2, "max_draft_backoff": 8})
+    looked = []
+
+    def propose(tokens, k, *args):  # no match, ever
+        looked.append(engine.num_steps)
+        return []
+
+    monkeypatch.setattr(llm_engine, "propose_ngram", propose)
+    seq, calls, overlapped = engine.add_requests(prompt, [params])[0], 0, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        calls += 1
+        overlapped += engine._inflight is not None
+    assert seq.output_token_ids == want.output_token_ids
+    check_pauses(looked, 8)
+    # every decode step overlapped: only the call of the prompt step and the last read-back left none in flight
+    assert len(looked) >= 5 and overlapped == calls - 2
+    assert seq.num_draft_tokens == 0
 
 
 def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):

@@ -415,37 +415,68 @@ class Engine:
     # row's table past the tokens it rejected.
 
     def _speculating(self, seq: Sequence) -> bool:
-        """Whether `seq` gets drafts at the next step: not while paused after verify steps that kept
-        none of its drafts (`SpeculativeConfig.max_draft_backoff`)."""
+        """Whether `seq` gets drafts at the next step: not while paused after steps that gave it
+        no draft to keep (`SpeculativeConfig.max_draft_backoff`)."""
         return self.num_steps >= seq.drafts_from_step
+
+    def _drafted(self, seq: Sequence, kept: bool) -> None:
+        """After a step that looked up drafts for `seq`: one kept ends its pause; none (no match, or
+        a verify step that kept none) pauses its lookups for at least the next 1, 2, 4 ... steps,
+        at most `max_draft_backoff`, so that the steps between overlap. A pause of b steps ends on
+        a step numbered a multiple of b (so it lasts b to 2b - 1 steps): requests paused as long
+        look up at the same steps, and a step runs synchronously for the shortest pause among the
+        running requests, not for each of them in turn."""
+        cap = self.config.speculative_config.max_draft_backoff
+        seq.draft_backoff = b = 0 if kept else min(cap, max(1, 2 * seq.draft_backoff))
+        seq.drafts_from_step = self.num_steps + 1 if b == 0 else -(-(self.num_steps + 1 + b) // b) * b
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The drafts `seq` may be fed at its next step: up to `num_speculative_tokens`, short of
+        max_tokens and the context; none while paused (`_speculating`) or when it wants logprobs."""
+        spec, p = self.config.speculative_config, seq.params
+        if seq.output_logprobs is not None or not self._speculating(seq):
+            return 0
+        return min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
+                   spec.num_speculative_tokens if p.max_tokens is None
+                   else p.max_tokens - len(seq.output_token_ids) - 1)
 
     def _may_speculate(self) -> bool:
         """Whether the next step could carry drafts: speculation is configured, the running rows
-        are at most its `max_num_seqs`, and one of them still speculates. Such a step runs
-        synchronously; any other overlaps with the one before under asynchronous scheduling."""
+        are at most its `max_num_seqs`, and prompt lookup over the tokens a row has finds a match
+        for one of them. Such a step runs synchronously; any other overlaps with the one before
+        under asynchronous scheduling. With a step in flight a row's tokens lack that step's, so
+        this lookup runs a token behind: a match only makes the step synchronous, and the step
+        looks up again (`_drafts`). A row whose lookup finds nothing is paused as after any miss
+        (`_drafted`), so that a request whose text never repeats costs no synchronous steps."""
         spec = self.config.speculative_config
         running = self.scheduler.running
-        return (spec is not None and 0 < len(running) <= spec.max_num_seqs
-                and any(self._speculating(s) for s in running))
+        if spec is None or not 0 < len(running) <= spec.max_num_seqs:
+            return False
+        due = False
+        for seq in running:  # every row: each miss is recorded
+            if self._draft_room(seq) >= 1:
+                if propose_ngram(seq.token_ids, 1, spec.prompt_lookup_max, spec.prompt_lookup_min):
+                    due = True
+                else:
+                    self._drafted(seq, kept=False)
+        return due
 
     def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
-        none proposed, or the pool lacks the blocks to feed them. A row asking for logprobs, with
-        no room before max_tokens or the context, or no longer speculating (`_speculating`), gets
-        none."""
+        none proposed, or the pool lacks the blocks to feed them. A row with no room for drafts
+        (`_draft_room`) gets none; a row whose lookup finds no match is paused (`_drafted`)."""
         spec = self.config.speculative_config
         if spec is None or not out.decode_only or len(out.seqs) > spec.max_num_seqs:
             return None
         drafts = {}
         for i, seq in enumerate(out.seqs):
-            p = seq.params
-            room = min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
-                       spec.num_speculative_tokens if p.max_tokens is None
-                       else p.max_tokens - len(seq.output_token_ids) - 1)
-            if room >= 1 and seq.output_logprobs is None and self._speculating(seq):
+            room = self._draft_room(seq)
+            if room >= 1:
                 proposed = propose_ngram(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
                 if proposed:
                     drafts[i] = proposed
+                else:  # no match: a miss, as a verify step that keeps nothing is
+                    self._drafted(seq, kept=False)
         if not drafts:
             return None
         blocks = self.block_manager
@@ -489,10 +520,8 @@ class Engine:
                 self.spec_accepted_tokens += len(tokens) - 1
                 seq.num_draft_tokens += len(d)
                 seq.num_accepted_tokens += len(tokens) - 1
-                if d:  # none kept: pause its drafts, twice as long as last time; one kept: go on
-                    cap = self.config.speculative_config.max_draft_backoff
-                    seq.draft_backoff = 0 if len(tokens) > 1 else min(cap, max(1, 2 * seq.draft_backoff))
-                    seq.drafts_from_step = self.num_steps + 1 + seq.draft_backoff
+                if d:
+                    self._drafted(seq, kept=len(tokens) > 1)
             kept.append(tokens)
             rows.append(row_logits)
         self._commit([s for s, t in zip(seqs, kept) if not isinstance(t, Exception)])

@@ -134,3 +134,22 @@ def plot_verify_kernels(kernels: pd.DataFrame) -> Figure:
     fig.legend(handles, labels, loc="upper center", ncol=min(len(classes), 4), fontsize=7)
     fig.tight_layout(rect=(0, 0, 1, 0.86))
     return fig
+
+
+def plot_specload_rules(rules: pd.DataFrame) -> Figure:
+    """`day65specload_rules` (run, rules, arm, rate, itl_p50_ms; the plain arm "fullgraphs"): per
+    run of the load, the speculating server's ITL p50 over the plain one's against the offered
+    rate, one line a run labelled with its switch-off rules; the dashed line at 1 is the aim."""
+    fig = Figure(figsize=(8, 4.8))
+    ax = fig.subplots()
+    for run, rows in rules.groupby("run"):
+        itl = rows.pivot_table(index="rate", columns="arm", values="itl_p50_ms")
+        spec = [c for c in itl.columns if c != "fullgraphs"][0]
+        ax.plot(itl.index, itl[spec] / itl["fullgraphs"], "o-", color=f"C{run}", label=rows.rules.iloc[0])
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_xlabel("offered requests / s")
+    ax.set_ylabel("ITL p50, speculating over plain")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: the lines fill the axes
+    fig.tight_layout()
+    return fig
