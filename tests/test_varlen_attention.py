@@ -122,7 +122,7 @@ def padded(case, extra_tokens: int, extra_segments: int):
 @pytest.mark.parametrize("segments", [MIXED, [(0, 1)], [(40, 1), (3, 16), (0, 17)]], ids=["mixed", "one", "tiles"])
 def test_a_flat_grid_over_padding_equals_the_reference(segments):
     """A captured step's read: the grid cut for the padded token count (`grid_tokens`), every
-    program finding its segment by search, empty segments and padding tokens after the real
+    program finding its segment in the tile map, empty segments and padding tokens after the real
     ones. The real tokens read what the reference reads; the padding reads nothing."""
     case, _ = varlen_case(segments, 4, 2, 24, seed=3)
     n = case["q"].shape[0]
@@ -138,7 +138,7 @@ def test_a_flat_grid_over_padding_equals_the_reference(segments):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_a_captured_grid_counts_the_tokens_not_the_table_rows(splits, monkeypatch):
     """A captured step's plan has a segment per table row, 64 here, and three decode rows of one
-    token each: the grid, the search and the fold look at the first grid_tokens segments alone
+    token each: the grid, the tile map and the fold look at the first grid_tokens segments alone
     (every real one, since each holds a token), so the flat grid is 3 // tile + 3 programs a KV
     head and share, not 3 // tile + 64, and the last real segment is still read."""
     import nanolab.kernels.varlen_attention as va

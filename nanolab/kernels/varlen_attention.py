@@ -57,19 +57,20 @@ BLOCK_N = 64  # keys per tile
 
 
 @triton.jit
-def _segment_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr):
-    """The segment that query tile j of a flat grid belongs to. Segment s numbers its tiles from
-    starts[s] // BLOCK_Q + s, which grows with s and leaves room for every tile of the segments
-    before it; the answer is the last s whose first number is at most j (a binary search)."""
-    lo = 0
-    hi = segments
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(starts_ptr + mid) // BLOCK_Q + mid <= j:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+def _tile_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
+    """Query tile j of a flat grid, numbered across segments with no gaps: (segment, its tile, live).
+    One vector load of the segments' starts gives each segment's tile count and, by a prefix sum,
+    its first tile's number; j is live while below their total, and then belongs to the last
+    segment whose first number is at most j (an empty segment's first number is the next one's,
+    so the last is never empty). A program past the total (the grid is cut for the most tiles
+    any lengths could need) finds that in this one load and exits."""
+    seg = tl.arange(0, SEG)
+    real = seg < segments
+    first_tok = tl.load(starts_ptr + seg, mask=real, other=0)
+    tiles = tl.where(real, tl.cdiv(tl.load(starts_ptr + seg + 1, mask=real, other=0) - first_tok, BLOCK_Q), 0)
+    first = tl.cumsum(tiles, 0) - tiles  # [SEG]: the number of each segment's first tile
+    s = tl.max(tl.where(first <= j, seg, -1), 0)
+    return s, j - tl.sum(tl.where(seg == s, first, 0), 0), j < tl.sum(tiles, 0)
 
 
 @triton.jit
@@ -79,19 +80,20 @@ def _varlen_group(
     scale, head_dim, segments,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, SPLITS: tl.constexpr = 1,
-    SHARE_TILES: tl.constexpr = 1,
+    SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1,
 ):
     """One program: segment s, query tile qb, KV head kv, share sp of the walk. Row i of the
     [BLOCK_Q * G, D] query tile is token qb * BLOCK_Q + i // G of the segment and query head
-    kv * GROUP + i % G. On a FLAT grid axis 0 numbers query tiles across all segments, and a program
-    finds its segment by search. With SPLITS == 1 the program walks every tile its queries can see
-    and writes the output normalised. Otherwise axis 2 is kv * SPLITS + sp: share sp walks its
-    contiguous part of those tiles (`_tiles_per_share`) and writes its un-normalised acc with its
-    m and l for every live row, an empty share m = -inf and l = acc = 0; `_varlen_fold` folds them."""
+    kv * GROUP + i % G. On a FLAT grid axis 0 numbers query tiles across all segments (`_tile_of`,
+    over SEG >= segments lanes), and a program past the step's tiles exits. With SPLITS == 1 the
+    program walks every tile its queries can see and writes the output normalised. Otherwise
+    axis 2 is kv * SPLITS + sp: share sp walks its contiguous part of those tiles
+    (`_tiles_per_share`) and writes its un-normalised acc with its m and l for every live row, an
+    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them."""
     if FLAT:
-        j = tl.program_id(0)
-        s = _segment_of(starts_ptr, j, segments, BLOCK_Q)
-        qb = j - (tl.load(starts_ptr + s) // BLOCK_Q + s)
+        s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
+        if not live_tile:
+            return
     else:
         s = tl.program_id(0)
         qb = tl.program_id(1)
@@ -255,11 +257,12 @@ def varlen_attention(
         grid = (segments, triton.cdiv(max_query_len, block_q), kv_heads * splits)
     else:
         # A captured step has a segment per table row (max_rows), but at most grid_tokens of them
-        # hold a token: the rest are padding, empty, after the real ones. The search, the grid and
+        # hold a token: the rest are padding, empty, after the real ones. The tile map, the grid and
         # the fold look at those alone; a grid cut for every row launched a program a KV head and
         # share for each of them (64 rows by default), walking nothing.
         segments = min(segments, grid_tokens)
-        # segment s's tiles are numbered from starts[s] // block_q + s, the last below this bound
+        # the most tiles any lengths of grid_tokens tokens in `segments` segments need (each segment
+        # wastes less than a tile); a program past the step's own tiles exits (`_tile_of`)
         grid = (grid_tokens // block_q + segments, 1, kv_heads * splits)
     D = _pow2(d, 16)
     # out stands in for the partials when there are none (splits == 1 never touches them)
@@ -270,7 +273,8 @@ def varlen_attention(
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
         DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        SEG=_pow2(segments) if grid_tokens is not None else 1, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds
         _varlen_fold[(n,)](acc, m, l, query_start_loc, out, out.stride(0), out.stride(1), heads, d, segments,
                            H=_pow2(heads), D=D, SPLITS=splits)
