@@ -130,12 +130,11 @@ lab.show(fig)
 # ### Pinned step inputs: nothing, on its own
 #
 # Every step copies its small host tables (positions, slots, the block table's new cells) to the
-# GPU. From pageable memory a copy makes the host wait; staged in pinned memory it is queued and
-# the host moves on. The prediction was modest: the synchronous engine waits for each step's
-# tokens anyway. Indeed the step and the replay did not get faster, and planning (`plan_step`)
-# took longer at every shape, most at the larger batches, since `stage` copies each input into a
-# pinned block first. The lever earns its place later: a pageable copy would undo the next
-# lever's overlap. It changes no number: the arm decodes exactly the arm before's logits.
+# GPU. From pageable memory a copy makes the host wait; staged in pinned memory it is queued. The
+# prediction was modest, since the synchronous engine waits for each step's tokens anyway, and so
+# it went: the step and replay did not get faster, and planning (`plan_step`) took longer, since
+# `stage` copies each input into a pinned block first. The lever earns its place later: a pageable
+# copy would undo the next lever's overlap. It decodes exactly the arm before's logits.
 
 # %%
 anatomy = ["schedule_us", "plan_step_us", "replay_us", "sampler_us", "rest_us"]
@@ -153,12 +152,11 @@ print(f"pinned against before: {agreement.loc[pinned, 'rows equal to the first a
 #
 # Between the projections a Llama layer runs small kernels for the rotary embedding, the cache
 # writes, the residual adds and the SiLU; at batch 1 each moves a few kilobytes and still costs a
-# kernel's start-up in the graph. `torch.compile` fuses them into a few Triton kernels, and the
-# graph captures the compiled step, the streamed read kept as one opaque op. The prediction: most
-# of that time gone, the projections and the read unmoved. So it went: copies, indexing and the
-# other elementwise kernels became a few fused kernels, and the RMS norms took in the residual
-# adds. The replay got shorter at every shape; the step by less at most shapes, since in a
-# synchronous engine the host's part comes on top of every replay, and at batch 1 it held.
+# kernel's start-up. `torch.compile` fuses them into a few Triton kernels, and the graph captures
+# the compiled step, the streamed read kept as one opaque op. The prediction: most of that time
+# gone, the projections and the read unmoved. So it went, the RMS norms taking in the residual
+# adds. The replay got shorter at every shape; the step by less, since in a synchronous engine
+# the host's part comes on top of every replay.
 
 # %%
 inductor = order[2]
@@ -201,10 +199,9 @@ lab.show(levers.set_index(["arm", "batch", "context"])[anatomy].round(1).loc[ord
 # ### One kernel for the rotation and the K/V write
 #
 # The asynchronous arm still ran three inductor kernels a layer before the read: q's rotation,
-# k's rotation fused with its scatter into the K pool, and v's scatter into the V pool. Inductor
-# does not fuse two scatters into different buffers, and at batch 1 each kernel is a launch of
-# about a microsecond plus its gap. `rope_write` (`kernels.elementwise`) does all three in one
-# Triton kernel, a program a token over all its heads, called by the compiled step as one opaque
+# k's rotation fused with its scatter into the K pool, and v's scatter into the V pool (inductor
+# does not fuse two scatters into different buffers). `rope_write` (`kernels.elementwise`) does
+# all three in one Triton kernel, a program a token, called by the compiled step as one opaque
 # operator that declares its writes to the pools (`rope_write_op`). The prediction: two launches
 # a layer, 32 kernels a step, a few tens of microseconds, at every batch.
 
@@ -267,9 +264,7 @@ if fused is not None:
 # The small kernels went and PDL shortened the fused replay, but the fused step started slower
 # than the compiled one and PDL did not close the gap: the fused kernels read the big matrices
 # (gate/up, 67 MB a layer, and the 525 MB head) well below cuBLAS's bandwidth, which costs more
-# than every small kernel saved. The tiles in `projections.TILES` are the best of an H200 sweep run
-# while the kernels were written (not committed); in it, prefetching each program's weight rows
-# into L2 before its wait made the step slower. The engine keeps inductor around cuBLAS.
+# than every small kernel saved. The engine keeps inductor around cuBLAS.
 #
 # One piece of that run paid and was kept. torch's argmax reduces a row in one block of threads:
 # an earlier profile of the asynchronous arm (this table as committed at 2a6b4ef) put 27.1 us of
@@ -375,10 +370,9 @@ print(f"tuned step over {len(tuned)} compiles: {tuned.min():.3f} to {tuned.max()
 # - **PDL does not pay**: its median sits with the engine's. Its gain in the lever run was a draw.
 # - **The LM head is the worst draw.** Its reduction read the 525 MB head in 125 to 328 us across
 #   compiles, cuBLAS in about 120 us every time. The engine leaves the LM head to cuBLAS whenever
-#   it tunes the batch-1 graph (`runner.compile_decode`); the final norm is a kernel of its own
-#   again, a few microseconds.
-# - **The down projection on cuBLAS does not pay**: its SwiGLU can no longer fold into it, and its
-#   median was no better. It stays tuned.
+#   it tunes the batch-1 graph (`runner.compile_decode`).
+# - **The down projection on cuBLAS does not pay**: its SwiGLU can no longer fold into it. It
+#   stays tuned.
 #
 # The rest of the band comes from the down, q/k/v and o reductions. One process's batch-1 step is
 # one draw; the median is the fairer number.
@@ -388,21 +382,17 @@ print(f"tuned step over {len(tuned)} compiles: {tuned.min():.3f} to {tuned.max()
 #
 # From here the kept step also skips the read's empty shares, which leaves batch 1 as it was
 # ({doc}`61b_batch_eight`). `levers --only spread` now also records, for every fresh compile, the
-# config coordinate descent settled on for each kernel and the fastest time its benchmarker gave
-# that config (`tuningspread.recording_tuning`). Two runs, on two H200s of the kind:
+# config coordinate descent settled on for each kernel and its benchmarker's time for it
+# (`tuningspread.recording_tuning`). Two runs, on two H200s: the kept step against it with PDL
+# (`--only spread --arms 13,14 --trials 4 --stem day61_pdlspread`), and PDL with the batch-1
+# tuning timed after a warm-up (`--arms 15 --trials 4 --stem day61_dobench`). Inductor's default
+# benchmarker takes the fastest of at most 100 calls after six short ones; `runner.steady_tuning`
+# swaps in Triton's `do_bench`, which runs the kernel for 25 ms first and takes the median of 40
+# ms of calls.
 #
-# - the kept step against it with PDL in the compiled step (`--only spread --arms 13,14 --trials 4
-#   --stem day61_pdlspread`);
-# - PDL with the batch-1 tuning timed after a warm-up (`--arms 15 --trials 4 --stem
-#   day61_dobench`): inductor's default benchmarker times a config as the fastest of at most 100
-#   calls, after one untimed call and five that estimate its length, and `runner.steady_tuning`
-#   swaps in Triton's `do_bench`, which runs the kernel for 25 ms first and takes the median of 40
-#   ms of calls.
-#
-# Two predictions. With the head on cuBLAS, whose draws had moved the step by up to 0.2 ms, PDL
-# should take part of the 0.07 ms a step the GPU spends between kernels. And if the band comes
-# from the tuning's timings, a kernel's time in the step should follow the config it was given,
-# and a steadier timing should give the same config more often.
+# Two predictions. With the head on cuBLAS, PDL should take part of the 0.07 ms a step the GPU
+# spends between kernels. And if the band comes from the tuning's timings, a kernel's time in the
+# step should follow the config it was given, and a steadier timing should pick one more often.
 
 # %%
 draw_stems = ("day61_pdlspread", "day61_dobench")
@@ -456,10 +446,9 @@ print("batch-1 median over the compiles: " + ", ".join(f"{a.removeprefix('+ ')} 
 #   down config, and the fourth a q/k/v reduction about three times slower than the others'.
 #
 # The last run timed the three arms in one process at every shape, profiling batch 1 (`levers
-# --arms 13,14,15 --profile 1@128 --stem day61_final`). It still let arms share inductor's caches,
-# and the third arm's graph is the second's, so it reused the second's tuned kernels (its
-# `build_s`, a third of a second, says so) and measures the second's draw again. `levers` now
-# compiles every arm afresh with the caches off.
+# --arms 13,14,15 --profile 1@128 --stem day61_final`). Its arms shared inductor's caches, so the
+# third reused the second's tuned kernels (its `build_s`, a third of a second, says so) and
+# measures the second's draw again; `levers` now compiles every arm afresh with the caches off.
 
 # %%
 final = lab.show_lever_run("day61_final", "ms_per_step", "python -m nanolab levers --only levers --arms 13,14,15 "
@@ -480,11 +469,9 @@ if final is not None:
 # This process ran slow: the kept step took 1.18 ms at batch 1, against 1.07 in the kept chain's
 # process ({doc}`61c_against_the_peers`) and a median of 1.11 over the four fresh compiles above.
 # Within it PDL took about 0.07 ms off, two thirds from the GPU's idle time between kernels. At
-# batches 8 to 64 the three arms run one batched graph, cuBLAS's projections untouched by these
-# levers; their differences there, up to 12% at batch 64, are this process's noise, the same that
-# moves a whole `generate` at batch 64 between floorbench processes. The last arm's profile
-# (`data/day61_final_lever_profile_h200.csv`) is the engine's batch-1 profile after these levers;
-# the next chapter's upload run profiles the engine as it now stands.
+# batches 8 to 64 the three arms run one batched graph that these levers do not touch; their
+# differences there, up to 12% at batch 64, are this process's noise. The last arm's profile
+# (`data/day61_final_lever_profile_h200.csv`) is the engine's batch-1 profile after these levers.
 #
 # ## Looking back, and the gates
 #
