@@ -138,10 +138,8 @@ lab.show(best.groupby(["rows", "projection", "kind"]).us.min().unstack().round(2
 # Across 16 layers that is at most 0.17 ms a step, and the step measured gains less.
 #
 # At batch 1, inductor's reduction over the widened bytes beats the GEMV alone for every
-# projection narrower than gate/up (6.2 us against 7.1 for `qkv`). Inside the step it did not: a
-# trial that sent those projections through it made fp8's step slower, so the engine keeps the
-# GEMV. That trial's code was not kept, and neither are its numbers. The deep `down` weight takes
-# four shares of 128-wide tiles now, the best of its sweep at 8 rows.
+# projection narrower than gate/up (6.2 us against 7.1 for `qkv`), but a trial that sent those
+# projections through it inside the step made fp8's step slower, so the engine keeps the GEMV.
 #
 # Getting under 0.55 ms needs fewer, larger launches, not fewer bytes: the fixed cost of a
 # projection's launch, about 5 us, times the 64 projections of a step is most of what separates
@@ -172,9 +170,8 @@ lab.show(quality[["variant", "text_tokens", "perplexity", "perplexity_change", "
 # activations: they widen the e4m3 weight to bf16, which holds every e4m3 value exactly, multiply,
 # and scale each output channel after, as the GEMV scales its sum.
 #
-# Greedy text is touchier than perplexity. Five of the twelve prompts keep all 32 tokens, and the
-# average prompt agrees for its first 20. Once two greedy runs part at a near tie they do not
-# meet again, so the agreement number is better read as where they part.
+# Greedy text is touchier: five of the twelve prompts keep all 32 tokens, and the average prompt
+# agrees for its first 20, the point where two runs part at a near tie and never meet again.
 #
 # ## Speculation on real text, on this machine
 #
@@ -246,22 +243,44 @@ print(f"code editing, bf16: {code_bf16.speedup_over_off:.2f}x lower latency, {co
 # in bf16 take under 0.1 ms to read at this card's bandwidth, so a step pays for its launches and
 # its host work, and a synchronous step pays its host work in full.
 #
-# The step counts bound what any verify step can buy. One as cheap as an overlapped decode step
-# would give the ratio of steps, 1.95x on code editing in this run and 1.75x in the CPU run above,
-# whose requests pause their drafts after fruitless verify steps. The 1.8x aim therefore needs
-# verify steps overlapped with the host's work, as plain decode steps are, and not just cheaper.
+# At temperature 0 a verify step keeps exactly the drafts that match plain greedy's output, so
+# that output alone fixes the steps any lookup setting takes (`replay_lookup`; a test holds it to
+# the engine's own counts). `lookup_settings` prices them with this run's medians: a verify step
+# at 1.3 ms whatever its k, and a plain step either overlapped, at off's 0.62 ms (the switch-off
+# rules at their best), or synchronous, at 0.98.
+
+# %%
+from nanolab.model.tokenizer import Tokenizer
+from nanolab.model.weights import resolve_weights
+
+runs = lab.measured_table("day65_spec", "scripts/gpu_run.sh smolspec")
+smol = Tokenizer.from_dir(resolve_weights("smollm2-135m"))
+settings = lab.lookup_settings(runs, {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)]
+                                      for name in runs.set.unique()})
+lab.show(settings.pivot_table(index=["set", "k"], columns="min_n", values="speedup_overlapped", sort=False).round(2))
+priced = settings.set_index(["set", "k", "min_n"])
+print(f"k = 4, min_n = 1, every step synchronous, as measured: predicted "
+      f"{priced.loc[('code_edit', 4, 1), 'speedup_synchronous']:.2f}x on code editing, "
+      f"{priced.loc[('summarize', 4, 1), 'speedup_synchronous']:.2f}x on summaries")
+
+# %% [markdown]
+# *Predicted speedup over off, every plain step overlapped, by set, k (rows) and the shortest
+# match `prompt_lookup_min` (columns).*
 #
-# Two changes since this run cut that host work. Prompt lookup now takes one pass over the
-# tokens (3 us a call over 200 tokens on this CPU, from 149, and a hypothesis test holds it to its
-# definition). A step that cannot carry drafts now overlaps again (below, under load). They have
-# not yet been measured on the H200.
+# The model reproduces the run: 0.98x and 1.22x predicted with every step synchronous, against
+# 1.05x and 1.24x measured. With every plain step overlapped, today's k = 4 would give 1.12x on
+# code editing. Longer drafts and longer matches pay: k = 8 with matches of at least two tokens
+# gives 1.45x, and the best setting here, k = 16 and three tokens, 1.66x, short of 1.8x even if
+# a 17-row verify step cost what a 5-row one does. At these step costs no lookup setting reaches
+# the aim on code editing; the verify step itself has to overlap with the host's work, as plain
+# steps do. Larger k also has a price under load: 8 rows of 9 tokens outgrow the 64 rows a decode
+# step holds. The engine's defaults stay until the H200 measures a change.
 #
-# One code-editing output differs from plain greedy in this run: it ends at 19 tokens where plain
-# greedy ran to 30. A verify step is now a decode step of up to eight rows, which multiplies
-# through the GEMV, while a batch-1 decode step uses inductor's tuned reduction. Their bf16
-# rounding differs, and where two tokens nearly tie the argmax can flip. In fp32 every output
-# matches, here and on the CPU. The fp32 rows are from the run before this chapter's verify-step
-# changes, with verify steps of about 14 ms; the next section finds their cause.
+# One code-editing output differs from plain greedy in this run (19 tokens where plain greedy ran
+# to 30): a verify step of several rows multiplies through the GEMV, a batch-1 decode step through
+# inductor's tuned reduction, and at a near tie their bf16 rounding can flip the argmax. In fp32
+# every output matches. The fp32 rows predate this chapter's verify-step changes; the next section
+# finds the cause of their 14 ms verify steps.
 #
 # ## What a verify step costs on the H200
 #
@@ -285,29 +304,21 @@ reads = pd.concat([lab.measured_table(f"day65read_{d}_varlen_sweep", "python -m 
 lab.show(reads.pivot_table(index=["dtype", "case"], columns=["read", "layout"], values="us", sort=False).round(1))
 
 # %% [markdown]
-# For 8 rows of 5 tokens over 256 keys, the decode read takes 15 us and the varlen read 50 us in
-# the step's layout. Each token rereads its row's keys, but from L2 after the first, and the
-# decode read has no segments to search. The varlen read takes 23 us alone and 50 in the step's
-# layout. The pool's size makes no difference, and neither does the share count the step fixes
-# (8, where alone the read picks 2): Day 64's sweep reads this shape alone at 8 shares in 30 us.
-# The rest of the step's layout doubles the read: a table row per engine row, and q inside the
-# fused projection's output. By the grid's arithmetic it is the first. A captured step's flat grid
-# has a slot for every segment that could hold a token, min(64 rows, 40 tokens), besides its query
-# tiles: 2,688 programs over the KV heads and shares, against 768 alone at 8 shares (chapter 64
-# works the same for a prompt step). No run has yet timed the two apart. In fp32 the varlen
-# read is a disaster, 718 to 1,770 us, against 86 to 398 for the decode read. That is where the
-# fp32 verify steps' 14 ms went.
+# For 8 rows of 5 tokens over 256 keys, the decode read takes 15 us and the varlen read 23 us
+# alone and 50 in the step's layout. Each token rereads its row's keys, but from L2 after the
+# first. Neither the pool's size nor the step's share count explains the layout's doubling; its
+# flat grid does, with a slot for every segment that could hold a token: 2,688 programs over the
+# KV heads and shares, against 768 alone (chapter 64 works the same for a prompt step, and shows
+# the grid's fix). In fp32 the varlen read is a disaster, 718 to 1,770 us, against 86 to 398 for
+# the decode read. That is where the fp32 verify steps' 14 ms went.
 #
-# So a verify step is now a decode step (`ModelRunner.verify`). `plan_decode` gives each fed
-# token a batch row of its own over the row's table entry, with its own write slot and position.
-# The forward writes every row's K/V before it reads, so a later draft sees the earlier ones, and
-# each token reads keys up to its own position. The step replays the decode graph of the smallest
-# bucket holding its tokens. More tokens than the cache has rows fall back to the varlen step.
-# Under tensor parallelism the workers plan the same rows from rank 0's call. On the sharp models,
-# every emitted token's logits still match a one-shot forward to 1e-4 through every path: exact
-# rows, a bucket's padding, the varlen fallback, and the streamed read in Triton's interpreter.
-# Shifting the fed tokens' positions by one fails that test. A CUDA test checks that the verify
-# steps replay decode graphs and match plain greedy's logits.
+# So a verify step is now a decode step (`ModelRunner.verify`): `plan_decode` gives each fed token
+# a batch row of its own over its row's table entry, with its own write slot and position. The
+# forward writes every row's K/V before it reads, so a later draft sees the earlier ones. The step
+# replays the decode graph of the smallest bucket holding its tokens; more tokens than the cache
+# has rows fall back to the varlen step. On the sharp models every emitted token's logits match a
+# one-shot forward to 1e-4 through every path (shifting the fed positions by one fails it), and a
+# CUDA test checks that the verify steps replay decode graphs.
 
 # %%
 verify = lab.measured_table("day65_spec_verify", "scripts/gpu_run.sh verify")
@@ -374,11 +385,9 @@ print(f"at 32 req/s, speculating over plain ITL p50: {itl['fullgraphs+ngram', 32
       "(aim: at most 1)")
 
 # %% [markdown]
-# The first run of the load, with no switch-off rule, made ITL p50 1.57x to 1.70x worse at every
-# rate: every step of the speculating server could carry drafts, so every step ran synchronously,
-# and a verify step that keeps nothing costs a step and gives one token. Three rules came next,
-# one at a time, each measured under the same load the same day (`day65specload_rules`, four
-# runs):
+# The first run, with no switch-off rule, made ITL p50 1.57x to 1.70x worse at every rate: every
+# step could carry drafts, so every step ran synchronously. Three rules came next, one at a time,
+# each measured under the same load the same day (`day65specload_rules`, four runs):
 #
 # 1. A request whose verify step kept none of its drafts gets none for the next step, then for
 #    twice as many steps after each such verify step in a row, up to
@@ -389,10 +398,9 @@ print(f"at 32 req/s, speculating over plain ITL p50: {itl['fullgraphs+ngram', 32
 # 3. A pause of b steps ends on a step numbered a multiple of b. Requests paused for as long
 #    then look up on the same steps, not each on its own.
 #
-# The rules back off rather than switch a request off for good. A first version did switch off a
-# request that had kept under a quarter of its first 2k drafts, and this chapter's own
-# code-editing prompt lost all its speculation to it: the model writes a sentence of prose before
-# it copies code, so its first drafts all miss.
+# The rules back off rather than switch a request off for good: a first version that did lost
+# this chapter's own code-editing prompt all its speculation, since the model writes a sentence of
+# prose before it copies code.
 
 # %%
 rules = lab.measured_table("day65specload_rules", "scripts/gpu_run.sh specload, once per rule set")
@@ -411,13 +419,11 @@ lab.show((by_run["fullgraphs+ngram"] / by_run["fullgraphs"]).unstack("rate").rou
 # the cost is synchronous steps whose lookup found nothing. New requests arrive about every 30
 # steps, and each one looks up at its first steps, before any pause has grown.
 #
-# A fourth change follows: the lookup that decides whether a step runs synchronously now runs
-# before the step, over the tokens each request already has. With a step in flight those lack its
-# token, so that lookup is one token behind. A match only makes the step synchronous, and the
-# step then looks up again. A lookup that finds nothing pauses the request and lets the step
-# overlap. A test holds it: a request whose lookups never match leaves every decode step in
-# flight, and putting back the synchronous lookup fails it. This change is not yet measured under
-# load.
+# A fourth change follows: whether a step runs synchronously is decided by a lookup over the
+# tokens each request already has, one behind while a step is in flight. A match makes the step
+# synchronous, and it looks up again; no match pauses the request and the step overlaps. A test
+# holds it (a request that never matches leaves every decode step in flight); it is not yet
+# measured under load.
 #
 # The tests feed one request only wrong drafts, another only right ones, and a third no match at
 # all: each pause ends at a multiple of its length, the right one keeps speculating, and the
@@ -490,8 +496,8 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 #   1.04 to 1.09 ms.
 # - Prompt lookup keeps about 40% of its drafts on real text, and on SmolLM2 on the H200 halves
 #   the steps of the code-editing set. Latency fell only 1.05x in bf16 (1.24x on summaries): a
-#   speculating step ran synchronously and paid its host time in full. One bf16 output parted
-#   from plain greedy at a near tie; fp32 outputs are identical.
+#   speculating step ran synchronously and paid its host time in full. Replayed from the outputs
+#   at that run's step costs, no lookup setting reaches 1.8x on code editing (1.66x at best).
 # - A verify step is now a decode step of a batch row per fed token, through the decode read and
 #   the decode graphs. At Llama-3.2-1B shapes it costs 0.96x and 1.18x a decode step at batches 1
 #   and 8, inside the 1.2x allowed. In a captured step's layout the varlen read was 3x slower on
@@ -499,7 +505,5 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 # - Under graphbench's load on random weights, speculation first made ITL p50 1.66x worse at 32
 #   req/s. Three switch-off rules took that to 1.04x: pause a request after a verify step that
 #   keeps nothing, pause it after a lookup that finds no match, and end equal pauses together.
-#   A fourth change, deciding whether a step runs synchronously by a lookup that runs before it,
-#   is tested and not yet measured.
-# - Not yet built: overlapped speculative steps (drafts proposed on the device), a varlen read as
-#   fast inside a captured step as alone, and one that fp32 does not cripple.
+#   A fourth, deciding a step's synchronous run by a lookup before it, is not yet measured.
+# - Not yet built: overlapped verify steps, and a varlen read that fp32 does not cripple.

@@ -46,3 +46,60 @@ def test_the_switch_off_batch_is_where_speculation_stops_paying():
     assert switch_off_batch(table) == 16
     table.loc[5, "speedup_over_off"] = 1.2
     assert switch_off_batch(table) is None
+
+
+def test_a_replayed_lookup_is_worked_by_hand():
+    from nanolab.lab.specbench import lookup_settings, replay_lookup
+
+    prompt, out = [5, 6, 7, 5, 6, 7], [5, 6, 7, 8, 5, 6]
+    # k = 2: after 5 the suffix 5, 6, 7, 5 matches, drafts 6, 7 both kept; after 8 no match; the
+    # last token has no room for a draft. k = 1: draft 6 kept, then after 7 draft 5, not 8
+    assert replay_lookup(prompt, out, k=2) == {"verify_steps": 1, "plain_steps": 2, "accepted_tokens": 2}
+    assert replay_lookup(prompt, out, k=1) == {"verify_steps": 2, "plain_steps": 2, "accepted_tokens": 1}
+    # no token repeats: every step after the prompt's is a plain one
+    assert replay_lookup([11, 12, 13], [1, 2, 3, 4, 5], k=4) == {"verify_steps": 0, "plain_steps": 4,
+                                                                 "accepted_tokens": 0}
+    # priced with the table's medians: off's decode step 1 ms, the speculating arm's verify 2, sync decode 1.5
+    table = pd.DataFrame([{"set": "s", "arm": "off", "prompt": 0, "token_ids": out, "decode_step_ms": 1.0,
+                           "verify_step_ms": float("nan")},
+                          {"set": "s", "arm": "on", "prompt": 0, "token_ids": out, "decode_step_ms": 1.5,
+                           "verify_step_ms": 2.0}])
+    row = lookup_settings(table, {"s": [prompt]}, ks=(2,), min_ns=(1,), max_tokens=6).iloc[0]
+    assert row.ms_per_token_overlapped == pytest.approx((2.0 + 2 * 1.0) / 5)
+    assert row.ms_per_token_synchronous == pytest.approx((2.0 + 2 * 1.5) / 5)
+    assert row.tokens_per_verify_step == pytest.approx(3.0)
+
+
+def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
+    """Greedy speculation never paused (`max_draft_backoff` 0), one request at a time: its verify
+    steps, its plain decode steps and the drafts it kept are what `replay_lookup` counts from
+    plain greedy's output, for each k and shortest match, on prompts that repeat a phrase."""
+    from conftest import run_until_done
+    from test_spec_decode import repetitive_prompts, spec_engine
+
+    from nanolab import SamplingParams
+    from nanolab.lab.specbench import replay_lookup
+
+    prompts = repetitive_prompts(2, n=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
+    run_until_done(plain)
+    kept_any = False
+    for k, min_n in ((2, 1), (4, 2)):
+        engine = spec_engine(sharp_gqa24, k, speculative_config={
+            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "max_draft_backoff": 0})
+        for prompt, out in zip(prompts, outs, strict=True):
+            verified, steps = engine.spec_steps, 0
+            seq = engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            assert seq.output_token_ids == out
+            want = replay_lookup(prompt, out, k, min_n, 4, max_tokens=20)
+            verify = engine.spec_steps - verified
+            got = {"verify_steps": verify, "plain_steps": steps - 1 - verify,  # the first step: the prompt's
+                   "accepted_tokens": seq.num_accepted_tokens}
+            assert got == want, (k, min_n, prompt)
+            kept_any |= want["accepted_tokens"] > 0
+    assert kept_any

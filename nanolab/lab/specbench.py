@@ -22,6 +22,9 @@ Two more parts:
   step sees the same history. The two alternate; medians. On CUDA, `<prefix>_spec_verify_kernels_<device>` adds both
   steps' GPU kernels under the profiler, by kernel and class, us a step.
 
+`replay_lookup` and `lookup_settings` price other lookup settings (k, the shortest match) from a
+latency table alone: at temperature 0 plain greedy's output fixes every step speculation takes.
+
     python -m nanolab specbench --device cpu --model smollm2-135m
     python -m nanolab specbench --model llama-3.2-1b --parts verify
 """
@@ -44,6 +47,7 @@ from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import prefill, random_prompts, sync
 from nanolab.model.weights import resolve_weights, weights_kind
+from nanolab.spec_decode import propose_ngram
 
 PROMPT_SETS = ("summarize", "code_edit")
 PARTS = ("latency", "batches", "verify")
@@ -163,6 +167,64 @@ def run_batches(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, batc
     off = table[table.arm == "off"].set_index("batch").tokens_per_s
     table["speedup_over_off"] = [t / off[b] for b, t in zip(table.batch, table.tokens_per_s, strict=True)]
     return table
+
+
+def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4,
+                  max_tokens: int | None = None) -> dict[str, int]:
+    """The steps greedy speculation takes to emit `output_ids` after `prompt_ids` (a request of
+    `max_tokens`, default the output's length), with drafts of up to `k` by prompt lookup
+    (`propose_ngram(.., max_n, min_n)`) at every step and no pauses. At temperature 0 a verify step
+    keeps exactly the drafts that match the output and adds the next token, so plain greedy's
+    output alone fixes every step: a step with drafts is a verify step, one without a plain decode
+    step. The first output token comes from the prompt step and is not counted; an output shorter
+    than `max_tokens` ended at EOS, past which no draft is kept."""
+    out = list(output_ids)
+    limit = len(out) if max_tokens is None else max_tokens
+    i, verify, plain, kept = 1, 0, 0, 0
+    while i < len(out):
+        room = min(k, limit - i - 1)
+        drafts = propose_ngram(list(prompt_ids) + out[:i], room, max_n, min_n) if room >= 1 else []
+        j = 0
+        while j < len(drafts) and i + j < len(out) and drafts[j] == out[i + j]:
+            j += 1
+        verify, plain, kept = verify + bool(drafts), plain + (not drafts), kept + j
+        i += j + 1
+    return {"verify_steps": verify, "plain_steps": plain, "accepted_tokens": kept}
+
+
+def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks: Sequence[int] = (4, 8, 16),
+                    min_ns: Sequence[int] = (1, 2, 3), max_n: int = 4, max_tokens: int = 64) -> pd.DataFrame:
+    """What other lookup settings would give on a latency table's prompts (`run_specbench`'s rows
+    at its `max_tokens`; `prompts[set][i]` the ids of prompt i), predicted from its "off" outputs (`replay_lookup`) and
+    its measured step times: per set, k and min_n, the steps, tokens a verify step gives, and ms a
+    token (the tokens after each prompt's first) with every verify step at the speculating arm's
+    median verify step and every plain step either overlapped (at off's median decode step, the
+    switch-off rules at their best) or synchronous (at the speculating arm's median decode step).
+    The speedups are over off's decode step. A verify step is priced the same at every k, which
+    holds while its rows fit the graph bucket it was measured in and the step reads little but the
+    weights."""
+    rows = []
+    for name, g in table.groupby("set", sort=False):
+        off, on = g[g.arm == "off"], g[g.arm != "off"]
+        plain_ms, verify_ms, sync_ms = off.decode_step_ms.median(), on.verify_step_ms.median(), \
+            on.decode_step_ms.median()
+        # a table read back from CSV holds each output as its JSON text
+        outputs = [json.loads(t) if isinstance(t, str) else list(t) for t in off.token_ids]
+        for k, min_n in itertools.product(ks, min_ns):
+            steps = [replay_lookup(prompts[name][int(p)], out, k, min_n, max_n, max_tokens)
+                     for p, out in zip(off.prompt, outputs, strict=True)]
+            verify, plain, kept = (sum(s[key] for s in steps) for key in ("verify_steps", "plain_steps",
+                                                                            "accepted_tokens"))
+            tokens = sum(len(out) - 1 for out in outputs)
+            overlapped = (verify * verify_ms + plain * plain_ms) / tokens
+            synchronous = (verify * verify_ms + plain * sync_ms) / tokens
+            rows.append({"set": name, "k": k, "min_n": min_n, "max_n": max_n, "tokens": tokens,
+                         "verify_steps": verify, "plain_steps": plain,
+                         "tokens_per_verify_step": (kept + verify) / verify if verify else float("nan"),
+                         "ms_per_token_overlapped": overlapped, "ms_per_token_synchronous": synchronous,
+                         "speedup_overlapped": plain_ms / overlapped, "speedup_synchronous": plain_ms / synchronous,
+                         "plain_step_ms": plain_ms, "verify_step_ms": verify_ms, "sync_step_ms": sync_ms})
+    return pd.DataFrame(rows)
 
 
 def switch_off_batch(table: pd.DataFrame) -> int | None:
