@@ -26,6 +26,20 @@ needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """On a GPU, hand what a test left in torch's caching allocator back to the device after it:
+    `scripts/gpu_run.sh cuda` runs several test processes on one GPU, and an engine that sizes its
+    pool from the device's free memory (`default_kv_cache_bytes`) would otherwise see only what the
+    others' caches left. Nothing on a machine without CUDA."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @functools.cache
 def load_tiny():
     """The tiny model, loaded once per session, for tests that cannot take fixtures (hypothesis)."""
