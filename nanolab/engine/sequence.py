@@ -35,8 +35,9 @@ class Sequence:
     text: TextDeltas | None = None  # the output's text, kept only for a request with stop strings
     stop_scanned: int = 0  # characters of `text` already searched for stop strings
     num_preemptions: int = 0
-    # Speculative decoding: drafts proposed for this request and how many were kept; after verify
-    # steps that kept none, the engine step from which it gets drafts again, and the pause's length.
+    # Speculative decoding: drafts proposed for this request and how many were kept; after steps that
+    # gave it no draft to keep (no match, or none kept), the engine step from which it looks drafts
+    # up again, and the pause's length (`Engine._drafted`).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     drafts_from_step: int = 0

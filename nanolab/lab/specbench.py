@@ -195,19 +195,19 @@ def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, 
 def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks: Sequence[int] = (4, 8, 16),
                     min_ns: Sequence[int] = (1, 2, 3), max_n: int = 4, max_tokens: int = 64) -> pd.DataFrame:
     """What other lookup settings would give on a latency table's prompts (`run_specbench`'s rows
-    at its `max_tokens`; `prompts[set][i]` the ids of prompt i), predicted from its "off" outputs (`replay_lookup`) and
-    its measured step times: per set, k and min_n, the steps, tokens a verify step gives, and ms a
-    token (the tokens after each prompt's first) with every verify step at the speculating arm's
-    median verify step and every plain step either overlapped (at off's median decode step, the
-    switch-off rules at their best) or synchronous (at the speculating arm's median decode step).
-    The speedups are over off's decode step. A verify step is priced the same at every k, which
-    holds while its rows fit the graph bucket it was measured in and the step reads little but the
-    weights."""
+    at its `max_tokens`; `prompts[set][i]` the ids of prompt i), predicted from its "off" outputs
+    (`replay_lookup`) and its measured step times: per set, k and min_n, the steps, tokens a verify
+    step gives, and ms a token (the tokens after each prompt's first) with every verify step at the
+    speculating arm's median verify step and every plain step either overlapped (at off's median
+    decode step, the switch-off rules at their best) or synchronous (at the speculating arm's
+    median decode step). The speedups are over off's decode step. A verify step is priced the same
+    at every k, which holds while its rows fit the graph bucket it was measured in and the step
+    reads little but the weights."""
     rows = []
     for name, g in table.groupby("set", sort=False):
         off, on = g[g.arm == "off"], g[g.arm != "off"]
-        plain_ms, verify_ms, sync_ms = off.decode_step_ms.median(), on.verify_step_ms.median(), \
-            on.decode_step_ms.median()
+        plain_ms = off.decode_step_ms.median()  # overlapped: off runs every step asynchronously
+        verify_ms, sync_ms = on.verify_step_ms.median(), on.decode_step_ms.median()
         # a table read back from CSV holds each output as its JSON text
         outputs = [json.loads(t) if isinstance(t, str) else list(t) for t in off.token_ids]
         for k, min_n in itertools.product(ks, min_ns):
