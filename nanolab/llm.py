@@ -166,13 +166,7 @@ class LLM:
                 encoded.append(self._encode(prompt))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-        for i, p in enumerate(params):
-            try:
-                self.engine.validate_request(encoded[i], p)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}") from None
-        samples = [(ids, s) for ids, p in zip(encoded, params) for s in p.samples()]
-        seqs = iter(self.engine.add_requests([ids for ids, _ in samples], [s for _, s in samples], name="prompt"))
+        seqs = iter(self.engine.add_requests(encoded, params, name="prompt"))  # each prompt's n samples
         return [[next(seqs) for _ in range(p.n)] for p in params]
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:

@@ -119,17 +119,20 @@ def test_logprobs_arrive_for_every_token_with_asynchronous_scheduling(sharp_gqa2
 def test_n_samples_share_the_prompt_and_differ_by_seed(sharp_gqa24):
     """n=3 with a seed: the later samples wait for the first to run the prompt and then share its
     full blocks (hits counted, nothing recomputed); the samples differ, and the same seed gives
-    the same three again. Without prefix caching nothing is shared and the tokens are the same."""
+    the same three again. Without prefix caching nothing is shared and the tokens are the same.
+    `Engine.add_requests` expands a request of n samples itself, as the samples given one by one;
+    `add_request`, which returns one sequence, refuses n > 1."""
     sharp = sharp_gqa24
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 320, (18,), generator=g).tolist()
     params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=8, ignore_eos=True)
     runs = []
-    for caching in (True, True, False):
+    for run, caching in enumerate((True, True, False)):
         engine = engine_for(sharp, enable_prefix_caching=caching)
         samples = params.samples()
         assert [p.seed for p in samples] == [11, 12, 13] and all(p.n == 1 for p in samples)
-        seqs = engine.add_requests([prompt] * 3, samples)
+        seqs = engine.add_requests([prompt], [params]) if run == 0 else engine.add_requests([prompt] * 3, samples)
+        assert [s.params for s in seqs] == samples
         fed = []
         for _ in bounded(engine.has_unfinished_requests):
             engine.step()
@@ -142,6 +145,9 @@ def test_n_samples_share_the_prompt_and_differ_by_seed(sharp_gqa24):
         check_drained(engine.kv_cache, engine.scheduler)
     assert len({tuple(t) for t in runs[0]}) == 3, "the samples are the same"
     assert runs[0] == runs[1] == runs[2]
+    with pytest.raises(ValueError, match="SamplingParams.n=3"):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests()
 
 
 def test_bad_logprobs_and_n_name_the_field():

@@ -294,20 +294,26 @@ class Engine:
     # Requests in and out.
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request. Bad input raises ValueError (TypeError for a wrong type) and changes nothing."""
+        """Queue a request of one sample (`params.n` 1; `add_requests` takes more). Bad input raises
+        ValueError (TypeError for a wrong type) and changes nothing."""
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: add_request queues one sample; add_requests "
+                             "queues a request's n samples")
         return self._queue([prompt], [params])[0]
 
     def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams],
                      name: str = "request") -> list[Sequence]:
         """Queue several requests, all or nothing: each is validated before any is queued, and an
-        error names the request ("request 2: ...", or `name` in its place). Requests of one call
-        with the same prompt (a request's n samples) compute it once: with prefix caching, each
-        after the first waits until the first has run its prompt, then shares its cached blocks."""
+        error names the request ("request 2: ...", or `name` in its place). A request of `n`
+        samples is n sequences, in order (`SamplingParams.samples`). Sequences of one call with the
+        same prompt compute it once: with prefix caching, each after the first waits until the
+        first has run its prompt, then shares its cached blocks."""
         prompts = [list(p) for p in prompts]
         self.limits.check_all(prompts, params, name)
-        return self._queue(prompts, list(params))
+        samples = [(prompt, s) for prompt, p in zip(prompts, params) for s in p.samples()]
+        return self._queue([prompt for prompt, _ in samples], [s for _, s in samples])
 
     def _queue(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         """Queue requests that `RequestLimits.check` has passed, each prompt a list no caller holds:
