@@ -127,10 +127,18 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
                                 ([{"role": "robot", "content": "hi"}], "messages[0].role"),
                                 ([{"role": "user", "content": "hi"}, "hello"], "messages[1]"),
                                 ([{"role": "user", "content": "\ud800"}], "messages[0].content"),
+                                ([{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}],
+                                 "messages[0].content[0].text: not valid Unicode"),
                                 ("hello", "messages")):
             r = await client.post("/v1/chat/completions", json={"messages": messages})
             results.append((messages, 400, "messages", r.status, await r.json()))
             assert where in (await r.json())["error"]["message"]
+        # The context's limit, named by the field that set it.
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                  field: 10**6})
+            results.append((field, 400, field, r.status, await r.json()))
+            assert f"{field} (1000000)" in (await r.json())["error"]["message"]
         r = await client.post("/v1/completions", data=b" " * (2 << 20))
         results.append(("2 MiB", 413, None, r.status, await r.json()))
         for method, path, status in (("GET", "/v2/nothing", 404), ("GET", "/v1/completions", 405)):
@@ -237,12 +245,14 @@ def test_a_full_queue_answers_503_with_retry_after(llm, monkeypatch):
 
 
 def test_one_request_cannot_queue_more_prompts_than_the_limit(llm):
+    """A request of more completions (prompts times n) than the queue holds could never be admitted:
+    a 400 naming the field, not a 503 that a client would retry."""
     async def body(client, _):
         r = await client.post("/v1/completions", json={"prompt": ["a"] * 5, "max_tokens": 2})
         samples = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
-        return r.status, (await r.json())["error"]["code"], samples.status
+        return [(x.status, (await x.json())["error"]["param"]) for x in (r, samples)]
 
-    assert run_with_client(llm, body, max_waiting=4) == (503, "overloaded", 503)  # 2 prompts x 3 samples
+    assert run_with_client(llm, body, max_waiting=4) == [(400, "prompt"), (400, "n")]  # 5 prompts; 2 x 3 samples
 
 
 def test_a_client_that_disconnects_frees_its_blocks(llm):
@@ -405,22 +415,62 @@ def test_n_logprobs_and_echo_are_what_generate_gives(llm):
             choice = event["choices"][0]
             for key, values in choice["logprobs"].items():
                 joined[choice["index"]][key] += values
+    name = lambda t: protocol.token_string(llm.tokenizer.token_bytes(t))  # noqa: E731
     for i, (choice, out) in enumerate(zip(whole["choices"], want.outputs)):
         assert choice["index"] == i and choice["text"] == text(prompt) + out.text
         lp = choice["logprobs"]
         assert lp["token_logprobs"] == [None] + [e[0] for e in want.prompt_logprobs + out.logprobs]
-        assert lp["tokens"] == [text([t], skip_special_tokens=False) for t in prompt + out.token_ids]
+        assert lp["tokens"] == [name(t) for t in prompt + out.token_ids]
         assert lp["top_logprobs"][0] is None and all(3 <= len(top) <= 4 for top in lp["top_logprobs"][1:])
         for top, entry in zip(lp["top_logprobs"][1:], want.prompt_logprobs + out.logprobs):
-            assert [top[text([t], skip_special_tokens=False)] for t, _ in entry[1]] == [v for _, v in entry[1]]
-        assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+            assert [top[name(t)] for t, _ in entry[1]] == [v for _, v in entry[1]]
+        check_offsets(choice["text"], prompt + out.token_ids, lp, llm.tokenizer)
         assert joined[i] == lp, "the stream's logprobs are not the whole response's"
     assert want.outputs[0].token_ids != want.outputs[1].token_ids
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"] == 3
     for entry in content:
         assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
-        assert entry["bytes"] == list(entry["token"].encode())
+        assert entry["token"] == protocol.token_string(bytes(entry["bytes"]))
+
+
+def check_offsets(text: str, token_ids: list[int], logprobs: dict, tokenizer) -> None:
+    """`text_offset` indexes the choice's text: a token that spells whole characters is found at its
+    offset, one inside a character starts where that character does, special tokens add nothing, and
+    the offsets never pass the text's end."""
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text) and len(offsets) == len(token_ids)
+    for t, token, at in zip(token_ids, logprobs["tokens"], offsets, strict=True):
+        data = tokenizer.token_bytes(t)
+        if not tokenizer.is_special(t) and not token.startswith("bytes:"):
+            assert text[at: at + len(token)] == token
+        elif not tokenizer.is_special(t):  # a piece of the character at `at`, or of bytes that are none
+            assert text[at] == "\ufffd" or data in text[at].encode()
+
+
+def test_logprobs_name_tokens_by_their_bytes_and_offsets_index_the_text(llm):
+    """Tokens that split a character (Japanese, an emoji) under the byte-level tokenizer: each is
+    named by its bytes ("bytes:\\x.."), so alternatives that decode to the same replacement
+    character stay apart and the chosen token keeps its own log-probability; chat's `bytes` spell
+    the text; offsets index the text, whole or a token at a time."""
+    tok = llm.tokenizer
+    text = "日本語 😀 and café"
+    ids = tok.encode(text)
+    # five alternatives that each decode alone to U+FFFD: lone bytes past ASCII, none of them in the text
+    partial = [t for t in range(3, 259) if tok.token_bytes(t)[:1] >= b"\x80" and t not in ids][:5]
+    assert len(partial) == 5 and {tok.decode([t]) for t in partial} == {"\ufffd"}
+    entries = [(-0.5 - j, [(p, -1.0 - k) for k, p in enumerate(partial)]) for j in range(len(ids))]
+    lp = protocol.completion_logprobs(ids, entries, tok.token_bytes, tok.is_special, protocol.TextOffsets())
+    assert any(name.startswith("bytes:") for name in lp["tokens"])
+    for token, entry, top in zip(lp["tokens"], entries, lp["top_logprobs"]):
+        assert list(top.values()) == [v for _, v in entry[1]] + [entry[0]] and top[token] == entry[0]
+    check_offsets(text, ids, lp, tok)
+    one_by_one, offsets = [], protocol.TextOffsets()
+    for t, e in zip(ids, entries):
+        one_by_one += protocol.completion_logprobs([t], [e], tok.token_bytes, tok.is_special, offsets)["text_offset"]
+    assert one_by_one == lp["text_offset"]
+    chat = protocol.chat_logprobs(ids, entries, tok.token_bytes)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text
 
 
 def test_samples_stream_by_index_and_echo_puts_the_prompt_first(llm):

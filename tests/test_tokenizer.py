@@ -52,7 +52,9 @@ def test_byte_tokenizer_is_deterministic_and_capped() -> None:
 def test_byte_tokenizer_round_trips_any_text(text: str) -> None:
     tok = byte_tokenizer()
     # Keep special-token strings: hypothesis finds "<|im_end|>" in this module and tries it.
-    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert b"".join(map(tok.token_bytes, ids)) == text.encode()  # token by token, characters split or not
 
 
 def test_out_of_vocab_ids_decode_to_nothing(tmp_path: Path) -> None:
@@ -119,6 +121,9 @@ def test_smollm2_round_trip_and_no_bos(smollm2_dir: Path) -> None:
     assert ids == [504, 3575, 282, 4649, 314]  # tokenizer.json's post-processor adds no BOS
     assert tok.decode(tok.encode(MULTIBYTE)) == MULTIBYTE
     assert "".join(_stream(tok, tok.encode(MULTIBYTE))) == MULTIBYTE
+    pieces = [tok.token_bytes(t) for t in tok.encode(MULTIBYTE)]
+    assert b"".join(pieces) == MULTIBYTE.encode() and any(p != p.decode(errors="ignore").encode() for p in pieces)
+    assert tok.token_bytes(2) == b"<|im_end|>" and tok.is_special(2) and not tok.is_special(504)
 
 
 @needs_smollm2

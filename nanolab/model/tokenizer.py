@@ -177,6 +177,24 @@ def _piece_pattern(tok: HFTokenizer) -> re.Pattern | None:
     return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
 
 
+@cache
+def _byte_level_bytes() -> dict[str, int]:
+    """Byte-level BPE's alphabet, back to bytes: each of the 256 bytes is spelled by one printable
+    character (GPT-2's table), the printable Latin-1 bytes by themselves and the other 68, in byte
+    order, by the characters from U+0100 up."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+           *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    spelled = {chr(b): b for b in own}
+    rest = (b for b in range(256) if b not in set(own))
+    spelled.update({chr(256 + i): b for i, b in enumerate(rest)})
+    return spelled
+
+
+def _decoder_kinds(tok: HFTokenizer) -> list[str]:
+    state = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {"type": None}
+    return [d["type"] for d in state["decoders"]] if state["type"] == "Sequence" else [state["type"]]
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -206,6 +224,10 @@ class Tokenizer:
         # prompt) from this cache; None where that would change the ids (`_piece_pattern`).
         self._pieces = _piece_pattern(tok)
         self._encode_piece = lru_cache(maxsize=PIECE_CACHE_SIZE)(self._encode_plain)
+        added = tok.get_added_tokens_decoder()
+        self._added = frozenset(added)
+        self._special = frozenset(i for i, a in added.items() if a.special)
+        self._byte_level = "ByteLevel" in _decoder_kinds(tok)
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
@@ -254,6 +276,25 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from e
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special added token, which `decode` leaves out by default."""
+        return token_id in self._special
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which a token that ends inside a character does not
+        spell as text: with a byte-level BPE (GPT-2's, SmolLM2's and Llama 3's) its vocabulary
+        string read back through the byte alphabet; an added token's content as UTF-8; otherwise
+        the token decoded alone. An id past the vocabulary is b""."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        table = _byte_level_bytes()
+        if self._byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def _encode_plain(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False).ids)

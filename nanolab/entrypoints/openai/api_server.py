@@ -163,6 +163,10 @@ class OpenAIServing:
         if self.async_llm.dead is not None:
             raise APIError(503, f"the engine is not running: {self.async_llm.dead}", type="service_unavailable")
         count = (len(req.prompts) if req.prompts is not None else 1) * req.params.n
+        if count > self.async_llm.max_waiting:  # never admitted, however long the client waits
+            raise APIError(400, f"the request asks for {count} completions (prompts times n), more than the "
+                                f"server queues at once ({self.async_llm.max_waiting})",
+                           param="n" if req.params.n > 1 else "prompt")
         if self.async_llm.num_waiting + count > self.async_llm.max_waiting:
             raise APIError(503, f"too many requests are waiting ({self.async_llm.num_waiting}); retry shortly",
                            type="service_unavailable", code="overloaded", headers={"Retry-After": "1"})
@@ -173,13 +177,17 @@ class OpenAIServing:
             if req.params.max_tokens is not None and len(ids) < limit < len(ids) + req.params.max_tokens:
                 where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
                 raise APIError(400, f"the model's context is {limit} tokens, but {where} ({len(ids)} tokens) plus "
-                                    f"max_tokens ({req.params.max_tokens}) needs {len(ids) + req.params.max_tokens}",
-                               param="max_tokens")
+                                    f"{req.max_tokens_field} ({req.params.max_tokens}) needs "
+                                    f"{len(ids) + req.params.max_tokens}", param=req.max_tokens_field)
         try:  # choice j is sample j % n of prompt j // n
             return self.async_llm.add_requests(prompts, [req.params] * len(prompts))
         except (ValueError, TypeError) as e:
             message = str(e) if len(prompts) > 1 else str(e).removeprefix("request 0: ")
-            param = "max_tokens" if "max_tokens" in message else ("messages" if req.chat else "prompt")
+            if "max_tokens" in message:
+                message = message.replace("max_tokens", req.max_tokens_field)
+                param = req.max_tokens_field
+            else:
+                param = "messages" if req.chat else "prompt"
             raise APIError(400, message, param=param) from None
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
@@ -200,28 +208,27 @@ class OpenAIServing:
             request[SUMMARY] = f"{rid} prompt={_usage(streams, req.params.n)['prompt_tokens']} " \
                                  f"completion={done} finish={reasons}"
 
-    def _token_text(self, token_id: int) -> str:
-        """One token's text, as a logprobs entry names it (vLLM's: the token decoded alone)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def _echo(self, req: CompletionRequest, j: int, stream: RequestStream) -> str:
         """Choice j's prompt as its text begins with `echo`: the prompt string as sent, else its ids decoded."""
         prompt = req.prompts[j // req.params.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(stream.prompt_token_ids)
 
-    def _logprobs(self, req: CompletionRequest, token_ids: list[int], entries: list, offset: int = 0) -> dict:
-        """The logprobs object of `token_ids` scored by `entries` (None for a prompt's first token)."""
+    def _logprobs(self, req: CompletionRequest, token_ids: list[int], entries: list,
+                  offsets: protocol.TextOffsets) -> dict:
+        """The logprobs object of `token_ids` scored by `entries` (None for a prompt's first token);
+        a completion's text offsets continue from `offsets`."""
         if req.chat:
-            return protocol.chat_logprobs(token_ids, entries, self._token_text)
-        return protocol.completion_logprobs(token_ids, entries, self._token_text, offset)
+            return protocol.chat_logprobs(token_ids, entries, self.tokenizer.token_bytes)
+        return protocol.completion_logprobs(token_ids, entries, self.tokenizer.token_bytes, self.tokenizer.is_special,
+                                            offsets)
 
-    def _echoed_logprobs(self, req: CompletionRequest, stream: RequestStream, token_ids: list[int], entries: list
-                         ) -> dict:
+    def _echoed_logprobs(self, req: CompletionRequest, stream: RequestStream, token_ids: list[int], entries: list,
+                         offsets: protocol.TextOffsets) -> dict:
         """With `echo`, the prompt's tokens (the first unscored) before `token_ids`'."""
         if req.echo:
             prompt_entries = stream.prompt_logprobs or [None] * (len(stream.prompt_token_ids) - 1)
             token_ids, entries = stream.prompt_token_ids + token_ids, [None, *prompt_entries, *entries]
-        return self._logprobs(req, token_ids, entries)
+        return self._logprobs(req, token_ids, entries, offsets)
 
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
         choices = []
@@ -235,7 +242,8 @@ class OpenAIServing:
             text = text if last is None else text[:last]
             logprobs = None
             if stream.output_logprobs is not None:
-                logprobs = self._echoed_logprobs(req, stream, stream.output_token_ids, stream.output_logprobs)
+                logprobs = self._echoed_logprobs(req, stream, stream.output_token_ids, stream.output_logprobs,
+                                                 protocol.TextOffsets())
             choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason, logprobs))
         return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
                                                      _usage(streams, req.params.n)))
@@ -247,7 +255,7 @@ class OpenAIServing:
         texts = [TextDeltas(self.tokenizer.decode, req.params.stop_strings) for _ in streams]
         chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created)
         first = [True] * len(streams)
-        offsets = [0] * len(streams)  # text_offset of each choice's next token, for completions' logprobs
+        offsets = [protocol.TextOffsets() for _ in streams]  # each choice's text so far, for completions' logprobs
         async for index, delta in _merge(streams):
             if delta.finish_reason == "error":
                 err = error_body(f"the request failed: {delta.error}", "internal_error")
@@ -258,11 +266,9 @@ class OpenAIServing:
             logprobs = None
             if stream.output_logprobs is not None and delta.token_id is not None:
                 if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
-                    logprobs = self._echoed_logprobs(req, stream, [delta.token_id], [delta.logprobs])
+                    logprobs = self._echoed_logprobs(req, stream, [delta.token_id], [delta.logprobs], offsets[index])
                 else:
                     logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
-                if not req.chat:
-                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if req.echo and first[index]:
                 text = self._echo(req, index, stream) + text
             # One chunk per token, its text possibly "" (an incomplete character, or text that may

@@ -8,7 +8,7 @@ is a 400 and never a 500. Field names, defaults and shapes follow OpenAI's API a
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 import re
 import time
@@ -42,7 +42,8 @@ class CompletionRequest:
     ids `AsyncLLM.add_requests` checks); a chat request holds `messages` instead. `params.n`
     samples a prompt; `params.logprobs` is the top log-probabilities a token (completions'
     `logprobs`, chat's `top_logprobs` under `logprobs: true`); `echo` puts the prompt before a
-    completion's text, and its logprobs (`params.prompt_logprobs`) before the completion's."""
+    completion's text, and its logprobs (`params.prompt_logprobs`) before the completion's.
+    `max_tokens_field` names the field that set `params.max_tokens`, for errors about it."""
 
     chat: bool
     params: SamplingParams
@@ -51,6 +52,7 @@ class CompletionRequest:
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
     echo: bool = False
+    max_tokens_field: str = "max_tokens"
 
 
 # The fields this server implements, by route.
@@ -250,9 +252,16 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
             raise APIError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
                            param="messages")
         for i, m in enumerate(messages):
-            if isinstance(m, dict) and isinstance(m.get("content"), str) and not _text(m["content"]):
-                raise APIError(400, f"messages[{i}].content: not valid Unicode (a lone surrogate)", param="messages")
-        return CompletionRequest(True, params, stream, include_usage, messages=messages)
+            content = m.get("content") if isinstance(m, dict) else None
+            texts = {"": content} if isinstance(content, str) else {
+                f"[{j}].text": part["text"] for j, part in enumerate(content)
+                if isinstance(part, dict) and isinstance(part.get("text"), str)} if isinstance(content, list) else {}
+            for where, text in texts.items():
+                if not _text(text):
+                    raise APIError(400, f"messages[{i}].content{where}: not valid Unicode (a lone surrogate)",
+                                   param="messages")
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        return CompletionRequest(True, params, stream, include_usage, messages=messages, max_tokens_field=field)
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
     return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]), echo=echo)
@@ -270,29 +279,69 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | None], token_text: Callable,
-                        offset: int = 0) -> dict:
-    """Completions' (legacy) logprobs object: per token its text, its log-probability, its top
-    alternatives as {text: logprob} with the token itself among them (vLLM's), and where its text
-    starts (from `offset`). An entry None (a prompt's first token) is scored null."""
-    tokens = [token_text(t) for t in token_ids]
+def token_string(data: bytes) -> str:
+    """A token's name in a logprobs object: its bytes as text, or, where they are not whole UTF-8
+    characters (a token that ends inside one), "bytes:" and their escapes, as OpenAI's logprobs
+    name such tokens ("bytes:\\xe6\\x97"). Distinct tokens get distinct names."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+class TextOffsets:
+    """Where each token's text starts in a choice's text, in characters (`text_offset`), from
+    `start`: the characters its tokens' bytes have completed so far, decoded as the text is (bytes
+    that are no character become U+FFFD). A character split across tokens is counted once, whole,
+    so a token that ends inside a character starts where that character does, and so does the
+    token that completes it."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, data: bytes) -> int:
+        """The offset of the token whose bytes are `data` (b"" for one the text leaves out)."""
+        at = self.chars
+        pending = self._decoder.getstate()[0]
+        if pending and data:
+            try:  # does the token go on with the character the bytes before it began?
+                codecs.utf_8_decode(pending + data[:1], "strict", False)
+            except UnicodeDecodeError:  # no: those bytes come out as U+FFFD before the token's text
+                at += len(pending.decode("utf-8", errors="replace"))
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | None],
+                        token_bytes: Callable[[int], bytes], is_special: Callable[[int], bool],
+                        offsets: TextOffsets) -> dict:
+    """Completions' (legacy) logprobs object: per token its name (`token_string`), its
+    log-probability, its top alternatives as {name: logprob}, most likely first, with the token
+    itself among them (vLLM's), and where its text starts (`offsets`, advanced past it; a special
+    token is not in the text). An entry None (a prompt's first token) is scored null."""
+    tokens = [token_string(token_bytes(t)) for t in token_ids]
     top = []
     for token, entry in zip(tokens, entries):
         if entry is None:
             top.append(None)
             continue
-        alternatives = {token_text(i): lp for i, lp in entry[1]}
+        alternatives: dict[str, float] = {}
+        for i, lp in entry[1]:
+            alternatives.setdefault(token_string(token_bytes(i)), lp)
         alternatives.setdefault(token, entry[0])
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": top,
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))}
+            "text_offset": [offsets.advance(b"" if is_special(t) else token_bytes(t)) for t in token_ids]}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], token_text: Callable) -> dict:
-    """Chat's logprobs object: per token its text, log-probability, UTF-8 bytes and top alternatives."""
+def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], token_bytes: Callable[[int], bytes]
+                  ) -> dict:
+    """Chat's logprobs object: per token its name (`token_string`), log-probability, bytes and top
+    alternatives."""
     def item(token_id: int, logprob: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        data = token_bytes(token_id)
+        return {"token": token_string(data), "logprob": logprob, "bytes": list(data)}
 
     return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
                         for t, (lp, top) in zip(token_ids, entries)]}
