@@ -20,16 +20,8 @@
 # batch 8 the step reads the same weights and eight rows of history, and its target is 1.10 ms.
 # Two things there are not batch 1's: the batched graph's projections are cuBLAS's, which no
 # kernel can launch as a programmatic dependent, and at a short context most of the read's split
-# grid walks nothing. This chapter asks what keeps batch 8 above its target, inside the graph and
-# then between two graphs:
-#
-# - **the read**: its shares folded in one kernel (not kept), **empty shares returning at once**,
-#   and **the read in one kernel**, with weights asked of L2 early and a split-K fix-up beside it
-#   (not kept);
-# - **the projections**: a Triton GEMV, alone (not kept) and then **under PDL** for 2 to 16 rows,
-#   and the norms, residual adds and SwiGLU folded into it (not kept);
-# - **between two steps**: the next plan's vectors **uploaded in one kernel** from pinned host
-#   memory (`kernels.step_inputs`), and the tokens read back on a stream of their own.
+# grid walks nothing. This chapter asks what keeps batch 8 above its target: the read, the
+# projections, and the work between two graphs. What was kept and what was not is listed at the end.
 
 # %%
 import nanolab.lab as lab
@@ -43,13 +35,9 @@ print(label.caption().replace("; ", ";\n"))
 #
 # Every table here was measured on one H200 at Llama-3.2-1B shapes in bf16 with synthesized random
 # weights and is read from `data/`; a CPU re-measures nothing. Most are lever runs (`python -m
-# nanolab levers --stem STEM`, one process, one engine per arm), each cell printing its label:
-# `day61_step`, `day61_skip`, `day61_skip64`, `day61_gemv`, `day61_l2`, `day61_fold`,
-# `day61_fused_step`, `day61_upload`. The rest time pieces of a step: `day61_projections` and
-# `day61_chain` (projections alone and back to back), `day61_folds` (each fold inside its GEMV) and
-# `day61_between_ab` (one engine timed both ways between steps). A command printed for a missing
-# table is the lab's as of commit 6849349, which made these runs; most of their arms are designs the
-# engine no longer has.
+# nanolab levers --stem STEM`, one process, one engine per arm); each cell names its table. A command
+# printed for a missing table is the lab's as of commit 6849349, which made these runs; most of their
+# arms are designs the engine no longer has.
 
 # %%
 import pandas as pd
@@ -161,15 +149,14 @@ if projections is not None:
 # bars, the GEMV with its default tiles, lose on the small projections; the red bars, the best
 # tiling of the sweep, land on cuBLAS's line.*
 #
-# With the best of its sweep the GEMV ties cuBLAS, slightly ahead on some shapes and behind on
-# others; with its default tiles it loses on most. Alone, a kernel that at best matches cuBLAS buys
-# nothing, and it was not kept then. But PDL moved batch 1 and left batches 8 to 64 where they
-# were: a cuBLAS kernel is not launched as a programmatic dependent, so in the batched graph the
-# chain of early launches breaks four times a layer, each projection waiting for the kernel before
-# it to drain. The GEMV can be launched that way. `gemv.step_linear` runs it in the compiled step
-# for 2 to 16 rows with fixed tiles per weight shape (`gemv.step_config`, the best of the 16-row
-# sweep), `F.linear` past that. The prediction: launch by launch still a tie, but a step shorter
-# by some of the GPU's idle time between kernels, as batch 1's was with PDL.
+# Alone, a kernel that at best matches cuBLAS buys nothing, and it was not kept then. But PDL
+# moved batch 1 and left batches 8 to 64 where they were: a cuBLAS kernel is not launched as a
+# programmatic dependent, so in the batched graph the chain of early launches breaks four times a
+# layer, each projection waiting for the kernel before it to drain. The GEMV can be launched that
+# way. `gemv.step_linear` runs it in the compiled step for 2 to 16 rows with fixed tiles per weight
+# shape (`gemv.step_config`, the best of the 16-row sweep), `F.linear` past that. The prediction:
+# launch by launch still a tie, but a step shorter by some of the GPU's idle time between kernels,
+# as batch 1's was with PDL.
 #
 # A first instrument checks the tie back to back rather than alone: each projection runs sixteen
 # times in one CUDA graph, each against a weight of its own, so nothing is warm in L2 and each
@@ -301,9 +288,8 @@ if fold_run is not None:
 # - **The fix-up does not.** `_sum_splits`' 18.8 us went and the GEMV grew by 21 us: each column
 #   block's last half waits for its ticket, re-reads both halves from L2 and writes the sum. Batch 8
 #   measured 1.143 ms, the engine's time. It was not kept.
-# - **Batch 1 follows its compile's draw.** The fix-up cannot touch batch 1 (inductor's reductions)
-#   and still measured 1.198 ms against the first arm's 1.018. The floor table has batch 1 at 0.980
-#   ms, inside the band of fresh compiles measured before it (0.954 to 1.061).
+# - **Batch 1 follows its compile's draw** (1.198 against 1.018 ms): the fix-up cannot touch its
+#   reductions. The floor table's 0.980 ms sits in the band of fresh compiles (0.954 to 1.061).
 # - **The tokens do not change**: every arm's greedy rows and first-step logits equal the first's.
 #
 # So the read runs in one kernel at every batch: a row of up to 512 keys is one share that writes
@@ -474,12 +460,10 @@ if upload_run is not None:
 
 # %% [markdown]
 # Its rows moved both ways, by up to 0.40 ms, and the replay alone (the last table), which the
-# change does not touch, was 0.14 ms slower at batch 1 in the second build. Two compiles draw two
-# sets of tuned kernels, and this draw's projections took 1.02 ms of the batch-1 step against 0.94
-# ms in the first. At batch 8 the second arm's host was slow as well: its planning, the replay's
-# launch and the rest of its step took 20 to 32% longer than the first arm's, its sampling 10%, and
-# its step (1.41 ms) ran 0.24 ms past its own replay. The one-engine run above shows nothing like it
-# at batch 8 (1.084 ms). Timing one engine both ways takes both effects out.
+# change does not touch, was 0.14 ms slower at batch 1: two compiles draw two sets of tuned kernels
+# (projections 1.02 against 0.94 ms of the batch-1 step). At batch 8 the second arm's host was 20 to
+# 32% slower too, and its step (1.41 ms) ran 0.24 ms past its own replay, where the one-engine run
+# above took 1.084 ms. Timing one engine both ways takes both effects out.
 #
 # ## Looking back, and the gates
 #
@@ -494,10 +478,6 @@ if upload_run is not None:
 # - **Between two steps**, one upload kernel and a read-back on its own stream took three
 #   operations from between two replays and 12.7 to 14.8 us from a step (medians, batches 1 to 64),
 #   as predicted, in one engine timed both ways; two builds could not show it.
-#
-# The gates hold the tables to what the chapter says: the levers that only move work change no
-# token, the GEMV is no further from cuBLAS than bf16 is from fp32, and fewer operations run
-# between two replays.
 
 # %%
 import textwrap

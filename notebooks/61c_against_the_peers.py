@@ -35,13 +35,9 @@ print(label.caption().replace("; ", ";\n"))
 # ## The H200 tables
 #
 # Every table here was measured on one H200 at Llama-3.2-1B shapes in bf16 with synthesized random
-# weights, and is read from `data/`; on a CPU the chapter re-measures nothing. `python -m nanolab
-# floorbench` times every engine as whole `generate` calls and measures time to first token
-# (`day61_floor`, `day61_roofline`, `day61_ttft`, and the table before the upload changed,
-# `day61_floor_before_upload`). `levers` made the kept chain (`day61_kept`) and the prefill levers
-# (`day61_prefill_levers`) and took a mixed step apart (`day61_mixed_*`). The server ran under
-# Day 58's bench (`day61_graphbench`, `day61_varlen_*`, `day61_budget512_*`). A command printed for a
-# missing table is the lab's as of commit 6849349, which made these runs.
+# weights, and is read from `data/`; on a CPU the chapter re-measures nothing. Each cell names its
+# table and the command that made it (`floorbench`, `levers`, or Day 58's bench for the server). A
+# command printed for a missing table is the lab's as of commit 6849349, which made these runs.
 
 # %%
 import pandas as pd
@@ -134,8 +130,7 @@ for row in floor.dropna(subset=["note"]).drop_duplicates("arm").itertuples():
 # from a process of 2026-11-30, and at batch 1, with every TTFT row but HF eager's, from one half an
 # hour later on a second H200 of the same kind. HF's eager arm ran hours before those, on another
 # H200 of the kind; at ten times nanolab's step, a few percent between two cards does not move its
-# place. The batch-1 row is one draw of the tuning's band, whose median over four compiles, 1.0005
-# ms, is the fairer number. A whole `generate` at batch 64 also moves between processes: floorbench
+# place. A whole `generate` at batch 64 also moves between processes: floorbench
 # processes of 2026-12-01 measured 1.431, 1.517, 1.489 and 1.450 ms there, and the lever runs,
 # which time the step inside one process, 1.37 to 1.97. The floorbench saves its tables after every
 # row, and `--append` keeps the rows of arms a later process did not run. Each process measured its
@@ -363,9 +358,9 @@ lab.show(fig)
 # layers are about 1 TFLOP, a millisecond or two at this card's dense bf16 rate, and 80 tokens a
 # sixth of that. ITL p99 over p50 at 32 requests/s was 7.8 for the eager server and 13.6 for the
 # compiled one in this run; the same eager server measured 12.3 in the run above, so the two tails
-# sit inside one server's spread and this run cannot rank them. Neither lever was kept: the engine
-# has no compiled varlen step, and the budget stayed 2,048. (Day 63 lowered it to 512, once every
-# step of that size replayed a CUDA graph.)
+# sit inside one server's spread and this run cannot rank them. Neither lever was kept then: the
+# budget stayed 2,048. (Day 63 captured the whole mixed step in graphs, over the compiled model, and
+# lowered the budget to 512, once every step of that size replayed one.)
 #
 # Then one mixed step was taken apart (`levers --only mixed`, `lab.mixedsteps`). Sixteen rows
 # decode at about 512 tokens each, a prompt of 64, 512 or 2,048 tokens arrives, and each step that
@@ -457,18 +452,17 @@ if host is not None:
 # - Planning grows with the tokens, from 0.59 to 1.36 ms: in this run `plan_varlen` built each
 #   token's write slot and position in Python lists and made tensors of them one element at a time.
 #   It now slices a long segment's slots from its blocks in tensor ops and makes its int64 tensors
-#   through `array`, with the same six copies to the GPU; that change has not been timed on the H200
-#   yet. A version that also staged the six vectors in pinned memory, as six queued copies, ran once
-#   in another process (`data/day61_mixed_host_staged_h200.csv`): its plan took 0.83, 0.75 and 0.95
-#   ms at the three prompts, slower at 64 tokens and faster at 512 and 1,536. One run against
-#   another, in two processes, does not settle that, so the copies stay as they were until one
-#   process times both.
+#   through `array`, with the same six copies to the GPU. A version that also staged the six vectors
+#   in pinned memory ran once in another process (`data/day61_mixed_host_staged_h200.csv`): 0.83,
+#   0.75 and 0.95 ms at the three prompts, which one run in two processes cannot rank, so the copies
+#   stay as they were.
 #
 # So the lever is to take the host out of the forward, and which way matters. A piecewise graph
 # with the varlen read left outside it (vLLM's default) would still pay the read's sixteen launches,
 # about 2 ms a step here. A graph over the whole mixed step would take all of it, with the token
 # count padded to a bucket and the read's grid cut for the bucket. Launching the Triton kernels
-# through a cached launcher would take the larger part of the three. Neither is built yet.
+# through a cached launcher would take the larger part of the three. {doc}`63_serving_tail` builds
+# the graph over the whole mixed step.
 #
 # ## Looking back, and the gates
 #
@@ -487,10 +481,6 @@ if host is not None:
 #   of it, and three Triton launches a layer, at 100 to 150 us each, take about 40% of the timed
 #   step's host time: the next lever is a graph over the whole mixed step, read included, or
 #   cheaper launches.
-#
-# The gates: the server completed every request with its tokens in every run of this chapter, the
-# kept chain's eager arms decode Day 60's logits exactly, and the rotation-and-write kernel leaves a
-# prefill's logits as they were.
 
 # %%
 import dataclasses

@@ -33,8 +33,9 @@
 #   position 0 and belong to no segment. Every row of the cache is a segment, and those past the
 #   real ones are empty and point at the all-sink table row.
 # - **A fixed grid.** The Triton varlen read takes `grid_tokens=n`: its grid is cut for n tokens
-#   and every segment, and each program finds its segment by binary search. The grid no longer
-#   depends on the step's longest segment, a host value a graph cannot follow.
+#   and at most n segments. Each program numbers its tile from a prefix sum of the segments' tile
+#   counts, and one past the step's last tile exits. The grid no longer depends on the step's
+#   longest segment, a host value a graph cannot follow.
 # - **A graph per size** (`VarlenGraphs`), at vLLM's capture sizes up to 512 tokens, over the
 #   decode graphs' one memory pool. A step of n tokens replays the smallest size that holds it.
 #   A bigger step runs eagerly.
@@ -111,9 +112,9 @@ assert (plan.write_slots[7:] == SINK).all() and starts[3:] == [7, 7]
 # ## A run through the real server, on this machine
 #
 # graphbench starts `python -m nanolab serve` with a step log and sends Poisson arrivals, as in
-# Day 58. Here the budget is 32 tokens a step, so most prompts arrive in chunks beside running
-# decodes. On a CPU there are no graphs: the run below is the eager server, and it shows the same
-# effect. The mixed steps are the long ones, and they make the tail. On a GPU it runs both graph
+# Day 58. On a CPU the budget here is 32 tokens a step, so most prompts arrive in chunks beside
+# running decodes, and there are no graphs: the run below is the eager server, and it shows the
+# same effect. The mixed steps are the long ones, and they make the tail. On a GPU it runs both graph
 # modes.
 
 # %%
@@ -258,7 +259,7 @@ lab.show(fig)
 # about 4.4 ms of GPU work, and p99 falls to 5 ms. The price is TTFT: a long prompt now needs up
 # to four steps, and the median TTFT rose from 16 ms to 19 ms at 32 req/s. Throughput was the
 # same. The tail is what a user of a stream sees, so **512 is the default budget now**, with
-# `cudagraph_mode="full"`**. A server for long prompts at low rates, where TTFT matters more, can
+# `cudagraph_mode="full"`. A server for long prompts at low rates, where TTFT matters more, can
 # raise `--max-num-batched-tokens`, and steps past 512 tokens run eagerly.
 #
 # With long prompts, the tail is still 4.4x the median: a full 512-token step takes about 4 ms.

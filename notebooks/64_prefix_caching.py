@@ -215,7 +215,7 @@ lab.show(ttft[["part", "phase", "arm", "prompt_len", "cached_tokens", "server_pr
                "server_prefill_ms", "outside_steps_ms"]].round(2))
 
 # %% [markdown]
-# A cold request costs the same with caching on as off (20.15 against 20.20 ms): looking up 131
+# A cold request costs the same with caching on as off (20.15 against 20.20 ms): looking up 130
 # blocks and keying them costs nothing visible. A warm hit at the shared prefix takes 7.9 ms
 # against 20.4, 2.6x faster. A second turn over 4,096 tokens takes 13.2 against 41.3 ms, 3.1x.
 #
@@ -231,7 +231,7 @@ lab.show(ttft[["part", "phase", "arm", "prompt_len", "cached_tokens", "server_pr
 # a request and when each step call begins, and prefixbench splits a request's TTFT with them:
 # front (the HTTP request, the server's checks, the pipe to the engine's process), the core's
 # wait, host work inside the step call, the steps, and back (the token's way to the client). The
-# H200 tables above predate it; the next run on the H200 fills those columns.
+# H200 tables above predate it; the second run below (`day64split_*`) fills those columns.
 #
 # ## The cost when nothing hits
 #

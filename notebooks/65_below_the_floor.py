@@ -292,7 +292,7 @@ print(f"k = 4, min_n = 1, every step synchronous, as measured: predicted "
 #
 # A verify step used to run as a varlen step (a segment of k + 1 tokens a row), through a varlen
 # graph of the compiled model. Its attention read was most of what it cost over a decode step:
-# 279 us at batch 1 and 665 at batch 8, against the decode step's 91 and 103. `varlenbench`
+# 278 us at batch 1 and 664 at batch 8, against the decode step's 96 and 103. `varlenbench`
 # (`--cases verify,50 --no-sweep`) timed that read alone and in the layouts a captured step hands
 # it, beside the engine's decode read given one decode row per token, each token's context ending
 # at its own position:
@@ -416,7 +416,7 @@ lab.show((by_run["fullgraphs+ngram"] / by_run["fullgraphs"]).unstack("rate").rou
 #
 # With all three rules the speculating server is 1.00x plain at 4 req/s, 1.05x at 16 and 1.04x at
 # 32. The aim is still missed, by 0.05 ms. At 32 req/s only 16 verify steps ran, so the rest of
-# the cost is synchronous steps whose lookup found nothing. New requests arrive about every 30
+# the cost is synchronous steps whose lookup found nothing. New requests arrive about every 25
 # steps, and each one looks up at its first steps, before any pause has grown.
 #
 # A fourth change follows: whether a step runs synchronously is decided by a lookup over the
@@ -493,15 +493,15 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 # - On the H200 that bought 1.03x at both batches. The projections are launch-bound: the small
 #   ones take 5 to 7 us whatever they read. The profile did find a bf16 loss, SwiGLU recomputed
 #   inside `down`'s reduction, and writing the activation once took bf16 at batch 1 from 1.154 to
-#   1.04 to 1.09 ms.
-# - Prompt lookup keeps about 40% of its drafts on real text, and on SmolLM2 on the H200 halves
+#   1.093 ms.
+# - Prompt lookup keeps 39 to 47% of its drafts on real text, and on SmolLM2 on the H200 halves
 #   the steps of the code-editing set. Latency fell only 1.05x in bf16 (1.24x on summaries): a
 #   speculating step ran synchronously and paid its host time in full. Replayed from the outputs
 #   at that run's step costs, no lookup setting reaches 1.8x on code editing (1.66x at best).
 # - A verify step is now a decode step of a batch row per fed token, through the decode read and
 #   the decode graphs. At Llama-3.2-1B shapes it costs 0.96x and 1.18x a decode step at batches 1
 #   and 8, inside the 1.2x allowed. In a captured step's layout the varlen read was 3x slower on
-#   those shapes in bf16 and 8x in fp32, which is what made fp32 speculation 4x slower than off.
+#   those shapes in bf16 and about 9.5x in fp32, which is what made fp32 speculation 4x slower than off.
 # - Under graphbench's load on random weights, speculation first made ITL p50 1.66x worse at 32
 #   req/s. Three switch-off rules took that to 1.04x: pause a request after a verify step that
 #   keeps nothing, pause it after a lookup that finds no match, and end equal pauses together.
