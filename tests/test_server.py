@@ -493,6 +493,7 @@ def test_samples_stream_by_index_and_echo_puts_the_prompt_first(llm):
     texts = [""] * 4
     for event in streamed[:-2]:
         texts[event["choices"][0]["index"]] += event["choices"][0]["text"]
+        assert "usage" in event and event["usage"] is None  # OpenAI's: null on every chunk but the last
     assert texts == [c["text"] for c in whole["choices"]] and texts[0] != texts[1]
     prompt_tokens = sum(len(llm.tokenizer.encode(p)) for p in prompts)
     assert streamed[-2]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] == prompt_tokens

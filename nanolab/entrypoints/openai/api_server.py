@@ -253,7 +253,7 @@ class OpenAIServing:
         await response.prepare(request)
         created = int(time.time())
         texts = [TextDeltas(self.tokenizer.decode, req.params.stop_strings) for _ in streams]
-        chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created)
+        chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created, req.include_usage)
         first = [True] * len(streams)
         offsets = [protocol.TextOffsets() for _ in streams]  # each choice's text so far, for completions' logprobs
         async for index, delta in _merge(streams):

@@ -362,13 +362,14 @@ def completion(rid: str, model: str, chat: bool, choices: list[tuple[str, str | 
 
 class ChunkEncoder:
     """A stream's chunks as SSE events, one choice's new text each; the first chat chunk also
-    carries the role. The fields fixed for the request are serialized once: a chunk goes out per
+    carries the role. With `include_usage` each carries `"usage": null`, as OpenAI's do before the
+    last chunk's usage. The fields fixed for the request are serialized once: a chunk goes out per
     token per request, on the same interpreter as the engine loop."""
 
-    def __init__(self, rid: str, model: str, chat: bool, created: int) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, created: int, include_usage: bool = False) -> None:
         self.chat = chat
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": model}
+                "model": model, **({"usage": None} if include_usage else {})}
         self._head = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":[{"index":'
 
     def encode(self, index: int, text: str, finish_reason: str | None, role: bool = False,
