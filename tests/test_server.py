@@ -129,6 +129,7 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
                                 ([{"role": "user", "content": "\ud800"}], "messages[0].content"),
                                 ([{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}],
                                  "messages[0].content[0].text: not valid Unicode"),
+                                ([{"role": "user", "content": ""}] * 20_000, "more than the model's context"),
                                 ("hello", "messages")):
             r = await client.post("/v1/chat/completions", json={"messages": messages})
             results.append((messages, 400, "messages", r.status, await r.json()))

@@ -144,6 +144,9 @@ class OpenAIServing:
                 messages = normalize_messages(req.messages)  # each content one str
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
+            if len(messages) > self.async_llm.limits.max_model_len:  # a turn renders to a token at least
+                raise APIError(400, f"{len(messages)} messages are more than the model's context holds "
+                                    f"({self.async_llm.limits.max_model_len} tokens)", param="messages")
             if sum(len(m["content"]) for m in messages) > limit:
                 raise APIError(400, f"the messages are longer than the model's context ({limit} characters is "
                                     "the most the server encodes)", param="messages")
