@@ -107,7 +107,12 @@ class SpeculativeConfig:
     (0: never paused), each pause running on to a step numbered a multiple of its length, so that
     paused requests look up together. A verify step that keeps one ends the pause. Whether a step
     runs synchronously is decided by a lookup over the tokens a request already has, so a lookup
-    that finds nothing never stops the overlap."""
+    that finds nothing never stops the overlap.
+
+    A verify step's rows and drafts together stay within `max_num_batched_tokens` (drafts are cut
+    to fit). A seeded request that samples (temperature above 0) gets no drafts: rejection sampling
+    draws from its generator otherwise than a plain step does, so its tokens would depend on when
+    it speculated, and with it on what shared its batch."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

@@ -82,7 +82,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: Sequence[int], dr
         q = None if draft_probs is None else draft_probs[i].float()
         q_d = 1.0 if q is None else float(q[d])
         keep = min(1.0, float(p[i, d]) / q_d) if q_d > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < keep:
+        if float(torch.rand((), generator=generator, device=p.device)) < keep:
             out.append(int(d))
             continue
         if q is None:

@@ -312,6 +312,58 @@ def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sha
         check_drained(engine.kv_cache, engine.scheduler)
 
 
+def test_a_seeded_sampled_request_keeps_its_seeds_tokens_beside_speculating_rows(sharp_gqa24):
+    """Temperature 0.8 with a seed: the same tokens alone without speculation, alone with it, and
+    beside a greedy repetitive request that speculates (verify steps run with the seeded row in
+    them). Rejection sampling would draw from its generator otherwise than a plain step, so the
+    seeded row gets no drafts."""
+    from conftest import run_until_done
+
+    from nanolab import SamplingParams
+
+    prompt, other = repetitive_prompts(5, 2)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
+    runs, verify_steps, drafted = [], [], []
+    for k, beside in ((None, False), (4, False), (4, True)):
+        engine = spec_engine(sharp_gqa24, k, **({} if k is None else {"speculative_config": {
+            "num_speculative_tokens": k, "max_draft_backoff": 0}}))
+        seq = engine.add_request(prompt, seeded)
+        if beside:
+            engine.add_request(other, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        run_until_done(engine)
+        runs.append(seq.output_token_ids)
+        verify_steps.append(engine.spec_steps)
+        drafted.append(seq.num_draft_tokens)
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 20
+    assert verify_steps[2] > 0 and drafted == [0, 0, 0]  # the seeded row shared verify steps, with no drafts
+
+
+def test_a_verify_step_feeds_no_more_tokens_than_the_budget(sharp_gqa24):
+    """With a budget of 3 tokens a step and two rows, drafts are cut so that no step feeds more than
+    3 tokens; the tokens stay plain greedy's."""
+    from conftest import run_until_done
+
+    from nanolab import SamplingParams
+
+    prompts = repetitive_prompts(2, 2)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
+    plain = spec_engine(sharp_gqa24, None, max_num_batched_tokens=3)
+    want = plain.add_requests(prompts, params)
+    run_until_done(plain)
+    engine = spec_engine(sharp_gqa24, None, max_num_batched_tokens=3, speculative_config={
+        "num_speculative_tokens": 4, "max_draft_backoff": 0})
+    seqs = engine.add_requests(prompts, params)
+    fed = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        fed.append(engine.last_step.tokens if engine.last_step else 0)
+    assert not engine.has_unfinished_requests() and engine.spec_steps > 0
+    assert max(fed) <= 3, fed
+    assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in want]
+
+
 def test_speculative_config_is_checked():
     from nanolab import EngineConfig
 

@@ -438,9 +438,10 @@ class Engine:
 
     def _draft_room(self, seq: Sequence) -> int:
         """The drafts `seq` may be fed at its next step: up to `num_speculative_tokens`, short of
-        max_tokens and the context; none while paused (`_speculating`) or when it wants logprobs."""
+        max_tokens and the context; none while paused (`_speculating`), when it wants logprobs, or
+        when it samples with a seed (`SpeculativeConfig`)."""
         spec, p = self.config.speculative_config, seq.params
-        if seq.output_logprobs is not None or not self._speculating(seq):
+        if seq.output_logprobs is not None or not self._speculating(seq) or seq.generator is not None and not p.greedy:
             return 0
         return min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
                    spec.num_speculative_tokens if p.max_tokens is None
@@ -470,7 +471,8 @@ class Engine:
     def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
         none proposed, or the pool lacks the blocks to feed them. A row with no room for drafts
-        (`_draft_room`) gets none; a row whose lookup finds no match is paused (`_drafted`)."""
+        (`_draft_room`) gets none; a row whose lookup finds no match is paused (`_drafted`). Drafts
+        are cut, in row order, so that the step feeds at most `max_num_batched_tokens` tokens."""
         spec = self.config.speculative_config
         if spec is None or not out.decode_only or len(out.seqs) > spec.max_num_seqs:
             return None
@@ -483,6 +485,12 @@ class Engine:
                     drafts[i] = proposed
                 else:  # no match: a miss, as a verify step that keeps nothing is
                     self._drafted(seq, kept=False)
+        room = self.scheduler.max_num_batched_tokens - len(out.seqs)  # the step's budget, past each pending token
+        for i in list(drafts):
+            drafts[i] = drafts[i][:max(room, 0)]
+            room -= len(drafts[i])
+            if not drafts[i]:
+                del drafts[i]
         if not drafts:
             return None
         blocks = self.block_manager
