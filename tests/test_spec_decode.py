@@ -290,8 +290,9 @@ def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(s
 
 def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):
     """EOS inside a kept run of drafts ends the request there (what follows is dropped), max_tokens
-    is never passed, a pool too small to feed the drafts decodes one token a row, and a sampled
-    request (temperature 0.8, seeded) runs to its length; every block comes back."""
+    is never passed, a pool too small to feed the drafts decodes one token a row, and two sampled
+    requests run to their length: one seeded (no drafts), one with top_k 1, which verifies its
+    drafts by rejection sampling and so emits greedy's tokens; every block comes back."""
     from conftest import run_until_done
     from test_cache_properties import check_drained
 
@@ -305,10 +306,12 @@ def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sha
         engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4)
         seqs = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
         sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=11))
+        top1 = engine.add_request(prompts[1], SamplingParams(temperature=0.8, top_k=1, max_tokens=15))
         run_until_done(engine)
         assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in want]
         assert [s.finish_reason for s in seqs] == [s.finish_reason for s in want]
-        assert len(sampled.output_token_ids) == 11
+        assert len(sampled.output_token_ids) == 11 and top1.output_token_ids == want[1].output_token_ids
+        assert blocks < 96 or top1.num_draft_tokens > 0
         check_drained(engine.kv_cache, engine.scheduler)
 
 
