@@ -103,6 +103,8 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     except INPUT_ERRORS as e:
         return _error(e)
+    except MemoryError as e:  # sizes the host cannot hold (a --max-num-seqs of billions)
+        return _error(f"out of memory building what was asked for ({e or 'MemoryError'}): lower the sizes given")
 
 
 def _missing_dependency(e: ImportError) -> bool:

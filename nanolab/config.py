@@ -22,6 +22,7 @@ DEFAULT_MODEL = "smollm2-135m"
 READS = ("streamed", "reference")
 CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's names for the two it shares with nanolab
 QUANTIZATIONS = (None, "fp8")
+MAX_TIMEOUT_S = 30 * 24 * 3600  # a tensor-parallel collective's timeout: 30 days at most (torch keeps it in ms)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -58,6 +59,8 @@ def resolve_device(device) -> torch.device:
         raise ValueError(f"device={shown!r}: torch does not accept it ({e})") from None
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"device={shown!r}: nanolab runs on 'cpu' or 'cuda'")
+    if resolved.type == "cpu" and resolved.index not in (None, 0):
+        raise ValueError(f"device={shown!r}: the CPU is one device, 'cpu' (or 'cpu:0')")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={shown!r}: CUDA is not available on this machine (torch "
@@ -188,14 +191,15 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size)
         timeout = self.distributed_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds > 0, or None")
+                                    or not 0.001 <= timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds in [0.001, "
+                             f"{MAX_TIMEOUT_S:g}], or None")
         check_bool("unverified_nccl", self.unverified_nccl)
         spec = self.speculative_config
         if isinstance(spec, dict):
             known = {f.name for f in fields(SpeculativeConfig)}
             if set(spec) - known:
-                raise ValueError(f"speculative_config={spec!r}: unknown keys {sorted(set(spec) - known)}; "
+                raise ValueError(f"speculative_config={spec!r}: unknown keys {sorted(set(spec) - known, key=str)}; "
                                  f"known: {sorted(known)}")
             try:
                 object.__setattr__(self, "speculative_config", SpeculativeConfig(**spec))

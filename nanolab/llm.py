@@ -240,6 +240,8 @@ class LLM:
         messages is rendered with the chat template (and validated). Closing the iterator, or an
         exception in the loop, aborts the request; a request that fails while running raises
         RuntimeError with its error."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": self.tokenizer.encode_chat(prompt)}
         if sampling_params is not None and sampling_params.n != 1:

@@ -144,6 +144,8 @@ def test_generate_ends_cleanly_when_the_run_stops(monkeypatch, capsys, error, co
 
 @pytest.mark.parametrize("args,needle", [(["--device", "cuda"], "device"), (["--port", "99999"], "--port"),
                                          (["--max-num-seqs", "0"], "max_num_seqs"),
+                                         (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
+                                         (["--step-log", "/no/such/folder/steps.jsonl"], "--step-log"),
                                          (["--model", "no-such-preset"], "no-such-preset")])
 def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> None:
     if args[0] == "--device" and torch.cuda.is_available():
@@ -168,3 +170,13 @@ def test_serve_takes_the_step_budget() -> None:
 
 def test_graphbench_refuses_a_device_in_one_line() -> None:
     assert_refused(nanolab("graphbench", "--device", "tpu"), "device")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["graphbench", "--rates", "0"], "--rates"), (["graphbench", "--max-rate", "inf"], "--max-rate"),
+    (["graphbench", "--duration", "0"], "--duration"), (["bench", "--batches", "0"], "--batches"),
+    (["bench", "--steps", "0"], "--steps"), (["specbench", "--parts", "batches", "--batches", "x"], "--batches")])
+def test_bench_flags_are_checked_before_anything_runs(capsys, argv: list[str], needle: str) -> None:
+    """Rates, sizes and times that would loop, divide by zero or lose requests: one error line naming
+    the flag, before a model is loaded or a server started."""
+    assert_refused_in_process(capsys, [*argv, "--model", "tiny", "--device", "cpu"], needle)

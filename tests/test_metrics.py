@@ -24,16 +24,17 @@ def llm():
 
 
 async def scrape(client) -> dict[str, float]:
-    """Every sample of `/metrics` by name, histogram buckets left out; fails unless each carries
-    this server's model_name."""
+    """Every sample of `/metrics` by name (request_success's by name{finished_reason}), histogram
+    buckets left out; fails unless each carries this server's model_name."""
     r = await client.get("/metrics")
     assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
     samples = {}
     for family in text_string_to_metric_families(await r.text()):
         for s in family.samples:
             if s.name.startswith("nanolab:") and not s.name.endswith("_bucket"):
+                reason = s.labels.pop("finished_reason", None)
                 assert s.labels == {"model_name": MODEL}, s
-                samples[s.name] = s.value
+                samples[s.name if reason is None else f"{s.name}{{{reason}}}"] = s.value
     return samples
 
 
@@ -66,6 +67,8 @@ def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
     assert delta["nanolab:time_to_first_token_seconds_count"] == 3
     assert delta["nanolab:e2e_request_latency_seconds_count"] == 3
     assert delta["nanolab:inter_token_latency_seconds_count"] == 3 + 3 + 199
+    assert delta["nanolab:request_success_total{length}"] == 3
+    assert delta["nanolab:request_success_total{stop}"] == delta["nanolab:request_success_total{error}"] == 0
     assert 0 < delta["nanolab:time_to_first_token_seconds_sum"] <= delta["nanolab:e2e_request_latency_seconds_sum"]
 
     assert during["nanolab:num_requests_running"] == 1 and during["nanolab:num_requests_waiting"] == 0
@@ -109,7 +112,9 @@ def test_an_abort_leaves_the_gauges_at_zero(llm):
 
 def test_speculative_counters_read_the_engine():
     """With speculation on, the verify steps, drafts proposed and drafts kept that `/metrics` reports
-    are the engine's own counts (vLLM's spec_decode counters), and a repeated phrase got drafts."""
+    are the engine's own counts (vLLM's spec_decode counters), and a repeated phrase got drafts. A
+    verify step's tokens reach the client together: one inter-token gap for them all, not a gap of
+    zero for each kept draft."""
     spec = LLM(MODEL, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=8,
                speculative_config={"num_speculative_tokens": 3})
 
@@ -124,4 +129,6 @@ def test_speculative_counters_read_the_engine():
     assert before["nanolab:spec_decode_num_drafts_total"] == 0
     assert after["nanolab:spec_decode_num_drafts_total"] == engine.spec_steps > 0
     assert after["nanolab:spec_decode_num_draft_tokens_total"] == engine.spec_draft_tokens > 0
-    assert after["nanolab:spec_decode_num_accepted_tokens_total"] == engine.spec_accepted_tokens
+    assert after["nanolab:spec_decode_num_accepted_tokens_total"] == engine.spec_accepted_tokens > 0
+    gaps = after["nanolab:inter_token_latency_seconds_count"] - before["nanolab:inter_token_latency_seconds_count"]
+    assert gaps == 24 - 1 - engine.spec_accepted_tokens

@@ -134,7 +134,7 @@ def test_a_template_that_refuses_is_a_value_error() -> None:
 
 BAD_FIELDS = {
     "model": [3, None, "no-such-preset", "/no/such/folder"],
-    "device": ["gpu", "meta", 0, "cuda:x"],
+    "device": ["gpu", "meta", 0, "cuda:x", "cpu:1"],
     "dtype": ["fp8", None, torch.int8],
     "block_size": [0, True, 16.0],
     "max_num_seqs": [0, False],
@@ -150,10 +150,10 @@ BAD_FIELDS = {
     "enable_chunked_prefill": [1, None],
     "enable_prefix_caching": [1, None],
     "quantization": ["int4", "FP8", 8, ""],
-    "speculative_config": [{"num_speculative_tokens": 0}, {"k": 1}, "ngram", 4],
+    "speculative_config": [{"num_speculative_tokens": 0}, {"k": 1}, {1: 2, "a": 3}, "ngram", 4],
     "max_num_batched_tokens": [0, 2048.0],
     "tensor_parallel_size": [0, True],
-    "distributed_timeout_s": [0, -1.0, "10", True],
+    "distributed_timeout_s": [0, -1.0, "10", True, float("inf"), float("nan")],
     "unverified_nccl": [1, None],
 }
 BAD_ARGS = [(field, value) for field, values in BAD_FIELDS.items() for value in values]
@@ -214,6 +214,35 @@ def test_a_kv_budget_smaller_than_a_block_is_refused(tiny_path) -> None:
         LLM("tiny", device="cpu", kv_cache_bytes=100)
 
 
+def test_sizes_the_model_or_the_machine_cannot_hold_are_refused_by_name(tiny_path) -> None:
+    """A context past the model's, and a pool past the device's memory, are refused when the
+    engine is built, before anything that size is allocated."""
+    with pytest.raises(ValueError, match=r"^max_model_len=1000000: the model's context is \d+ tokens"):
+        LLM("tiny", device="cpu", max_model_len=10**6)
+    with pytest.raises(ValueError, match=r"^num_blocks=1000000000000: a pool of .* more than the device's"):
+        LLM("tiny", device="cpu", num_blocks=10**12)
+    with pytest.raises(ValueError, match=r"^kv_cache_bytes=\d+: a pool of .* more than the device's"):
+        LLM("tiny", device="cpu", kv_cache_bytes=10**16)
+
+
+@pytest.mark.parametrize("config,match", [("{}", "missing 'num_attention_heads'"), ("[]", "must hold a JSON object"),
+                                          ("{bad", "not valid JSON"), ("no heads", "malformed")])
+def test_a_broken_config_json_names_the_file(tiny_path, tmp_path, config: str, match: str) -> None:
+    import json
+    import shutil
+
+    for f in tiny_path.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f) if f.is_file() else shutil.copytree(f, tmp_path / f.name)
+    if config == "no heads":  # the tiny model's own config with no heads: a head's size divides by zero
+        raw = json.loads((tiny_path / "config.json").read_text())
+        raw.pop("head_dim", None)
+        config = json.dumps({**raw, "num_attention_heads": 0})
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=f"config.json: .*{match}"):
+        LLM(str(tmp_path), device="cpu")
+
+
 # LLM at run time, on the sharp GQA model (whose greedy tokens change if the cache is read wrong).
 
 @pytest.fixture(scope="module")
@@ -247,6 +276,12 @@ def assert_idle(llm: LLM) -> None:
 def test_a_batch_with_one_bad_request_adds_nothing(llm, batch, params, error, match) -> None:
     with pytest.raises(error, match=match):
         llm.generate(batch, params, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_stream_refuses_params_of_the_wrong_type(llm) -> None:
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got dict"):
+        next(llm.stream("hi", {"max_tokens": 3}))
     assert_idle(llm)
 
 

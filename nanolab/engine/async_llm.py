@@ -429,7 +429,7 @@ class AsyncLLM:
             for rid, token, reason, error, stop_at, logprobs, prompt_logprobs in outputs:
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    stats.update_from_output(stream.stats, len(stream.prompt_token_ids), token, reason is not None)
+                    stats.update_from_output(stream.stats, len(stream.prompt_token_ids), token, reason)
                     self._deliver(stream, TokenDelta(token, reason, error, stop_at, logprobs, prompt_logprobs))
             for logger in self._stat_loggers:
                 logger.record(stats)

@@ -15,6 +15,7 @@ step t's tokens are read back, by a copy on a stream of its own that step t + 1 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -146,7 +147,9 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
     else what `kv_cache_bytes` (else `default_kv_cache_bytes`) holds of the whole model's K/V (a
     tensor-parallel rank holds its share of each block); `max_model_len`,
     else the model's context or what the pool holds if less, as vLLM does: a request that could
-    grow past the pool is refused, so a longer context would refuse every request without max_tokens."""
+    grow past the pool is refused, so a longer context would refuse every request without max_tokens.
+    A `max_model_len` past the model's context, or a pool larger than the device's memory, is refused
+    here, naming the field."""
     per_block = kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
                                    model_config.head_dim,
                                    config.block_size, dtype)
@@ -157,9 +160,28 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
             raise ValueError(f"kv_cache_bytes={budget}: holds no block; one block of {config.block_size} tokens "
                              f"is {per_block} bytes for this model")
         num_blocks = max(1, (budget or default_kv_cache_bytes(device)) // per_block)
+    memory, held = device_memory_bytes(device), num_blocks * per_block // config.tensor_parallel_size  # a rank's share
+    if memory is not None and held > memory:
+        field = "num_blocks" if config.num_blocks is not None else "kv_cache_bytes"
+        raise ValueError(f"{field}={getattr(config, field)}: a pool of {num_blocks} blocks is {held / 2**30:.1f} GiB "
+                         f"a device, more than the device's {memory / 2**30:.1f} GiB")
     context = model_config.max_position_embeddings
-    max_model_len = min(config.max_model_len or min(context, num_blocks * config.block_size), context)
+    if config.max_model_len is not None and config.max_model_len > context:
+        raise ValueError(f"max_model_len={config.max_model_len}: the model's context is {context} tokens "
+                         "(max_position_embeddings)")
+    max_model_len = config.max_model_len or min(context, num_blocks * config.block_size)
     return num_blocks, max_model_len
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """All the memory of `device`: the GPU's, or the host's physical memory for the CPU; None where
+    it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -64,17 +64,21 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)  # one per request that ended
+    finished_reasons: list[str] = field(default_factory=list)  # the same requests' finish reasons
 
     def update_from_output(self, req: RequestStateStats, prompt_len: int, token_id: int | None,
-                           finished: bool) -> None:
-        """Count one request's part of the message, and move its `last_token_time` to `now`."""
+                           finish_reason: str | None) -> None:
+        """Count one of a request's tokens in the message (or its end), and move its
+        `last_token_time` to `now`. A request's later tokens in the same message (drafts a verify
+        step kept) add no inter-token gap, as vLLM counts one a request an output."""
         if token_id is not None:
             self.num_generation_tokens += 1
             if req.last_token_time is None:
                 self.num_prompt_tokens += prompt_len
                 self.time_to_first_tokens.append(self.now - req.arrival_time)
-            else:
+            elif req.last_token_time != self.now:
                 self.inter_token_latencies.append(self.now - req.last_token_time)
             req.last_token_time = self.now
-        if finished:
+        if finish_reason is not None:
             self.e2e_latencies.append(self.now - req.arrival_time)
+            self.finished_reasons.append(finish_reason)

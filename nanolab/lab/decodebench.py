@@ -17,6 +17,7 @@ from dataclasses import asdict
 import pandas as pd
 
 from nanolab import LLM, EngineConfig
+from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.reference import load_hf
 from nanolab.lab.timing import DecodeTiming, random_prompts, time_engine, time_hf
 
@@ -57,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from nanolab.lab.report import run_label, save_table
 
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = int_list(args.batches, "--batches")
+    for flag in ("prompt_len", "steps", "repeats"):
+        positive_int(getattr(args, flag), "--" + flag.replace("_", "-"))
     config = EngineConfig.from_cli_args(args)
     llm = LLM.from_config(config.replace(max_num_seqs=max(config.max_num_seqs, *batches)))
     df = decode_table(llm, batches, args.prompt_len, args.steps, repeats=args.repeats)

@@ -39,6 +39,7 @@ import pandas as pd
 import torch
 
 from nanolab import LLM, SamplingParams
+from nanolab.lab.cliargs import positive_int
 from nanolab.lab.costs import kv_read_bytes, step_read_bytes
 from nanolab.lab.timing import copy_bandwidth, hf_generate, random_prompts, time_generate, wall_s
 
@@ -83,19 +84,9 @@ def decode_shapes(batches: Iterable[int], prompt_len: int = PROMPT_LEN, contexts
     return shapes
 
 
-def _positive(text: str, what: str, minimum: int = 1) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{what}: {value} must be at least {minimum}")
-    return value
-
-
 def parse_batches(text: str, option: str = "--batches") -> list[int]:
     """"1,8,32" -> [1, 8, 32]; "" -> []."""
-    return [_positive(part.strip(), option) for part in text.split(",") if part.strip()]
+    return [positive_int(part.strip(), option) for part in text.split(",") if part.strip()]
 
 
 def parse_pairs(text: str, option: str, sep: str) -> list[tuple[int, int]]:
@@ -107,7 +98,7 @@ def parse_pairs(text: str, option: str, sep: str) -> list[tuple[int, int]]:
         fields = part.strip().split(sep)
         if len(fields) != 2:
             raise ValueError(f"{option}: {part.strip()!r} is not BATCH{sep}TOKENS (e.g. 32{sep}2048)")
-        pairs.append((_positive(fields[0], option), _positive(fields[1], option)))
+        pairs.append((positive_int(fields[0], option), positive_int(fields[1], option)))
     return pairs
 
 
@@ -516,10 +507,10 @@ def main(args: argparse.Namespace) -> int:
     from nanolab.lab.report import load_table, run_label, save_table
 
     batches = parse_batches(args.batches)
-    prompt_len = _positive(args.prompt_len, "--prompt-len")
-    steps = _positive(args.steps, "--steps")
-    repeats = _positive(args.repeats, "--repeats")
-    warmup = _positive(args.warmup, "--warmup", minimum=0)
+    prompt_len = positive_int(args.prompt_len, "--prompt-len")
+    steps = positive_int(args.steps, "--steps")
+    repeats = positive_int(args.repeats, "--repeats")
+    warmup = positive_int(args.warmup, "--warmup", minimum=0)
     shapes = decode_shapes(batches, prompt_len, parse_pairs(args.contexts, "--contexts", "@"), steps)
     if not shapes:
         raise ValueError("no shapes: give --batches or --contexts")

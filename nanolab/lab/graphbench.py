@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 
 from nanolab.config import resolve_device, resolve_dtype
+from nanolab.lab.cliargs import float_list, int_pair_arg, positive_float, positive_int
 from nanolab.lab.compaction import (
     capture_batch_sizes,
     check_compaction,
@@ -351,11 +352,6 @@ def graphbench_ratios(rates: pd.DataFrame, offline: pd.DataFrame, seed_rates: Se
 # The command line.
 
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    return lo, hi
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cuda, cpu = WORKLOADS["cuda"], WORKLOADS["cpu"]
     per_device = lambda f: f"(default: {f(cuda)} on CUDA, {f(cpu)} on a CPU)"
@@ -377,9 +373,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests at least, a rate " + per_device(lambda w: w.min_requests))
     parser.add_argument("--max-requests", type=int, default=None,
                         help="requests at most, a rate " + per_device(lambda w: w.max_requests))
-    parser.add_argument("--prompt-len", type=_pair, default=None,
+    parser.add_argument("--prompt-len", type=int_pair_arg, default=None,
                         help="lo,hi: prompt tokens, uniform " + per_device(lambda w: ",".join(map(str, w.prompt_len))))
-    parser.add_argument("--output-len", type=_pair, default=None,
+    parser.add_argument("--output-len", type=int_pair_arg, default=None,
                         help="lo,hi: new tokens, uniform " + per_device(lambda w: ",".join(map(str, w.output_len))))
     parser.add_argument("--slo-ttft-ms", type=float, default=None,
                         help="goodput's TTFT level; giving any --slo-* replaces the device's SLO "
@@ -412,13 +408,22 @@ def main(args: argparse.Namespace) -> int:
     kind = "cuda" if device.startswith("cuda") else "cpu"
     arms = tuple(args.arms.split(",")) if args.arms else (DEFAULT_ARMS if kind == "cuda" else ("eager",))
     base = WORKLOADS[kind]
-    workload = Workload(args.prompt_len or base.prompt_len, args.output_len or base.output_len,
-                        args.duration or base.duration_s, args.min_requests or base.min_requests,
-                        args.max_requests or base.max_requests)
     given = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
-    slo = SLO(*given) if any(v is not None for v in given) else SLOS[kind]
     try:
-        bench = run_graphbench(args.model, device, arms, [float(r) for r in args.rates.split(",")], args.max_rate,
+        rates, max_rate = float_list(args.rates, "--rates"), positive_float(args.max_rate, "--max-rate")
+        workload = Workload(
+            args.prompt_len or base.prompt_len, args.output_len or base.output_len,
+            base.duration_s if args.duration is None else positive_float(args.duration, "--duration"),
+            base.min_requests if args.min_requests is None else positive_int(args.min_requests, "--min-requests"),
+            base.max_requests if args.max_requests is None else positive_int(args.max_requests, "--max-requests"))
+        slo = SLO(*(None if v is None else positive_float(v, f) for v, f in zip(
+            given, ("--slo-ttft-ms", "--slo-tpot-ms", "--slo-e2el-ms")))) if any(
+            v is not None for v in given) else SLOS[kind]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        bench = run_graphbench(args.model, device, arms, rates, max_rate,
                                workload, slo, seed=args.seed, dtype=args.dtype, read=args.read,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, warmup=args.warmup,
                                offline_steps=args.offline_steps, offline_repeats=args.offline_repeats,

@@ -49,6 +49,7 @@ import torch
 from nanolab import LLM, SamplingParams
 from nanolab.config import EngineConfig, resolve_device, resolve_dtype
 from nanolab.gates import Gate
+from nanolab.lab.cliargs import int_pair_arg
 from nanolab.lab.compaction import read_step_events, read_step_log
 from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import KeepAliveClient, run_plan
@@ -587,9 +588,10 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
     if unknown or not parts:
         raise ValueError(f"parts {sorted(unknown) or '(none)'}: choose from {', '.join(PARTS)}")
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    # EngineConfig checks every value before a server starts.
     base = EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=eager, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
-                        kv_cache_bytes=kv_cache_bytes or KV_CACHE_BYTES[kind])  # every value checked before a server
+                        kv_cache_bytes=KV_CACHE_BYTES[kind] if kv_cache_bytes is None else kv_cache_bytes)
     path = resolve_weights(model)  # prepared once, outside any server start
     vocab = ModelConfig.from_dir(path).vocab_size
     tokenizer = Tokenizer.from_dir(path)
@@ -622,15 +624,10 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
 # The command line.
 
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    return lo, hi
-
-
 # Flags that override a field of the device's `PrefixSizes`: (flag, field, type, help).
 SIZE_FLAGS = (
     ("--system-len", "system_len", int, "shared: the system prompt's tokens"),
-    ("--suffix-len", "suffix_len", _pair, "lo,hi: each request's own suffix (shared and hitrate)"),
+    ("--suffix-len", "suffix_len", int_pair_arg, "lo,hi: each request's own suffix (shared and hitrate)"),
     ("--shared-requests", "shared_requests", int, "shared: requests sent one at a time; the first is cold"),
     ("--max-tokens", "max_tokens", int, "new tokens of a shared request and of turn 2"),
     ("--history-len", "history_len", int, "turns: the history turn 1 starts with"),
@@ -641,7 +638,7 @@ SIZE_FLAGS = (
     ("--hit-system-len", "hit_system_len", int, "hitrate: each system prompt's tokens"),
     ("--hit-rate", "hit_rate", float, "hitrate: requests/s, Poisson"),
     ("--hit-duration", "hit_duration_s", float, "hitrate: seconds of arrivals"),
-    ("--hit-output-len", "hit_output_len", _pair, "lo,hi: hitrate: new tokens a request"),
+    ("--hit-output-len", "hit_output_len", int_pair_arg, "lo,hi: hitrate: new tokens a request"),
     ("--nohit-requests", "nohit_requests", int, "nohit: requests a pass"),
     ("--nohit-repeats", "nohit_repeats", int, "nohit: timed passes per arm"),
     ("--warmup", "warmup", int, "random prompts before a part's first timed request"),
@@ -660,9 +657,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, name, kind, text in SIZE_FLAGS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=f"{text} (default: "
                             f"{shown(getattr(cuda, name))} on CUDA, {shown(getattr(cpu, name))} on a CPU)")
-    parser.add_argument("--prompt-len", type=_pair, default=None,
+    parser.add_argument("--prompt-len", type=int_pair_arg, default=None,
                         help="lo,hi: nohit prompts (default: graphbench's for the device)")
-    parser.add_argument("--output-len", type=_pair, default=None,
+    parser.add_argument("--output-len", type=int_pair_arg, default=None,
                         help="lo,hi: nohit new tokens (default: graphbench's for the device)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs, in the servers and in-process")
     parser.add_argument("--max-num-seqs", type=int, default=64)

@@ -43,6 +43,7 @@ import pandas as pd
 
 from nanolab import LLM, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
+from nanolab.lab.cliargs import int_list
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import prefill, random_prompts, sync
@@ -335,15 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_batches(text: str | None, default: Sequence[int]) -> list[int]:
-    if text is None:
-        return list(default)
-    try:
-        batches = [int(b) for b in text.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batches {text!r}: comma-separated positive batch sizes")
-    return batches
+    return list(default) if text is None else int_list(text, "--batches")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -102,7 +102,18 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return cls.from_hf(json.loads(file.read_text()))
+        try:
+            raw = json.loads(file.read_text())
+        except ValueError as e:
+            raise ValueError(f"{file}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file}: must hold a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.from_hf(raw)
+        except KeyError as e:
+            raise ValueError(f"{file}: missing {e.args[0]!r}") from None
+        except (TypeError, AttributeError, ZeroDivisionError) as e:  # a field of the wrong type or size
+            raise ValueError(f"{file}: a field is malformed ({type(e).__name__}: {e})") from None
 
     def to_hf(self) -> dict:
         """The `config.json` that transformers' `LlamaForCausalLM` reads back to this config."""

@@ -354,8 +354,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port {args.port}: must be in [0, 65535]")
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 1")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be >= 0")
+    if not 0 <= args.shutdown_timeout < float("inf"):  # NaN fails too
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be a finite number of seconds >= 0")
+    if args.step_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.step_log))):
+        raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
 
 
 def build_engine(config: EngineConfig) -> Engine:

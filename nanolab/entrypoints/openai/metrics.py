@@ -7,8 +7,8 @@ Two sources, each read where it lives:
   pool's usage, the prefix cache's cumulative queries and hits, in tokens, and speculative
   decoding's cumulative verify steps, drafts proposed and drafts kept;
 - tokens and latencies are counted on the event loop as each message of the core's arrives
-  (`IterationStats`): prompt and generation token counters, and histograms of time to first token,
-  inter-token latency and end-to-end request latency, in seconds.
+  (`IterationStats`): prompt and generation token counters, ended requests by finish reason, and
+  histograms of time to first token, inter-token latency and end-to-end request latency, in seconds.
 
 Each server has a `CollectorRegistry` of its own, so servers (and tests) in one process never share
 a series.
@@ -36,6 +36,10 @@ E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 
 # The engine's state, read from `SchedulerStats` at each scrape: (kind, name after "nanolab:", the
 # field it reads, help text).
+# How a request the engine ran can end (`Sequence.finish_reason`); a request aborted on the event
+# loop (its client left) never reaches the engine's messages, and is not counted.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 ENGINE_SERIES = (
     (GaugeMetricFamily, "num_requests_running", "num_running_reqs", "Requests in the running batch."),
     (GaugeMetricFamily, "num_requests_waiting", "num_waiting_reqs", "Requests queued, not yet admitted."),
@@ -76,6 +80,11 @@ class PrometheusStatLogger:
         self.histogram_e2e_time_request = Histogram(
             "nanolab:e2e_request_latency_seconds", "Seconds from a request's arrival to its end.",
             buckets=E2E_BUCKETS, **labels).labels(model_name)
+        self.counter_request_success = Counter(
+            "nanolab:request_success", "Requests the engine ended, by finish reason.",
+            labelnames=["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # each series exists from the start, at 0, as vLLM's do
+            self.counter_request_success.labels(model_name, reason)
         self.registry.register(self)
         async_llm.add_stat_logger(self)
 
@@ -90,6 +99,8 @@ class PrometheusStatLogger:
             self.histogram_inter_token_latency.observe(itl)
         for e2e in stats.e2e_latencies:
             self.histogram_e2e_time_request.observe(e2e)
+        for reason in stats.finished_reasons:
+            self.counter_request_success.labels(self.model_name, reason).inc()
 
     def collect(self):
         """The engine's state as of the core's last message, for the registry at each scrape."""
