@@ -47,11 +47,8 @@ print(label.caption().replace("; ", ";\n"))
 #
 # Every table here was measured on one H200 at Llama-3.2-1B shapes in bf16 with synthesized
 # random weights and is read from `data/`; a CPU re-measures nothing. `python -m nanolab levers`
-# builds one graphed engine per lever and times its decode step: the waterfall's `day61_levers`,
-# `day61_parts` and `day61_lever_agreement`, and each run committed under its own `--stem` below.
-# `python -m nanolab floorbench` gives the floor (`day61_roofline`, and `day61_floor`'s bandwidth).
-# A command printed for a missing table is the lab's as of commit 6849349, which made these runs;
-# many of their arms are designs the engine no longer has.
+# builds one graphed engine per lever and times its decode step; `floorbench` gives the floor. A
+# command printed for a missing table is the lab's as of commit 6849349, which made these runs.
 
 # %%
 import pandas as pd
@@ -484,10 +481,6 @@ if final is not None:
 # - **The tuning is a draw**, in a band of about 0.19 ms. With the LM head on cuBLAS, PDL and the
 #   warmed-up tuning, the median fresh compile sits on the 1.00 ms target (1.0005). Choosing
 #   configs by their time in the step, not alone, is the next lever for batch 1.
-#
-# Timings are printed, not asserted. The gates hold the tables to what the chapter says: the floor
-# is the model's bytes over the measured bandwidth, pinned staging moves no logit, and PDL and the
-# warmed-up tuning change no token (at 8 rows, the batched graph).
 
 # %%
 import textwrap

@@ -13,8 +13,10 @@ def positive_int(text: str | int, flag: str, minimum: int = 1) -> int:
         value = int(text) if isinstance(text, str) else text
     except ValueError:
         raise ValueError(f"{flag}: {text!r} is not an integer") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{flag}: {value!r} must be an integer of at least {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{flag}: {value!r} is not an integer")
+    if value < minimum:
+        raise ValueError(f"{flag}: {value} must be at least {minimum}")
     return value
 
 
