@@ -91,6 +91,9 @@ BAD_MESSAGES = [
     ("a text part without text", [{"role": "user", "content": [{"type": "text"}]}],
      r"^messages\[0\]\.content\[0\]\.text: must be a str"),
     ("name not a str", [{"role": "user", "content": "x", "name": 3}], r"^messages\[0\]\.name: must be a str"),
+    ("a lone surrogate", [{"role": "user", "content": "a\ud800"}], r"^messages\[0\]\.content: not valid Unicode"),
+    ("a lone surrogate in a part", [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+     r"^messages\[0\]\.content\[0\]\.text: not valid Unicode"),
     ("extra key", [*GOOD_MESSAGES, {"role": "user", "content": "x", "tool_calls": []}],
      r"^messages\[3\]\.tool_calls: not supported"),
 ]

@@ -89,9 +89,10 @@ MESSAGE_KEYS = ("role", "content", "name")
 def message_text(content, where: str) -> str:
     """A message's `content` as the text the template renders: a str as it is, or a list of text
     parts (`{"type": "text", "text": str}`, as OpenAI's newer clients send) joined with newlines,
-    as vLLM joins them. `where` ("messages[i].content") starts every error."""
+    as vLLM joins them. `where` ("messages[i].content") starts every error. Text that is not valid
+    Unicode (JSON carries lone surrogates such as "\\ud800"; no tokenizer takes them) is refused."""
     if isinstance(content, str):
-        return content
+        return _unicode(content, where)
     if not isinstance(content, list):
         raise ValueError(f"{where}: must be a str or a list of text parts, got {type(content).__name__}")
     texts = []
@@ -105,8 +106,16 @@ def message_text(content, where: str) -> str:
             raise ValueError(f"{where}[{j}].{sorted(unknown)[0]}: not supported (a text part has 'type' and 'text')")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text: must be a str, got {type(part.get('text')).__name__}")
-        texts.append(part["text"])
+        texts.append(_unicode(part["text"], f"{where}[{j}].text"))
     return "\n".join(texts)
+
+
+def _unicode(text: str, where: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: not valid Unicode (a lone surrogate)") from None
+    return text
 
 
 def normalize_messages(messages) -> list[dict]:

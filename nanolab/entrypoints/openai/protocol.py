@@ -251,15 +251,8 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty list of {'role', 'content'} objects",
                            param="messages")
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            texts = {"": content} if isinstance(content, str) else {
-                f"[{j}].text": part["text"] for j, part in enumerate(content)
-                if isinstance(part, dict) and isinstance(part.get("text"), str)} if isinstance(content, list) else {}
-            for where, text in texts.items():
-                if not _text(text):
-                    raise APIError(400, f"messages[{i}].content{where}: not valid Unicode (a lone surrogate)",
-                                   param="messages")
+        # Each message's fields, its text's Unicode included, are checked as it is rendered
+        # (`tokenizer.normalize_messages`).
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return CompletionRequest(True, params, stream, include_usage, messages=messages, max_tokens_field=field)
     if "prompt" not in body:
