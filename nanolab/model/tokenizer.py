@@ -175,8 +175,7 @@ def _piece_pattern(tok: HFTokenizer) -> re.Pattern | None:
     if (tok.normalizer is not None or tok.pre_tokenizer is None or not isinstance(model, models.BPE)
             or model.dropout is not None or tok.encode_special_tokens):
         return None
-    pre = json.loads(tok.pre_tokenizer.__getstate__())
-    kinds = [p["type"] for p in pre["pretokenizers"]] if pre["type"] == "Sequence" else [pre["type"]]
+    kinds = _kinds(tok.pre_tokenizer, "pretokenizers")
     added = list(tok.get_added_tokens_decoder().values())
     if (not added or not set(kinds) <= _LOCAL_PRE_TOKENIZERS
             or any(a.lstrip or a.rstrip or a.single_word for a in added)
@@ -194,14 +193,18 @@ def _byte_level_bytes() -> dict[str, int]:
     own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
            *range(ord("\u00ae"), ord("\u00ff") + 1)]
     spelled = {chr(b): b for b in own}
-    rest = (b for b in range(256) if b not in set(own))
+    rest = sorted(set(range(256)) - set(own))
     spelled.update({chr(256 + i): b for i, b in enumerate(rest)})
     return spelled
 
 
-def _decoder_kinds(tok: HFTokenizer) -> list[str]:
-    state = json.loads(tok.decoder.__getstate__()) if tok.decoder is not None else {"type": None}
-    return [d["type"] for d in state["decoders"]] if state["type"] == "Sequence" else [state["type"]]
+def _kinds(component, members: str) -> list[str]:
+    """The types of a tokenizer component (a pre-tokenizer or a decoder), a Sequence's members
+    (under `members`) each; [] for none."""
+    if component is None:
+        return []
+    state = json.loads(component.__getstate__())
+    return [m["type"] for m in state[members]] if state["type"] == "Sequence" else [state["type"]]
 
 
 def _raise_exception(message: str) -> None:
@@ -236,7 +239,7 @@ class Tokenizer:
         added = tok.get_added_tokens_decoder()
         self._added = frozenset(added)
         self._special = frozenset(i for i, a in added.items() if a.special)
-        self._byte_level = "ByteLevel" in _decoder_kinds(tok)
+        self._byte_level = "ByteLevel" in _kinds(tok.decoder, "decoders")
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
