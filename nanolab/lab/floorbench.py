@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 
 from nanolab import LLM, SamplingParams
-from nanolab.lab.cliargs import positive_int
+from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.costs import kv_read_bytes, step_read_bytes
 from nanolab.lab.timing import copy_bandwidth, hf_generate, random_prompts, time_generate, wall_s
 
@@ -86,7 +86,7 @@ def decode_shapes(batches: Iterable[int], prompt_len: int = PROMPT_LEN, contexts
 
 def parse_batches(text: str, option: str = "--batches") -> list[int]:
     """"1,8,32" -> [1, 8, 32]; "" -> []."""
-    return [positive_int(part.strip(), option) for part in text.split(",") if part.strip()]
+    return int_list(text, option) if text.replace(",", "").strip() else []
 
 
 def parse_pairs(text: str, option: str, sep: str) -> list[tuple[int, int]]:
