@@ -2,6 +2,7 @@
 (exit code 2, one `error:` line on stderr, no traceback)."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -146,11 +147,22 @@ def test_generate_ends_cleanly_when_the_run_stops(monkeypatch, capsys, error, co
                                          (["--max-num-seqs", "0"], "max_num_seqs"),
                                          (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
                                          (["--step-log", "/no/such/folder/steps.jsonl"], "--step-log"),
-                                         (["--model", "no-such-preset"], "no-such-preset")])
+                                         (["--model", "no-such-preset"], "no-such-preset"),
+                                         (["--host", "no-such-host.invalid"], "--host no-such-host.invalid")])
 def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> None:
     if args[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
+
+
+def test_serve_refuses_a_port_in_use_before_building_the_engine() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = nanolab("serve", "--model", "tiny", "--port", port)
+    assert_refused(result, f"--port {port}", "cannot bind")
+    assert "engine built" not in result.stderr, result.stderr
 
 
 def test_serve_takes_the_step_budget() -> None:
@@ -174,7 +186,8 @@ def test_graphbench_refuses_a_device_in_one_line() -> None:
 
 @pytest.mark.parametrize("argv,needle", [
     (["graphbench", "--rates", "0"], "--rates"), (["graphbench", "--max-rate", "inf"], "--max-rate"),
-    (["graphbench", "--duration", "0"], "--duration"), (["bench", "--batches", "0"], "--batches"),
+    (["graphbench", "--duration", "0"], "--duration"), (["graphbench", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["bench", "--batches", "0"], "--batches"),
     (["bench", "--steps", "0"], "--steps"), (["specbench", "--parts", "batches", "--batches", "x"], "--batches")])
 def test_bench_flags_are_checked_before_anything_runs(capsys, argv: list[str], needle: str) -> None:
     """Rates, sizes and times that would loop, divide by zero or lose requests: one error line naming

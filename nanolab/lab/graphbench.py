@@ -411,6 +411,15 @@ def main(args: argparse.Namespace) -> int:
     given = (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
     try:
         rates, max_rate = float_list(args.rates, "--rates"), positive_float(args.max_rate, "--max-rate")
+        # The server's flags too, so a bad one is refused before weights are made and a server started.
+        positive_int(args.max_num_seqs, "--max-num-seqs")
+        for value, flag in ((args.max_model_len, "--max-model-len"),
+                            (args.max_num_batched_tokens, "--max-num-batched-tokens")):
+            if value is not None:
+                positive_int(value, flag)
+        positive_int(args.warmup, "--warmup", minimum=0)
+        positive_int(args.offline_steps, "--offline-steps")
+        positive_int(args.offline_repeats, "--offline-repeats")
         workload = Workload(
             args.prompt_len or base.prompt_len, args.output_len or base.output_len,
             base.duration_s if args.duration is None else positive_float(args.duration, "--duration"),

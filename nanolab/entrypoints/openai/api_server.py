@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -360,6 +361,32 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
 
 
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, one per address `host` resolves to (as asyncio's `create_server`
+    binds them), bound and not yet listening. They are taken before the engine is built, so a
+    host that does not resolve or a port in use is an error at once rather than after minutes
+    of loading and capture, and nobody takes the port meanwhile; until the app listens a client
+    is refused, as with no server at all."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: the name does not resolve ({e.strerror})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio sets it
+            if family == socket.AF_INET6:  # each family on its own socket, as asyncio binds them
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
+    return sockets
+
+
 def build_engine(config: EngineConfig) -> Engine:
     """The engine core process's factory: an `LLM`'s engine (weights, pool, captured graphs),
     warmed up on CUDA (`Engine.warm_up`: every kernel a request can reach is built before
@@ -382,6 +409,16 @@ async def serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     config = EngineConfig.from_cli_args(args)  # every flag checked before the core starts
     tokenizer = Tokenizer.from_dir(resolve_weights(config.model))
+    sockets = bind_sockets(args.host, args.port)
+    try:
+        return await _serve_on(args, config, tokenizer, sockets, started)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def _serve_on(args: argparse.Namespace, config: EngineConfig, tokenizer: Tokenizer,
+                    sockets: list[socket.socket], started: float) -> int:
     factory = functools.partial(build_engine, config)
     # The engine runs in a process of its own: here, the event loop has the interpreter to itself.
     async_llm = await AsyncLLM.spawn(factory, max_waiting=args.max_waiting, step_log=args.step_log)
@@ -392,8 +429,8 @@ async def serve(args: argparse.Namespace) -> int:
     # handlers (60 s by default, spent twice for a client that stops reading) only has sockets to close.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    for sock in sockets:
+        await web.SockSite(runner, sock).start()
     stop, force = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first signal drains; a second aborts what is left at once
@@ -402,7 +439,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    port = site._server.sockets[0].getsockname()[1]
+    port = sockets[0].getsockname()[1]
     info = async_llm.info
     log.info("nanolab: serving %s at http://%s:%d (device %s, %s, read %s, %s, %s, %d KV blocks%s); "
              "ready %.1f s after start",
