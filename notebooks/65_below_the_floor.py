@@ -330,13 +330,11 @@ for r in verify.itertuples():
 
 # %% [markdown]
 # A verify step of 5 tokens a row now costs 0.96x a decode step at batch 1 and 1.18x at batch 8,
-# inside the 1.2x allowed at both. The batch-1 figure flatters it. This run's batch-1 decode step
-# came out of inductor's tuning slower than the run before it on the same decode path: its
-# projections took 1,012 us against 799, and its kernels 1,202 against 990. That step's tuned
-# reductions vary from compile to compile (Day 61's tuning spread), here by more than usual. By
-# kernels alone, the verify step's 1,081 us is 1.09x the faster compile's decode step.
-# At batch 8 the 40 fed tokens pad to the 64-row bucket, and the read is 195 us against the
-# decode step's 103. The kernel tables, the morning's run on the old path beside this one:
+# inside the 1.2x allowed. The batch-1 figure flatters it: this run's batch-1 decode step came out
+# of inductor's tuning slow (kernels 1,202 us, projections 1,012, against the run before's 990
+# and 799: Day 61's tuning spread). Against the faster compile, the verify step's 1,081 us of
+# kernels is 1.09x. At batch 8 the 40 fed tokens pad to the 64-row bucket, and the read is 195 us
+# against the decode step's 103. The kernel tables, the morning's run on the old path beside this:
 
 # %%
 kernels = pd.concat([lab.measured_table(stem, "scripts/gpu_run.sh verify").assign(run=run)
@@ -399,8 +397,7 @@ print(f"at 32 req/s, speculating over plain ITL p50: {itl['fullgraphs+ngram', 32
 #    then look up on the same steps, not each on its own.
 #
 # The rules back off rather than switch a request off for good: a first version that did lost
-# this chapter's own code-editing prompt all its speculation, since the model writes a sentence of
-# prose before it copies code.
+# the code-editing prompt all its speculation, as the model writes prose before it copies code.
 
 # %%
 rules = lab.measured_table("day65specload_rules", "scripts/gpu_run.sh specload, once per rule set")
@@ -486,24 +483,18 @@ assert on_gpu["fp32"].outputs_equal_off.all(), "speculation changed a greedy tok
 # %% [markdown]
 # ## Summary
 #
-# - FP8 weights work end to end. Every decoder layer is e4m3 with a scale per channel. SmolLM2
-#   moves 0.43% in perplexity, while an fp8 head would cost 1.53% and W8A8 prompt steps 1.85%, so
-#   the head stays bf16 and prompt steps keep bf16 activations.
-#   At Llama-3.2-1B shapes a step's bytes fall from 2.47 to 1.50 GB.
-# - On the H200 that bought 1.03x at both batches. The projections are launch-bound: the small
-#   ones take 5 to 7 us whatever they read. The profile did find a bf16 loss, SwiGLU recomputed
-#   inside `down`'s reduction, and writing the activation once took bf16 at batch 1 from 1.154 to
-#   1.093 ms.
+# - FP8 weights work end to end: every decoder layer in e4m3, a scale per channel, SmolLM2's
+#   perplexity moved 0.43% (the head and W8A8 prompt steps would cost 1.53% and 1.85%). A step's
+#   bytes fall from 2.47 to 1.50 GB, which bought 1.03x at both batches on the H200: the small
+#   projections take 5 to 7 us whatever they read. The profile found a bf16 loss, SwiGLU
+#   recomputed inside `down`'s reduction; writing it once took bf16 at batch 1 to 1.093 ms.
 # - Prompt lookup keeps 39 to 47% of its drafts on real text, and on SmolLM2 on the H200 halves
 #   the steps of the code-editing set. Latency fell only 1.05x in bf16 (1.24x on summaries): a
 #   speculating step ran synchronously and paid its host time in full. Replayed from the outputs
 #   at that run's step costs, no lookup setting reaches 1.8x on code editing (1.66x at best).
-# - A verify step is now a decode step of a batch row per fed token, through the decode read and
-#   the decode graphs. At Llama-3.2-1B shapes it costs 0.96x and 1.18x a decode step at batches 1
-#   and 8, inside the 1.2x allowed. In a captured step's layout the varlen read was 3x slower on
-#   those shapes in bf16 and about 9.5x in fp32, which is what made fp32 speculation 4x slower than off.
-# - Under graphbench's load on random weights, speculation first made ITL p50 1.66x worse at 32
-#   req/s. Three switch-off rules took that to 1.04x: pause a request after a verify step that
-#   keeps nothing, pause it after a lookup that finds no match, and end equal pauses together.
-#   A fourth, deciding a step's synchronous run by a lookup before it, is not yet measured.
+# - A verify step is now a decode step of a batch row per fed token: 0.96x and 1.18x a decode
+#   step at batches 1 and 8 (1.2x allowed). The varlen read it replaced was 3x slower in bf16 and
+#   9.5x in fp32 in a captured step's layout.
+# - Under load on random weights, three switch-off rules took speculation's ITL p50 at 32 req/s
+#   from 1.66x plain's to 1.04x. A fourth, a lookup before each step, is not yet measured.
 # - Not yet built: overlapped verify steps, and a varlen read that fp32 does not cripple.
