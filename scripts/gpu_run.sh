@@ -46,8 +46,9 @@
 # (on the still-warm machine) *.part01, with third_party/smollm2/sha256 and the gguf wheel in
 # third_party/wheels (`split -n 2 -d FILE third_party/smollm2/FILE.part`); each call keeps its piece in
 # _build/smollm2, and once both are there they are joined, checked and converted by transformers into
-# the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches in bf16, data/day65_spec*;
-# the verify step's cost and kernels in bf16, data/day65smollm2_spec_verify*; latency and the verify
+# the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches in bf16, data/day65_spec*,
+# the latency arms k = 4, k = 8 over matches of 2 tokens or more, and k = 16 over 3, the settings chapter 65's
+# replay prices best; the verify step's cost and kernels in bf16, data/day65smollm2_spec_verify*; latency and the verify
 # step in fp32, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
 # and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
@@ -131,7 +132,8 @@ for part in "${parts[@]}"; do
         prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
-        smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches ${SPEC_ARGS:-} || status=1
+        smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches --lookups 4,8:2,16:3 \
+                ${SPEC_ARGS:-} || status=1
             python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1
             python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 --prefix day65fp32 \
                 || status=1

@@ -188,7 +188,8 @@ def test_graphbench_refuses_a_device_in_one_line() -> None:
     (["graphbench", "--rates", "0"], "--rates"), (["graphbench", "--max-rate", "inf"], "--max-rate"),
     (["graphbench", "--duration", "0"], "--duration"), (["graphbench", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["bench", "--batches", "0"], "--batches"),
-    (["bench", "--steps", "0"], "--steps"), (["specbench", "--parts", "batches", "--batches", "x"], "--batches")])
+    (["bench", "--steps", "0"], "--steps"), (["specbench", "--parts", "batches", "--batches", "x"], "--batches"),
+    (["specbench", "--lookups", "4:9"], "--lookups")])
 def test_bench_flags_are_checked_before_anything_runs(capsys, argv: list[str], needle: str) -> None:
     """Rates, sizes and times that would loop, divide by zero or lose requests: one error line naming
     the flag, before a model is loaded or a server started."""

@@ -70,6 +70,29 @@ def test_a_replayed_lookup_is_worked_by_hand():
     assert row.tokens_per_verify_step == pytest.approx(3.0)
 
 
+def test_lookup_settings_are_parsed_and_named():
+    from nanolab.lab.specbench import lookup_arm, parse_lookups
+
+    assert parse_lookups("4, 8:2,16:3") == [(4, 1), (8, 2), (16, 3)]
+    assert [lookup_arm(*s) for s in parse_lookups("4,8:2")] == ["ngram k=4", "ngram k=8 min_n=2"]
+    for text, needle in (("0", "at least 1"), ("4:5", "at most 4"), ("4,4:1", "twice"), (",", "no setting"),
+                         ("x", "not an integer")):
+        with pytest.raises(ValueError, match=needle):
+            parse_lookups(text)
+
+
+def test_lookup_settings_price_the_arm_asked_for():
+    from nanolab.lab.specbench import lookup_settings
+
+    out = [5, 6, 7, 8]
+    table = pd.DataFrame([{"set": "s", "arm": a, "prompt": 0, "token_ids": out, "decode_step_ms": d,
+                           "verify_step_ms": v} for a, d, v in (("off", 1.0, float("nan")), ("ngram k=4", 1.5, 2.0),
+                                                                ("ngram k=8 min_n=2", 1.5, 4.0))])
+    first, second = (lookup_settings(table, {"s": [[1, 2]]}, ks=(2,), min_ns=(1,), max_tokens=4, arm=arm).iloc[0]
+                     for arm in (None, "ngram k=8 min_n=2"))
+    assert (first.verify_step_ms, second.verify_step_ms) == (2.0, 4.0)
+
+
 def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
     """Greedy speculation never paused (`max_draft_backoff` 0), one request at a time: its verify
     steps, its plain decode steps and the drafts it kept are what `replay_lookup` counts from

@@ -2,7 +2,8 @@
 lookup on and off (Day 65).
 
 Each prompt of a set (`tests/data/spec/<set>.jsonl`, chat messages: a summarization-like set and
-a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and on, after one
+a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and one per lookup
+setting (`--lookups`: k, and the shortest match a draft needs), after one
 untimed prompt of each set (kernels compile for a shape's first step), so a
 token's time is the request's alone. A row per prompt and arm: tokens, wall time, steps, and the
 engine's speculative counts (verify steps, drafts proposed, drafts kept); the summary per set and
@@ -43,7 +44,7 @@ import pandas as pd
 
 from nanolab import LLM, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
-from nanolab.lab.cliargs import int_list
+from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import prefill, random_prompts, sync
@@ -93,11 +94,39 @@ def run_prompt(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
             "token_ids": seq.output_token_ids}
 
 
+def lookup_arm(k: int, min_n: int = 1) -> str:
+    """A speculating arm's name: "ngram k=4", with " min_n=2" when its shortest match is not 1."""
+    return f"ngram k={k}" + (f" min_n={min_n}" if min_n != 1 else "")
+
+
+def parse_lookups(text: str, flag: str = "--lookups") -> list[tuple[int, int]]:
+    """"4,8:2,16:3" -> [(4, 1), (8, 2), (16, 3)]: each k, or k:min_n (the shortest match, at most
+    `SpeculativeConfig.prompt_lookup_max`'s default 4)."""
+    settings = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        k, _, min_n = part.partition(":")
+        setting = (positive_int(k, flag), positive_int(min_n, flag) if min_n else 1)
+        if setting[1] > 4:
+            raise ValueError(f"{flag}: {part!r}: the shortest match must be at most 4 (prompt_lookup_max)")
+        if setting in settings:
+            raise ValueError(f"{flag}: {part!r} is given twice")
+        settings.append(setting)
+    if not settings:
+        raise ValueError(f"{flag}: {text!r} holds no setting (comma-separated k or k:min_n)")
+    return settings
+
+
 def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k: int = 4, max_tokens: int = 64,
-                  directory: Path = SETS_DIR, log: Callable[[str], None] = print, dtype: str = "auto") -> pd.DataFrame:
-    """A row per prompt of each set and arm ("off", f"ngram k={k}"), each arm one `LLM`."""
+                  directory: Path = SETS_DIR, log: Callable[[str], None] = print, dtype: str = "auto",
+                  lookups: Sequence[tuple[int, int]] | None = None) -> pd.DataFrame:
+    """A row per prompt of each set and arm, each arm one `LLM`: "off", then one speculating arm
+    per (k, shortest match) of `lookups` (`lookup_arm`; default `k` alone, matches of any length)."""
     prompts = {name: load_prompt_set(name, directory) for name in sets}
-    arms = {"off": None, f"ngram k={k}": {"num_speculative_tokens": k}}
+    arms: dict[str, dict | None] = {"off": None}
+    for k_, min_n in lookups or [(k, 1)]:
+        arms[lookup_arm(k_, min_n)] = {"num_speculative_tokens": k_, "prompt_lookup_min": min_n}
     rows = []
     for arm, spec in arms.items():
         llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, enable_prefix_caching=False)
@@ -194,7 +223,8 @@ def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, 
 
 
 def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks: Sequence[int] = (4, 8, 16),
-                    min_ns: Sequence[int] = (1, 2, 3), max_n: int = 4, max_tokens: int = 64) -> pd.DataFrame:
+                    min_ns: Sequence[int] = (1, 2, 3), max_n: int = 4, max_tokens: int = 64,
+                    arm: str | None = None) -> pd.DataFrame:
     """What other lookup settings would give on a latency table's prompts (`run_specbench`'s rows
     at its `max_tokens`; `prompts[set][i]` the ids of prompt i), predicted from its "off" outputs
     (`replay_lookup`) and its measured step times: per set, k and min_n, the steps, tokens a verify
@@ -203,10 +233,13 @@ def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks
     decode step, the switch-off rules at their best) or synchronous (at the speculating arm's
     median decode step). The speedups are over off's decode step. A verify step is priced the same
     at every k, which holds while its rows fit the graph bucket it was measured in and the step
-    reads little but the weights."""
+    reads little but the weights. `arm`: the speculating arm whose steps price it (default: the
+    table's first that is not off)."""
+    if arm is None:
+        arm = next(a for a in table.arm.unique() if a != "off")
     rows = []
     for name, g in table.groupby("set", sort=False):
-        off, on = g[g.arm == "off"], g[g.arm != "off"]
+        off, on = g[g.arm == "off"], g[g.arm == arm]
         plain_ms = off.decode_step_ms.median()  # overlapped: off runs every step asynchronously
         verify_ms, sync_ms = on.verify_step_ms.median(), on.decode_step_ms.median()
         # a table read back from CSV holds each output as its JSON text
@@ -326,6 +359,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated prompt sets of tests/data/spec")
     parser.add_argument("--k", type=int, default=4, help="the most drafts a row (num_speculative_tokens)")
+    parser.add_argument("--lookups", default=None,
+                        help="latency: the speculating arms, comma-separated k or k:min_n (the shortest match), "
+                             "e.g. 4,8:2,16:3 (default: --k, matches of any length)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="the weights' dtype")
     parser.add_argument("--parts", default="latency", help=f"comma-separated, from {', '.join(PARTS)}")
@@ -345,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--parts {args.parts!r}: choose from {', '.join(PARTS)}")
     if args.k < 1 or args.max_tokens < 1:
         raise ValueError("--k and --max-tokens must be positive")
+    lookups = None if args.lookups is None else parse_lookups(args.lookups)
     device = resolve_device(args.device)
     label = run_label(device, args.model, resolve_dtype(args.dtype, device),
                       weights=weights_kind(resolve_weights(args.model)))
@@ -352,7 +389,8 @@ def main(args: argparse.Namespace) -> int:
     status = 0
     for part in parts:
         if part == "latency":
-            table = run_specbench(args.model, str(device), sets, args.k, args.max_tokens, dtype=args.dtype)
+            table = run_specbench(args.model, str(device), sets, args.k, args.max_tokens, dtype=args.dtype,
+                                  lookups=lookups)
             summary = spec_summary(table)
             print(summary.round(3).to_string(index=False))
             for stem, df in ((f"{args.prefix}_spec", table.assign(token_ids=table.token_ids.map(json.dumps))),
