@@ -239,22 +239,23 @@ class EngineCore:
             send(("dead", f"the engine failed: {type(e).__name__}: {e}", self.close()))
 
 
-def _core_process(factory: Callable[[], Engine], conn, step_log) -> None:
-    """The engine core's process: build the engine, say it is ready, run."""
+def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> None:
+    """The engine core's process: build the engine, say it is ready, run; it reads what the
+    client posts from `inbox` and writes to `outbox` (two one-way pipes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         core = EngineCore(factory(), step_log)
     except Exception as e:
         bad_input = isinstance(e, (ValueError, FileNotFoundError))
-        conn.send(("error", (bad_input, str(e) if bad_input else f"{type(e).__name__}: {e}")))
+        outbox.send(("error", (bad_input, str(e) if bad_input else f"{type(e).__name__}: {e}")))
         return
-    conn.send(("ready", engine_info(core.engine)))
+    outbox.send(("ready", engine_info(core.engine)))
 
     def receive(block: bool):
-        return conn.recv() if block or conn.poll() else None
+        return inbox.recv() if block or inbox.poll() else None
 
-    core.run(receive, conn.send)
+    core.run(receive, outbox.send)
 
 
 class AsyncLLM:
@@ -281,7 +282,8 @@ class AsyncLLM:
         self._post: Callable[[tuple], None] | None = None
         self._thread: threading.Thread | None = None
         self._process = None
-        self._conn = None
+        self._conn = None  # the core's messages, read on the event loop
+        self._writer: threading.Thread | None = None  # writes what the event loop posts to the core
 
     @property
     def limits(self) -> RequestLimits:
@@ -317,13 +319,18 @@ class AsyncLLM:
         that fails raises here (ValueError for bad arguments, RuntimeError otherwise)."""
         self = cls(None, max_waiting=max_waiting, step_log=step_log)
         context = multiprocessing.get_context("spawn")  # no CUDA state or threads copied by a fork
-        parent, child = context.Pipe()
-        self._process = context.Process(target=_core_process, args=(factory, child, step_log),
+        # A pipe each way. The core blocks writing a step's outputs until they are read, so the event
+        # loop never writes: a post larger than the pipe holds would block it while the core, blocked
+        # on its own write, waits for the loop to read. A thread of its own writes the posts, in order.
+        core_in, posts = context.Pipe(duplex=False)
+        outputs, core_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=_core_process, args=(factory, core_in, core_out, step_log),
                                         name="nanolab-engine-core", daemon=True)
         self._process.start()
-        child.close()
+        core_in.close()
+        core_out.close()
         try:
-            kind, payload = await asyncio.to_thread(parent.recv)
+            kind, payload = await asyncio.to_thread(outputs.recv)
         except EOFError:
             raise RuntimeError(f"the engine process exited with code {self._process.exitcode} "
                                "before it was ready") from None
@@ -333,11 +340,23 @@ class AsyncLLM:
             raise (ValueError if bad_input else RuntimeError)(message)
         self.info = payload
         self._scheduler_stats = payload["stats"]
-        self._conn = parent
+        self._conn = outputs
         self._loop = asyncio.get_running_loop()
         self._finished = asyncio.Event()
-        self._post = parent.send
-        self._loop.add_reader(parent.fileno(), self._readable)
+        pending: queue.SimpleQueue = queue.SimpleQueue()
+
+        def write() -> None:
+            while (message := pending.get()) is not None:
+                try:
+                    posts.send(message)
+                except (OSError, ValueError):  # the core is gone: the event loop's reader sees it end
+                    break
+            posts.close()
+
+        self._writer = threading.Thread(target=write, name="nanolab-post", daemon=True)
+        self._writer.start()
+        self._post = pending.put
+        self._loop.add_reader(outputs.fileno(), self._readable)
         return self
 
     def _readable(self) -> None:
@@ -373,8 +392,12 @@ class AsyncLLM:
         self._stat_loggers.append(logger)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Validate and post a request; its tokens arrive on the returned stream. Bad input raises
-        ValueError or TypeError here, before anything is queued."""
+        """Validate and post a request of one sample (`params.n` 1; `add_requests` takes more); its
+        tokens arrive on the returned stream. Bad input raises ValueError or TypeError here, before
+        anything is queued."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: add_request posts one sample; add_requests "
+                             "posts a request's n samples")
         return self.add_requests([prompt_token_ids], [params], numbered=False)[0]
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -470,4 +493,7 @@ class AsyncLLM:
             await asyncio.to_thread(self._process.join, 30)
             if self._process.is_alive():
                 self._process.kill()
+        if self._writer is not None:  # None ends it; once the core is gone a blocked write fails, and it ends
+            self._post(None)
+            await asyncio.to_thread(self._writer.join)
         return self.stopped
