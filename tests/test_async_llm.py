@@ -79,7 +79,9 @@ def test_a_post_larger_than_the_pipe_never_blocks_the_event_loop(tiny_path):
     2,000 ids (about 0.9 MB pickled, several times what the pipe holds) returns at once, and the
     loop keeps running. Were the loop to write to the pipe itself, it would block there until the
     core read, and a core blocked writing a large step's outputs would then never be read: the
-    server and its core deadlocked. A watchdog resumes the core after 5 s either way."""
+    server and its core deadlocked. A watchdog resumes the core after 5 s either way. Once resumed
+    the core reads the call and the aborts after it, framed as its `Connection.recv` expects, or
+    it dies and `shutdown` returns None."""
     from nanolab.entrypoints.openai.api_server import build_engine
 
     async def main():

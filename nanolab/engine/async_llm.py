@@ -29,12 +29,15 @@ import itertools
 import json
 import logging
 import multiprocessing
+import os
 import queue
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 from nanolab.config import check_int
@@ -258,6 +261,51 @@ def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> Non
     core.run(receive, outbox.send)
 
 
+class _Posts:
+    """The event loop's messages to a core in another process, written to `conn` (a one-way
+    multiprocessing pipe) without ever blocking the loop: each is pickled and framed as
+    `Connection.send` frames it, so the core's `Connection.recv` reads it, and what the pipe does
+    not take at once waits here, in order, until the loop sees the pipe writable again."""
+
+    def __init__(self, conn, loop: asyncio.AbstractEventLoop) -> None:
+        self._conn = conn  # kept open: its descriptor is written directly
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._loop = loop
+        self._pending = bytearray()
+        self._waiting = False  # whether the loop watches for the pipe to take more
+
+    def post(self, message: tuple) -> None:
+        data = ForkingPickler.dumps(message)
+        # Connection's framing: a 4-byte big-endian size, or -1 and an 8-byte size past 2 GiB.
+        size = struct.pack("!i", len(data)) if len(data) < 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
+        self._pending += size
+        self._pending += data
+        if not self._waiting:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            written = os.write(self._fd, self._pending)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # the core is gone (a broken pipe): its end of the other pipe tells the loop
+            written = len(self._pending)
+        del self._pending[:written]
+        if self._pending and not self._waiting:
+            self._loop.add_writer(self._fd, self._flush)
+            self._waiting = True
+        elif not self._pending and self._waiting:
+            self._loop.remove_writer(self._fd)
+            self._waiting = False
+
+    def close(self) -> None:
+        if self._waiting:
+            self._loop.remove_writer(self._fd)
+            self._waiting = False
+        self._conn.close()
+
+
 class AsyncLLM:
     """An engine served to asyncio code. `max_waiting` bounds the requests accepted but not yet
     producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord`, with `t0` and
@@ -283,7 +331,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._process = None
         self._conn = None  # the core's messages, read on the event loop
-        self._writer: threading.Thread | None = None  # writes what the event loop posts to the core
+        self._posts: _Posts | None = None  # what the event loop posts to the core's process
 
     @property
     def limits(self) -> RequestLimits:
@@ -320,8 +368,8 @@ class AsyncLLM:
         self = cls(None, max_waiting=max_waiting, step_log=step_log)
         context = multiprocessing.get_context("spawn")  # no CUDA state or threads copied by a fork
         # A pipe each way. The core blocks writing a step's outputs until they are read, so the event
-        # loop never writes: a post larger than the pipe holds would block it while the core, blocked
-        # on its own write, waits for the loop to read. A thread of its own writes the posts, in order.
+        # loop never blocks writing: a post larger than the pipe holds would stall it while the core,
+        # blocked on its own write, waits for the loop to read (`_Posts`).
         core_in, posts = context.Pipe(duplex=False)
         outputs, core_out = context.Pipe(duplex=False)
         self._process = context.Process(target=_core_process, args=(factory, core_in, core_out, step_log),
@@ -343,19 +391,8 @@ class AsyncLLM:
         self._conn = outputs
         self._loop = asyncio.get_running_loop()
         self._finished = asyncio.Event()
-        pending: queue.SimpleQueue = queue.SimpleQueue()
-
-        def write() -> None:
-            while (message := pending.get()) is not None:
-                try:
-                    posts.send(message)
-                except (OSError, ValueError):  # the core is gone: the event loop's reader sees it end
-                    break
-            posts.close()
-
-        self._writer = threading.Thread(target=write, name="nanolab-post", daemon=True)
-        self._writer.start()
-        self._post = pending.put
+        self._posts = _Posts(posts, self._loop)
+        self._post = self._posts.post
         self._loop.add_reader(outputs.fileno(), self._readable)
         return self
 
@@ -493,7 +530,6 @@ class AsyncLLM:
             await asyncio.to_thread(self._process.join, 30)
             if self._process.is_alive():
                 self._process.kill()
-        if self._writer is not None:  # None ends it; once the core is gone a blocked write fails, and it ends
-            self._post(None)
-            await asyncio.to_thread(self._writer.join)
+        if self._posts is not None:
+            self._posts.close()
         return self.stopped
