@@ -165,6 +165,19 @@ def test_serve_refuses_a_port_in_use_before_building_the_engine() -> None:
     assert "engine built" not in result.stderr, result.stderr
 
 
+def test_serve_binds_every_address_its_host_names() -> None:
+    from nanolab.entrypoints.openai.api_server import bind_sockets
+
+    for host, expected in (("127.0.0.1", {"127.0.0.1"}), ("", {"0.0.0.0", "::"})):  # "": every interface
+        sockets = bind_sockets(host, 0)
+        try:
+            assert {s.getsockname()[0] for s in sockets} <= expected and sockets
+            assert "0.0.0.0" in {s.getsockname()[0] for s in sockets} or host
+        finally:
+            for s in sockets:
+                s.close()
+
+
 def test_serve_takes_the_step_budget() -> None:
     import argparse
 

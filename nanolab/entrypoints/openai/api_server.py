@@ -368,7 +368,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     of loading and capture, and nobody takes the port meanwhile; until the app listens a client
     is refused, as with no server at all."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # "" is every interface, as asyncio takes it: the wildcard address of each family.
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: the name does not resolve ({e.strerror})") from None
     sockets: list[socket.socket] = []
