@@ -74,6 +74,19 @@ def test_add_request_takes_one_sample(tiny_model):
     assert posted == [] and llm.num_waiting == 0
 
 
+def test_a_request_after_shutdown_is_refused(tiny_model):
+    """A stopped core reads nothing more: a request posted then would wait for ever."""
+    async def main():
+        llm = AsyncLLM(Engine(tiny_model, EngineConfig(num_blocks=64, block_size=16)))
+        llm.start()
+        await llm.shutdown()
+        with pytest.raises(RuntimeError, match="it has stopped"):
+            llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+        assert llm.num_waiting == 0
+
+    asyncio.run(main())
+
+
 def test_a_post_larger_than_the_pipe_never_blocks_the_event_loop(tiny_path):
     """The core in its own process, stopped (SIGSTOP) so it reads nothing: a call of 150 prompts of
     2,000 ids (about 0.9 MB pickled, several times what the pipe holds) returns at once, and the

@@ -276,6 +276,8 @@ class _Posts:
         self._waiting = False  # whether the loop watches for the pipe to take more
 
     def post(self, message: tuple) -> None:
+        if self._conn.closed:  # the core has stopped: its descriptor may be another file's by now
+            raise RuntimeError("the engine is not running: it has stopped")
         data = ForkingPickler.dumps(message)
         # Connection's framing: a 4-byte big-endian size, or -1 and an 8-byte size past 2 GiB.
         size = struct.pack("!i", len(data)) if len(data) < 0x7FFFFFFF else struct.pack("!iQ", -1, len(data))
@@ -443,8 +445,9 @@ class AsyncLLM:
         queues what it is posted unchecked (`EngineCore.add`). A request of `n` samples is n
         streams, in order (`SamplingParams.samples`); they go to the core together, so the samples
         compute their prompt once."""
-        if self.dead is not None or self._post is None:
-            raise RuntimeError(f"the engine is not running: {self.dead or 'not started'}")
+        if self.dead is not None or self._post is None or self.stopped is not None:
+            why = self.dead or ("it has stopped" if self.stopped is not None else "not started")
+            raise RuntimeError(f"the engine is not running: {why}")
         prompts = [list(p) for p in prompts]
         if numbered:
             self.limits.check_all(prompts, params)
