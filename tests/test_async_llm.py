@@ -74,17 +74,68 @@ def test_add_request_takes_one_sample(tiny_model):
     assert posted == [] and llm.num_waiting == 0
 
 
-def test_a_request_after_shutdown_is_refused(tiny_model):
-    """A stopped core reads nothing more: a request posted then would wait for ever."""
+def test_a_request_after_shutdown_began_is_refused(tiny_model):
+    """A stopping core reads nothing after its stop: a request posted then would wait for ever."""
     async def main():
         llm = AsyncLLM(Engine(tiny_model, EngineConfig(num_blocks=64, block_size=16)))
         llm.start()
-        await llm.shutdown()
+        stopping = asyncio.create_task(llm.shutdown())
+        await asyncio.sleep(0)  # the stop is posted; the core has not answered yet
         with pytest.raises(RuntimeError, match="it has stopped"):
             llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
-        assert llm.num_waiting == 0
+        assert await stopping == (64, 64) and llm.num_waiting == 0
 
     asyncio.run(main())
+
+
+def test_frames_are_read_whole_without_blocking():
+    """The core's messages as `Connection.send` frames them, read on the event loop's side by
+    `_Frames`: half a frame returns nothing at once (a blocking read would wait for the rest),
+    frames come out whole and in order however the bytes arrive, and a closed pipe is EOFError."""
+    import multiprocessing
+
+    from nanolab.engine.async_llm import _Frames
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    frames = _Frames(reader)
+    big = ("out", list(range(30_000)), "x" * 70_000)  # past a pipe's 64 KiB
+    pending = bytearray()
+    for message in (("out", [1, 2], None), big, ("stopped", (3, 4))):
+        data = bytes(multiprocessing.reduction.ForkingPickler.dumps(message))
+        pending += len(data).to_bytes(4, "big") + data
+    got = []
+
+    def read_now() -> None:  # on a thread, so that a read that blocks fails the test rather than hanging it
+        read = threading.Thread(target=lambda: got.extend(frames.read()), daemon=True)
+        read.start()
+        read.join(5.0)
+        assert not read.is_alive(), "a read blocked"
+
+    for at in range(0, len(pending), 40_000):  # a frame's bytes split across reads
+        os.write(writer.fileno(), pending[at: at + 40_000])
+        read_now()
+    read_now()  # nothing more has come
+    assert got == [("out", [1, 2], None), big, ("stopped", (3, 4))]
+    writer.close()
+    with pytest.raises(EOFError):
+        frames.read()
+
+
+def test_a_core_that_does_not_stop_is_killed(tiny_path):
+    """A stuck core (SIGSTOP) never answers the stop: shutdown gives up after its timeout, kills
+    the core's process, says why, and returns None (no count of free blocks it could trust)."""
+    from nanolab.entrypoints.openai.api_server import build_engine
+
+    async def main():
+        llm = await AsyncLLM.spawn(functools.partial(build_engine, EngineConfig(model=str(tiny_path), device="cpu")))
+        os.kill(llm._process.pid, signal.SIGSTOP)
+        start = time.perf_counter()
+        stopped = await llm.shutdown(timeout=1.0)
+        return stopped, time.perf_counter() - start, llm.dead, llm._process.exitcode
+
+    stopped, seconds, dead, code = asyncio.run(main())
+    assert stopped is None and seconds < 10 and code == -signal.SIGKILL
+    assert dead == "the engine did not stop within 1 s"
 
 
 def test_a_post_larger_than_the_pipe_never_blocks_the_event_loop(tiny_path):

@@ -256,7 +256,10 @@ def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> Non
     outbox.send(("ready", engine_info(core.engine)))
 
     def receive(block: bool):
-        return inbox.recv() if block or inbox.poll() else None
+        try:
+            return inbox.recv() if block or inbox.poll() else None
+        except OSError as e:  # the client died mid-message: gone, as at an end of file
+            raise EOFError(str(e)) from None
 
     core.run(receive, outbox.send)
 
@@ -308,6 +311,46 @@ class _Posts:
         self._conn.close()
 
 
+class _Frames:
+    """The core's messages from `conn` (a one-way multiprocessing pipe), read on the event loop
+    without ever blocking it: whatever bytes have arrived are taken, and each message is unpickled
+    once all of its frame (as `Connection.send` frames it) is in. `read` returns the messages
+    complete so far; EOFError once the core's end is closed."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn  # kept open: its descriptor is read directly
+        self.fd = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self._buffer = bytearray()
+
+    def read(self) -> list:
+        # One read a call: a message larger than the pipe arrives over several, the loop running between.
+        try:
+            chunk = os.read(self.fd, 1 << 20)
+        except BlockingIOError:
+            chunk = None
+        if chunk == b"":
+            raise EOFError("the engine process closed its pipe")
+        if chunk:
+            self._buffer += chunk
+        messages, at = [], 0
+        while len(self._buffer) - at >= 4:
+            (size,), head = struct.unpack_from("!i", self._buffer, at), 4
+            if size == -1:  # past 2 GiB: an 8-byte size follows
+                if len(self._buffer) - at < 12:
+                    break
+                (size,), head = struct.unpack_from("!Q", self._buffer, at + 4), 12
+            if len(self._buffer) - at - head < size:
+                break
+            messages.append(ForkingPickler.loads(self._buffer[at + head: at + head + size]))
+            at += head + size
+        del self._buffer[:at]
+        return messages
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 class AsyncLLM:
     """An engine served to asyncio code. `max_waiting` bounds the requests accepted but not yet
     producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord`, with `t0` and
@@ -325,6 +368,7 @@ class AsyncLLM:
         self.stopped: tuple[int, int] | None = None  # (free blocks, all blocks) once the core has stopped
         self._scheduler_stats: tuple | None = self.info.get("stats")  # as the core last sent them
         self._stat_loggers: list = []
+        self._stopping = False  # shutdown has begun: no request is taken
         self._ids = itertools.count()
         self._streams: dict[int, RequestStream] = {}  # every stream not yet finished, by id
         self._waiting = 0  # streams with no token yet
@@ -332,7 +376,7 @@ class AsyncLLM:
         self._post: Callable[[tuple], None] | None = None
         self._thread: threading.Thread | None = None
         self._process = None
-        self._conn = None  # the core's messages, read on the event loop
+        self._conn: _Frames | None = None  # the core's messages, read on the event loop
         self._posts: _Posts | None = None  # what the event loop posts to the core's process
 
     @property
@@ -390,21 +434,23 @@ class AsyncLLM:
             raise (ValueError if bad_input else RuntimeError)(message)
         self.info = payload
         self._scheduler_stats = payload["stats"]
-        self._conn = outputs
         self._loop = asyncio.get_running_loop()
         self._finished = asyncio.Event()
         self._posts = _Posts(posts, self._loop)
         self._post = self._posts.post
-        self._loop.add_reader(outputs.fileno(), self._readable)
+        self._conn = _Frames(outputs)
+        self._loop.add_reader(self._conn.fd, self._readable)
         return self
 
     def _readable(self) -> None:
         try:
-            while self._conn.poll():
-                self._receive(self._conn.recv())
+            for message in self._conn.read():
+                self._receive(message)
         except (EOFError, OSError):
-            self._loop.remove_reader(self._conn.fileno())
+            self._loop.remove_reader(self._conn.fd)
+            self._conn.close()
             if self.stopped is None and self.dead is None:
+                self._process.join(1.0)  # reaped, so its exit code is known
                 self._died(f"the engine process exited with code {self._process.exitcode}")
             self._finished.set()
 
@@ -445,8 +491,8 @@ class AsyncLLM:
         queues what it is posted unchecked (`EngineCore.add`). A request of `n` samples is n
         streams, in order (`SamplingParams.samples`); they go to the core together, so the samples
         compute their prompt once."""
-        if self.dead is not None or self._post is None or self.stopped is not None:
-            why = self.dead or ("it has stopped" if self.stopped is not None else "not started")
+        if self.dead is not None or self._post is None or self._stopping:
+            why = self.dead or ("it has stopped" if self._stopping else "not started")
             raise RuntimeError(f"the engine is not running: {why}")
         prompts = [list(p) for p in prompts]
         if numbered:
@@ -498,6 +544,8 @@ class AsyncLLM:
                 logger.record(stats)
         elif kind == "stopped":
             self.stopped = message[1]
+            for stream in list(self._streams.values()):  # none, unless one was posted after the stop
+                self._deliver(stream, TokenDelta(None, "error", error="the engine stopped before this request ended"))
             self._finished.set()
         elif kind == "dead":
             self.stopped = message[2]
@@ -521,13 +569,27 @@ class AsyncLLM:
             self.abort(stream)
         return len(left)
 
-    async def shutdown(self) -> tuple[int, int] | None:
+    async def shutdown(self, timeout: float = 30.0, force: asyncio.Event | None = None) -> tuple[int, int] | None:
         """Stop the core once it has applied everything posted (aborts included); return its
-        (free blocks, all blocks), or None when it died without saying."""
+        (free blocks, all blocks), or None when it died without saying, or did not stop within
+        `timeout` seconds or before `force` was set: then it is dead (a core in its own process is
+        killed). No request is taken once this is called."""
+        self._stopping = True
         if self._post is not None and self.dead is None and self.stopped is None:
             self._post(("stop",))
-            await self._finished.wait()
-        if self._thread is not None:
+            waits = [asyncio.ensure_future(self._finished.wait())]
+            if force is not None:
+                waits.append(asyncio.ensure_future(force.wait()))
+            _, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for waiting in pending:
+                waiting.cancel()
+            if self.stopped is None and self.dead is None:
+                told = force is not None and force.is_set()
+                self._died("the engine was stopped at once" if told
+                           else f"the engine did not stop within {timeout:g} s")
+                if self._process is not None:
+                    self._process.kill()
+        if self._thread is not None and self.stopped is not None:  # a thread cannot be killed: left if stuck
             await asyncio.to_thread(self._thread.join)
         if self._process is not None:
             await asyncio.to_thread(self._process.join, 30)

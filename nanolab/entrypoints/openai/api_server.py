@@ -11,7 +11,9 @@ Who gets in: the server binds 127.0.0.1 unless told otherwise. With an API key, 
 needs `Authorization: Bearer <key>` (as vLLM's: `/health` and `/metrics` stay open to probes and
 scrapers). When more than `max_waiting` requests are queued,
 new ones get a 503 with `Retry-After`. SIGINT or SIGTERM stops new requests, gives the ones in
-flight `shutdown_timeout` seconds to finish, aborts the rest, and exits once every block is free.
+flight `shutdown_timeout` seconds to finish, aborts the rest, and exits once every block is free. A
+second signal aborts them at once; one more while the engine stops (or 30 s without it stopping)
+kills the engine's process, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -450,11 +452,12 @@ async def _serve_on(args: argparse.Namespace, config: EngineConfig, tokenizer: T
     await stop.wait()
 
     serving.draining = True
-    log.info("nanolab: shutting down: %d requests in flight get %.0f s to finish", async_llm.num_unfinished,
+    log.info("nanolab: shutting down: %d requests in flight get %g s to finish", async_llm.num_unfinished,
              args.shutdown_timeout)
     aborted = await async_llm.drain(args.shutdown_timeout, force)
     await runner.cleanup()
-    stopped = await async_llm.shutdown()
+    force.clear()  # a signal from here on ends the engine without waiting for it to stop
+    stopped = await async_llm.shutdown(force=force)
     if stopped is None:  # the core's process died: its blocks died with it
         log.error("error: nanolab stopped after the engine died: %s", async_llm.dead)
         return 1
