@@ -171,3 +171,4 @@ def test_a_post_larger_than_the_pipe_never_blocks_the_event_loop(tiny_path):
     posted, free, total, reasons = asyncio.run(main())
     assert posted < 2.0, f"posting blocked the event loop for {posted:.1f} s"
     assert free == total and set(reasons) == {"abort"}
+

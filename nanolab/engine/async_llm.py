@@ -426,9 +426,14 @@ class AsyncLLM:
         try:
             kind, payload = await asyncio.to_thread(outputs.recv)
         except EOFError:
+            posts.close()
+            outputs.close()
+            await asyncio.to_thread(self._process.join, 5)
             raise RuntimeError(f"the engine process exited with code {self._process.exitcode} "
                                "before it was ready") from None
         if kind == "error":
+            posts.close()
+            outputs.close()
             self._process.join()
             bad_input, message = payload
             raise (ValueError if bad_input else RuntimeError)(message)
