@@ -12,8 +12,8 @@ needs `Authorization: Bearer <key>` (as vLLM's: `/health` and `/metrics` stay op
 scrapers). When more than `max_waiting` requests are queued,
 new ones get a 503 with `Retry-After`. SIGINT or SIGTERM stops new requests, gives the ones in
 flight `shutdown_timeout` seconds to finish, aborts the rest, and exits once every block is free. A
-second signal aborts them at once; one more while the engine stops (or 30 s without it stopping)
-kills the engine's process, and the exit code is 1.
+second signal aborts them at once; a third (or 30 s without the engine stopping) kills the engine's
+process, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -434,10 +434,15 @@ async def _serve_on(args: argparse.Namespace, config: EngineConfig, tokenizer: T
     await runner.setup()
     for sock in sockets:
         await web.SockSite(runner, sock).start()
-    stop, force = asyncio.Event(), asyncio.Event()
+    # The first signal drains; a second aborts what is left at once; a third kills the engine's
+    # process if it has not stopped by then.
+    stop, force, kill = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    def on_signal() -> None:  # the first signal drains; a second aborts what is left at once
-        (force if stop.is_set() else stop).set()
+    def on_signal() -> None:
+        for event in (stop, force, kill):
+            if not event.is_set():
+                event.set()
+                return
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -456,8 +461,7 @@ async def _serve_on(args: argparse.Namespace, config: EngineConfig, tokenizer: T
              args.shutdown_timeout)
     aborted = await async_llm.drain(args.shutdown_timeout, force)
     await runner.cleanup()
-    force.clear()  # a signal from here on ends the engine without waiting for it to stop
-    stopped = await async_llm.shutdown(force=force)
+    stopped = await async_llm.shutdown(force=kill)
     if stopped is None:  # the core's process died: its blocks died with it
         log.error("error: nanolab stopped after the engine died: %s", async_llm.dead)
         return 1
