@@ -208,6 +208,35 @@ def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_depende
     assert not launching_dependents() and type(triton_heuristics.benchmarker) is not TritonBenchmarker
 
 
+def test_an_engine_compiles_past_what_other_engines_left_of_dynamos_limit(tiny_path, monkeypatch):
+    """Dynamo counts one function's compiled graphs across the process, and every engine's model
+    shares `LlamaModel.forward`, so engines of other dtypes or quantizations built earlier use up
+    its limit (8 by default: a process's third such engine failed its capture). With the limit at
+    1, as if they had, a compiled engine still decodes at two rows and at one, and its varlen step
+    (what a varlen graph captures) runs at four tokens and at one: four graphs, the limit back at 1
+    after each call. Without `recompile_budget` the second compile fails."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from nanolab import LLM
+    from nanolab.engine.graphs import varlen_step
+    from nanolab.model.llama import LlamaModel
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    llm = LLM(str(tiny_path), device="cpu", compile=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5)],
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        runner.kv_cache.reserve_varlen(8)
+        for n in (4, 1):
+            varlen_step(runner.forward.varlen, runner.kv_cache, runner.kv_cache.plan_varlen_padding(n))
+    assert len(_debug_get_cache_entry_list(LlamaModel.forward.__code__)) == 4
+    assert torch._dynamo.config.recompile_limit == 1
+
+
 def test_the_read_op_is_the_kernel():
     """The custom op returns what the kernel returns, and its fake gives the shape dynamo traces with."""
     torch.manual_seed(0)

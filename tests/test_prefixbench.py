@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import http.server
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -288,6 +289,11 @@ def test_flags_override_the_device_sizes_and_a_bad_part_is_refused():
         sizes_from_args(parser.parse_args(["--system-len", "0"]), "cpu")
     with pytest.raises(ValueError, match="bogus"):
         run_prefixbench("tiny", "cpu", SIZES, ("shared", "bogus"))
+    # tiny's context is 2,048 tokens: a part whose longest request would pass it is refused before
+    # any server starts (each request would otherwise fail with a 400, and the plot had no TTFT to draw)
+    assert replace(SIZES, system_len=1024).longest("shared") == 1024 + SIZES.suffix_len[1] + SIZES.max_tokens
+    with pytest.raises(ValueError, match="turns: a request would hold 2"):
+        run_prefixbench("tiny", "cpu", replace(SIZES, history_len=2048), ("shared", "turns"))
 
 
 def test_the_server_takes_the_prefix_caching_flag(tmp_path):

@@ -35,6 +35,13 @@ PDL_OPTIONS = {"triton.enable_pdl": True}
 # Python. Not for a tensor-parallel shard: the C++ wrapper cannot pass the process-group argument
 # of the vocabulary all-gather.
 CPU_OPTIONS = {"cpp_wrapper": True}
+# Dynamo's limit on the graphs it compiles for one function, while a compiled step runs. Dynamo
+# counts them per code object across the process, and every engine's model shares
+# `LlamaModel.forward`: one engine compiles 4 (decode at one row and at more, varlen at one token
+# and at more), and an engine of another dtype, quantization or options compiles 4 of its own. At
+# Dynamo's default of 8 a process's third such engine (a bench or test file holding several)
+# failed its capture with a recompile-limit error.
+RECOMPILE_LIMIT = 64
 
 
 @contextlib.contextmanager
@@ -54,6 +61,20 @@ def steady_tuning() -> Iterator[None]:
         yield
     finally:
         triton_heuristics.benchmarker = saved
+
+
+@contextlib.contextmanager
+def recompile_budget() -> Iterator[None]:
+    """While inside, Dynamo may compile up to `RECOMPILE_LIMIT` graphs of one function (when the
+    default is lower); restored on the way out. Dynamo's config is process-wide: two threads
+    compiling at once would see each other's."""
+    config = torch._dynamo.config
+    saved = config.recompile_limit
+    config.recompile_limit = max(saved, RECOMPILE_LIMIT)
+    try:
+        yield
+    finally:
+        config.recompile_limit = saved
 
 
 class DecodeForward:
@@ -92,7 +113,7 @@ class DecodeForward:
         # the graph traced at that count would guard on the tie and compile again for the others.
         for tensor, dim in ((ids, 1), (positions, 1), (cache.plan.write_slots, 0)):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        with pdl_module.launching_dependents(self.pdl):
+        with pdl_module.launching_dependents(self.pdl), recompile_budget():
             return self.batched(ids, positions, cache=cache, logits_index=logits_index)
 
     @property
@@ -103,7 +124,7 @@ class DecodeForward:
         # ids [batch, tokens]: the batch is a Python int here, so a graph captures one branch.
         single = ids.shape[0] == 1
         with (steady_tuning() if self.steady and single else contextlib.nullcontext()), \
-                pdl_module.launching_dependents(self.pdl):
+                pdl_module.launching_dependents(self.pdl), recompile_budget():
             return (self.single if single else self.batched)(ids, positions, cache=cache)
 
 

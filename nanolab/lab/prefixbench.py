@@ -111,6 +111,14 @@ class PrefixSizes:
         if not (self.hit_rate > 0 and self.hit_duration_s > 0) or self.warmup < 0:
             raise ValueError("hit_rate and hit_duration_s must be > 0, warmup >= 0")
 
+    def longest(self, part: str) -> int:
+        """The most tokens one of `part`'s requests holds, its new tokens included (0 for nohit,
+        whose lengths are the workload's)."""
+        lo, hi = self.suffix_len
+        return {"shared": self.system_len + hi + self.max_tokens,
+                "turns": self.history_len + 2 * self.question_len + self.turn1_tokens + self.max_tokens,
+                "hitrate": self.hit_system_len + hi + self.hit_output_len[1]}.get(part, 0)
+
 
 # The H200 run, Llama-3.2-1B shapes: the issue's 2,048-token system prompt and 4,096-token history,
 # 16 system prompts of 1,024 tokens at 16 requests/s for 8 s; the no-hit passes are graphbench's
@@ -593,7 +601,12 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
                         max_num_batched_tokens=max_num_batched_tokens,
                         kv_cache_bytes=KV_CACHE_BYTES[kind] if kv_cache_bytes is None else kv_cache_bytes)
     path = resolve_weights(model)  # prepared once, outside any server start
-    vocab = ModelConfig.from_dir(path).vocab_size
+    model_config = ModelConfig.from_dir(path)
+    vocab, context = model_config.vocab_size, model_config.max_position_embeddings
+    for part in parts:  # before any server starts: a request over the context would fail every time
+        if sizes.longest(part) > context:
+            raise ValueError(f"{part}: a request would hold {sizes.longest(part)} tokens, past {model}'s "
+                             f"context of {context}; shorten the part's sizes")
     tokenizer = Tokenizer.from_dir(path)
     started = time.monotonic()
     arms = []
