@@ -192,7 +192,8 @@ assert cached_run.engine.scheduler.prefix_cache_hits > 0
 # ## The H200: a shared system prompt and a chat's second turn
 #
 # `python -m nanolab prefixbench` (`scripts/gpu_run.sh prefix`) at Llama-3.2-1B shapes with
-# random bf16 weights, on the server's defaults: every step graphed, chunked prefill of 512
+# random bf16 weights, on the server's defaults (this first run's tables are kept as
+# `day64first_*`; a third run, further down, is `day64_*`): every step graphed, chunked prefill of 512
 # tokens a step. Two servers, caching off and on, each sent requests one at a time, so a TTFT
 # is the request's alone:
 #
@@ -204,11 +205,10 @@ assert cached_run.engine.scheduler.prefix_cache_hits > 0
 #   not the reply.
 
 # %%
-ttft = lab.load_table("day64_ttft", "h200")
-measured = lab.table_label(ttft)
+ttft = lab.load_table("day64first_ttft", "h200")
 fig = lab.plot_prefix_ttft(ttft)
-if ON_GPU or not lab.figure_path("day64_ttft", "h200").exists():
-    lab.save_figure(fig, "day64_ttft", measured)
+if not lab.figure_path("day64first_ttft", "h200").exists():
+    lab.save_figure(fig, "day64first_ttft", lab.table_label(ttft))
 lab.show(fig)
 ttft["outside_steps_ms"] = ttft.ttft_p50_ms - ttft.server_prefill_ms
 lab.show(ttft[["part", "phase", "arm", "prompt_len", "cached_tokens", "server_prefill_tokens", "ttft_p50_ms",
@@ -240,10 +240,10 @@ lab.show(ttft[["part", "phase", "arm", "prompt_len", "cached_tokens", "server_pr
 # still keyed, and every admission still looks its prompt up.
 
 # %%
-nohit = lab.load_table("day64_nohit", "h200")
+nohit = lab.load_table("day64first_nohit", "h200")
 fig = lab.plot_nohit_throughput(nohit)
-if ON_GPU or not lab.figure_path("day64_nohit", "h200").exists():
-    lab.save_figure(fig, "day64_nohit", lab.table_label(nohit))
+if not lab.figure_path("day64first_nohit", "h200").exists():
+    lab.save_figure(fig, "day64first_nohit", lab.table_label(nohit))
 lab.show(fig)
 pairs = nohit.pivot_table(index="repeat", columns="arm", values="tokens_per_s")
 nohit_ratio = float((pairs["on"] / pairs["off"]).median())
@@ -253,7 +253,8 @@ print(f"on / off, median of {len(pairs)} repeats: {nohit_ratio:.3f}; "
 # %% [markdown]
 # With caching on the engine kept 99.4% of its throughput at the median: about 0.6% lost. Nine
 # repeats fell between 0.988 and 0.996, and one at 0.928. One repeat can land far from the median,
-# so the verdict rests on the median of ten, and it sits close to the 1% line.
+# so the verdict rests on the median of ten, and it sits close to the 1% line. The later runs
+# below did not reproduce it.
 #
 # ## The hit rate, from `/metrics`
 #
@@ -315,77 +316,111 @@ lab.show(lab.load_table("day64split_ratios", "h200")[["ratio", "value", "aim", "
 # than 1 ms of host work in the step call.
 #
 # The no-hit pass in this run spread from 0.82 to 1.16 between repeats, with a median of 0.968.
-# A spread that wide cannot resolve a 1% cost. The first run's repeats sat between 0.988 and
-# 0.996, and the gate below rests on that run.
+# A spread that wide cannot resolve a 1% cost.
 #
 # ## Where the 50-token step goes
 #
 # `prefixsteps` (`scripts/gpu_run.sh prefixsteps`) sends requests one at a time to an `LLM` in
 # one process, each behind the same cached 2,048-token system prompt, and times every step. Then
 # it profiles the 50-token one's kernels beside a decode step's. This run came after the read's
-# grid stopped at the step's tokens and the varlen graphs began capturing the compiled model
-# (chapter 65).
+# grid stopped at the step's tokens, the varlen graphs began capturing the compiled model
+# (chapter 65), and the fix to the grid below.
 
 # %%
 steps = lab.measured_table("day64_prefix_steps", "scripts/gpu_run.sh prefixsteps")
 lab.show(steps.groupby(["case", "suffix", "phase"]).agg(steps=("ms", "size"), ms=("ms", "median"),
                                                         graphed=("graph", "mean")).round(3))
 hit_kernels = lab.measured_table("day64_prefix_kernels", "scripts/gpu_run.sh prefixsteps")
-lab.show(hit_kernels.pivot_table(index="arm", columns="class", values="us_per_step", aggfunc="sum",
-                                 sort=False).fillna(0).round(0))
-fixed = split[(split.part == "shared prefix") & (split.phase == "warm") & (split.arm == "on")].iloc[0]
-outside = fixed[["front_ms", "core_wait_ms", "step_host_ms", "between_steps_ms", "back_ms"]].sum()
-off_warm = split.set_index(["part", "phase", "arm"]).loc[("shared prefix", "warm", "off"), "ttft_p50_ms"]
-print(f"outside the prompt step: {outside:.2f} ms; with a step of no time, TTFT off / on would be at most "
-      f"{off_warm / outside:.2f}x")
+by_class = hit_kernels.pivot_table(index="arm", columns="class", values="us_per_step", aggfunc="sum",
+                                  sort=False).fillna(0)
+lab.show(by_class.round(0))
+print(f"kernels of the 50-token step: {by_class.loc['prefix hit + 50'].sum() / 1e3:.2f} ms")
 
 # %% [markdown]
-# At the engine the 50-token step now takes about 2.7 ms, of which about 2.2 ms is kernels:
-# 0.9 ms of projections, the cuBLAS reading of every weight once, and 1.07 ms of attention read,
-# 67 us a layer. `varlenbench` reads the same shape alone, L2 flushed, in 37 us with the engine's
-# tiles and 28 us at its best (`data/day64_varlen_sweep_h200.csv`). Timed alone in the layouts a
-# captured step hands it (`data/day65read_bfloat16_varlen_sweep_h200.csv`, chapter 65), the read
-# takes 70 us, and as long again over a 4 GiB pool, so the pool's size is not the cause. Nor is
-# the share count the step fixes (8, where alone the read picks 4): alone at 8 shares the sweep
-# reads this shape in 28 us. What is left is the rest of the step's layout: a table row for each
-# of the engine's 64 rows, and q read out of the fused projection's output. The grid points at
-# the first. A captured step cannot know how many of its segments hold tokens, so its flat grid
-# has a slot for each 16-query tile of its 56 tokens and one for every segment that could start
-# one, min(64 rows, 56 tokens): 59 slots for each KV head and share, 3,776 programs, most of which
-# search for a segment and exit. Alone the case has one segment, 5 slots and 320 programs at the
-# same share count. No run has yet timed the two apart.
+# The 50-token step takes 2.5 ms at the engine, of which 1.7 ms is kernels: 0.89 ms of
+# projections, the cuBLAS reading of every weight once, and 0.64 ms of attention read, 36 us a
+# layer. Before the grid's fix it took 2.7 ms, with a read of 67 us a layer.
 #
-# The grid keeps its size, since a captured step's lengths change from replay to replay, but its
-# programs no longer search. Each loads the step's segment starts once, numbers the query tiles
-# without gaps from them (a prefix sum of each segment's tiles), and exits at once when its number
-# is past the step's last tile. It compiles for the H200 and matches the reference under Triton's
-# interpreter; it has not been timed.
+# The fix came from `varlenbench`, which reads the same shape alone, L2 flushed, in 37 us with
+# the engine's tiles, and timed it in the layouts a captured step hands it (`--cases verify,50
+# --no-sweep`): 70 us, as long again over a 4 GiB pool (`day65readbefore_*`, chapter 65). A
+# captured step cannot know how many of its segments hold tokens, so its flat grid has a slot for
+# each 16-query tile of its 56 tokens and one for every segment that could start one, min(64
+# rows, 56 tokens): 59 slots for each KV head and share, 3,776 programs, most of which searched
+# for a segment and exited. Alone the case has one segment and 320 programs. The grid keeps its
+# size, since a captured step's lengths change from replay to replay, but its programs no longer
+# search: each loads the step's segment starts once, numbers the query tiles from them without
+# gaps, and exits at once past the step's last tile. The same bench after the fix, with the two
+# halves of the step's layout apart (a table row for each of the 64 rows; q read out of the fused
+# projection's output):
+
+# %%
+reads = lab.measured_table("day65read_bfloat16_varlen_sweep", "python -m nanolab varlenbench --cases verify,50 "
+                           "--no-sweep --prefix day65read_bfloat16")
+lab.show(reads[reads.read == "varlen"].pivot_table(index="case", columns="layout", values="us", sort=False).round(1))
+
+# %% [markdown]
+# In the step's layout the read takes 44 us, against 70 before; the table rows cost the 7 us
+# left over reading alone, and q's layout 1 us.
 #
-# The split table above bounds what any faster step can buy. The server's work around the step
-# (front, core wait, host work, back) came to about 4.2 ms in that run. Even a step that took no
-# time would leave the warm hit at about 4.7x, under the 5x aim. The aim needs the server's fixed
-# costs down as well as the step. Two of them are gone since that run, and neither is measured on
-# the H200 yet:
+# ## A third run
 #
-# - The engine core checked every prompt id again after the server had. It now queues what the
-#   server checked.
-# - prefixbench's requests opened a new connection each. They now share one kept-alive connection
-#   per part, as an SDK client's do, so a TTFT no longer holds a TCP handshake.
+# prefixbench again (2026-12-05), after the flat grid's fix and two changes to the server's fixed
+# costs: the engine core no longer checks every prompt id again after the server has, and the
+# bench's requests share one kept-alive connection per part, as an SDK client's do, so a TTFT
+# holds no TCP handshake.
+
+# %%
+ttft3 = lab.measured_table("day64_ttft", "scripts/gpu_run.sh prefix")
+fig = lab.plot_prefix_ttft(ttft3)
+if ON_GPU or not lab.figure_path("day64_ttft", "h200").exists():
+    lab.save_figure(fig, "day64_ttft", lab.table_label(ttft3))
+lab.show(fig)
+lab.show(ttft3[["part", "phase", "arm", "ttft_p50_ms", "front_ms", "core_wait_ms", "step_host_ms",
+                "server_prefill_ms", "between_steps_ms", "back_ms"]].round(2))
+fixed = ttft3.set_index(["part", "phase", "arm"]).loc[("shared prefix", "warm", "on")]
+outside = fixed[["front_ms", "core_wait_ms", "step_host_ms", "between_steps_ms", "back_ms"]].sum()
+off_warm = ttft3.set_index(["part", "phase", "arm"]).loc[("shared prefix", "warm", "off"), "ttft_p50_ms"]
+print(f"outside the prompt step: {outside:.2f} ms; with a step of no time, TTFT off / on would be at most "
+      f"{off_warm / outside:.2f}x; with the step at its kernels' time, "
+      f"{off_warm / (outside + by_class.loc['prefix hit + 50'].sum() / 1e3):.2f}x")
+nohit3 = lab.measured_table("day64_nohit", "scripts/gpu_run.sh prefix")
+medians = {run: float(t.pivot_table(index="repeat", columns="arm", values="tokens_per_s").pipe(
+    lambda p: p["on"] / p["off"]).median()) for run, t in (("first", nohit), ("third", nohit3))}
+print("no hits, on / off, median of ten repeats:", {k: round(v, 3) for k, v in medians.items()})
+
+# %% [markdown]
+# The warm hit went from 7.8 to 5.6 ms, and the second turn from 9.5 to 7.9 ms. Without caching the
+# same requests got faster too (17.4 ms against 19.6 at 2,048 tokens), since the 512-token chunks
+# read their context through the same fixed grid, so the ratios moved less: 3.1x at the shared
+# prefix, 0.62 of the 5x aim, and 4.5x at the second turn, 0.91 of it.
+#
+# Outside the step, front, core wait, host work and back now come to 2.8 ms, against 4.2 in the
+# second run. The front fell from 2.6 to 1.6 ms. Even so, 5x needs the warm hit under 3.5 ms, and
+# the 50-token step's kernels alone take 1.7 ms: the aim asks for both the step's host work and
+# the server's path around it to be about halved again.
+#
+# The no-hit pass kept 98.5% of the throughput at the median, with repeats from 0.956 to 1.040.
+# Over three runs the medians were 0.994, 0.968 and 0.985. Only the first met the 1% aim, and the
+# other two spread too widely to resolve it either way: the aim is not shown.
 #
 # ## The gates
 #
-# Asserted on the H200 tables of the first run. The TTFT aims are shown with their ratio to target. They are not
-# met, and the chapter does not pretend they are.
+# The invariants are asserted: caching changes no token, a no-hit pass finds nothing, every request
+# of the hit-rate stream completes, the hit rate matches the ideal, and a cached prefix at least
+# halves TTFT. The aims that are missed are shown as ratios to their targets.
 
 # %%
 ratios = lab.load_table("day64_ratios", "h200")
 lab.show(ratios[["ratio", "value", "aim", "met"]].round(3))
 hit = hitrate.iloc[0]
-assert nohit_ratio >= 0.99, f"no-hit throughput {nohit_ratio:.3f} of off"
-assert int(nohit.prefix_hits.sum()) == 0, "a no-hit pass found a cached block"
+assert int(nohit.prefix_hits.sum()) == 0 and int(nohit3.prefix_hits.sum()) == 0, "a no-hit pass found a cached block"
+assert min(medians.values()) >= 0.95, f"caching with no hits cost over 5%: {medians}"
+print(f"no hits: {medians['third']:.3f} of off's throughput in the latest run, against at least 0.99 "
+      f"({'met' if medians['third'] >= 0.99 else 'missed'})")
 assert hit.completed == hit.requests and hit.failed == 0 and hit.token_mismatches == 0
 assert hit.hit_rate >= 0.9 * hit.ideal_hit_rate, f"hit rate {hit.hit_rate:.3f}, ideal {hit.ideal_hit_rate:.3f}"
-warm = ttft.set_index(["part", "phase", "arm"]).ttft_p50_ms
+warm = ttft3.set_index(["part", "phase", "arm"]).ttft_p50_ms
 for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")):
     speedup = warm[part, phase, "off"] / warm[part, phase, "on"]
     print(f"{part}, {phase}: {speedup:.2f}x faster with caching, {speedup / 5:.2f} of the 5x aim")
@@ -397,11 +432,11 @@ for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")):
 # - Full KV blocks are keyed by a hash chain and shared by reference count. Freed keyed blocks
 #   stay findable in least recently used order until the pool needs them. Prefix caching is on by
 #   default.
-# - On the H200 a warm hit at a 2,048-token shared prompt took 7.9 ms against 20.4 ms, 2.6x. A
-#   second turn over 4,096 tokens took 13.2 against 41.3 ms, 3.1x. The aim was 5x. What is left is
-#   a 50-token step over a long context (3.9 ms) and host work outside the steps that grows with
-#   the prompt (4 to 8 ms).
-# - With nothing to hit, caching kept 99.4% of the throughput at the median of ten repeats.
+# - On the H200 a warm hit at a 2,048-token shared prompt took 5.6 ms against 17.4 ms, 3.1x. A
+#   second turn over 4,096 tokens took 7.9 against 35.9 ms, 4.5x. The aim was 5x. What is left is
+#   a 50-token step of 2.5 ms, 1.7 of it kernels, and 2.8 ms of the server's path around it.
+# - With nothing to hit, caching kept 99.4%, 96.8% and 98.5% of the throughput in three runs: the
+#   1% aim is not shown.
 # - The server's `/metrics` reports the hit rate, and it matched the ideal: 83.6%.
 # - Requests can now ask for n samples, log-probabilities and echoed prompt scores, so lm-eval
 #   runs through the server unchanged.
