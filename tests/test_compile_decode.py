@@ -208,7 +208,7 @@ def test_a_decode_forward_tunes_batch_1_steadily_and_launches_its_ops_as_depende
     assert not launching_dependents() and type(triton_heuristics.benchmarker) is not TritonBenchmarker
 
 
-def test_an_engine_compiles_past_what_other_engines_left_of_dynamos_limit(tiny_path, monkeypatch):
+def test_an_engine_compiles_past_what_other_engines_left_of_dynamos_limit(tiny_path):
     """Dynamo counts one function's compiled graphs across the process, and every engine's model
     shares `LlamaModel.forward`, so engines of other dtypes or quantizations built earlier use up
     its limit (8 by default: a process's third such engine failed its capture). With the limit at
@@ -222,19 +222,22 @@ def test_an_engine_compiles_past_what_other_engines_left_of_dynamos_limit(tiny_p
     from nanolab.model.llama import LlamaModel
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    llm = LLM(str(tiny_path), device="cpu", compile=True)
-    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5)],
-                        use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
-    runner = llm.engine.runner
-    with torch.inference_mode():
-        runner.kv_cache.reserve_varlen(8)
-        for n in (4, 1):
-            varlen_step(runner.forward.varlen, runner.kv_cache, runner.kv_cache.plan_varlen_padding(n))
-    assert len(_debug_get_cache_entry_list(LlamaModel.forward.__code__)) == 4
-    assert torch._dynamo.config.recompile_limit == 1
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            llm = LLM(str(tiny_path), device="cpu", compile=True)
+            outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                                [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 5)],
+                                use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+            runner = llm.engine.runner
+            with torch.inference_mode():
+                runner.kv_cache.reserve_varlen(8)
+                for n in (4, 1):
+                    varlen_step(runner.forward.varlen, runner.kv_cache, runner.kv_cache.plan_varlen_padding(n))
+            assert len(_debug_get_cache_entry_list(LlamaModel.forward.__code__)) == 4
+            assert torch._dynamo.config.recompile_limit == 1
+    finally:
+        torch._dynamo.reset()  # later tests count their own compiles of the model
 
 
 def test_the_read_op_is_the_kernel():

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolab import LLM, Engine, EngineConfig, SamplingParams
-from nanolab.engine.block_manager import BlockManager, CacheFull, block_key
+from nanolab.engine.block_manager import BlockManager, CacheFull, block_key, token_span
 
 BS = 4
 
@@ -278,3 +278,13 @@ def test_prefix_caching_under_the_cuda_defaults(sharp_gqa24, monkeypatch):
             assert_logits_match_reference(sharp_gqa24, [first, *seqs], cpu, atol=1e-3, rtol=1e-3)
         assert engine.block_manager.allocator.num_free == engine.num_blocks
     assert tokens[True, False] == tokens[True, True] == tokens[False, True]
+
+
+def test_a_token_span_crosses_from_the_prompt_into_the_output():
+    """`commit_rows` keys a row's due blocks from `token_span` of its prompt and output, without
+    listing the whole sequence: every span equals the slice of the two lists joined."""
+    prompt, output = list(range(10)), list(range(100, 107))
+    joined = prompt + output
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert token_span(prompt, output, start, stop) == joined[start:stop], (start, stop)

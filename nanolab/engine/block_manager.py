@@ -21,6 +21,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def token_span(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:
+    """Tokens start .. stop - 1 of a sequence of `prompt` then `output`, without listing the rest."""
+    n = len(prompt)
+    if stop <= n:
+        return prompt[start:stop]
+    if start >= n:
+        return output[start - n: stop - n]
+    return prompt[start:] + output[: stop - n]
+
+
 class CacheFull(RuntimeError):
     """The pool has no free block or row left. The scheduler preempts before this can happen."""
 
@@ -240,16 +250,23 @@ class BlockManager:
         table.num_tokens = num_tokens
 
     def commit_rows(self, seqs) -> None:
-        """`commit_full_blocks` for each of `seqs` (anything with `.row`, None once it left, and
-        `.token_ids`) whose row has a full block not keyed yet. Called every step over every row:
-        the check is inlined, and a row's tokens are listed only when a block is due."""
+        """`commit_full_blocks` for each of `seqs` (`Sequence`s: `.row`, None once it left, and
+        the prompt's and output's ids) whose row has a full block not keyed yet. Called every step
+        over every row: the check is inlined, and only the tokens of the blocks due are sliced out."""
         if not self.enable_prefix_caching:
             return
         tables, bs = self.tables, self.block_size
         for seq in seqs:
             row = seq.row
-            if row is not None and tables[row].num_tokens >= (len(tables[row].keys) + 1) * bs:
-                self.commit_full_blocks(row, seq.token_ids)
+            if row is None:
+                continue
+            table = tables[row]
+            first = len(table.keys)
+            if table.num_tokens >= (first + 1) * bs:
+                prompt, output = seq.prompt_token_ids, seq.output_token_ids
+                stop = min(table.num_tokens, len(prompt) + len(output)) // bs * bs
+                if stop > first * bs:
+                    self._key_blocks(table, token_span(prompt, output, first * bs, stop), first)
 
     def commit_full_blocks(self, row: int, token_ids) -> None:
         """Key every full block of `row` not keyed yet whose tokens `token_ids` (the sequence's, as
@@ -258,8 +275,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table, bs = self.table(row), self.block_size
-        first, full = len(table.keys), min(table.num_tokens, len(token_ids)) // bs
-        for i, key in enumerate(chain_keys(table.keys[-1] if table.keys else None, token_ids, first, full, bs), first):
+        first, stop = len(table.keys), min(table.num_tokens, len(token_ids)) // bs * bs
+        if stop > first * bs:
+            self._key_blocks(table, token_ids[first * bs: stop], first)
+
+    def _key_blocks(self, table: BlockTable, tokens, first: int) -> None:
+        """Key `table`'s blocks from `first` on, `tokens` holding theirs in order (whole blocks)."""
+        keys = chain_keys(table.keys[-1] if table.keys else None, tokens, 0, len(tokens) // self.block_size,
+                          self.block_size)
+        for i, key in enumerate(keys, first):
             self.allocator.set_key(table.blocks[i], key)
             table.keys.append(key)
 
@@ -276,13 +300,21 @@ class BlockManager:
     def grow(self, rows, new_tokens) -> None:
         """Give row i new_tokens[i] more tokens, allocating blocks as they fill. All or nothing: a
         pool that cannot hold them all raises CacheFull before any table changes."""
-        rows, new_tokens = list(rows), list(new_tokens)
-        needed = self.blocks_needed(rows, new_tokens)
+        # Called every step over every row: `table` and `blocks_needed` inlined, each row's need
+        # counted once.
+        tables, bs = self.tables, self.block_size
+        grown, needed = [], 0
+        for row, n in zip(rows, new_tokens, strict=True):
+            table = tables[row] if 0 <= row < len(tables) else None
+            if table is None:
+                raise ValueError(f"row {row} is not open")
+            gain = max(0, -(-(table.num_tokens + n) // bs) - len(table.blocks))
+            grown.append((row, table, n, gain))
+            needed += gain
         if needed > self.allocator.num_free:
             raise CacheFull(f"this step needs {needed} blocks, the pool has {self.allocator.num_free} free")
-        for row, n in zip(rows, new_tokens, strict=True):
-            table = self.table(row)
-            for _ in range(table.blocks_needed(n)):
+        for row, table, n, gain in grown:
+            for _ in range(gain):
                 block = self._take_block(row, len(table.blocks))
                 self._new[row, len(table.blocks)] = block
                 table.blocks.append(block)
