@@ -217,14 +217,14 @@ lab.show(summary[["set", "arm", "output_tokens", "ms_per_token", "acceptance_rat
 # under load, below), 40% were kept and latency fell 1.6 to 1.7x. Here a verify step that keeps
 # nothing costs only a fifth of a step more, so a pause forgoes more than it saves.
 #
-# The same bench on the H200 (`scripts/gpu_run.sh smollm2 smolspec`, after two calls carry the
-# GGUF there in two pieces), in bf16 and in fp32. The bf16 run also gives each prompt's median
+# The same bench on the H200 (`scripts/gpu_run.sh smollm2 smolspec smolfp32`, after two calls carry
+# the GGUF there in two pieces), in bf16 and in fp32. The bf16 run also gives each prompt's median
 # step by kind (overlapped, a step's wall time is its host's; the steps add up to the request's
 # time either way):
 
 # %%
-on_gpu = {dtype: lab.measured_table(stem, "scripts/gpu_run.sh smolspec")
-          for dtype, stem in (("bf16", "day65_spec_summary"), ("fp32", "day65fp32_spec_summary"))}
+on_gpu = {dtype: lab.measured_table(stem, f"scripts/gpu_run.sh {part}") for dtype, stem, part in
+          (("bf16", "day65_spec_summary", "smolspec"), ("fp32", "day65fp32_spec_summary", "smolfp32"))}
 both = pd.concat([t.assign(dtype=d) for d, t in on_gpu.items()], ignore_index=True)
 lab.show(both.reindex(columns=["dtype", "set", "arm", "ms_per_token", "acceptance_rate", "tokens_per_verify_step",
                                "speedup_over_off", "outputs_equal_off", "decode_step_ms", "verify_step_ms"]).round(3))

