@@ -160,6 +160,25 @@ def test_without_prefix_caching_nothing_is_keyed_or_shared():
     assert m.allocator.num_free == 8
 
 
+def test_growing_is_all_or_nothing():
+    """`grow` refuses a row that is not open (negative, past the last, or freed) and a pool that
+    cannot hold the step, each before any table changes."""
+    m = BlockManager(num_blocks=4, block_size=BS, max_rows=3)
+    a, b, c = m.open_row(), m.open_row(), m.open_row()
+    m.grow([a, b], [1, 1])
+    before = [(m.table(r).blocks[:], m.table(r).num_tokens) for r in (a, b)]
+    for bad in (-1, 3):  # -1 would index the last row, which is open
+        with pytest.raises(ValueError, match=f"row {bad} is not open"):
+            m.grow([a, bad], [BS, 1])
+    m.free_row(c)
+    with pytest.raises(ValueError, match=f"row {c} is not open"):
+        m.grow([a, c], [BS, 1])
+    with pytest.raises(CacheFull):
+        m.grow([a, b], [2 * BS, 2 * BS])  # 4 more blocks, 2 free
+    assert [(m.table(r).blocks, m.table(r).num_tokens) for r in (a, b)] == before
+    assert m.allocator.num_free == 2
+
+
 def test_a_prefix_starts_only_an_empty_row():
     m = BlockManager(num_blocks=8, block_size=BS, max_rows=2, enable_prefix_caching=True)
     row = m.open_row()

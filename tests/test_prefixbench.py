@@ -292,6 +292,14 @@ def test_flags_override_the_device_sizes_and_a_bad_part_is_refused():
     # tiny's context is 2,048 tokens: a part whose longest request would pass it is refused before
     # any server starts (each request would otherwise fail with a 400, and the plot had no TTFT to draw)
     assert replace(SIZES, system_len=1024).longest("shared") == 1024 + SIZES.suffix_len[1] + SIZES.max_tokens
+    # each part's bound holds the longest request its own plans make, new tokens included
+    sizes = replace(SIZES, suffix_len=(9, 9), hit_output_len=(3, 3))  # the extremes drawn for certain
+    _, shared = shared_prompts(sizes, 500)
+    assert sizes.longest("shared") == max(map(len, shared)) + sizes.max_tokens
+    turn1, question = conversation(sizes, 500, 0)
+    assert sizes.longest("turns") == len(turn1) + sizes.turn1_tokens + len(question) + sizes.max_tokens
+    plan, _ = hitrate_plan(sizes, 500)
+    assert sizes.longest("hitrate") == max(len(r.prompt_token_ids) + r.max_tokens for r in plan)
     with pytest.raises(ValueError, match="turns: a request would hold 2"):
         run_prefixbench("tiny", "cpu", replace(SIZES, history_len=2048), ("shared", "turns"))
 

@@ -293,13 +293,10 @@ class BlockManager:
             raise ValueError(f"row {row} is not open")
         return table
 
-    def blocks_needed(self, rows, new_tokens) -> int:
-        """Blocks `rows` must gain to take new_tokens[i] more tokens each."""
-        return sum(self.table(row).blocks_needed(n) for row, n in zip(rows, new_tokens, strict=True))
-
     def grow(self, rows, new_tokens) -> None:
-        """Give row i new_tokens[i] more tokens, allocating blocks as they fill. All or nothing: a
-        pool that cannot hold them all raises CacheFull before any table changes."""
+        """Give row i new_tokens[i] more tokens, allocating blocks as they fill; `rows` are distinct
+        (each row's need is counted from its table before the call). All or nothing: a row that is
+        not open, or a pool that cannot hold them all, raises before any table changes."""
         # Called every step over every row: `table` and `blocks_needed` inlined, each row's need
         # counted once.
         tables, bs = self.tables, self.block_size

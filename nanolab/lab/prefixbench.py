@@ -114,7 +114,7 @@ class PrefixSizes:
     def longest(self, part: str) -> int:
         """The most tokens one of `part`'s requests holds, its new tokens included (0 for nohit,
         whose lengths are the workload's)."""
-        lo, hi = self.suffix_len
+        hi = self.suffix_len[1]
         return {"shared": self.system_len + hi + self.max_tokens,
                 "turns": self.history_len + 2 * self.question_len + self.turn1_tokens + self.max_tokens,
                 "hitrate": self.hit_system_len + hi + self.hit_output_len[1]}.get(part, 0)
