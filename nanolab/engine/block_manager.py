@@ -258,31 +258,25 @@ class BlockManager:
         tables, bs = self.tables, self.block_size
         for seq in seqs:
             row = seq.row
-            if row is None:
-                continue
-            table = tables[row]
-            first = len(table.keys)
-            if table.num_tokens >= (first + 1) * bs:
-                prompt, output = seq.prompt_token_ids, seq.output_token_ids
-                stop = min(table.num_tokens, len(prompt) + len(output)) // bs * bs
-                if stop > first * bs:
-                    self._key_blocks(table, token_span(prompt, output, first * bs, stop), first)
+            if row is not None and tables[row].num_tokens >= (len(tables[row].keys) + 1) * bs:
+                self._key_full_blocks(tables[row], seq.prompt_token_ids, seq.output_token_ids)
 
     def commit_full_blocks(self, row: int, token_ids) -> None:
         """Key every full block of `row` not keyed yet whose tokens `token_ids` (the sequence's, as
         far as the host knows them) covers, once its K/V is written or queued to be. Nothing
         without prefix caching."""
-        if not self.enable_prefix_caching:
-            return
-        table, bs = self.table(row), self.block_size
-        first, stop = len(table.keys), min(table.num_tokens, len(token_ids)) // bs * bs
-        if stop > first * bs:
-            self._key_blocks(table, token_ids[first * bs: stop], first)
+        if self.enable_prefix_caching:
+            self._key_full_blocks(self.table(row), token_ids, ())
 
-    def _key_blocks(self, table: BlockTable, tokens, first: int) -> None:
-        """Key `table`'s blocks from `first` on, `tokens` holding theirs in order (whole blocks)."""
-        keys = chain_keys(table.keys[-1] if table.keys else None, tokens, 0, len(tokens) // self.block_size,
-                          self.block_size)
+    def _key_full_blocks(self, table: BlockTable, prompt, output) -> None:
+        """`commit_full_blocks` on `table`, its sequence's ids `prompt` then `output`: only the tokens
+        of the blocks due are sliced out (`token_span`)."""
+        bs, first = self.block_size, len(table.keys)
+        stop = min(table.num_tokens, len(prompt) + len(output)) // bs * bs
+        if stop <= first * bs:
+            return
+        keys = chain_keys(table.keys[-1] if table.keys else None, token_span(prompt, output, first * bs, stop), 0,
+                          stop // bs - first, bs)
         for i, key in enumerate(keys, first):
             self.allocator.set_key(table.blocks[i], key)
             table.keys.append(key)
