@@ -102,15 +102,21 @@ class SpeculativeConfig:
     drafts by prompt lookup (`spec_decode.propose_ngram`, suffixes of `prompt_lookup_max` down to
     `prompt_lookup_min` tokens), verified in one forward with the row's pending token.
 
+    Under asynchronous scheduling (`async_scheduling`), while every running request is greedy and
+    none asks for logprobs, verify steps overlap as plain decode steps do: each step is launched
+    before the one in flight is read back, with drafts looked up as if that step kept all of its
+    own, and acceptance runs on the device (`Engine`'s chained speculation). A step with a sampled
+    row runs synchronously when it may carry drafts, since rejection sampling runs on the host.
+
     Two rules switch it off where verifying costs more than it saves, and the engine then overlaps
-    its steps as it does without speculation (`async_scheduling`): a decode step of more than
-    `max_num_seqs` rows decodes one token a row; and a request that gets no draft to keep (prompt
-    lookup finds no match, or its verify step kept none of its drafts) looks up none for the next
-    step, then for twice as many steps after each such step in a row, at most `max_draft_backoff`
-    (0: never paused), each pause running on to a step numbered a multiple of its length, so that
-    paused requests look up together. A verify step that keeps one ends the pause. Whether a step
-    runs synchronously is decided by a lookup over the tokens a request already has, so a lookup
-    that finds nothing never stops the overlap.
+    its steps as it does without speculation: a decode step of more than `max_num_seqs` rows
+    decodes one token a row; and a request that gets no draft to keep (prompt lookup finds no
+    match, or its verify step kept none of its drafts) looks up none for the next step, then for
+    twice as many steps after each such step in a row, at most `max_draft_backoff` (0: never
+    paused), each pause running on to a step numbered a multiple of its length, so that paused
+    requests look up together. A verify step that keeps one ends the pause. Whether a step with a
+    sampled row runs synchronously is decided by a lookup over the tokens a request already has, so
+    a lookup that finds nothing never stops the overlap.
 
     A verify step's rows and drafts together stay within `max_num_batched_tokens` (drafts are cut
     to fit). A seeded request that samples (temperature above 0) gets no drafts: rejection sampling
@@ -245,8 +251,8 @@ class EngineConfig:
 
     def overlapped(self, device: torch.device) -> bool:
         """Whether asynchronous scheduling is on for `device`: `async_scheduling`, else with CUDA
-        graphs. With speculative decoding, a step that may speculate still runs synchronously (its
-        drafts need the tokens before it on the host); the others overlap."""
+        graphs. With speculative decoding, greedy rows' verify steps overlap too (chained
+        speculation); a step with a sampled row that may carry drafts runs synchronously."""
         return self.cuda_graphs(device) if self.async_scheduling is None else self.async_scheduling
 
     def replace(self, **changes) -> EngineConfig:

@@ -28,10 +28,12 @@ MAX_STEPS = 5000  # a drain that takes longer than this has livelocked
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def check_pool(cache: KVCache, scheduler: Scheduler, inflight=()) -> None:
-    """The invariants that must hold between any two operations. `inflight`: the sequences of a
-    decode step launched and not yet read back (asynchronous scheduling), whose fed token each
-    table already holds."""
+def check_pool(cache: KVCache, scheduler: Scheduler, inflight: dict[int, int] | None = None) -> None:
+    """The invariants that must hold between any two operations. `inflight`: request id -> the
+    tokens a decode step launched and not yet read back (asynchronous scheduling) fed that
+    request, which its table already holds: its pending token, and under chained speculation the
+    drafts after it."""
+    inflight = inflight or {}
     allocator = cache.blocks.allocator
     tables = [t for t in cache.blocks.tables if t is not None]
     owned = [b for t in tables for b in t.blocks]
@@ -56,7 +58,7 @@ def check_pool(cache: KVCache, scheduler: Scheduler, inflight=()) -> None:
         # writes the previous sample and then samples one), fewer while its prompt is in chunks.
         table = cache.blocks.table(seq.row)
         assert table.num_tokens == seq.num_computed_tokens
-        ahead = any(seq is s for s in inflight)  # its in-flight token is in the table, not yet in its output
+        ahead = inflight.get(seq.request_id, 0)  # its in-flight tokens are in the table, not yet in its output
         assert seq.num_computed_tokens == seq.num_tokens - 1 + ahead or not seq.output_token_ids \
             or seq.num_preemptions
     for seq in scheduler.waiting:
@@ -222,7 +224,10 @@ def test_fake_forward_preempts_on_a_small_pool() -> None:
 
 def check_engine(engine: Engine) -> None:
     """`check_pool` on the engine's cache and scheduler, with its in-flight step's sequences."""
-    check_pool(engine.kv_cache, engine.scheduler, engine._inflight.seqs if engine._inflight else ())
+    step, fed = engine._inflight, {}
+    if step is not None:
+        fed = {s.request_id: 1 + (len(step.drafts[i]) if step.chained else 0) for i, s in enumerate(step.seqs)}
+    check_pool(engine.kv_cache, engine.scheduler, fed)
 
 
 def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
@@ -289,6 +294,8 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     """With speculation, drafts are kept and rejected at random (the tiny model's outputs repeat,
     so prompt lookup proposes), and each rejected draft's slot must go back; `speculative` is the
     most rows a step speculates at. `overlapped`: asynchronous scheduling, which with speculation
+    chains every step while the rows are greedy (the next step planned before the last is read
+    back, its tables grown as if every draft were kept, and cut back once read), and otherwise
     switches between overlapped steps (more rows than that, or every request's drafts paused) and
     synchronous ones."""
     engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative, overlapped)
@@ -306,6 +313,13 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
         return launch(*args)
 
     engine._launch = launched
+    chained, launch_chained = [0], engine._launch_chained
+
+    def chained_launch(*args):
+        chained[0] += 1
+        return launch_chained(*args)
+
+    engine._launch_chained = chained_launch
     seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
@@ -329,15 +343,25 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     if overlapped:
         event(f"engine: {'a step overlapped' if launches[0] else 'no step overlapped'}"
               f"{' beside speculation' if speculative and spec_steps[0] else ''}")
+    if overlapped and speculative:
+        event(f"engine: {'speculation chained' if chained[0] else 'no chained step'}")
+        if chained[0] and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0:
+            event("engine: chained drafts kept and lost")
 
 
-def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False
-                   ) -> tuple[list[list[int]], int]:
-    engine = make_engine(num_blocks, max_num_seqs, budget, caching)
+def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
+                   chained: bool = False) -> tuple[list[list[int]], int]:
+    """Each request's greedy output and the preemptions, on an engine of that pool; `chained`:
+    with speculation under asynchronous scheduling (`check_engine` after every step, as `drain`
+    does), where every step chains, and its drafts must have been kept and lost."""
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative=chained, overlapped=chained)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
     check_drained(engine.kv_cache, engine.scheduler)
+    if chained:
+        event(f"chained: {'drafts kept' if engine.spec_accepted_tokens else 'no draft kept'}, "
+              f"{'drafts lost' if engine.spec_draft_tokens > engine.spec_accepted_tokens else 'no draft lost'}")
     return [s.output_token_ids for s in seqs], engine.scheduler.num_preemptions
 
 
@@ -361,6 +385,40 @@ def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seq
     assert none == 0
     assert small == large
     event(f"greedy: {'preempted' if preemptions else 'no preemption'}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(REQUEST, min_size=1, max_size=4), spare=st.integers(0, 3), max_num_seqs=st.integers(1, 4),
+       budget=BUDGET, caching=st.booleans(), repeats=st.integers(1, 4), seed=st.integers(0, 2**31))
+def test_chained_speculation_keeps_the_pool_and_greedy_outputs(requests, spare, max_num_seqs, budget, caching,
+                                                                repeats, seed) -> None:
+    """Greedy requests with speculation under asynchronous scheduling: each decode step is planned
+    before the one in flight is read back, its tables grown as if every draft in flight were kept
+    and cut back once read. Prompts repeat a phrase, so prompt lookup proposes, and the proposer's
+    drafts are corrupted at random from a random point on, so that verify steps keep some and lose
+    the rest. On a pool small enough to preempt, the pool's invariants hold after every step (a
+    row holds exactly its kept tokens and what the step in flight fed it), every block comes back,
+    and the outputs are plain greedy's on a pool that never preempts."""
+    from unittest import mock
+
+    from nanolab.engine import llm_engine
+
+    requests = [((prompt * repeats)[:40], n, ignore_eos) for prompt, n, ignore_eos in requests]
+    smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
+    rng, lookup = random.Random(seed), llm_engine.propose_ngram
+
+    def propose(tokens, k, *args):
+        drafts = lookup(tokens, k, *args)
+        cut = rng.randrange(len(drafts) + 1)
+        return drafts[:cut] + [rng.randrange(VOCAB) for _ in drafts[cut:]]
+
+    with mock.patch.object(llm_engine, "propose_ngram", propose):
+        chained, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget, caching,
+                                              chained=True)
+    plain, none = greedy_outputs(requests, 512, max_num_seqs)
+    assert none == 0
+    assert chained == plain
+    event(f"chained: {'preempted' if preemptions else 'no preemption'}")
 
 
 @pytest.mark.parametrize("budget", [None, 5])

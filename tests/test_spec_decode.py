@@ -6,6 +6,7 @@ small vocabulary, seeded, so they are deterministic)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 
 import pytest
@@ -197,6 +198,83 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read
     assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
 
 
+def chained_logits(engine, monkeypatch):
+    """Record the logits behind every token a chained engine emits: (on_step, logits). `on_step`
+    for `run_until_done` keeps the logits that come with outputs (a prompt step's); every verify
+    step's logits are kept with the drafts its rows kept, read from `accept_on_device`. `logits()`
+    gives each request's rows in order, as many as it emitted."""
+    from nanolab.engine import llm_engine
+
+    first, launches, verify, accept = {}, [], engine.runner.verify, llm_engine.accept_on_device
+
+    def recorded_verify(seqs, counts, **kw):
+        out = verify(seqs, counts, **kw)
+        launches.append([list(seqs), list(counts), out.detach().clone(), None])
+        return out
+
+    def recorded_accept(logits, drafts, counts):
+        result, shift = accept(logits, drafts, counts)
+        launches[-1][3] = result[0].tolist()
+        return result, shift
+
+    def on_step(outputs):
+        for out in outputs:
+            if out.logits is not None:
+                first.setdefault(out.seq.request_id, []).append(out.logits.detach().clone())
+
+    def logits(seqs):
+        rows = {rid: list(r) for rid, r in first.items()}
+        for seqs_, counts, out, kept in launches:
+            for seq, start, a in zip(seqs_, itertools.accumulate(counts, initial=0), kept):
+                rows.setdefault(seq.request_id, []).extend(out[start: start + a + 1])
+        return {s.request_id: rows.get(s.request_id, [])[:len(s.output_token_ids)] for s in seqs}
+
+    engine.runner.verify = recorded_verify
+    monkeypatch.setattr(llm_engine, "accept_on_device", recorded_accept)
+    return on_step, logits
+
+
+@pytest.mark.parametrize(("path", "read"), [
+    ("decode", "reference"), ("padded", "reference"),
+    pytest.param("padded", "streamed", marks=pytest.mark.skipif(not INTERPRETED, reason="needs Triton's interpreter"))])
+def test_chained_speculation_is_plain_greedy_to_the_logit(sharp_gqa24, monkeypatch, path, read):
+    """Greedy requests with speculation under asynchronous scheduling chain every decode step: the
+    next is planned and launched before the one in flight is read back, fed that step's last
+    token on the device, with drafts proposed as if it kept all of its own, and its positions
+    moved back on the device by what it did not keep. Three repetitive prompts and drafts of up to
+    4, never paused: the same tokens as plain greedy, every emitted token's logits within 1e-4 of
+    a one-shot forward (a token fed at the position a kept-all premise gave it, or a rejected
+    draft's slot left in the table, would show), with drafts both kept and lost, every step but
+    the prompt's and the last left in flight, and every block back. `path` and `read` as in the
+    test above, with prefix caching on."""
+    from conftest import assert_logits_match_reference, run_until_done
+    from test_cache_properties import check_drained
+
+    from nanolab import SamplingParams
+    from nanolab.engine.buckets import DecodeBuckets
+
+    prompts = repetitive_prompts(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    want = [s.output_token_ids for s in plain.add_requests(prompts, [params] * 3)]
+    run_until_done(plain)
+    engine = spec_engine(sharp_gqa24, None, read=read, async_scheduling=True, enable_prefix_caching=True,
+                         speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0})
+    if path == "padded":
+        engine.runner.buckets = DecodeBuckets.default(engine.kv_cache.max_rows, engine.kv_cache.max_width, min_width=16)
+    on_step, logits = chained_logits(engine, monkeypatch)
+    seqs, calls, overlapped = engine.add_requests(prompts, [params] * 3), 0, 0
+    while engine.has_unfinished_requests():
+        on_step(engine.step())
+        calls += 1
+        overlapped += engine._inflight is not None
+    assert [s.output_token_ids for s in seqs] == want
+    assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
+    assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens, "no verify step both kept and lost drafts"
+    assert overlapped == calls - 2 and calls < len(want[0]) - 1
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
 def check_pauses(steps: list[int], cap: int) -> None:
     """`steps`, the steps at which a request that never kept a draft looked its drafts up: after
     the i-th, a pause of b = min(2 ** i, cap) steps, ending on a step numbered a multiple of b, so
@@ -207,9 +285,11 @@ def check_pauses(steps: list[int], cap: int) -> None:
 
 
 def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_again(sharp_gqa24, monkeypatch):
-    """Two requests at once. The proposer offers the first only tokens greedy never picks here and
-    the second the tokens greedy will pick. The first's drafts pause after each verify step, at
-    least 1, 2, 4 then 8 steps (`check_pauses`), while the second goes on speculating and keeping every draft; over
+    """Two sampled requests at once (top_k 1: greedy's tokens, drafts verified by rejection
+    sampling, so their verify steps run synchronously; greedy rows chain instead, below). The
+    proposer offers the first only tokens greedy never picks here and the second the tokens greedy
+    will pick. The first's drafts pause after each verify step, at least 1, 2, 4 then 8 steps
+    (`check_pauses`), while the second goes on speculating and keeping every draft; over
     `max_num_seqs` = 1, neither gets any. While nothing can speculate, steps overlap under
     asynchronous scheduling (a step is left in flight), and through every switch the tokens are
     plain greedy's (an overlapped step's logits are not kept)."""
@@ -234,7 +314,8 @@ def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_aga
     for max_rows in (8, 1):
         engine = spec_engine(sharp_gqa24, 2, async_scheduling=True, speculative_config={
             "num_speculative_tokens": 2, "max_num_seqs": max_rows, "max_draft_backoff": 8})
-        seqs, overlapped, verified = engine.add_requests(prompts, [params] * 2), 0, []
+        sampled = SamplingParams(temperature=0.8, top_k=1, max_tokens=20, ignore_eos=True)
+        seqs, overlapped, verified = engine.add_requests(prompts, [sampled] * 2), 0, []
         while engine.has_unfinished_requests():
             drafts, step = seqs[0].num_draft_tokens, engine.num_steps
             engine.step()
@@ -251,12 +332,14 @@ def test_a_request_whose_drafts_fail_stops_speculating_and_the_steps_overlap_aga
         assert (second.num_draft_tokens > 4) == (max_rows > 1)
 
 
-def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(sharp_gqa24, monkeypatch):
+@pytest.mark.parametrize("top_k", [None, 1], ids=["greedy", "top_k 1"])
+def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(sharp_gqa24, monkeypatch, top_k):
     """Prompt lookup that never matches is a miss as a verify step that keeps nothing is: the
     request looks up drafts at a step, then pauses at least 1, 2, 4, 8, 8 ... steps (`check_pauses`).
-    The lookup that finds nothing runs before the step, over the tokens the request has, so no
-    step runs synchronously for it: every decode step is left in flight. The tokens are plain
-    greedy's."""
+    The lookup that finds nothing runs before the step, over the tokens the request has (and,
+    greedy, chained, the drafts of the step in flight), so no step runs synchronously for it:
+    every decode step is left in flight. The tokens are plain greedy's, also for a request sampled
+    with top_k 1, whose verify steps would run synchronously."""
     from conftest import run_until_done
 
     from nanolab import SamplingParams
@@ -276,7 +359,8 @@ def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(s
         return []
 
     monkeypatch.setattr(llm_engine, "propose_ngram", propose)
-    seq, calls, overlapped = engine.add_requests(prompt, [params])[0], 0, 0
+    asked = params if top_k is None else SamplingParams(temperature=0.8, top_k=top_k, max_tokens=40, ignore_eos=True)
+    seq, calls, overlapped = engine.add_requests(prompt, [asked])[0], 0, 0
     while engine.has_unfinished_requests():
         engine.step()
         calls += 1

@@ -126,3 +126,50 @@ def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
             assert got == want, (k, min_n, prompt)
             kept_any |= want["accepted_tokens"] > 0
     assert kept_any
+
+
+def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
+    """The same under asynchronous scheduling, where greedy speculation chains: each request's
+    verify steps, plain steps (its calls but the prompt's and the last read-back, less the verify
+    steps) and kept drafts are what `replay_chained` counts from plain greedy's output."""
+    from conftest import run_until_done
+    from test_spec_decode import repetitive_prompts, spec_engine
+
+    from nanolab import SamplingParams
+    from nanolab.lab.specbench import replay_chained
+
+    prompts = repetitive_prompts(0, n=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
+    run_until_done(plain)
+    kept_any = lost_any = False
+    for k, min_n in ((2, 1), (4, 2)):
+        engine = spec_engine(sharp_gqa24, k, async_scheduling=True, speculative_config={
+            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "max_draft_backoff": 0})
+        for prompt, out in zip(prompts, outs, strict=True):
+            before = (engine.spec_steps, engine.spec_draft_tokens)
+            seq, calls = engine.add_request(prompt, params), 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                calls += 1
+            assert seq.output_token_ids == out
+            want = replay_chained(prompt, out, k, min_n, 4, max_tokens=20)
+            verify = engine.spec_steps - before[0]
+            got = {"verify_steps": verify, "plain_steps": calls - 2 - verify,
+                   "accepted_tokens": seq.num_accepted_tokens}
+            assert got == want, (k, min_n, prompt)
+            kept_any |= want["accepted_tokens"] > 0
+            lost_any |= engine.spec_draft_tokens - before[1] > want["accepted_tokens"]
+    assert kept_any and lost_any
+
+
+def test_a_chained_replay_is_worked_by_hand():
+    from nanolab.lab.specbench import replay_chained
+
+    prompt, out = [5, 6, 7, 5, 6, 7], [5, 6, 7, 8, 5, 6]
+    # k = 2. Step 1 (after 5, known): drafts 6, 7. Step 2, launched before step 1 is read back: the
+    # lookup over ..., 5, 6, 7 gives 5, 6, 7: guess 5 (wrong: step 1 adds 8), drafts 6, 7. Step 1
+    # keeps 6, 7 and adds 8: step 2 is stale. Step 3 (over the known ..., 8 alone): no match, plain.
+    # Step 2, fed 8 then 6, 7, keeps none and adds 5. Step 3 adds 6, the last: nothing follows.
+    assert replay_chained(prompt, out, k=2) == {"verify_steps": 2, "plain_steps": 1, "accepted_tokens": 2}

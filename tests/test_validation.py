@@ -218,14 +218,16 @@ def test_a_kv_budget_smaller_than_a_block_is_refused(tiny_path) -> None:
 
 
 def test_sizes_the_model_or_the_machine_cannot_hold_are_refused_by_name(tiny_path) -> None:
-    """A context past the model's, and a pool past the device's memory, are refused when the
-    engine is built, before anything that size is allocated."""
+    """A context past the model's, and a pool or a batch of rows past the device's memory, are
+    refused when the engine is built, before anything that size is allocated."""
     with pytest.raises(ValueError, match=r"^max_model_len=1000000: the model's context is \d+ tokens"):
         LLM("tiny", device="cpu", max_model_len=10**6)
     with pytest.raises(ValueError, match=r"^num_blocks=1000000000000: a pool of .* more than the device's"):
         LLM("tiny", device="cpu", num_blocks=10**12)
     with pytest.raises(ValueError, match=r"^kv_cache_bytes=\d+: a pool of .* more than the device's"):
         LLM("tiny", device="cpu", kv_cache_bytes=10**16)
+    with pytest.raises(ValueError, match=r"^max_num_seqs=10000000000: that many rows need .* more than the device's"):
+        LLM("tiny", device="cpu", max_num_seqs=10**10)
 
 
 @pytest.mark.parametrize("config,match", [("{}", "missing 'num_attention_heads'"), ("[]", "must hold a JSON object"),

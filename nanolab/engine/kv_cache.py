@@ -372,6 +372,24 @@ class KVCache:
         return DecodePlan(**views, block_table=self.block_table, block_size=self.block_size, width=width,
                           planned_lens=tuple(p + 1 for p in positions), rows=tuple(token_rows), epoch=self._plans)
 
+    def shift_decode_plan(self, plan: DecodePlan, shift: torch.Tensor, token_rows: torch.Tensor) -> None:
+        """Move the newest decode plan's fed tokens back by what the step before it, still on the
+        device, left unkept: token i's position and context length change by shift[token_rows[i]]
+        (shift [rows] int64 on the device, each at most 0; token_rows [tokens] int64 on the
+        device, the row of each of the plan's real tokens), and its write slot is read again from
+        the block table at its new position. Device ops queued after the plan's upload and before
+        its forward, nothing read back: how a verify step is planned before the one ahead of it is
+        read back (`Engine`'s chained speculation), its tables grown as if every draft ahead were
+        kept, so that its new positions lie in blocks it holds."""
+        self.require_current(plan)
+        n = token_rows.numel()
+        step = shift[token_rows]  # [tokens]
+        positions = plan.positions.view(-1)[:n]
+        positions += step
+        plan.context_lens[:n] += step
+        blocks = self.block_table[plan.table_rows[:n], positions // self.block_size]
+        plan.write_slots[:n] = blocks.long() * self.block_size + positions % self.block_size
+
     def _upload(self, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
         """step [4, batch] int64 on the host -> the four device views `dsts`. On CUDA one kernel
         reads it from the next of `UPLOAD_SLOTS` pinned slots (`upload_step_inputs`), once the

@@ -10,6 +10,9 @@ sampling raises ends alone with an error, a forward that raises ends the request
 and the engine goes on with the rest. With asynchronous scheduling consecutive decode
 steps overlap: step t + 1 is planned and launched, fed by step t's tokens on the device, before
 step t's tokens are read back, by a copy on a stream of its own that step t + 1 does not queue behind.
+With speculative decoding over greedy rows, verify steps overlap the same way (chained
+speculation): step t + 1's drafts and tables assume step t kept every draft, and the device moves
+its positions back by what step t did not keep.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.graphs import CaptureReport
-from nanolab.engine.kv_cache import KVCache, kv_bytes_per_block, stage
+from nanolab.engine.kv_cache import KVCache, host_int64, kv_bytes_per_block, stage
 from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
@@ -114,15 +117,33 @@ class RequestLimits:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A decode step launched under asynchronous scheduling whose tokens are still on their way."""
+    """A decode step launched under asynchronous scheduling whose tokens are still on their way:
+    a plain one, or a step of chained speculation (`chained`), which may feed drafts."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # [rows] int64 on the device: what the next step feeds
-    host: torch.Tensor  # [rows] int64, pinned on CUDA: filled by a copy on the read-back stream
+    tokens: torch.Tensor  # [rows] int64 on the device: each row's last new token, what the next step feeds
+    # [rows] int64, pinned on CUDA, filled by a copy on the read-back stream; a chained step's is
+    # [2, rows]: the drafts each row kept, then its last new token.
+    host: torch.Tensor
     done: torch.cuda.Event | None  # recorded after that copy; None on the CPU, where it is synchronous
     batch: int  # rows the forward ran at
     graph: bool
     start: float  # perf_counter at launch
+    chained: bool = False
+    index: int = 0  # the engine's step number at launch
+    # A chained step's rows: the drafts each fed after its first token, and on the device how far
+    # each row's next tokens move back once this step is read back (kept drafts minus fed, <= 0).
+    drafts: list[list[int]] | None = None
+    shift: torch.Tensor | None = None
+    # What each row's drafts were proposed on: how many of the step before's drafts they took as
+    # kept, and the token they took that step to add after them (None: no drafts). Set when that
+    # step is read back: `stale`, either failed, and the next proposal starts from the tokens the
+    # host has rather than from these drafts; `excused`, the count failed, and drafts lost on it
+    # do not pause the request (`Engine._drafted`): they were not the proposer's to keep.
+    assumed: list[int] | None = None
+    guesses: list[int | None] | None = None
+    stale: list[bool] | None = None
+    excused: list[bool] | None = None
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -131,6 +152,25 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def _host_list(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
+def accept_on_device(logits: torch.Tensor, drafts: list[list[int]], counts: list[int]):
+    """Greedy acceptance without reading back: logits [sum(counts), vocab] of a verify step whose
+    row r fed counts[r] tokens, its first and then drafts[r] -> (result [2, rows] int64: the
+    drafts each row kept, then the token it adds after them, as `greedy_accept`; shift [rows]
+    int64: kept minus fed drafts), both on the logits' device."""
+    rows, width = len(drafts), max(len(d) for d in drafts)
+    starts = itertools.accumulate(counts, initial=0)
+    # Each row's argmax positions, padded with its last one, then its drafts, padded with -1 (never a token).
+    index = [s + min(j, n - 1) for s, n in zip(starts, counts) for j in range(width + 1)]
+    pads = [t for d in drafts for t in (*d, *[-1] * (width - len(d)))]
+    host = host_int64(index + pads + [len(d) for d in drafts])
+    index, pads, fed = stage(host, logits.device).to(logits.device, non_blocking=True).split(
+        [len(index), len(pads), rows])
+    best = logits.argmax(-1)[index].view(rows, width + 1)  # [rows, width + 1]
+    kept = (best[:, :width] == pads.view(rows, width)).long().cumprod(1).sum(1)  # [rows]
+    last = best.gather(1, kept[:, None])[:, 0]
+    return torch.stack([kept, last]), kept - fed
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -148,8 +188,8 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
     tensor-parallel rank holds its share of each block); `max_model_len`,
     else the model's context or what the pool holds if less, as vLLM does: a request that could
     grow past the pool is refused, so a longer context would refuse every request without max_tokens.
-    A `max_model_len` past the model's context, or a pool larger than the device's memory, is refused
-    here, naming the field."""
+    A `max_model_len` past the model's context, a pool larger than the device's memory, or more rows
+    (`max_num_seqs`) than it holds the per-row state of, is refused here, naming the field."""
     per_block = kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads,
                                    model_config.head_dim,
                                    config.block_size, dtype)
@@ -170,6 +210,13 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
         raise ValueError(f"max_model_len={config.max_model_len}: the model's context is {context} tokens "
                          "(max_position_embeddings)")
     max_model_len = config.max_model_len or min(context, num_blocks * config.block_size)
+    # Each row of the batch keeps a block-table row and, for a step's logits, a row of fp32 over
+    # the vocabulary: a row count the device cannot hold is refused before any of it is allocated.
+    per_row = 4 * (model_config.vocab_size + cdiv(max_model_len, config.block_size))
+    if memory is not None and config.max_num_seqs * per_row > memory:
+        raise ValueError(f"max_num_seqs={config.max_num_seqs}: that many rows need "
+                         f"{config.max_num_seqs * per_row / 2**30:.1f} GiB for their logits and block tables, "
+                         f"more than the device's {memory / 2**30:.1f} GiB")
     return num_blocks, max_model_len
 
 
@@ -393,10 +440,18 @@ class Engine:
         """Run one step and return what it produced: outputs only for the requests sampled, so a
         request whose prompt is partly in the cache gains nothing. With asynchronous scheduling a
         decode step is launched before the one in flight is read back, so what a call returns is
-        the previous decode step's tokens (`_step_async`). A step that may carry drafts runs
-        synchronously: the in-flight step is read back first, in a call of its own."""
+        the previous decode step's tokens (`_step_async`), verify steps over greedy rows included
+        (`_step_chained`). A step with a sampled row that may carry drafts runs synchronously: the
+        in-flight step is read back first, in a call of its own."""
         self.last_step = None
-        if self.async_scheduling and not self._may_speculate():
+        chained = self._chains()
+        if self._inflight is not None and self._inflight.chained != chained:
+            # The step in flight was launched under the other rule: read back, nothing launched, the clock waits.
+            prev, self._inflight = self._inflight, None
+            return self._retire(prev)
+        if chained:
+            outputs = self._step_chained()
+        elif self.async_scheduling and not self._may_speculate():
             outputs = self._step_async()
         elif self._inflight is not None:  # the in-flight step read back, nothing launched: the clock waits
             prev, self._inflight = self._inflight, None
@@ -447,27 +502,30 @@ class Engine:
         no draft to keep (`SpeculativeConfig.max_draft_backoff`)."""
         return self.num_steps >= seq.drafts_from_step
 
-    def _drafted(self, seq: Sequence, kept: bool) -> None:
+    def _drafted(self, seq: Sequence, kept: bool, step: int | None = None) -> None:
         """After a step that looked up drafts for `seq`: one kept ends its pause; none (no match, or
         a verify step that kept none) pauses its lookups for at least the next 1, 2, 4 ... steps,
         at most `max_draft_backoff`, so that the steps between overlap. A pause of b steps ends on
         a step numbered a multiple of b (so it lasts b to 2b - 1 steps): requests paused as long
         look up at the same steps, and a step runs synchronously for the shortest pause among the
-        running requests, not for each of them in turn."""
+        running requests, not for each of them in turn. `step`: the step that looked them up
+        (default: this one), read back later under chained speculation."""
         cap = self.config.speculative_config.max_draft_backoff
+        step = self.num_steps if step is None else step
         seq.draft_backoff = b = 0 if kept else min(cap, max(1, 2 * seq.draft_backoff))
-        seq.drafts_from_step = self.num_steps + 1 if b == 0 else -(-(self.num_steps + 1 + b) // b) * b
+        seq.drafts_from_step = step + 1 if b == 0 else -(-(step + 1 + b) // b) * b
 
-    def _draft_room(self, seq: Sequence) -> int:
+    def _draft_room(self, seq: Sequence, ahead: int = 0) -> int:
         """The drafts `seq` may be fed at its next step: up to `num_speculative_tokens`, short of
-        max_tokens and the context; none while paused (`_speculating`), when it wants logprobs, or
-        when it samples with a seed (`SpeculativeConfig`)."""
+        max_tokens and the context, with `ahead` more tokens than it has (a step still in flight
+        may add them); none while paused (`_speculating`), when it wants logprobs, or when it
+        samples with a seed (`SpeculativeConfig`)."""
         spec, p = self.config.speculative_config, seq.params
         if seq.output_logprobs is not None or not self._speculating(seq) or seq.generator is not None and not p.greedy:
             return 0
-        return min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1,
+        return min(spec.num_speculative_tokens, self.max_model_len - seq.num_tokens - ahead - 1,
                    spec.num_speculative_tokens if p.max_tokens is None
-                   else p.max_tokens - len(seq.output_token_ids) - 1)
+                   else p.max_tokens - len(seq.output_token_ids) - ahead - 1)
 
     def _may_speculate(self) -> bool:
         """Whether the next step could carry drafts: speculation is configured, the running rows
@@ -696,11 +754,11 @@ class Engine:
             ids = ids[: len(rows)]
         return self._launch(nxt, ids, prev)
 
-    def _continuing(self, prev: _InFlight) -> list[Sequence] | None:
+    def _continuing(self, prev: _InFlight, check_blocks: bool = True) -> list[Sequence] | None:
         """The rows of the in-flight step that can decode again without the scheduler: every
         running request is among them, nothing waiting could be admitted (a request waits on a
-        free row as long as every row is taken), the pool has the blocks, and a request whose
-        in-flight token reaches its length limit is left out."""
+        free row as long as every row is taken), the pool has a block a row (`check_blocks`), and
+        a request whose in-flight token reaches its length limit is left out."""
         running = self.scheduler.running
         admissible = self.scheduler.waiting and self.block_manager.free_row_count() > 0
         if admissible or len(running) > len(prev.seqs):
@@ -709,6 +767,8 @@ class Engine:
         if any(id(s) not in members for s in running):
             return None
         nxt = [s for s in prev.seqs if not s.finished and not self._ends_by_length(s)]
+        if not check_blocks:
+            return nxt
         need = sum(self.block_manager.table(s.row).blocks_needed(1) for s in nxt)
         return nxt if need <= self.block_manager.allocator.num_free else None
 
@@ -739,31 +799,200 @@ class Engine:
             tokens = self._sample_rows(logits, seqs) if tokens is None else _host_list(tokens)
             self.last_step = StepRecord("decode", len(seqs), batch, graph, len(seqs), time.perf_counter() - start)
             return outputs + self._emit(seqs, tokens, logits)
-        host = stage(torch.empty(len(seqs), dtype=torch.int64), self.device)
-        done = None
-        if self.device.type == "cuda":  # on a stream of its own: the next step need not wait for it
-            if self._readback is None:
-                self._readback = torch.cuda.Stream(self.device)
-            self._readback.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._readback):
-                host.copy_(tokens, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            tokens.record_stream(self._readback)
-        else:
-            host.copy_(tokens)
+        host, done = self._read_back(tokens)
         self._inflight = _InFlight(seqs, tokens, host, done, batch, graph, start)
         return self._retire(prev) if prev else []
+
+    def _read_back(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying `values` (int64, on the device) to the host: (the host tensor, pinned on
+        CUDA, and the event recorded after the copy, None on the CPU where the copy is done)."""
+        host = stage(torch.empty(values.shape, dtype=values.dtype), self.device)
+        if self.device.type != "cuda":
+            host.copy_(values)
+            return host, None
+        if self._readback is None:  # on a stream of its own: the next step need not wait for it
+            self._readback = torch.cuda.Stream(self.device)
+        self._readback.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._readback):
+            host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        values.record_stream(self._readback)
+        return host, done
 
     def _retire(self, step: _InFlight) -> list[StepOutput]:
         """Wait for an in-flight step's tokens and emit them (its logits are gone by now: the next
         replay overwrites a graph's output)."""
+        if step.chained:
+            return self._retire_chained(step)
         if step.done is not None:
             step.done.synchronize()
         tokens = step.host.tolist()
         self.last_step = StepRecord("decode", len(step.seqs), step.batch, step.graph, len(step.seqs),
                                     time.perf_counter() - step.start)
         return self._emit(step.seqs, tokens, None)
+
+    # Chained speculation: asynchronous scheduling with speculative decoding, over greedy rows. Every
+    # decode step is launched before the one in flight is read back, verify steps included. The
+    # next step's drafts are proposed as if the step in flight kept all of its own, and its tables
+    # grown so; its first token per row is the in-flight step's last, taken on the device, and the
+    # positions it writes and reads are moved back on the device by what that step left unkept
+    # (`ModelRunner.verify`'s `first_ids` and `shift`). Acceptance runs on the device too: each
+    # row's kept drafts and last token are all a step reads back. Drafts proposed on a premise
+    # that fails are only drafts: the verify step keeps what greedy decoding would have emitted.
+
+    def _chains(self) -> bool:
+        """Whether decode steps chain: speculation under asynchronous scheduling, one process (no
+        tensor-parallel workers), and running rows that are at most the config's `max_num_seqs`,
+        every one greedy and none asking for logprobs."""
+        spec = self.config.speculative_config
+        if spec is None or not self.async_scheduling or self.config.tensor_parallel_size != 1:
+            return False
+        running = self.scheduler.running
+        return 0 < len(running) <= spec.max_num_seqs and all(
+            s.params.greedy and s.output_logprobs is None for s in running)
+
+    def _step_chained(self) -> list[StepOutput]:
+        prev = self._inflight
+        if prev is None:
+            out = self.scheduler.schedule()
+            if not out.seqs:
+                return []
+            if not out.decode_only:  # prompts and chunks run synchronously: their first tokens come back now
+                return self._run(out)
+            drafts = self._drafts(out) or {}
+            drafts = self._fit_drafts([list(drafts.get(i, ())) for i in range(len(out.seqs))])
+            return self._launch_chained(out.seqs, drafts, None, None, None)
+        nxt = self._continuing(prev, check_blocks=False)
+        planned = self._chained_drafts(prev, nxt) if nxt else None
+        if planned is None:  # the next step needs the scheduler, or the pool lacks a block a row
+            self._inflight = None
+            return self._retire(prev)
+        return self._launch_chained(nxt, *planned, prev)
+
+    def _chained_drafts(self, prev: _InFlight, seqs: list[Sequence]):
+        """(drafts, assumed, guesses) for the step after `prev` over `seqs`, or None when the pool
+        cannot hold even one token a row. Each row's lookup runs over its tokens and what it takes
+        `prev` to add: all of prev's drafts, unless prev's drafts already rest on a premise that
+        failed (`stale`), then none. The lookup's first token is its guess of prev's last token and
+        the rest are the drafts. Room is counted as if prev kept every draft. Drafts are cut to the
+        step's budget and the cache's rows (a verify step that chains runs as a decode step), and
+        dropped when the pool cannot grow every row by them."""
+        spec = self.config.speculative_config
+        index = {id(s): i for i, s in enumerate(prev.seqs)}
+        drafts, assumed, guesses = [], [], []
+        for seq in seqs:
+            i = index[id(seq)]
+            fed = prev.drafts[i]
+            kept = 0 if prev.stale[i] else len(fed)
+            room = self._draft_room(seq, ahead=len(fed) + 1)
+            proposed = []
+            if room >= 1:
+                proposed = propose_ngram(seq.token_ids + fed[:kept], room + 1, spec.prompt_lookup_max,
+                                         spec.prompt_lookup_min)
+                if len(proposed) < 2:  # no draft past the guess: a miss
+                    proposed = []
+                    self._drafted(seq, kept=False)
+            drafts.append(proposed[1:])
+            assumed.append(kept)
+            guesses.append(proposed[0] if proposed else None)
+        drafts = self._fit_drafts(drafts)
+        blocks = self.block_manager
+        for attempt in (drafts, [[] for _ in seqs]):
+            need = sum(blocks.table(s.row).blocks_needed(1 + len(d)) for s, d in zip(seqs, attempt))
+            if need <= blocks.allocator.num_free:
+                if attempt is not drafts:
+                    guesses = [None] * len(seqs)
+                return attempt, assumed, guesses
+        return None
+
+    def _fit_drafts(self, drafts: list[list[int]]) -> list[list[int]]:
+        """`drafts` (a list a row) cut, in row order, so that the step feeds at most its token budget
+        and the cache's rows (a chained verify step runs as a decode step of a batch row a token)."""
+        room = min(self.scheduler.max_num_batched_tokens, self.kv_cache.max_rows) - len(drafts)
+        for d in drafts:
+            del d[max(room, 0):]
+            room -= len(d)
+        return drafts
+
+    def _launch_chained(self, seqs: list[Sequence], drafts: list[list[int]], assumed: list[int] | None,
+                        guesses: list[int | None] | None, prev: _InFlight | None) -> list[StepOutput]:
+        """Launch a step of chained speculation over `seqs`, each row fed its first token and its
+        drafts, with acceptance on the device, and leave it in flight; return the outputs of
+        `prev`, read back after the launch. With `prev`, each row's first token is prev's last, on
+        the device, and its positions move back by what prev leaves unkept."""
+        start = time.perf_counter()
+        counts = [1 + len(d) for d in drafts]
+        first_ids = shift = None
+        if prev is None:
+            fed = [t for s, d in zip(seqs, drafts, strict=True) for t in (s.output_token_ids[-1], *d)]
+        else:
+            fed = [t for d in drafts for t in (0, *d)]  # each row's 0 is replaced on the device
+            index = {id(s): i for i, s in enumerate(prev.seqs)}
+            rows = [index[id(s)] for s in seqs]
+            rows_dev = stage(torch.tensor(rows), self.device).to(self.device, non_blocking=True)
+            first_ids = prev.tokens[rows_dev]
+            if any(prev.drafts):
+                shift = prev.shift[rows_dev]
+        try:
+            logits = self.runner.verify(seqs, counts, fed=fed, first_ids=first_ids, shift=shift)
+        except Exception as e:
+            self._inflight = None
+            return (self._retire(prev) if prev else []) + self._fail_forward(seqs, e)
+        for seq in seqs:  # the fed tokens, as if the step before kept every draft: its read-back corrects them
+            seq.num_computed_tokens = self.block_manager.tables[seq.row].num_tokens
+        self._commit(seqs)
+        result, shift = accept_on_device(logits, drafts, counts)  # [2, rows] and [rows]
+        host, done = self._read_back(result)
+        batch, graph = self.runner.last_decode
+        n = len(seqs)
+        self._inflight = _InFlight(seqs, result[1], host, done, batch, graph, start, chained=True, drafts=drafts,
+                                   shift=shift, assumed=assumed or [0] * n, guesses=guesses or [None] * n,
+                                   stale=[False] * n, excused=[False] * n, index=self.num_steps)
+        return self._retire(prev) if prev else []
+
+    def _retire_chained(self, step: _InFlight) -> list[StepOutput]:
+        """Read back a step of chained speculation and emit each row's kept drafts and last token.
+        A row the step in flight after it (if any) continues keeps the blocks that step writes;
+        every other row's table ends at its kept tokens, as after a synchronous verify step. The
+        step after learns whether its drafts' premise held (`stale`, `excused`)."""
+        if step.done is not None:
+            step.done.synchronize()
+        kept_counts, lasts = step.host.tolist()
+        after = self._inflight if self._inflight is not step else None
+        following = {} if after is None else {id(s): i for i, s in enumerate(after.seqs)}
+        emitted, live = [], []
+        for i, seq in enumerate(step.seqs):
+            if seq.finished:  # ended while this step was in flight (aborted, or finished by the step before)
+                continue
+            d, a = step.drafts[i], kept_counts[i]
+            before = seq.num_tokens  # its pending token, the one this step fed first, is the last of these
+            j = following.get(id(seq))
+            fed_after = 0 if j is None else 1 + len(after.drafts[j])
+            # The table keeps the kept drafts, and what the step after feeds from where they end.
+            seq.num_computed_tokens = before + a + fed_after
+            self.block_manager.truncate(seq.row, seq.num_computed_tokens)
+            if d:
+                self.spec_draft_tokens += len(d)
+                self.spec_accepted_tokens += a
+                seq.num_draft_tokens += len(d)
+                seq.num_accepted_tokens += a
+                if a or not step.excused[i]:
+                    self._drafted(seq, kept=a > 0, step=step.index)
+            if j is not None:
+                guess = after.guesses[j]
+                after.excused[j] = a != after.assumed[j]
+                after.stale[j] = after.excused[j] or (guess is not None and guess != lasts[i])
+            emitted.append((seq, d[:a] + [lasts[i]]))
+            live.append(seq)
+        self._commit(live)
+        self.spec_steps += any(step.drafts)
+        self.last_step = StepRecord("decode", len(step.seqs), step.batch, step.graph,
+                                    sum(1 + len(d) for d in step.drafts), time.perf_counter() - step.start)
+        outputs = []
+        for seq, tokens in emitted:
+            outputs += self._emit([seq] * len(tokens), tokens, None)
+        return outputs
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         """End `seq` with an error; its row and blocks go back to the pool."""

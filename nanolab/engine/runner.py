@@ -262,18 +262,31 @@ class ModelRunner:
         return self._run_decode(plan, ids, len(seqs))
 
     @torch.inference_mode()
-    def verify(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
-        """A verify step: sequence i feeds its last query_lens[i] tokens (its pending token and the
-        drafts after it, none in the cache yet) -> logits at every one, in order, [sum(query_lens),
-        vocab] fp32. It runs as a decode step of a batch row a fed token (`plan_decode`'s
+    def verify(self, seqs: list[Sequence], query_lens: list[int], fed: list[int] | None = None,
+               first_ids: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """A verify step: sequence i feeds query_lens[i] tokens (its pending token and the drafts
+        after it, none in the cache yet) -> logits at every one, in order, [sum(query_lens), vocab]
+        fp32. The tokens are each sequence's last query_lens[i] unless `fed` (host ints, one a fed
+        token) names them. It runs as a decode step of a batch row a fed token (`plan_decode`'s
         `query_lens`), through a decode graph when a bucket holds that many rows: each token reads its
         row's keys through the decode read, which walks a short context once a token faster than the
-        varlen read splits it. More tokens than the cache's rows run as a varlen step."""
-        if sum(query_lens) > self.kv_cache.max_rows:
-            return self._verify_varlen(seqs, query_lens)
-        return self._verify_decode(seqs, query_lens)
+        varlen read splits it. More tokens than the cache's rows run as a varlen step.
 
-    def _verify_decode(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
+        Planned ahead of the step before it (chained speculation): `first_ids` [rows] int64 on the
+        device replaces each row's first fed token (the one the step before is still choosing), and
+        `shift` [rows] int64 on the device moves each row's tokens back by what that step left
+        unkept (`KVCache.shift_decode_plan`). Either needs the decode path."""
+        chained = first_ids is not None or shift is not None
+        if sum(query_lens) > self.kv_cache.max_rows:
+            if chained or fed is not None:
+                raise ValueError(f"a verify step of {sum(query_lens)} tokens, more than the cache's "
+                                 f"{self.kv_cache.max_rows} rows, runs as a varlen step, which takes neither "
+                                 "fed tokens, first ids nor a shift")
+            return self._verify_varlen(seqs, query_lens)
+        return self._verify_decode(seqs, query_lens, fed, first_ids, shift)
+
+    def _verify_decode(self, seqs: list[Sequence], query_lens: list[int], fed: list[int] | None = None,
+                       first_ids: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
         """`verify` as a decode step of a batch row a fed token."""
         tokens = sum(query_lens)
         tables = [self.kv_cache.blocks.table(s.row) for s in seqs]
@@ -281,11 +294,25 @@ class ModelRunner:
         shape = None if self.buckets is None else self.buckets.lookup(tokens, longest)
         plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
                                          width=shape and shape[1], query_lens=query_lens)
-        fed = [t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]]
+        if fed is None:
+            fed = [t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]]
+        elif len(fed) != tokens:
+            raise ValueError(f"fed holds {len(fed)} tokens for a step of {tokens}")
         self.planned("verify", seqs, fed, query_lens, None)
         host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
         host[:tokens, 0] = torch.tensor(fed)
-        return self._run_decode(plan, stage(host, self.device), tokens)
+        ids = stage(host, self.device)
+        if first_ids is not None or shift is not None:
+            # Each fed token's row, then each row's first token, in one upload: [tokens + rows].
+            starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
+            index = host_int64([i for i, n in enumerate(query_lens) for _ in range(n)] + starts)
+            index = stage(index, self.device).to(self.device, non_blocking=True)
+            if first_ids is not None:
+                ids = ids.to(self.device, non_blocking=True)
+                ids[index[tokens:], 0] = first_ids
+            if shift is not None:
+                self.kv_cache.shift_decode_plan(plan, shift, index[:tokens])
+        return self._run_decode(plan, ids, tokens)
 
     def _verify_varlen(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
         """`verify` as a varlen step with logits at every token."""

@@ -222,6 +222,53 @@ def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, 
     return {"verify_steps": verify, "plain_steps": plain, "accepted_tokens": kept}
 
 
+def replay_chained(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4,
+                   max_tokens: int | None = None) -> dict[str, int]:
+    """`replay_lookup` for chained speculation (`Engine`'s, under asynchronous scheduling): each
+    step is launched before the one in flight is read back, so its drafts are looked up over the
+    tokens known a step earlier and the drafts in flight, as if all were kept (unless those rest
+    on a premise already seen to fail: then over the known tokens alone), and the lookup's first
+    token is a guess at what the step in flight adds, not fed. A step that a request's end makes
+    useless is launched all the same and counted. No pauses. Counts as `replay_lookup`'s."""
+    out = list(output_ids)
+    prompt = list(prompt_ids)
+    limit = len(out) if max_tokens is None else max_tokens
+
+    def room(known: int, ahead: int) -> int:
+        return min(k, limit - known - ahead - 1)
+
+    i = 1  # output tokens known; the last is the one the step in flight was fed first
+    r = room(i, 0)
+    fed = propose_ngram(prompt + out[:i], r, max_n, min_n) if r >= 1 else []
+    stale, verify, plain, kept = False, 0, 0, 0
+    while True:
+        if i + 1 >= limit:  # the step in flight ends the request: it is read back and nothing follows
+            verify, plain = verify + bool(fed), plain + (not fed)
+            kept += _matched(fed, out, i)
+            break
+        r = room(i, len(fed) + 1)
+        assumed = 0 if stale else len(fed)
+        proposed = propose_ngram(prompt + out[:i] + fed[:assumed], r + 1, max_n, min_n) if r >= 1 else []
+        guess, drafts = (proposed[0], proposed[1:]) if len(proposed) >= 2 else (None, [])
+        a = _matched(fed, out, i)  # the step in flight read back
+        verify, plain, kept = verify + bool(fed), plain + (not fed), kept + a
+        i += a + 1
+        if i >= len(out):  # it ended the request: the step just launched is read back for nothing
+            verify, plain = verify + bool(drafts), plain + (not drafts)
+            break
+        stale = a != assumed or (guess is not None and guess != out[i - 1])
+        fed = drafts
+    return {"verify_steps": verify, "plain_steps": plain, "accepted_tokens": kept}
+
+
+def _matched(drafts: list[int], out: list[int], at: int) -> int:
+    """How many of `drafts` greedy keeps fed after out[at - 1]: those matching out from `at`."""
+    a = 0
+    while a < len(drafts) and at + a < len(out) and drafts[a] == out[at + a]:
+        a += 1
+    return a
+
+
 def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks: Sequence[int] = (4, 8, 16),
                     min_ns: Sequence[int] = (1, 2, 3), max_n: int = 4, max_tokens: int = 64,
                     arm: str | None = None) -> pd.DataFrame:
