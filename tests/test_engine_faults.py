@@ -6,7 +6,10 @@ produced the greedy tokens it produces alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import random
+from unittest import mock
 
 import pytest
 from conftest import bounded
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 from test_cache_properties import check_drained
 
 from nanolab import Engine, EngineConfig, SamplingParams
+from nanolab.engine import llm_engine
 from nanolab.engine.async_llm import AsyncLLM
 from nanolab.sampling import sample, sample_tokens
 
@@ -66,6 +70,12 @@ class FlakyRunner:
             self._maybe_fail(seqs)
         return self.runner.decode(seqs, ids)
 
+    def verify(self, seqs, counts, **kw):
+        if self.fail_next:
+            self.runner.kv_cache.plan_decode([s.row for s in seqs], query_lens=counts)
+            self._maybe_fail(seqs)
+        return self.runner.verify(seqs, counts, **kw)
+
 
 @functools.cache
 def alone(model_key: int, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
@@ -88,36 +98,13 @@ OP = st.one_of(
 )
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4),
-       budget=st.sampled_from([3, 7, 2048]),  # chunked prefill's budget: prompts of up to 24 tokens in chunks
-       caching=st.booleans(), shared=st.lists(st.integers(3, VOCAB - 1), max_size=9))
-def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, num_blocks, max_num_seqs, budget,
-                                          caching, shared):
-    """With prefix caching on, prompts begin with one shared run of tokens, so requests share
-    blocks across the failures: a block keyed by a forward that failed would show here."""
-    model = sharp_gqa24.model
-    _MODELS[id(model)] = model
-    poisoned: set[int] = set()
-    num_blocks += 3 if caching else 0  # room for the shared tokens of the longest request
-    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
-                                        max_num_batched_tokens=budget, async_scheduling=async_scheduling,
-                                        enable_prefix_caching=caching),
-                    sampler=poisoned_sampler(poisoned))
-    engine.runner = flaky = FlakyRunner(engine.runner)
-    seqs, fated = [], {}
-
-    def step():
-        outputs = engine.step()
-        for out in outputs:
-            if out.error is not None:
-                assert out.token_id is None and out.seq.finish_reason == "error"
-
+def run_faulty_ops(engine, flaky, ops, seqs, fated, poisoned, shared, step) -> None:
+    """Apply `ops` to `engine`: adds (each prompt after `shared`; a poisoned one's params in
+    `poisoned`, its fate in `fated`), steps, aborts and injected forward failures."""
     for op in ops:
         if op[0] == "add":
             _, prompt, max_tokens, poison = op
-            prompt = (shared if caching else []) + prompt
+            prompt = shared + prompt
             params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
             if poison:
                 poisoned.add(id(params))
@@ -130,12 +117,67 @@ def test_failures_stay_with_their_request(sharp_gqa24, async_scheduling, ops, nu
             engine.abort_request(seqs[op[1] % len(seqs)].request_id)
         elif op[0] == "fail_forward":
             flaky.fail_next = True
-    flaky.fail_next = False
-    for _ in bounded(engine.has_unfinished_requests):
-        step()
+
+
+def greedy_continuation(model, seqs, tokens: list[int], k: int) -> list[int]:
+    """Up to `k` tokens greedy decoding emits after `tokens`, when they are a request's prompt and
+    a prefix of what greedy emits for it alone; none otherwise."""
+    for seq in seqs:
+        prompt = seq.prompt_token_ids
+        if tokens[:len(prompt)] == prompt:
+            out = alone(id(model), tuple(prompt), seq.params.max_tokens)
+            done = tokens[len(prompt):]
+            if out[:len(done)] == done:
+                return out[len(done): len(done) + k]
+    return []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "chained"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OP, min_size=1, max_size=40), num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 4),
+       budget=st.sampled_from([3, 7, 2048]),  # chunked prefill's budget: prompts of up to 24 tokens in chunks
+       caching=st.booleans(), shared=st.lists(st.integers(3, VOCAB - 1), max_size=9))
+def test_failures_stay_with_their_request(sharp_gqa24, mode, ops, num_blocks, max_num_seqs, budget, caching, shared):
+    """With prefix caching on, prompts begin with one shared run of tokens, so requests share
+    blocks across the failures: a block keyed by a forward that failed would show here. `mode`:
+    synchronous steps, asynchronous scheduling, or that with speculation, where these greedy
+    requests chain their verify steps (drafts of up to 3, never paused) and a forward fails while
+    the step before it is still in flight."""
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    poisoned: set[int] = set()
+    num_blocks += 3 if caching else 0  # room for the shared tokens of the longest request
+    spec = {"num_speculative_tokens": 3, "max_draft_backoff": 0} if mode == "chained" else None
+    engine = Engine(model, EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                                        max_num_batched_tokens=budget, async_scheduling=mode != "sync",
+                                        enable_prefix_caching=caching, speculative_config=spec),
+                    sampler=poisoned_sampler(poisoned))
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    seqs, fated = [], {}
+    if mode == "chained":  # drafts from greedy's own output, cut at random: verify steps keep some and lose some
+        rng = random.Random(len(ops))
+        proposer = mock.patch.object(llm_engine, "propose_ngram", lambda tokens, k, *args: [
+            t if rng.random() < 0.7 else VOCAB - 1 - t for t in greedy_continuation(model, seqs, tokens, k)])
+    else:
+        proposer = contextlib.nullcontext()
+
+    def step():
+        outputs = engine.step()
+        for out in outputs:
+            if out.error is not None:
+                assert out.token_id is None and out.seq.finish_reason == "error"
+
+    with proposer:
+        run_faulty_ops(engine, flaky, ops, seqs, fated, poisoned, shared if caching else [], step)
+        flaky.fail_next = False
+        for _ in bounded(engine.has_unfinished_requests):
+            step()
 
     check_drained(engine.kv_cache, engine.scheduler)
     assert not engine.requests
+    if mode == "chained":
+        event(f"chained: {'drafts kept' if engine.spec_accepted_tokens else 'no draft kept'}, "
+              f"{'drafts lost' if engine.spec_draft_tokens > engine.spec_accepted_tokens else 'no draft lost'}")
     for seq in seqs:
         assert seq.finished and seq.row is None
         if fated[seq.request_id] and seq.finish_reason != "abort":
@@ -362,3 +404,34 @@ def test_a_failed_batch_leaves_seeded_draws_alone(sharp_gqa24):
         engine.step()
     assert failed.finish_reason == "error"
     assert seq.output_token_ids == alone_seq.output_token_ids
+
+
+def test_a_chained_step_that_fails_reads_back_the_step_before(sharp_gqa24):
+    """Two greedy requests chain their steps (speculation under asynchronous scheduling), the
+    second fed greedy's own tokens as drafts, the first none. Once the step in flight is the first
+    one's last, the next step, the second's alone, fails in its
+    forward: the step before is still read back, so the first ends by its length with the tokens
+    it emits alone, the second ends with the forward's error, and every block comes back."""
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    engine = Engine(model, EngineConfig(num_blocks=32, block_size=BLOCK, async_scheduling=True,
+                                        speculative_config={"num_speculative_tokens": 2, "max_draft_backoff": 0}))
+    engine.runner = flaky = FlakyRunner(engine.runner)
+    prompts = [[7, 8, 9, 10, 11], [20, 21, 22, 23]]
+    first, second = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                     for p, n in zip(prompts, (4, 12))]
+    with mock.patch.object(llm_engine, "propose_ngram",
+                           lambda tokens, k, *args: greedy_continuation(model, [second], tokens, k)):
+        for _ in bounded(lambda: not (engine.in_flight and first in engine._inflight.seqs and not first.finished
+                                      and engine._ends_by_length(first))):
+            engine.step()
+        flaky.fail_next = True
+        outputs = engine.step()
+        for _ in bounded(engine.has_unfinished_requests):
+            engine.step()
+    assert flaky.failed == {second.request_id}
+    # the call whose launch failed returned the step before's tokens: the first's last among them
+    assert any(out.seq is first and out.finished and out.error is None for out in outputs)
+    assert first.finish_reason == "length" and first.output_token_ids == alone(id(model), tuple(prompts[0]), 4)
+    assert second.finish_reason == "error" and second.num_accepted_tokens > 0
+    check_drained(engine.kv_cache, engine.scheduler)

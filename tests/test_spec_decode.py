@@ -372,11 +372,13 @@ def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(s
     assert seq.num_draft_tokens == 0
 
 
-def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24, async_scheduling):
     """EOS inside a kept run of drafts ends the request there (what follows is dropped), max_tokens
     is never passed, a pool too small to feed the drafts decodes one token a row, and two sampled
     requests run to their length: one seeded (no drafts), one with top_k 1, which verifies its
-    drafts by rejection sampling and so emits greedy's tokens; every block comes back."""
+    drafts by rejection sampling and so emits greedy's tokens; every block comes back. Under
+    asynchronous scheduling the greedy rows chain once the sampled ones have ended."""
     from conftest import run_until_done
     from test_cache_properties import check_drained
 
@@ -387,7 +389,7 @@ def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sha
     want = plain.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
     run_until_done(plain)
     for blocks in (96, 24):
-        engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4)
+        engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4, async_scheduling=async_scheduling)
         seqs = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
         sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=11))
         top1 = engine.add_request(prompts[1], SamplingParams(temperature=0.8, top_k=1, max_tokens=15))

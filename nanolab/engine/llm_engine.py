@@ -370,7 +370,7 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: add_request queues one sample; add_requests "
                              "queues a request's n samples")
-        return self._queue([prompt], [params])[0]
+        return self.add_checked_requests([prompt], [params])[0]
 
     def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams],
                      name: str = "request") -> list[Sequence]:
@@ -382,11 +382,13 @@ class Engine:
         prompts = [list(p) for p in prompts]
         self.limits.check_all(prompts, params, name)
         samples = [(prompt, s) for prompt, p in zip(prompts, params) for s in p.samples()]
-        return self._queue([prompt for prompt, _ in samples], [s for _, s in samples])
+        return self.add_checked_requests([prompt for prompt, _ in samples], [s for _, s in samples])
 
-    def _queue(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
-        """Queue requests that `RequestLimits.check` has passed, each prompt a list no caller holds:
-        `add_requests`' copies, or the engine core's (`EngineCore.add`, checked by `AsyncLLM`)."""
+    def add_checked_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+        """Queue requests that `RequestLimits.check` has passed (one sample each: `n` already
+        spread by `SamplingParams.samples`), each prompt a list no caller holds: `add_requests`'
+        copies, or the engine core's (`EngineCore.add`, checked by `AsyncLLM` in the server's
+        process). Nothing is checked again here: a request that did not pass may break the step."""
         # Validated input: nothing here raises (SamplingParams checked the seed's range), so a batch
         # is queued whole.
         seqs = []
