@@ -81,6 +81,13 @@ print(f"nanolab at batch 1: {ours.ms_per_step[1]:.3f} ms a step, "
 #   {doc}`bf16 against fp32, and the CPU <../notebooks/61d_the_cpu>`.
 # - {doc}`Day 62 <../notebooks/62_two_gpus>`: tensor parallelism over two GPUs, checked against one
 #   process and measured on two H200s.
+# - {doc}`Day 63 <../notebooks/63_serving_tail>`: the serving tail, where the longest gaps between a
+#   stream's tokens come from, and every step in a graph.
+# - {doc}`Day 64 <../notebooks/64_prefix_caching>`: prefix caching, and the OpenAI surface real
+#   clients use.
+# - Day 65, in two chapters: {doc}`fp8 weights <../notebooks/65_below_the_floor>`, fewer bytes a
+#   step; and {doc}`speculative decoding <../notebooks/65b_speculative_decoding>`, fewer steps a
+#   token.
 #
 # ## Rerunning it
 #

@@ -165,7 +165,7 @@ def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
 
 
 def test_a_chained_replay_is_worked_by_hand():
-    from nanolab.lab.specbench import replay_chained
+    from nanolab.lab.specbench import chained_settings, replay_chained
 
     prompt, out = [5, 6, 7, 5, 6, 7], [5, 6, 7, 8, 5, 6]
     # k = 2. Step 1 (after 5, known): drafts 6, 7. Step 2, launched before step 1 is read back: the
@@ -173,3 +173,9 @@ def test_a_chained_replay_is_worked_by_hand():
     # keeps 6, 7 and adds 8: step 2 is stale. Step 3 (over the known ..., 8 alone): no match, plain.
     # Step 2, fed 8 then 6, 7, keeps none and adds 5. Step 3 adds 6, the last: nothing follows.
     assert replay_chained(prompt, out, k=2) == {"verify_steps": 2, "plain_steps": 1, "accepted_tokens": 2}
+    # priced: a plain step 1 ms, a verify step 1.5; off emits the 5 tokens after the first in 5 plain steps
+    table = pd.DataFrame([{"set": "s", "arm": "off", "prompt": 0, "token_ids": out}])
+    row = chained_settings(table, {"s": [prompt]}, 1.0, 1.5, settings=((2, 1),), max_tokens=6).iloc[0]
+    steps = (row.verify_steps, row.plain_steps, row.verify_steps_synchronous, row.plain_steps_synchronous)
+    assert steps == (2, 1, 1, 2)
+    assert row.speedup_chained == pytest.approx(5 / (2 * 1.5 + 1.0))

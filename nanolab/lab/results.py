@@ -29,7 +29,8 @@ CHAPTERS = {
     "62_two_gpus": "Day 62: two GPUs",
     "63_serving_tail": "Day 63: the serving tail",
     "64_prefix_caching": "Day 64: prefix caching",
-    "65_below_the_floor": "Day 65: fp8 weights and speculative decoding",
+    "65_below_the_floor": "Day 65: fp8 weights",
+    "65b_speculative_decoding": "Day 65: speculative decoding",
 }
 
 
@@ -160,7 +161,7 @@ HEADLINES = (
              "the batch-1 decode step with fp8 weights (bf16), and fp8 over its floor",
              lambda t: (lambda f, b: f"{_ms(f.ms_per_step)} ({_ms(b.ms_per_step)}), {f.x_floor:.2f}x the floor")(
                  _at(t, arm="fp8", batch=1), _at(t, arm="bf16", batch=1))),
-    Headline("65_below_the_floor", "day65_spec_summary",
+    Headline("65b_speculative_decoding", "day65_spec_summary",
              "SmolLM2 on code edits at batch 1: ms a token with prompt lookup (without), bf16",
              lambda t: (lambda on, off: f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), "
                         f"{on.speedup_over_off:.2f}x")(

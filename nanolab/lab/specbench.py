@@ -308,6 +308,36 @@ def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks
     return pd.DataFrame(rows)
 
 
+def chained_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], plain_ms: float, verify_ms: float,
+                     settings: Sequence[tuple[int, int]] = ((4, 1), (8, 2), (16, 2), (32, 2)), max_n: int = 4,
+                     max_tokens: int = 64) -> pd.DataFrame:
+    """What chained speculation would give on a latency table's prompts, from its "off" outputs:
+    per set and (k, min_n) of `settings`, the steps `replay_chained` and `replay_lookup` count,
+    and the speedup over off with every step at the GPU's time for its kind, a plain step at
+    `plain_ms` and a verify step at `verify_ms` (steps that chain leave the GPU no gap), off's
+    steps all plain."""
+    rows = []
+    for name, g in table.groupby("set", sort=False):
+        off = g[g.arm == "off"]
+        outputs = [json.loads(t) if isinstance(t, str) else list(t) for t in off.token_ids]
+        tokens = sum(len(out) - 1 for out in outputs)
+        for k, min_n in settings:
+            counts = {}
+            for how, replay in (("chained", replay_chained), ("synchronous", replay_lookup)):
+                steps = [replay(prompts[name][int(p)], out, k, min_n, max_n, max_tokens)
+                         for p, out in zip(off.prompt, outputs, strict=True)]
+                counts[how] = {key: sum(s[key] for s in steps) for key in ("verify_steps", "plain_steps")}
+            chained = counts["chained"]
+            ms = chained["verify_steps"] * verify_ms + chained["plain_steps"] * plain_ms
+            rows.append({"set": name, "k": k, "min_n": min_n, "tokens": tokens,
+                         "verify_steps": chained["verify_steps"], "plain_steps": chained["plain_steps"],
+                         "verify_steps_synchronous": counts["synchronous"]["verify_steps"],
+                         "plain_steps_synchronous": counts["synchronous"]["plain_steps"],
+                         "speedup_chained": tokens * plain_ms / ms, "plain_step_ms": plain_ms,
+                         "verify_step_ms": verify_ms})
+    return pd.DataFrame(rows)
+
+
 def switch_off_batch(table: pd.DataFrame) -> int | None:
     """The smallest batch at which speculation is no faster than off (None: faster at every one)."""
     on = table[table.arm != "off"].sort_values("batch")
