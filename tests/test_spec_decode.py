@@ -550,3 +550,44 @@ def test_verify_steps_replay_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, com
     assert runs[4][0] == runs[None][0]
     for on, off in zip(runs[4][1], runs[None][1], strict=True):
         torch.testing.assert_close(on, off, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_chained_speculation_replays_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, compiled):
+    """On CUDA with graphs and asynchronous scheduling, greedy speculation chains: every step after
+    the prompt's is launched before the one before it is read back and replays a decode graph, its
+    positions moved back on the device. The tokens equal plain greedy's, and every emitted token's
+    logits are within 1e-3 of the plain run's (fp32 weights, TF32 off), with drafts kept and lost."""
+    from conftest import run_until_done
+
+    from nanolab import LLM, SamplingParams
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    prompts = repetitive_prompts(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, num_blocks=96, block_size=4, compile=compiled)
+    plain = LLM(str(sharp_gqa24.path), async_scheduling=False, **kw)
+    logits: dict[int, list[torch.Tensor]] = {}
+    seqs = plain.engine.add_requests(prompts, [params] * len(prompts))
+    run_until_done(plain.engine, on_step=lambda outs: [logits.setdefault(o.seq.request_id, []).append(
+        o.logits.float().cpu()) for o in outs])
+    want = ([s.output_token_ids for s in seqs], [torch.stack(logits[s.request_id]) for s in seqs])
+    plain.close()
+    llm = LLM(str(sharp_gqa24.path), async_scheduling=True, **kw,
+              speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0})
+    engine = llm.engine
+    on_step, chained = chained_logits(engine, monkeypatch)
+    seqs, graphed = engine.add_requests(prompts, [params] * len(prompts)), []
+    while engine.has_unfinished_requests():
+        on_step(engine.step())
+        if engine.in_flight:
+            graphed.append(engine.runner.last_decode[1])
+    got = chained(seqs)
+    assert [s.output_token_ids for s in seqs] == want[0]
+    for seq, expected in zip(seqs, want[1], strict=True):
+        torch.testing.assert_close(torch.stack(got[seq.request_id]).float().cpu(), expected, rtol=1e-3, atol=1e-3)
+    assert graphed and all(graphed), graphed
+    assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens
+    llm.close()
