@@ -212,8 +212,8 @@ def chained_logits(engine, monkeypatch):
         launches.append([list(seqs), list(counts), out.detach().clone(), None])
         return out
 
-    def recorded_accept(logits, drafts, counts):
-        result, shift = accept(logits, drafts, counts)
+    def recorded_accept(logits, drafts, counts, fed=None):
+        result, shift = accept(logits, drafts, counts, fed)
         launches[-1][3] = result[0].tolist()
         return result, shift
 
@@ -591,3 +591,55 @@ def test_chained_speculation_replays_decode_graphs_on_cuda(sharp_gqa24, monkeypa
     assert graphed and all(graphed), graphed
     assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens
     llm.close()
+
+
+def kernel_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs Triton: a GPU or its interpreter")
+@settings(max_examples=30, deadline=None)
+@given(counts=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 2**31))
+def test_the_acceptance_kernel_keeps_what_greedy_accept_keeps(counts, seed):
+    """`kernels.chain.accept_drafts` and the engine's torch path (`accept_on_device` without fed
+    tokens) against `greedy_accept` row by row: random greedy choices over a vocabulary of 3, so
+    drafts match at random, each row's first fed token not compared."""
+    from nanolab.engine.llm_engine import accept_on_device
+
+    g = torch.Generator().manual_seed(seed)
+    total = sum(counts)
+    best = torch.randint(0, 3, (total,), generator=g)
+    fed = torch.randint(0, 3, (total,), generator=g)
+    logits = torch.nn.functional.one_hot(best, 5).float()  # argmax: best
+    loc = list(itertools.accumulate(counts, initial=0))
+    drafts = [fed[a + 1: b].tolist() for a, b in zip(loc, loc[1:])]
+    want = [greedy_accept(best[a: b].tolist(), d) for a, b, d in zip(loc, loc[1:], drafts)]
+    dev = kernel_device()
+    for result, shift in (accept_on_device(logits.to(dev), drafts, counts, fed.to(dev)),
+                          accept_on_device(logits, drafts, counts)):
+        kept, last = result.cpu().tolist()
+        assert [d[:a] + [t] for d, a, t in zip(drafts, kept, last)] == want
+        assert shift.cpu().tolist() == [a - len(d) for a, d in zip(kept, drafts)]
+
+
+@pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(), reason="needs Triton: a GPU or its interpreter")
+def test_the_shift_kernel_moves_each_token_back_by_its_rows_shift():
+    """`kernels.chain.shift_step` on a hand-made plan of 5 tokens over two rows continuing rows 1
+    and 0 of the step before, whose shifts are 0 and -2 and last tokens 7 and 9: positions and
+    context lengths move by their row's shift, write slots are read again from the block table,
+    and each row's first token becomes its last token."""
+    from nanolab.kernels.chain import shift_step
+
+    dev = kernel_device()
+    block_size = 4
+    table = torch.tensor([[5, 6, 7], [2, 3, 4], [-1, -1, -1]], dtype=torch.int32, device=dev)
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    src, head = t([1, 1, 1, 0, 0]), t([1, 0, 0, 1, 0])  # tokens 0-2 continue row 1, 3-4 row 0
+    rows = t([0, 0, 0, 1, 1])  # their cache rows
+    positions, lens = t([6, 7, 8, 9, 10]), t([7, 8, 9, 10, 11])
+    slots, ids = t([0] * 5), t([0, 41, 42, 0, 43])
+    shift_step(src, head, t([-2, 0]), t([9, 7]), positions, lens, rows, slots, ids, table, block_size)
+    assert positions.tolist() == [6, 7, 8, 7, 8] and lens.tolist() == [7, 8, 9, 8, 9]
+    # row 0's blocks 5, 6, 7 and row 1's 2, 3, 4: slot = block * 4 + position % 4
+    assert slots.tolist() == [6 * 4 + 2, 6 * 4 + 3, 7 * 4 + 0, 3 * 4 + 3, 4 * 4 + 0]
+    assert ids.tolist() == [7, 41, 42, 9, 43]

@@ -35,6 +35,8 @@ from nanolab.engine.kv_cache import KVCache, host_int64, kv_bytes_per_block, sta
 from nanolab.engine.runner import ModelRunner, compile_decode
 from nanolab.engine.scheduler import Scheduler, SchedulerOutput
 from nanolab.engine.sequence import Sequence
+from nanolab.kernels.argmax import argmax
+from nanolab.kernels.chain import accept_drafts
 from nanolab.model.llama import LlamaModel
 from nanolab.sampling import PositionLogprobs, SamplingParams, compute_logprobs, sample_tokens, sampling_probs
 from nanolab.spec_decode import greedy_accept, propose_ngram, rejection_sample
@@ -154,23 +156,30 @@ def _host_list(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
 
 
-def accept_on_device(logits: torch.Tensor, drafts: list[list[int]], counts: list[int]):
+def accept_on_device(logits: torch.Tensor, drafts: list[list[int]], counts: list[int],
+                     fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance without reading back: logits [sum(counts), vocab] of a verify step whose
     row r fed counts[r] tokens, its first and then drafts[r] -> (result [2, rows] int64: the
     drafts each row kept, then the token it adds after them, as `greedy_accept`; shift [rows]
-    int64: kept minus fed drafts), both on the logits' device."""
+    int64: kept minus fed drafts), both on the logits' device. Given `fed` (the step's fed tokens
+    [sum(counts)] int64 on the device), in one Triton kernel (`kernels.chain.accept_drafts`);
+    otherwise in torch ops over `drafts`."""
+    best = argmax(logits) if logits.is_cuda else logits.argmax(-1)  # [sum(counts)]
+    device = logits.device
+    if fed is not None:
+        loc = stage(host_int64(list(itertools.accumulate(counts, initial=0))), device).to(device, non_blocking=True)
+        return accept_drafts(best, fed, loc, max(counts))
     rows, width = len(drafts), max(len(d) for d in drafts)
     starts = itertools.accumulate(counts, initial=0)
-    # Each row's argmax positions, padded with its last one, then its drafts, padded with -1 (never a token).
+    # Each row's choices, padded with its last one, then its drafts, padded with -1 (never a token).
     index = [s + min(j, n - 1) for s, n in zip(starts, counts) for j in range(width + 1)]
     pads = [t for d in drafts for t in (*d, *[-1] * (width - len(d)))]
     host = host_int64(index + pads + [len(d) for d in drafts])
-    index, pads, fed = stage(host, logits.device).to(logits.device, non_blocking=True).split(
-        [len(index), len(pads), rows])
-    best = logits.argmax(-1)[index].view(rows, width + 1)  # [rows, width + 1]
-    kept = (best[:, :width] == pads.view(rows, width)).long().cumprod(1).sum(1)  # [rows]
-    last = best.gather(1, kept[:, None])[:, 0]
-    return torch.stack([kept, last]), kept - fed
+    index, pads, fed_counts = stage(host, device).to(device, non_blocking=True).split([len(index), len(pads), rows])
+    choice = best[index].view(rows, width + 1)  # [rows, width + 1]
+    kept = (choice[:, :width] == pads.view(rows, width)).long().cumprod(1).sum(1)  # [rows]
+    last = choice.gather(1, kept[:, None])[:, 0]
+    return torch.stack([kept, last]), kept - fed_counts
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -925,26 +934,24 @@ class Engine:
         the device, and its positions move back by what prev leaves unkept."""
         start = time.perf_counter()
         counts = [1 + len(d) for d in drafts]
-        first_ids = shift = None
+        after = None
         if prev is None:
             fed = [t for s, d in zip(seqs, drafts, strict=True) for t in (s.output_token_ids[-1], *d)]
         else:
             fed = [t for d in drafts for t in (0, *d)]  # each row's 0 is replaced on the device
             index = {id(s): i for i, s in enumerate(prev.seqs)}
-            rows = [index[id(s)] for s in seqs]
-            rows_dev = stage(torch.tensor(rows), self.device).to(self.device, non_blocking=True)
-            first_ids = prev.tokens[rows_dev]
-            if any(prev.drafts):
-                shift = prev.shift[rows_dev]
+            after = ([index[id(s)] for s in seqs], prev.tokens, prev.shift)
         try:
-            logits = self.runner.verify(seqs, counts, fed=fed, first_ids=first_ids, shift=shift)
+            logits = self.runner.verify(seqs, counts, fed=fed, after=after)
         except Exception as e:
             self._inflight = None
             return (self._retire(prev) if prev else []) + self._fail_forward(seqs, e)
         for seq in seqs:  # the fed tokens, as if the step before kept every draft: its read-back corrects them
             seq.num_computed_tokens = self.block_manager.tables[seq.row].num_tokens
         self._commit(seqs)
-        result, shift = accept_on_device(logits, drafts, counts)  # [2, rows] and [rows]
+        # [2, rows] and [rows]; in Triton where the step reads through Triton's kernels
+        result, shift = accept_on_device(logits, drafts, counts,
+                                         self.runner.last_fed if self.kv_cache.read == "streamed" else None)
         host, done = self._read_back(result)
         batch, graph = self.runner.last_decode
         n = len(seqs)

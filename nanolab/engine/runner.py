@@ -185,6 +185,7 @@ class ModelRunner:
         # a graph of the smallest capture size holding them (`capture_sizes`); larger ones run eagerly.
         self.varlen_graphs: VarlenGraphs | None = None
         self.last_varlen: tuple[int, bool] = (0, False)  # (tokens the forward ran, whether a graph replayed)
+        self.last_fed: torch.Tensor | None = None  # [tokens] int64 on the device: the last verify step's fed tokens
         if cuda_graphs:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
@@ -263,30 +264,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence], query_lens: list[int], fed: list[int] | None = None,
-               first_ids: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+               after: tuple[list[int], torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """A verify step: sequence i feeds query_lens[i] tokens (its pending token and the drafts
         after it, none in the cache yet) -> logits at every one, in order, [sum(query_lens), vocab]
         fp32. The tokens are each sequence's last query_lens[i] unless `fed` (host ints, one a fed
         token) names them. It runs as a decode step of a batch row a fed token (`plan_decode`'s
         `query_lens`), through a decode graph when a bucket holds that many rows: each token reads its
         row's keys through the decode read, which walks a short context once a token faster than the
-        varlen read splits it. More tokens than the cache's rows run as a varlen step.
+        varlen read splits it. More tokens than the cache's rows run as a varlen step. The fed
+        tokens on the device stay in `last_fed` until the next verify step.
 
-        Planned ahead of the step before it (chained speculation): `first_ids` [rows] int64 on the
-        device replaces each row's first fed token (the one the step before is still choosing), and
-        `shift` [rows] int64 on the device moves each row's tokens back by what that step left
-        unkept (`KVCache.shift_decode_plan`). Either needs the decode path."""
-        chained = first_ids is not None or shift is not None
+        Planned ahead of the step before it (chained speculation), `after` is (rows, last, shift):
+        sequence i continues row rows[i] of that step, whose last tokens and shifts (kept drafts
+        minus fed, [its rows] int64) are still on the device. Each sequence's first fed token
+        becomes its row's last token there, and its tokens move back by its row's shift
+        (`KVCache.shift_decode_plan`). It needs the decode path."""
         if sum(query_lens) > self.kv_cache.max_rows:
-            if chained or fed is not None:
+            if after is not None or fed is not None:
                 raise ValueError(f"a verify step of {sum(query_lens)} tokens, more than the cache's "
                                  f"{self.kv_cache.max_rows} rows, runs as a varlen step, which takes neither "
-                                 "fed tokens, first ids nor a shift")
+                                 "fed tokens nor a step before it")
             return self._verify_varlen(seqs, query_lens)
-        return self._verify_decode(seqs, query_lens, fed, first_ids, shift)
+        return self._verify_decode(seqs, query_lens, fed, after)
 
     def _verify_decode(self, seqs: list[Sequence], query_lens: list[int], fed: list[int] | None = None,
-                       first_ids: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
+                       after: tuple[list[int], torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`verify` as a decode step of a batch row a fed token."""
         tokens = sum(query_lens)
         tables = [self.kv_cache.blocks.table(s.row) for s in seqs]
@@ -301,17 +303,13 @@ class ModelRunner:
         self.planned("verify", seqs, fed, query_lens, None)
         host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
         host[:tokens, 0] = torch.tensor(fed)
-        ids = stage(host, self.device)
-        if first_ids is not None or shift is not None:
-            # Each fed token's row, then each row's first token, in one upload: [tokens + rows].
-            starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
-            index = host_int64([i for i, n in enumerate(query_lens) for _ in range(n)] + starts)
-            index = stage(index, self.device).to(self.device, non_blocking=True)
-            if first_ids is not None:
-                ids = ids.to(self.device, non_blocking=True)
-                ids[index[tokens:], 0] = first_ids
-            if shift is not None:
-                self.kv_cache.shift_decode_plan(plan, shift, index[:tokens])
+        ids = stage(host, self.device).to(self.device, non_blocking=True)
+        if after is not None:
+            rows, last, shift = after
+            src = [rows[i] for i, n in enumerate(query_lens) for _ in range(n)]
+            head = [int(j == 0) for n in query_lens for j in range(n)]
+            self.kv_cache.shift_decode_plan(plan, src, head, shift, last, ids.view(-1))
+        self.last_fed = ids[:tokens, 0]
         return self._run_decode(plan, ids, tokens)
 
     def _verify_varlen(self, seqs: list[Sequence], query_lens: list[int]) -> torch.Tensor:
