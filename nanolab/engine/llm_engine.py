@@ -157,18 +157,19 @@ def _host_list(tokens) -> list[int]:
 
 
 def accept_on_device(logits: torch.Tensor, drafts: list[list[int]], counts: list[int],
-                     fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fed: torch.Tensor | None = None, max_fed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance without reading back: logits [sum(counts), vocab] of a verify step whose
     row r fed counts[r] tokens, its first and then drafts[r] -> (result [2, rows] int64: the
     drafts each row kept, then the token it adds after them, as `greedy_accept`; shift [rows]
     int64: kept minus fed drafts), both on the logits' device. Given `fed` (the step's fed tokens
-    [sum(counts)] int64 on the device), in one Triton kernel (`kernels.chain.accept_drafts`);
-    otherwise in torch ops over `drafts`."""
+    [sum(counts)] int64 on the device), in one Triton kernel (`kernels.chain.accept_drafts`, built
+    for rows of up to `max_fed` tokens, default the longest here: an engine passes its most, so
+    that Triton builds it once, at warm-up); otherwise in torch ops over `drafts`."""
     best = argmax(logits) if logits.is_cuda else logits.argmax(-1)  # [sum(counts)]
     device = logits.device
     if fed is not None:
         loc = stage(host_int64(list(itertools.accumulate(counts, initial=0))), device).to(device, non_blocking=True)
-        return accept_drafts(best, fed, loc, max(counts))
+        return accept_drafts(best, fed, loc, max(counts) if max_fed is None else max_fed)
     rows, width = len(drafts), max(len(d) for d in drafts)
     starts = itertools.accumulate(counts, initial=0)
     # Each row's choices, padded with its last one, then its drafts, padded with -1 (never a token).
@@ -950,8 +951,9 @@ class Engine:
             seq.num_computed_tokens = self.block_manager.tables[seq.row].num_tokens
         self._commit(seqs)
         # [2, rows] and [rows]; in Triton where the step reads through Triton's kernels
-        result, shift = accept_on_device(logits, drafts, counts,
-                                         self.runner.last_fed if self.kv_cache.read == "streamed" else None)
+        streamed = self.kv_cache.read == "streamed"
+        result, shift = accept_on_device(logits, drafts, counts, self.runner.last_fed if streamed else None,
+                                         self.config.speculative_config.num_speculative_tokens + 1)
         host, done = self._read_back(result)
         batch, graph = self.runner.last_decode
         n = len(seqs)

@@ -41,7 +41,8 @@ def accept_drafts(best: torch.Tensor, ids: torch.Tensor, loc: torch.Tensor, max_
     """best and ids [tokens] int64 (greedy's choice after each fed token, and the fed tokens), loc
     [rows + 1] int64 (row r fed tokens loc[r] .. loc[r + 1] - 1, at most `max_fed` of them), all
     on one device -> (result [2, rows] int64: the drafts each row kept, then the token it adds;
-    shift [rows] int64: kept drafts minus fed ones)."""
+    shift [rows] int64: kept drafts minus fed ones). Triton builds the kernel once per power of
+    two of `max_fed`."""
     rows = loc.numel() - 1
     result = torch.empty((2, rows), dtype=torch.int64, device=best.device)
     shift = torch.empty(rows, dtype=torch.int64, device=best.device)
