@@ -25,7 +25,7 @@ def test_a_request_is_checked_once_on_the_event_loops_side(tiny_model, monkeypat
 
     def counted(self, prompt, params):
         checked.append(len(prompt))
-        check(self, prompt, params)
+        return check(self, prompt, params)
 
     monkeypatch.setattr(RequestLimits, "check", counted)
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolab import LLM, Engine, EngineConfig, SamplingParams
-from nanolab.engine.block_manager import BlockManager, CacheFull, block_key, token_span
+from nanolab.engine.block_manager import BlockManager, CacheFull, KeyMemo, block_key, chain_keys, token_span
 
 BS = 4
 
@@ -29,6 +29,23 @@ def test_the_key_chains_every_block_before():
     assert block_key(a, [5, 6, 7, 8]) != block_key(b, [5, 6, 7, 8]), "a key ignores its parent"
     assert block_key(a, [5, 6, 7, 8]) == block_key(block_key(None, [1, 2, 3, 4]), [5, 6, 7, 8])
     assert block_key(None, [1, 2, 3, 4]) != block_key(None, [1, 2, 3, 5])
+
+
+def test_the_key_memo_gives_the_chains_keys_and_keeps_at_most_its_capacity():
+    rng = random.Random(0)
+    memo = KeyMemo(BS, capacity=12)
+    shared = [rng.randrange(1, 50) for _ in range(3 * BS)]
+    for _ in range(40):  # prompts over a few shared heads, a block repeated under different parents
+        head = rng.choice([shared, shared[BS:], shared[:BS] * 3, []])
+        ids = head + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 3 * BS))]
+        first = rng.randrange(0, 2) if len(ids) >= BS else 0
+        parent = None if first == 0 else block_key(None, ids[:BS])
+        stop = len(ids) // BS
+        assert list(memo.chain(parent, ids, first, stop)) == list(chain_keys(parent, ids, first, stop, BS))
+        assert len(memo) <= 12
+    # The same block after two different parents: two keys.
+    a, b = [1] * BS + [7] * BS, [2] * BS + [7] * BS
+    assert list(memo.chain(None, a, 0, 2))[1] != list(memo.chain(None, b, 0, 2))[1]
 
 
 def fill(manager: BlockManager, row: int, tokens: list[int]) -> None:

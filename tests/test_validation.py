@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanolab import LLM, EngineConfig, SamplingParams
+from nanolab.engine.llm_engine import RequestLimits
 from nanolab.model.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, Tokenizer, build_byte_tokenizer, validate_messages
 from nanolab.sampling import MIN_TEMPERATURE, sample
 
@@ -354,3 +355,23 @@ def test_the_context_is_what_the_pool_holds() -> None:
     assert llm.engine.max_model_len == 128
     out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert out[0].finish_reason == "length" and len(out[0].prompt_token_ids) + len(out[0].token_ids) == 128
+
+
+BAD_IDS = {"True": [True], "False": [3, False], "float": [1.0], "str": ["3"], "None": [None], "negative": [-1],
+           "vocab": [512], "int64 + 1": [2**63], "below int64": [-(2**63) - 1], "huge": [2**70]}
+
+
+@pytest.mark.parametrize("ids", BAD_IDS.values(), ids=BAD_IDS.keys())
+def test_request_limits_refuse_every_id_that_is_not_a_token(ids) -> None:
+    limits = RequestLimits(vocab_size=512, max_model_len=64, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match=r"^prompt token ids must be ints in \[0, 512\)$"):
+        limits.check([5, *ids, 6], SamplingParams(max_tokens=2))
+
+
+def test_request_limits_pack_the_checked_ids_as_a_copy() -> None:
+    limits = RequestLimits(vocab_size=512, max_model_len=64, num_blocks=16, block_size=4)
+    prompt = [0, 511, 7]
+    packed = limits.check(prompt, SamplingParams(max_tokens=2))
+    prompt[0] = 9
+    assert packed.typecode == "q" and packed.tolist() == [0, 511, 7]
+    assert [p.tolist() for p in limits.check_all([[1], [2, 3]], [SamplingParams(max_tokens=2)] * 2)] == [[1], [2, 3]]

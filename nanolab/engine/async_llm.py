@@ -24,6 +24,7 @@ the server's `/metrics`.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import json
@@ -144,15 +145,15 @@ class EngineCore:
         self._rids: dict[int, int] = {}  # engine request id -> client id
         self._log = None if step_log is None else Path(step_log).open("w", buffering=1 << 16)
 
-    def add(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+    def add(self, requests: list[tuple[int, array.array, SamplingParams]]) -> None:
         """Queue one client call's requests [(id, prompt, params)] together, so the samples of one
         prompt share it. They come only from `AsyncLLM.add_requests`, which checked them against
-        this engine's `RequestLimits` and posted prompt lists no caller holds: they are queued
-        without `Engine.add_requests`' second check. The step log gets an "add" event, timed as
-        the core takes them."""
+        this engine's `RequestLimits` and posted each prompt's ids as the check packed them: they
+        are queued without `Engine.add_requests`' second check. The step log gets an "add" event,
+        timed as the core takes them."""
         if self._log is not None:
             self._log.write(json.dumps({"t": time.monotonic(), "event": "add", "requests": len(requests)}) + "\n")
-        seqs = self.engine.add_checked_requests([r[1] for r in requests], [r[2] for r in requests])
+        seqs = self.engine.add_checked_requests([r[1].tolist() for r in requests], [r[2] for r in requests])
         for (rid, _, _), seq in zip(requests, seqs):
             self._seqs[rid] = seq
             self._rids[seq.request_id] = rid
@@ -501,15 +502,15 @@ class AsyncLLM:
             raise RuntimeError(f"the engine is not running: {why}")
         prompts = [list(p) for p in prompts]
         if numbered:
-            self.limits.check_all(prompts, params)
+            packed = self.limits.check_all(prompts, params)
         else:
             (prompt,), (p,) = prompts, params
-            self.limits.check(prompt, p)
+            packed = [self.limits.check(prompt, p)]
         streams, requests = [], []
-        for prompt, p in zip(prompts, params):
-            # The core's own copy of the checked ids: a stream's `prompt_token_ids` is the caller's
-            # to change, and a core on a thread reads what it is posted after this returns.
-            checked = list(prompt)
+        # The core gets the checked ids as `check` packed them: its own copy (a stream's
+        # `prompt_token_ids` is the caller's to change, and a core on a thread reads what it is
+        # posted after this returns), and one run of bytes through the pipe rather than an object a token.
+        for prompt, checked, p in zip(prompts, packed, params):
             for sample in p.samples():
                 stream = RequestStream(next(self._ids), prompt, sample)
                 self._streams[stream.rid] = stream

@@ -52,6 +52,41 @@ def chain_keys(parent: bytes | None, token_ids, first: int, stop: int, block_siz
         yield parent
 
 
+class KeyMemo:
+    """`chain_keys` with the keys it computed last kept: (parent key, a block's token ids as bytes)
+    -> key, at most `capacity` of them, the least recently used dropped first. A key depends on
+    nothing else, so a kept one is always the right one, and the dict compares the whole pair, so
+    two blocks never share an entry. A prompt behind a prefix that was keyed before hashes none of
+    that prefix's blocks again: each costs a dict lookup of its bytes instead of a SHA-256."""
+
+    def __init__(self, block_size: int, capacity: int) -> None:
+        if block_size < 1 or capacity < 1:
+            raise ValueError(f"block_size and capacity must be positive, got {block_size} and {capacity}")
+        self.block_size = block_size
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple[bytes | None, bytes], bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def chain(self, parent: bytes | None, token_ids, first: int, stop: int) -> Iterator[bytes]:
+        """`chain_keys(parent, token_ids, first, stop, block_size)`, lazily, through the memo."""
+        bs, keys = self.block_size, self._keys
+        data = array.array("q", token_ids[first * bs: stop * bs]).tobytes()
+        width = 8 * bs
+        for at in range(0, len(data), width):
+            entry = (parent, data[at: at + width])
+            key = keys.get(entry)
+            if key is None:
+                key = keys[entry] = hashlib.sha256((parent or b"") + entry[1]).digest()
+                if len(keys) > self.capacity:
+                    keys.popitem(last=False)
+            else:
+                keys.move_to_end(entry)
+            parent = key
+            yield key
+
+
 class BlockAllocator:
     """The pool's blocks: each free, or held by one or more block tables (its reference count).
 
@@ -185,6 +220,8 @@ class BlockManager:
         self.allocator = BlockAllocator(num_blocks)
         self.tables: list[BlockTable | None] = [None] * max_rows
         self._new: dict[tuple[int, int], int] = {}  # (row, column) -> block, not yet on the device
+        # A key for every block the pool holds: more would only be found if their blocks had stayed cached.
+        self.key_memo = KeyMemo(block_size, num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -216,7 +253,7 @@ class BlockManager:
         blocks, keys = [], []
         if not self.enable_prefix_caching:
             return blocks, keys
-        for key in chain_keys(None, token_ids, 0, (len(token_ids) - 1) // self.block_size, self.block_size):
+        for key in self.key_memo.chain(None, token_ids, 0, (len(token_ids) - 1) // self.block_size):
             block = self.allocator.lookup(key)
             if block is None:
                 break
@@ -275,8 +312,8 @@ class BlockManager:
         stop = min(table.num_tokens, len(prompt) + len(output)) // bs * bs
         if stop <= first * bs:
             return
-        keys = chain_keys(table.keys[-1] if table.keys else None, token_span(prompt, output, first * bs, stop), 0,
-                          stop // bs - first, bs)
+        parent = table.keys[-1] if table.keys else None
+        keys = self.key_memo.chain(parent, token_span(prompt, output, first * bs, stop), 0, stop // bs - first)
         for i, key in enumerate(keys, first):
             self.allocator.set_key(table.blocks[i], key)
             table.keys.append(key)

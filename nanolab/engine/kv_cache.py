@@ -159,9 +159,10 @@ class KVCache:
         new = self.blocks.take_new_entries()
         if not new:
             return
-        (rows_, cols), blocks = zip(*new.keys(), strict=True), list(new.values())
-        index = stage(torch.tensor([rows_, cols], dtype=torch.int64), self.device).to(self.device, non_blocking=True)
-        values = stage(torch.tensor(blocks, dtype=torch.int32), self.device).to(self.device, non_blocking=True)
+        (rows_, cols), blocks = zip(*new.keys(), strict=True), array.array("i", new.values())
+        # Through array.array, not torch.tensor: a prompt behind a cached prefix stages an entry a shared block.
+        index = stage(host_int64(rows_ + cols), self.device).to(self.device, non_blocking=True).view(2, -1)
+        values = stage(torch.frombuffer(blocks, dtype=torch.int32), self.device).to(self.device, non_blocking=True)
         self.block_table[index[0], index[1]] = values
         self.host_cells += len(blocks)
 

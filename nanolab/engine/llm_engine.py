@@ -17,7 +17,9 @@ its positions back by what step t did not keep.
 
 from __future__ import annotations
 
+import array
 import itertools
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -83,17 +85,27 @@ class RequestLimits:
     num_blocks: int
     block_size: int
 
-    def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request."""
+    def check(self, prompt: list[int], params: SamplingParams) -> array.array:
+        """Raise ValueError (TypeError for a wrong type) naming what is wrong with a request; return
+        the prompt's ids packed as int64 (`array.array("q")`, a copy), which pickle to another
+        process as one run of bytes."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty: there is nothing to continue")
         vocab = self.vocab_size
+        bad = f"prompt token ids must be ints in [0, {vocab})"
         # By exact type, so a bool (an int subclass) is not a token id; at C speed, since a prompt
         # is thousands of ids and every request is checked on the server's event loop.
-        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if operator.countOf(map(type, prompt), int) != len(prompt):
+            raise ValueError(bad)
+        try:
+            packed = array.array("q", prompt)
+        except OverflowError:
+            raise ValueError(bad) from None
+        low, high = torch.frombuffer(packed, dtype=torch.int64).aminmax()
+        if low < 0 or high >= vocab:
+            raise ValueError(bad)
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(prompt)} tokens but the model's context is {self.max_model_len}: "
@@ -105,16 +117,21 @@ class RequestLimits:
                 f"this request can grow to {longest} tokens, more than the whole KV pool holds "
                 f"({self.num_blocks} blocks of {self.block_size}); lower max_tokens or enlarge the pool"
             )
+        return packed
 
-    def check_all(self, prompts: Seq[list[int]], params: Seq[SamplingParams], name: str = "request") -> None:
-        """`check` every request; an error names the one at fault ("request 2: ...")."""
+    def check_all(self, prompts: Seq[list[int]], params: Seq[SamplingParams], name: str = "request"
+                  ) -> list[array.array]:
+        """`check` every request, returning each one's packed ids; an error names the one at fault
+        ("request 2: ...")."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        packed = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                self.check(prompt, p)
+                packed.append(self.check(prompt, p))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"{name} {i}: {e}") from None
+        return packed
 
 
 @dataclass(slots=True)
@@ -405,7 +422,7 @@ class Engine:
         first: dict[tuple[int, ...], Sequence] = {}  # prompt -> the first request of this call with it
         for prompt, p in zip(prompts, params):
             generator = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
-            key = tuple(prompt)
+            key = tuple(prompt) if len(prompts) > 1 else ()  # a prompt alone has no other sample to wait for
             seq = Sequence(next(self._ids), prompt, p, generator, parent=first.get(key))
             first.setdefault(key, seq)
             if p.logprobs is not None:
