@@ -28,7 +28,9 @@
 #
 # - **A key per full block.** Block i's key is a SHA-256 over block i-1's key and block i's own
 #   token ids (`block_key`). Two blocks share a key only when they and everything before them
-#   hold the same tokens.
+#   hold the same tokens. The keys computed last are kept, one for each block of the pool
+#   (`KeyMemo`), so a prompt behind a prefix keyed before compares its blocks' bytes instead of
+#   hashing them again.
 # - **Keyed once written.** A block is keyed after the forward that writes it has been launched.
 #   A step that fails leaves no findable block with K/V that were never written.
 # - **Shared by reference count.** An admitted request looks up its prompt's keys and starts
