@@ -212,8 +212,8 @@ def chained_logits(engine, monkeypatch):
         launches.append([list(seqs), list(counts), out.detach().clone(), None])
         return out
 
-    def recorded_accept(logits, drafts, counts, fed=None, max_fed=None):
-        result, shift = accept(logits, drafts, counts, fed, max_fed)
+    def recorded_accept(logits, drafts, counts, fed=None, max_fed=None, **kw):
+        result, shift = accept(logits, drafts, counts, fed, max_fed, **kw)
         launches[-1][3] = result[0].tolist()
         return result, shift
 

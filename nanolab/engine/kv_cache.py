@@ -374,13 +374,13 @@ class KVCache:
         return DecodePlan(**views, block_table=self.block_table, block_size=self.block_size, width=width,
                           planned_lens=tuple(p + 1 for p in positions), rows=tuple(token_rows), epoch=self._plans)
 
-    def shift_decode_plan(self, plan: DecodePlan, src: list[int], head: list[int], shift: torch.Tensor,
+    def shift_decode_plan(self, plan: DecodePlan, src: torch.Tensor, head: torch.Tensor, shift: torch.Tensor,
                           last: torch.Tensor, ids: torch.Tensor) -> None:
         """Move the newest decode plan's fed tokens back by what the step before it, still on the
         device, left unkept, and give each row its first token from that step. Token i of the plan
-        continues row src[i] of the step before (host ints, one a real token; head[i] 1 for a
-        row's first token): its position and context length change by shift[src[i]] (shift [rows
-        of the step before] int64 on the device, each at most 0), its write slot is read again from
+        continues row src[i] of the step before (src and head [real tokens] int64 on the device;
+        head[i] 1 for a row's first token): its position and context length change by shift[src[i]]
+        (shift [rows of the step before] int64 on the device, each at most 0), its write slot is read again from
         the block table at its new position, and a first token becomes last[src[i]] in `ids`
         ([tokens or more] int64 on the device, changed in place). Device ops queued after the plan's
         upload and before its forward, nothing read back: how a verify step is planned before the
@@ -388,20 +388,18 @@ class KVCache:
         draft ahead were kept, so that its new positions lie in blocks it holds. One Triton kernel
         with the streamed read (`kernels.chain.shift_step`), torch ops with the reference read."""
         self.require_current(plan)
-        n = len(src)
-        index = stage(host_int64(src + head), self.device).to(self.device, non_blocking=True)
-        src_, head_ = index[:n], index[n:]
+        n = src.numel()
         positions, lens, rows, slots = (plan.positions.view(-1)[:n], plan.context_lens[:n], plan.table_rows[:n],
                                         plan.write_slots[:n])
         if self.read == "streamed":
-            shift_step(src_, head_, shift, last, positions, lens, rows, slots, ids, self.block_table, self.block_size)
+            shift_step(src, head, shift, last, positions, lens, rows, slots, ids, self.block_table, self.block_size)
             return
-        step = shift[src_]  # [tokens]
+        step = shift[src]  # [tokens]
         positions += step
         lens += step
         slots.copy_(self.block_table[rows, positions // self.block_size].long() * self.block_size
                     + positions % self.block_size)
-        ids[:n].copy_(torch.where(head_ != 0, last[src_], ids[:n]))
+        ids[:n].copy_(torch.where(head != 0, last[src], ids[:n]))
 
     def _upload(self, step: torch.Tensor, dsts: list[torch.Tensor]) -> None:
         """step [4, batch] int64 on the host -> the four device views `dsts`. On CUDA one kernel

@@ -174,18 +174,21 @@ def _host_list(tokens) -> list[int]:
 
 
 def accept_on_device(logits: torch.Tensor, drafts: list[list[int]], counts: list[int],
-                     fed: torch.Tensor | None = None, max_fed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fed: torch.Tensor | None = None, max_fed: int | None = None,
+                     loc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance without reading back: logits [sum(counts), vocab] of a verify step whose
     row r fed counts[r] tokens, its first and then drafts[r] -> (result [2, rows] int64: the
     drafts each row kept, then the token it adds after them, as `greedy_accept`; shift [rows]
     int64: kept minus fed drafts), both on the logits' device. Given `fed` (the step's fed tokens
     [sum(counts)] int64 on the device), in one Triton kernel (`kernels.chain.accept_drafts`, built
     for rows of up to `max_fed` tokens, default the longest here: an engine passes its most, so
-    that Triton builds it once, at warm-up); otherwise in torch ops over `drafts`."""
+    that Triton builds it once, at warm-up, and `loc`, where each row's tokens begin [rows + 1]
+    int64 on the device, when it is there already); otherwise in torch ops over `drafts`."""
     best = argmax(logits) if logits.is_cuda else logits.argmax(-1)  # [sum(counts)]
     device = logits.device
     if fed is not None:
-        loc = stage(host_int64(list(itertools.accumulate(counts, initial=0))), device).to(device, non_blocking=True)
+        if loc is None:
+            loc = stage(host_int64(list(itertools.accumulate(counts, initial=0))), device).to(device, non_blocking=True)
         return accept_drafts(best, fed, loc, max(counts) if max_fed is None else max_fed)
     rows, width = len(drafts), max(len(d) for d in drafts)
     starts = itertools.accumulate(counts, initial=0)
@@ -970,7 +973,8 @@ class Engine:
         # [2, rows] and [rows]; in Triton where the step reads through Triton's kernels
         streamed = self.kv_cache.read == "streamed"
         result, shift = accept_on_device(logits, drafts, counts, self.runner.last_fed if streamed else None,
-                                         self.config.speculative_config.num_speculative_tokens + 1)
+                                         self.config.speculative_config.num_speculative_tokens + 1,
+                                         loc=self.runner.last_loc if streamed else None)
         host, done = self._read_back(result)
         batch, graph = self.runner.last_decode
         n = len(seqs)

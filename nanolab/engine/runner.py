@@ -186,6 +186,7 @@ class ModelRunner:
         self.varlen_graphs: VarlenGraphs | None = None
         self.last_varlen: tuple[int, bool] = (0, False)  # (tokens the forward ran, whether a graph replayed)
         self.last_fed: torch.Tensor | None = None  # [tokens] int64 on the device: the last verify step's fed tokens
+        self.last_loc: torch.Tensor | None = None  # [rows + 1] int64 on the device: where its row r's tokens start
         if cuda_graphs:
             self.graphs = DecodeGraphs(self.forward, kv_cache, buckets)
             self.graphs.capture(progress=progress)
@@ -272,7 +273,8 @@ class ModelRunner:
         `query_lens`), through a decode graph when a bucket holds that many rows: each token reads its
         row's keys through the decode read, which walks a short context once a token faster than the
         varlen read splits it. More tokens than the cache's rows run as a varlen step. The fed
-        tokens on the device stay in `last_fed` until the next verify step.
+        tokens on the device stay in `last_fed`, and where each row's begin in `last_loc`
+        ([rows + 1] int64), until the next verify step.
 
         Planned ahead of the step before it (chained speculation), `after` is (rows, last, shift):
         sequence i continues row rows[i] of that step, whose last tokens and shifts (kept drafts
@@ -301,13 +303,20 @@ class ModelRunner:
         elif len(fed) != tokens:
             raise ValueError(f"fed holds {len(fed)} tokens for a step of {tokens}")
         self.planned("verify", seqs, fed, query_lens, None)
-        host = torch.zeros((plan.batch_size, 1), dtype=torch.int64)
-        host[:tokens, 0] = torch.tensor(fed)
-        ids = stage(host, self.device).to(self.device, non_blocking=True)
+        # One upload: the fed ids padded to the batch, each row's first fed token's index
+        # (`last_loc`), and with `after` each token's row of the step before and whether it heads
+        # its row.
+        batch = plan.batch_size
+        host = fed + [0] * (batch - tokens) + list(itertools.accumulate(query_lens, initial=0))
         if after is not None:
             rows, last, shift = after
-            src = [rows[i] for i, n in enumerate(query_lens) for _ in range(n)]
-            head = [int(j == 0) for n in query_lens for j in range(n)]
+            host += [rows[i] for i, n in enumerate(query_lens) for _ in range(n)]  # src
+            host += [int(j == 0) for n in query_lens for j in range(n)]  # head
+        inputs = stage(host_int64(host), self.device).to(self.device, non_blocking=True)
+        ids, self.last_loc, index = inputs.split([batch, len(seqs) + 1, len(host) - batch - len(seqs) - 1])
+        ids = ids.view(-1, 1)
+        if after is not None:
+            src, head = index.view(2, tokens)
             self.kv_cache.shift_decode_plan(plan, src, head, shift, last, ids.view(-1))
         self.last_fed = ids[:tokens, 0]
         return self._run_decode(plan, ids, tokens)
