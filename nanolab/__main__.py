@@ -1,7 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
 `capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`,
-`prefixbench`, `prefixsteps`, `varlenbench`, `specbench`, `fp8bench`.
+`prefixbench`, `prefixsteps`, `varlenbench`, `specbench`, `hostbench`, `fp8bench`.
 
 Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -45,6 +45,8 @@ LAZY_COMMANDS = {
                     "the varlen read alone over its tiles and launch: chunks, prefix hits, verify steps (CUDA)"),
     "specbench": ("nanolab.lab.specbench", "lab",
                   "speculative decoding on real text: acceptance and ms a token at batch 1, on and off (Day 65)"),
+    "hostbench": ("nanolab.lab.hostbench", "lab",
+                  "the host's work a decode step, plain, synchronous verify and chained verify (Day 65)"),
     "fp8bench": ("nanolab.lab.fp8bench", "lab",
                  "fp8 weights against bf16: ms a decode step against each floor, and perplexity (Day 65)"),
     "prefixbench": ("nanolab.lab.prefixbench", "lab",

@@ -6,7 +6,7 @@
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
 #                      [prefixsteps] [varlen] [fp8] [verify] [smollm2] [smolspec] [smolfp32] [smolquality]
-#                      [specload]
+#                      [specload] [host]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -54,6 +54,8 @@
 # smolquality fp8bench's quality (data/day65_fp8_quality_*). Each is its own part, so each call fits its limit.
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
 # and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
+# host runs hostbench: the host's time a step, plain decode, synchronous verify and chained verify at k = 8, 16
+# and 32, over a stand-in forward whose device time is small (data/day65_host_*); under a minute.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
 # Results are packed after every part, so a run cut off by a time limit still returns what it made.
 set -uo pipefail
@@ -140,6 +142,7 @@ for part in "${parts[@]}"; do
         smolfp32) python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 \
                 --prefix day65fp32 || status=1 ;;
         smolquality) python3 -m nanolab fp8bench --model smollm2-135m --parts quality || status=1 ;;
+        host) python3 -m nanolab hostbench --ks 8,16,32 || status=1 ;;
         loop) python3 -m nanolab levers --only loop --model llama-3.2-1b || status=1 ;;
         bench) python3 -m nanolab bench --model llama-3.2-1b --dtype bfloat16 --batches 1,8,32 \
                    --prompt-len 128 --steps 64 --repeats 5 || status=1 ;;
