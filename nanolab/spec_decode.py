@@ -13,15 +13,45 @@ d_i is kept with probability p_i(d_i) and a rejection draws from p_i without d_i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 
-def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+class TokenIndex:
+    """Where each token id occurs in one request's tokens, in order: a lookup for a suffix that ends
+    in token t tries t's earlier positions only, so it costs the matches it tries, not a walk over
+    the whole context. `update` indexes what the request gained since the last call; a request's
+    tokens only grow, so nothing indexed changes."""
+
+    __slots__ = ("positions", "length")
+
+    def __init__(self) -> None:
+        self.positions: dict[int, list[int]] = {}  # token id -> its positions, ascending
+        self.length = 0  # tokens indexed: positions 0 .. length - 1
+
+    def update(self, prompt: Sequence[int], output: Sequence[int]) -> TokenIndex:
+        """Index the tokens of `prompt` then `output` past `length`; return self."""
+        n, positions = len(prompt), self.positions
+        for i in range(self.length, n + len(output)):
+            t = prompt[i] if i < n else output[i - n]
+            at = positions.get(t)
+            if at is None:
+                positions[t] = [i]
+            else:
+                at.append(i)
+        self.length = max(self.length, n + len(output))
+        return self
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int = 1,
+                  index: TokenIndex | None = None) -> list[int]:
     """Up to `k` draft tokens: the tokens that followed the latest earlier occurrence of the
     longest suffix of `token_ids` between `max_n` and `min_n` tokens long (prompt lookup, as
-    vLLM's n-gram proposer). Empty when no suffix occurred before, or nothing followed it."""
+    vLLM's n-gram proposer). Empty when no suffix occurred before, or nothing followed it.
+    `index`, the request's `TokenIndex` over the first `index.length` of these tokens, gives the
+    same drafts without walking them: only the tokens past it are scanned."""
     if k < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got k={k}, min_n={min_n}, max_n={max_n}")
     tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
@@ -29,13 +59,17 @@ def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int =
     if length < 2:
         return []
     last = tokens[-1]
-    # One pass back over the earlier tokens: each j holding the last token ends a match, extended
-    # backwards up to max_n tokens; the longest wins, the latest among equals. A step's host time
-    # grows with the prompt, so no n-token slice is compared at every start for every n.
+    # The positions j < length - 1 that hold the last token, latest first: each ends a match,
+    # extended backwards up to max_n tokens; the longest wins, the latest among equals.
+    if index is not None and index.length <= length:
+        covered = index.length
+        tail = [j for j in range(length - 2, covered - 1, -1) if tokens[j] == last]
+        earlier = index.positions.get(last, [])
+        ends = itertools.chain(tail, (j for j in reversed(earlier) if j <= length - 2))
+    else:
+        ends = (j for j in range(length - 2, -1, -1) if tokens[j] == last)
     best_n, best_j = 0, -1
-    for j in range(length - 2, -1, -1):
-        if tokens[j] != last:
-            continue
+    for j in ends:
         n = 1
         while n < max_n and n <= j and tokens[j - n] == tokens[length - 1 - n]:
             n += 1

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolab.kernels import INTERPRETED
-from nanolab.spec_decode import greedy_accept, propose_ngram, rejection_sample
+from nanolab.spec_decode import TokenIndex, greedy_accept, propose_ngram, rejection_sample
 
 # Chi-square's 0.999 quantile with 4 degrees of freedom (a vocabulary of 5): a correct sampler
 # exceeds it once in a thousand seeds; these seeds are fixed.
@@ -50,6 +50,24 @@ def _propose_by_definition(tokens: list[int], k: int, max_n: int, min_n: int) ->
 def test_propose_ngram_is_its_definition(tokens, k, max_n, data):
     min_n = data.draw(st.integers(1, max_n))
     assert propose_ngram(tokens, k, max_n, min_n) == _propose_by_definition(tokens, k, max_n, min_n)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 5), st.integers(1, 4), st.data())
+def test_propose_ngram_through_an_index_is_its_definition(tokens, k, max_n, data):
+    """A `TokenIndex` over the first `covered` tokens, grown a piece at a time as a request's
+    output grows (prompt, then outputs), the rest scanned: the same drafts as the definition,
+    whatever part it covers, all of them included."""
+    min_n = data.draw(st.integers(1, max_n))
+    covered = data.draw(st.integers(0, len(tokens)))
+    prompt_len = data.draw(st.integers(0, covered))
+    index = TokenIndex()
+    for upto in sorted(data.draw(st.lists(st.integers(prompt_len, covered), max_size=3))) + [covered]:
+        index.update(tokens[:prompt_len], tokens[prompt_len:upto])
+    assert index.length == covered
+    assert sorted(itertools.chain.from_iterable(index.positions.values())) == list(range(covered))
+    assert all(tokens[i] == t for t, at in index.positions.items() for i in at)
+    assert propose_ngram(tokens, k, max_n, min_n, index) == _propose_by_definition(tokens, k, max_n, min_n)
 
 
 def test_greedy_accept_keeps_the_matching_drafts_and_adds_one():

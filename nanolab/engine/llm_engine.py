@@ -41,7 +41,7 @@ from nanolab.kernels.argmax import argmax
 from nanolab.kernels.chain import accept_drafts
 from nanolab.model.llama import LlamaModel
 from nanolab.sampling import PositionLogprobs, SamplingParams, compute_logprobs, sample_tokens, sampling_probs
-from nanolab.spec_decode import greedy_accept, propose_ngram, rejection_sample
+from nanolab.spec_decode import TokenIndex, greedy_accept, propose_ngram, rejection_sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,11 +574,21 @@ class Engine:
         due = False
         for seq in running:  # every row: each miss is recorded
             if self._draft_room(seq) >= 1:
-                if propose_ngram(seq.token_ids, 1, spec.prompt_lookup_max, spec.prompt_lookup_min):
+                if self._lookup(seq, 1):
                     due = True
                 else:
                     self._drafted(seq, kept=False)
         return due
+
+    def _lookup(self, seq: Sequence, k: int, tail: list[int] | None = None) -> list[int]:
+        """Prompt lookup's drafts (up to `k`) for `seq`'s tokens, then `tail` (tokens a step in
+        flight is assumed to add), through its `TokenIndex`, brought up to date first."""
+        spec = self.config.speculative_config
+        if seq.token_index is None:
+            seq.token_index = TokenIndex()
+        index = seq.token_index.update(seq.prompt_token_ids, seq.output_token_ids)
+        tokens = seq.token_ids + tail if tail else seq.token_ids
+        return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min, index)
 
     def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
@@ -592,7 +602,7 @@ class Engine:
         for i, seq in enumerate(out.seqs):
             room = self._draft_room(seq)
             if room >= 1:
-                proposed = propose_ngram(seq.token_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                proposed = self._lookup(seq, room)
                 if proposed:
                     drafts[i] = proposed
                 else:  # no match: a miss, as a verify step that keeps nothing is
@@ -910,7 +920,6 @@ class Engine:
         the rest are the drafts. Room is counted as if prev kept every draft. Drafts are cut to the
         step's budget and the cache's rows (a verify step that chains runs as a decode step), and
         dropped when the pool cannot grow every row by them."""
-        spec = self.config.speculative_config
         index = {id(s): i for i, s in enumerate(prev.seqs)}
         drafts, assumed, guesses = [], [], []
         for seq in seqs:
@@ -920,8 +929,7 @@ class Engine:
             room = self._draft_room(seq, ahead=len(fed) + 1)
             proposed = []
             if room >= 1:
-                proposed = propose_ngram(seq.token_ids + fed[:kept], room + 1, spec.prompt_lookup_max,
-                                         spec.prompt_lookup_min)
+                proposed = self._lookup(seq, room + 1, fed[:kept])
                 if len(proposed) < 2:  # no draft past the guess: a miss
                     proposed = []
                     self._drafted(seq, kept=False)

@@ -9,6 +9,7 @@ import torch
 
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.sampling import PositionLogprobs, SamplingParams
+from nanolab.spec_decode import TokenIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +51,8 @@ class Sequence:
     # token after the first, filled as the prompt's chunks run.
     output_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs] | None = None
+    # Speculative decoding: where each of its token ids occurs, for prompt lookup (made on its first lookup).
+    token_index: TokenIndex | None = None
 
     @property
     def token_ids(self) -> list[int]:
