@@ -17,7 +17,9 @@
 #
 # **Speculative decoding** (`speculative_config`, method `ngram`). Each decoding row gets up to k
 # draft tokens by prompt lookup: the tokens that followed the latest earlier occurrence of the
-# row's last few tokens. One forward over the row's pending token and its drafts scores them all.
+# row's last few tokens. Each request keeps where every token id occurs in it (`TokenIndex`), so a
+# lookup tries only the earlier places of the row's last token and never walks the whole context.
+# One forward over the row's pending token and its drafts scores them all.
 # Greedy rows keep the drafts the model would have chosen anyway, and sampled rows keep them by
 # rejection sampling, which leaves the output distribution the model's own. Either way the row
 # gets one more token from the model, and the blocks past what it kept go back.
