@@ -20,38 +20,42 @@ import torch
 
 
 class TokenIndex:
-    """Where each token id occurs in one request's tokens, in order: a lookup for a suffix that ends
-    in token t tries t's earlier positions only, so it costs the matches it tries, not a walk over
-    the whole context. `update` indexes what the request gained since the last call; a request's
-    tokens only grow, so nothing indexed changes."""
+    """One request's tokens (`tokens`) and where each token id occurs in them, in order: a lookup
+    for a suffix that ends in token t tries t's earlier positions only, so it costs the matches it
+    tries, not a walk over the whole context. `update` takes in what the request gained since the
+    last call; a request's tokens only grow, so nothing indexed changes."""
 
-    __slots__ = ("positions", "length")
+    __slots__ = ("positions", "tokens")
 
     def __init__(self) -> None:
         self.positions: dict[int, list[int]] = {}  # token id -> its positions, ascending
-        self.length = 0  # tokens indexed: positions 0 .. length - 1
+        self.tokens: list[int] = []  # the tokens indexed, positions 0 .. length - 1
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
 
     def update(self, prompt: Sequence[int], output: Sequence[int]) -> TokenIndex:
-        """Index the tokens of `prompt` then `output` past `length`; return self."""
-        n, positions = len(prompt), self.positions
-        for i in range(self.length, n + len(output)):
+        """Take in the tokens of `prompt` then `output` past `length`; return self."""
+        n, positions, tokens = len(prompt), self.positions, self.tokens
+        for i in range(len(tokens), n + len(output)):
             t = prompt[i] if i < n else output[i - n]
+            tokens.append(t)
             at = positions.get(t)
             if at is None:
                 positions[t] = [i]
             else:
                 at.append(i)
-        self.length = max(self.length, n + len(output))
         return self
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int = 1,
-                  index: TokenIndex | None = None) -> list[int]:
+                  index: TokenIndex | None = None, covered: int | None = None) -> list[int]:
     """Up to `k` draft tokens: the tokens that followed the latest earlier occurrence of the
     longest suffix of `token_ids` between `max_n` and `min_n` tokens long (prompt lookup, as
     vLLM's n-gram proposer). Empty when no suffix occurred before, or nothing followed it.
-    `index`, the request's `TokenIndex` over the first `index.length` of these tokens, gives the
-    same drafts without walking them: only the tokens past it are scanned."""
+    `index`, the request's `TokenIndex` over the first `covered` of these tokens (default its
+    `length`), gives the same drafts without walking them: only the tokens past it are scanned."""
     if k < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got k={k}, min_n={min_n}, max_n={max_n}")
     tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
@@ -61,8 +65,8 @@ def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 4, min_n: int =
     last = tokens[-1]
     # The positions j < length - 1 that hold the last token, latest first: each ends a match,
     # extended backwards up to max_n tokens; the longest wins, the latest among equals.
-    if index is not None and index.length <= length:
-        covered = index.length
+    covered = index.length if index is not None and covered is None else covered
+    if index is not None and covered <= length:
         tail = [j for j in range(length - 2, covered - 1, -1) if tokens[j] == last]
         earlier = index.positions.get(last, [])
         ends = itertools.chain(tail, (j for j in reversed(earlier) if j <= length - 2))

@@ -64,10 +64,15 @@ def test_propose_ngram_through_an_index_is_its_definition(tokens, k, max_n, data
     index = TokenIndex()
     for upto in sorted(data.draw(st.lists(st.integers(prompt_len, covered), max_size=3))) + [covered]:
         index.update(tokens[:prompt_len], tokens[prompt_len:upto])
-    assert index.length == covered
+    assert index.length == covered and index.tokens == tokens[:covered]
     assert sorted(itertools.chain.from_iterable(index.positions.values())) == list(range(covered))
     assert all(tokens[i] == t for t, at in index.positions.items() for i in at)
-    assert propose_ngram(tokens, k, max_n, min_n, index) == _propose_by_definition(tokens, k, max_n, min_n)
+    want = _propose_by_definition(tokens, k, max_n, min_n)
+    assert propose_ngram(tokens, k, max_n, min_n, index) == want
+    # As the engine looks up: the rest appended to the index's own tokens for the call, then taken off.
+    index.tokens.extend(tokens[covered:])
+    assert propose_ngram(index.tokens, k, max_n, min_n, index, covered) == want
+    del index.tokens[covered:]
 
 
 def test_greedy_accept_keeps_the_matching_drafts_and_adds_one():

@@ -587,8 +587,12 @@ class Engine:
         if seq.token_index is None:
             seq.token_index = TokenIndex()
         index = seq.token_index.update(seq.prompt_token_ids, seq.output_token_ids)
-        tokens = seq.token_ids + tail if tail else seq.token_ids
-        return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min, index)
+        tokens, covered = index.tokens, index.length  # the request's tokens, not a copy
+        tokens.extend(tail or ())  # for this lookup only
+        try:
+            return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min, index, covered)
+        finally:
+            del tokens[covered:]
 
     def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
