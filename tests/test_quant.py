@@ -110,6 +110,30 @@ def test_the_fp8_gemv_is_the_matmul_of_the_weight_read_back(m, n, k, split):
         gemv(x, q)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fp8 GEMV in Triton's interpreter: CPU tensors only")
+@pytest.mark.parametrize("dot, m, split", [("mma_f16", 1, 1), ("mma_f16", 3, 2), ("fma", 1, 1), ("fma", 1, 2)])
+def test_the_fp8_gemvs_other_dots_compute_the_same_product(dot, m, split):
+    """bf16 rows against an e4m3 weight through fp16 tensor cores (x taken as x / 256) and through
+    one row's fp32 products, against the dequantized weight's matmul in float64, within the bf16
+    output's rounding. Rows of 1e-3 to 1e5 (past fp16's range unless divided) and scales four orders
+    apart: an overflow, a missing 256 or a scale on the wrong axis shows."""
+    from nanolab.kernels.gemv import GemvConfig, gemv
+
+    g = torch.Generator().manual_seed(7 * m + split)
+    n, k = 40, 512
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 5, m * k).reshape(m, k)).bfloat16()
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 2, n)[:, None]
+    q, scale = quantize_fp8(w)
+    out = gemv(x, q, GemvConfig(16, 128, split), scale=scale, dot=dot)
+    ref = x.double() @ dequantize_fp8(q, scale).double().T
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert float(((out.double() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-3)).max()) < 8e-3
+    with pytest.raises(ValueError, match="dot="):
+        gemv(x.float(), q, GemvConfig(16, 128, split), scale=scale, dot="mma_f16")
+    with pytest.raises(ValueError, match="dot="):
+        gemv(torch.randn(2, k).bfloat16(), q, GemvConfig(16, 128, split), scale=scale, dot="fma")
+
+
 def scaled_mm_device() -> str:
     """Where the W8A8 matmul runs: a GPU with fp8 tensor cores (compute capability 8.9 or more), else
     the CPU."""

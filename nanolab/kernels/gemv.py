@@ -66,7 +66,7 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
           PDL: tl.constexpr = False, PRECISION: tl.constexpr = "ieee", g_ptr=None, res_ptr=None, stride_rm=0,
           eps=0.0, NORM: tl.constexpr = False, SWIGLU: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
-          s_ptr=None, SCALED: tl.constexpr = False):
+          s_ptr=None, SCALED: tl.constexpr = False, DOT: tl.constexpr = "mma"):
     """One program: output columns [n0, n0 + BLOCK_N) over share s of K. K % (SPLIT_K * BLOCK_K)
     == 0 (the wrapper checks), so only the row and column edges are masked. With PDL it waits for
     the kernel before it ahead of its first read of x. With SPLIT_K > 1 a share writes an fp32
@@ -75,8 +75,13 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     What it reads of x and writes out (`_x_tile`): with NORM (SPLIT_K == 1), x's rows RMS-normed
     by g [K]; with SWIGLU, x [M, 2K] taken as silu(x[:, :K]) * x[:, K:]; with RESIDUAL (SPLIT_K
     == 1), res [M, N] (rows stride_rm apart) added to the sum before it is rounded. With SCALED, the
-    weight is fp8 (e4m3): each tile is converted to x's dtype in registers for the dot, and column n
-    of the sum is multiplied by s[n], the weight's scale for output channel n."""
+    weight is fp8 (e4m3), widened in registers, and column n of the sum is multiplied by s[n], the
+    weight's scale for output channel n.
+    How a tile is multiplied (DOT): "mma", `tl.dot` with the weight in x's dtype; "mma_f16" (an fp8
+    weight, bf16 x), `tl.dot` in fp16, the weight widened by the one-instruction e4m3 -> f16 convert
+    and x taken as x / 256, which fp16 holds up to 1.6e7 (both exact in fp16 from 2**-6 up, x's
+    8 bits of mantissa inside fp16's 11), the sum multiplied back by 256; "fma" (BLOCK_M == 1), no
+    tensor cores: the [BLOCK_N, BLOCK_K] products added in fp32 and summed over K once at the end."""
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -87,15 +92,26 @@ def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, strid
     per_split = K // SPLIT_K
     first = s * per_split
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    prod = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # with DOT "fma", the one row's products, summed at the end
     ss = tl.zeros([BLOCK_M], tl.float32)  # with NORM, each row's sum of squares over K
     dependent_launch(PDL)
     for k0 in range(first, first + per_split, BLOCK_K):
         x, sq = _x_tile(x_ptr, g_ptr, m, k0 + k, mmask, stride_xm, K, x_ptr.dtype.element_ty, NORM, SWIGLU)
         ss += sq
         w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None], other=0.0)
-        if SCALED:  # e4m3 bytes read, widened in registers
-            w = w.to(x_ptr.dtype.element_ty)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
+        if DOT == "fma":  # x [1, BLOCK_K] against w [BLOCK_N, BLOCK_K]
+            prod += w.to(tl.float32) * x.to(tl.float32)
+        elif DOT == "mma_f16":  # e4m3 -> f16 is one convert per two weights; x / 256 keeps fp16 in range
+            xh = (x.to(tl.float32) * 0.00390625).to(tl.float16)
+            acc += tl.dot(xh, tl.trans(w.to(tl.float16)))
+        else:
+            if SCALED:  # e4m3 bytes read, widened in registers
+                w = w.to(x_ptr.dtype.element_ty)
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32 accumulation
+    if DOT == "fma":
+        acc += tl.sum(prod, axis=1)[None, :]
+    if DOT == "mma_f16":
+        acc *= 256.0
     if NORM:  # (x g) W^T, scaled by each row's 1 / rms: the norm's scale is one number a row
         acc *= tl.rsqrt(ss / K + eps)[:, None]
     if SCALED:  # x (Q s)^T = (x Q^T) s: one scale a column, applied to the sum
@@ -165,7 +181,7 @@ def block_rows(m: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, pdl: bool = False,
          norm: torch.Tensor | None = None, eps: float = 1e-5, residual: torch.Tensor | None = None,
-         swiglu: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+         swiglu: bool = False, scale: torch.Tensor | None = None, dot: str = "mma") -> torch.Tensor:
     """x [..., K] with at most MAX_ROWS rows in all, weight [N, K] -> [..., N] in x's dtype
     (`F.linear` without bias). fp32 accumulation; with split-K, shares are added in fp32 by
     `_sum_splits` and rounded once. With `pdl`, both kernels launch as programmatic dependents
@@ -176,7 +192,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     silu(gate) * up; `residual` [..., N], added to the product before it is rounded.
 
     An fp8 weight (float8_e4m3fn) takes `scale` [N] fp32, its scale per output channel
-    (`model.quant`): the kernel reads one byte a weight and returns x @ (weight * scale[:, None]).T."""
+    (`model.quant`): the kernel reads one byte a weight and returns x @ (weight * scale[:, None]).T.
+
+    `dot` is how a tile is multiplied (`_gemv`'s DOT): "mma" (tensor cores, the weight in x's
+    dtype), "mma_f16" (an fp8 weight and bf16 x: tensor cores in fp16), "fma" (one row: no tensor
+    cores)."""
     *lead, k_in = x.shape
     n, k = weight.shape
     x2 = x.reshape(-1, k_in)
@@ -193,6 +213,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
                                               or not scale.is_contiguous()):
         raise ValueError("an fp8 weight takes a contiguous fp32 scale [N], and only an fp8 weight takes one; "
                          f"got weight {weight.dtype}, scale {None if scale is None else (scale.dtype, scale.shape)}")
+    if dot not in ("mma", "mma_f16", "fma") or dot == "mma_f16" and not (fp8 and x.dtype == torch.bfloat16) \
+            or dot == "fma" and m != 1:
+        raise ValueError(f"dot={dot!r}: 'mma'; 'mma_f16' for an fp8 weight and bf16 x; 'fma' for one row "
+                         f"(got {m} rows of {x.dtype}, weight {weight.dtype})")
     cfg = config or step_config(n, k, m, swiglu, x.element_size(), norm=norm is not None)
     if k % (cfg.split_k * cfg.block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {cfg.split_k * cfg.block_k}")
@@ -209,8 +233,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
-    meta = dict(BLOCK_M=block_rows(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl,
+    meta = dict(BLOCK_M=1 if dot == "fma" else block_rows(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                SPLIT_K=cfg.split_k, DOT=dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl,
                 # fp32 rows multiplied in full fp32, as cuBLAS does by default, not in TF32
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
     folded = dict(g_ptr=norm, eps=eps, NORM=norm is not None, SWIGLU=swiglu, res_ptr=res,

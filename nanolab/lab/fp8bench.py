@@ -1,6 +1,6 @@
 """FP8 weights against bf16: the decode step's time and bytes, and the quality they cost (Day 65).
 
-Four parts, each its own table:
+Five parts, each its own table:
 
 - `steps` (`day65_fp8_steps_<device>`): ms a decode step of whole `generate` calls
   (`lab.timing.time_generate`, as floorbench times them) with the weights in bf16 and with
@@ -17,6 +17,9 @@ Four parts, each its own table:
 - `tiles` (`day65_fp8_tiles_<device>`, CUDA): each layer projection with an e4m3 weight, chained
   in a graph as a step runs it, through every GEMV tile and inductor's compiled reduction
   (`lab.gemvbench.fp8_chain_table`), beside bf16's.
+- `dots` (`day65_fp8_dots_<device>`, CUDA): as `tiles`, over the tiles that led it
+  (`lab.gemvbench.dot_sweep`), each way the GEMV can multiply an fp8 tile (`lab.gemvbench.FP8_DOTS`:
+  tensor cores in bf16 or in fp16, or one row's products in fp32).
 - `profile` (`day65_fp8_profile_<device>`, CUDA): the GPU kernels of whole `generate` calls' decode
   steps in bf16 and fp8, by kernel and class (`lab.stepparts.kernel_class`), per step.
 
@@ -38,7 +41,7 @@ from nanolab import LLM, SamplingParams
 from nanolab.kernels.gemv import MAX_ROWS
 from nanolab.lab.costs import kv_read_bytes
 from nanolab.lab.floorbench import nanolab_generate, nanolab_label
-from nanolab.lab.gemvbench import fp8_chain_table
+from nanolab.lab.gemvbench import FP8_DOTS, dot_sweep, fp8_chain_table
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
 from nanolab.lab.stepparts import class_line, profiled_kernels
@@ -46,7 +49,7 @@ from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
 from nanolab.model.quant import quantize_fp8
 
-PARTS = ("steps", "quality", "tiles", "profile")
+PARTS = ("steps", "quality", "tiles", "dots", "profile")
 BATCHES = (1, 8)
 PROMPT_LEN = 128
 STEPS = 256
@@ -247,11 +250,13 @@ def main(args: argparse.Namespace) -> int:
     if "quality" in parts and kind != "real":
         raise ValueError(f"--parts quality needs real weights; {args.model} has {kind} weights")
     for part in parts:
-        if part in ("tiles", "profile") and device.type != "cuda":
+        if part in ("tiles", "dots", "profile") and device.type != "cuda":
             raise ValueError(f"--parts {part} runs on CUDA only")
-        if part == "tiles":
+        if part in ("tiles", "dots"):
             from nanolab.model.config import ModelConfig
-            table = fp8_chain_table(ModelConfig.from_dir(resolve_weights(args.model)))
+            shapes = ModelConfig.from_dir(resolve_weights(args.model))
+            table = (fp8_chain_table(shapes) if part == "tiles"
+                     else fp8_chain_table(shapes, dots=FP8_DOTS, sweep=dot_sweep))
             dtype = torch.bfloat16
             best = table.dropna(subset=["us"]).sort_values("us").groupby(["projection", "rows"]).head(3)
             print(pd.concat([table[~table.arm.str.startswith("fp8 gemv") | table.arm.str.contains("step_config")],
@@ -267,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
             dtype = torch.bfloat16
             table = run_quality(args.model, str(device))
         label = run_label(device, args.model, dtype, weights=kind)
-        if part not in ("tiles", "profile"):
+        if part not in ("tiles", "dots", "profile"):
             print(table.round(4).to_string(index=False))
         print(f"wrote {save_table(table, f'{args.prefix}_fp8_{part}', label)}")
     return 0

@@ -9,7 +9,7 @@ on its own with L2 flushed (`projection_table`), back to back in a CUDA graph as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -104,14 +104,29 @@ def chained_projection_table(config, dtype=torch.bfloat16, rows=(8,), layers: in
     return pd.DataFrame(records)
 
 
-def fp8_chain_table(config, rows=(1, 8), layers: int = 16, repeats: int = 20, progress: bool = True
+# How the fp8 GEMV multiplies a tile (`kernels.gemv.gemv`'s `dot`); "fma" only for one row, over tiles
+# whose fp32 products [BLOCK_N, BLOCK_K] fit in registers.
+FP8_DOTS = ("mma", "mma_f16", "fma")
+FMA_TILE = 64 * 128
+
+
+def dot_sweep(n: int, k: int) -> list[GemvConfig]:
+    """The one-byte tiles of `sweep_configs` that led its sweeps (32 to 128 columns, K tiles up to
+    512, up to four shares), for comparing `FP8_DOTS` in less time than the whole sweep."""
+    return [c for c in sweep_configs(n, k, element_size=1)
+            if c.block_n >= 32 and c.block_k <= 512 and c.split_k <= 4]
+
+
+def fp8_chain_table(config, rows=(1, 8), layers: int = 16, repeats: int = 20, progress: bool = True,
+                    dots: Sequence[str] = ("mma",), sweep: Callable[[int, int], list[GemvConfig]] | None = None
                     ) -> pd.DataFrame:
     """Each layer projection with an e4m3 weight and its scale per output channel, as
     `chained_projection_table` times it (`layers` launches in one CUDA graph, a weight each, as
     programmatic dependents), `us` per launch. Arms: the bf16 weight through `gemv` with
     `step_config`'s tiles (batch 1: inductor's compiled reduction, which the bf16 step runs there);
     the fp8 weight through `gemv` with `step_config(element_size=1)`'s tiles and every tile of
-    `sweep_configs` for one-byte weights; at batch 1, the fp8 weight widened inside inductor's compiled
+    `sweep` (default `sweep_configs` for one-byte weights), each way of `dots` (from `FP8_DOTS`; the
+    arm names a way other than "mma"); at batch 1, the fp8 weight widened inside inductor's compiled
     reduction. TB/s counts the stored weight once (and its fp32 scales)."""
     shapes = {name: nk for name, nk in projection_shapes(config).items() if name != "lm_head"}
     jobs = [(name, nk, m) for name, nk in shapes.items() for m in rows]
@@ -120,12 +135,13 @@ def fp8_chain_table(config, rows=(1, 8), layers: int = 16, repeats: int = 20, pr
                                dynamic=False)
     records = []
     for name, (n, k), m in progress_bar(jobs, desc="fp8 projections", enabled=progress):
-        records += _time_fp8_chain(name, n, k, m, layers, repeats, reduce_bf16, reduce_fp8)
+        records += _time_fp8_chain(name, n, k, m, layers, repeats, reduce_bf16, reduce_fp8, dots,
+                                   sweep or (lambda n, k: sweep_configs(n, k, element_size=1)))
     return pd.DataFrame(records)
 
 
-def _time_fp8_chain(name: str, n: int, k: int, m: int, layers: int, repeats: int, reduce_bf16, reduce_fp8
-                    ) -> list[dict]:
+def _time_fp8_chain(name: str, n: int, k: int, m: int, layers: int, repeats: int, reduce_bf16, reduce_fp8,
+                    dots: Sequence[str], sweep: Callable[[int, int], list[GemvConfig]]) -> list[dict]:
     device = torch.device("cuda")
     ws = [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
     qs = [quantize_fp8(w) for w in ws]
@@ -141,10 +157,14 @@ def _time_fp8_chain(name: str, n: int, k: int, m: int, layers: int, repeats: int
     else:
         cfg16 = step_config(n, k, m)
         arms.append(("bf16 gemv (step_config)", lambda i: gemv(x, ws[i], cfg16, pdl=True), ref_bf16, 2 * n * k))
-    for c in dict.fromkeys([chosen, *sweep_configs(n, k, element_size=1)]):
-        arm = (f"fp8 gemv {c.block_n}x{c.block_k} split {c.split_k} stages {c.num_stages}"
-               + (" (step_config)" if c == chosen else ""))
-        arms.append((arm, lambda i, c=c: gemv(x, qs[i][0], c, pdl=True, scale=qs[i][1]), ref, n * k + 4 * n))
+    for dot in dots:
+        for c in dict.fromkeys([chosen, *sweep(n, k)]):
+            if dot == "fma" and (m != 1 or c.block_n * c.block_k > FMA_TILE):
+                continue
+            arm = (f"fp8 gemv {c.block_n}x{c.block_k} split {c.split_k} stages {c.num_stages}"
+                   + ("" if dot == "mma" else f" {dot}") + (" (step_config)" if c == chosen else ""))
+            arms.append((arm, lambda i, c=c, dot=dot: gemv(x, qs[i][0], c, pdl=True, scale=qs[i][1], dot=dot), ref,
+                         n * k + 4 * n))
     records = []
     for arm, one, reference, nbytes in arms:
         row = {"projection": name, "n": n, "k": k, "rows": m, "arm": arm}
