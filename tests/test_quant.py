@@ -205,6 +205,29 @@ def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path, batch):
         fast_lp = torch.tensor([lp for lp, _ in g.outputs[0].logprobs])
         want_lp = torch.tensor([lp for lp, _ in w.outputs[0].logprobs])
         torch.testing.assert_close(fast_lp, want_lp, atol=5e-2, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp8 GEMV's compiled kernels need a CUDA device")
+@pytest.mark.parametrize("m", [1, 8])
+def test_every_dot_of_the_fp8_gemv_on_cuda_is_the_dequantized_matmul(m):
+    """Each way the GEMV multiplies an fp8 tile, compiled for the GPU, at step_config's tiles for an
+    fp8 weight of Llama-3.2-1B's down shape (four shares of K) and a gate/up shape (one), against the
+    dequantized weight's matmul in float64."""
+    from nanolab.kernels.gemv import gemv, step_config
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    for n, k in ((2048, 8192), (16384, 2048)):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16() * 30
+        w = torch.randn(n, k, device="cuda", generator=g) * torch.logspace(-2, 2, n, device="cuda")[:, None]
+        q, scale = quantize_fp8(w)
+        ref = x.double() @ dequantize_fp8(q, scale).double().T
+        for dot in ("mma", "mma_f16") + (("fma",) if m == 1 else ()):
+            out = gemv(x, q, step_config(n, k, m, element_size=1), scale=scale, dot=dot)
+            err = float(((out.double() - ref).abs() / ref.abs().clamp_min(ref.abs().max() * 1e-3)).max())
+            assert err < 8e-3, (n, k, dot, err)
+
+
 def test_a_quantized_models_bytes_are_its_e4m3_weights_and_scales():
     """fp8bench's floor: a quantized Linear counts one byte a weight and four a scale, a tied
     weight once."""
