@@ -31,6 +31,7 @@ from nanolab.lab.prefixbench import (
     conversation,
     hitrate_plan,
     ideal_hits,
+    median_interval,
     nohit_configs,
     nohit_pairs,
     prefix_counters,
@@ -230,6 +231,10 @@ def test_ratios_from_known_tables():
     assert not r.loc["multi-turn, turn 2: TTFT p50 off / on"].met  # 4x is short of the 5x aim
     nohit = r.loc["no hits: output tokens/s on / off, median of repeats"]
     assert nohit.value == pytest.approx(0.995) and nohit.met
+    assert "95% bootstrap interval of the median 0.980 to 1.010 over 3 repeats" in nohit.detail
+    lo, hi = median_interval([0.97, 0.99, 1.0, 1.01, 1.03] * 6)
+    assert lo < 1.0 < hi and hi - lo < 0.03 and (lo, hi) == median_interval([0.97, 0.99, 1.0, 1.01, 1.03] * 6)
+    assert all(np.isnan(median_interval([1.0])))  # one repeat has no spread to resample
     slower = NOHIT.assign(tokens_per_s=[100.0, 98.0, 98.5, 100.0, 100.0, 101.0])
     assert not prefix_ratios(summary, slower, HITRATE).set_index("ratio").loc[nohit.name].met  # median 0.985
     hit = r.loc["hit rate from /metrics / ideal"]
