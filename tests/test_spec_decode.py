@@ -237,7 +237,7 @@ def chained_logits(engine, monkeypatch):
 
     def recorded_accept(logits, drafts, counts, fed=None, max_fed=None, **kw):
         result, shift = accept(logits, drafts, counts, fed, max_fed, **kw)
-        launches[-1][3] = result[0].tolist()
+        launches[-1][3] = result[0].clone()  # on the device: reading it here would wait for the step
         return result, shift
 
     def on_step(outputs):
@@ -248,7 +248,7 @@ def chained_logits(engine, monkeypatch):
     def logits(seqs):
         rows = {rid: list(r) for rid, r in first.items()}
         for seqs_, counts, out, kept in launches:
-            for seq, start, a in zip(seqs_, itertools.accumulate(counts, initial=0), kept):
+            for seq, start, a in zip(seqs_, itertools.accumulate(counts, initial=0), kept.tolist()):
                 rows.setdefault(seq.request_id, []).extend(out[start: start + a + 1])
         return {s.request_id: rows.get(s.request_id, [])[:len(s.output_token_ids)] for s in seqs}
 
@@ -577,12 +577,16 @@ def test_verify_steps_replay_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, com
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="decode graphs need a CUDA device")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_chained_speculation_replays_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, compiled):
+@pytest.mark.parametrize(("compiled", "delay"), [(False, False), (False, True), (True, False)],
+                         ids=["eager", "eager-delayed", "compiled"])
+def test_chained_speculation_replays_decode_graphs_on_cuda(sharp_gqa24, monkeypatch, compiled, delay):
     """On CUDA with graphs and asynchronous scheduling, greedy speculation chains: every step after
     the prompt's is launched before the one before it is read back and replays a decode graph, its
     positions moved back on the device. The tokens equal plain greedy's, and every emitted token's
-    logits are within 1e-3 of the plain run's (fp32 weights, TF32 off), with drafts kept and lost."""
+    logits are within 1e-3 of the plain run's (fp32 weights, TF32 off), with drafts kept and lost.
+    Nothing here waits for the device between steps; with `delay`, a spin kernel of about a
+    millisecond runs before every replay, so the host plans each step well ahead of the device
+    and a staging buffer reused too early, or a read-back taken before its step ends, shows."""
     from conftest import run_until_done
 
     from nanolab import LLM, SamplingParams
@@ -602,6 +606,14 @@ def test_chained_speculation_replays_decode_graphs_on_cuda(sharp_gqa24, monkeypa
               speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0})
     engine = llm.engine
     on_step, chained = chained_logits(engine, monkeypatch)
+    if delay:
+        replay = engine.runner.graphs.replay
+
+        def delayed(*args, **kwargs):
+            torch.cuda._sleep(2_000_000)  # clock cycles: about a millisecond
+            return replay(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner.graphs, "replay", delayed)
     seqs, graphed = engine.add_requests(prompts, [params] * len(prompts)), []
     while engine.has_unfinished_requests():
         on_step(engine.step())

@@ -19,8 +19,17 @@ import triton.language as tl
 
 BLOCK = 128  # tokens a program of `shift_step`
 
+# Neither kernel is specialized on its row or token count, nor on where its vectors start: both
+# change from step to step (the row starts and the previous step's rows are slices of one upload
+# at offsets that follow the batch), and a specialization Triton has not built yet compiles in the
+# middle of a request.
+# (An int's multiple of 16 counts as its alignment.)
+_ACCEPT_UNALIGNED = ("best_ptr", "ids_ptr", "loc_ptr", "result_ptr", "shift_ptr", "rows")
+_SHIFT_UNALIGNED = ("src_ptr", "head_ptr", "shift_ptr", "last_ptr", "pos_ptr", "lens_ptr", "rows_ptr", "slots_ptr",
+                   "ids_ptr", "table_ptr", "tokens")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=_ACCEPT_UNALIGNED)
 def _accept(best_ptr, ids_ptr, loc_ptr, result_ptr, shift_ptr, rows, MAX_FED: tl.constexpr):
     r = tl.program_id(0)
     start = tl.load(loc_ptr + r)
@@ -50,7 +59,7 @@ def accept_drafts(best: torch.Tensor, ids: torch.Tensor, loc: torch.Tensor, max_
     return result, shift
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"], do_not_specialize_on_alignment=_SHIFT_UNALIGNED)
 def _shift(src_ptr, head_ptr, shift_ptr, last_ptr, pos_ptr, lens_ptr, rows_ptr, slots_ptr, ids_ptr, table_ptr,
            tokens, stride_table, block_size, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
