@@ -70,6 +70,19 @@ def resolve_device(device) -> torch.device:
     return resolved
 
 
+def check_current_cuda(device: torch.device, shown=None) -> None:
+    """Raise ValueError naming `device` (as the user gave it: `shown`) when it is a CUDA device
+    other than the current one: Triton launches its kernels, and CUDA graphs capture, on the
+    current device, whatever device the tensors are on. Where the engine runs, not where a config
+    is checked (a server checks its config in a process that never touches the GPU)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        current = torch.cuda.current_device()
+        raise ValueError(f"device={str(shown if shown is not None else device)!r}: the engine runs its Triton kernels "
+                         f"and CUDA graphs on the current CUDA device, cuda:{current}; make cuda:{device.index} "
+                         f"current first (torch.cuda.set_device({device.index})), or choose it with "
+                         "CUDA_VISIBLE_DEVICES")
+
+
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     """A torch dtype, its name ("bfloat16", "bf16", "float32", ...) or "auto" (bf16 on CUDA, fp32
     on the CPU)."""

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanolab.config import DEFAULT_MODEL, EngineConfig, resolve_device, resolve_dtype
+from nanolab.config import DEFAULT_MODEL, EngineConfig, check_current_cuda, resolve_device, resolve_dtype
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.engine.llm_engine import Engine, pool_size
 from nanolab.engine.parallel import LeaderRunner, Workers, WorkerSpec
@@ -87,6 +87,7 @@ class LLM:
     def _build(self, config: EngineConfig) -> None:
         self.engine_config = config
         self.device = device = resolve_device(config.device)
+        check_current_cuda(device, config.device)
         self.dtype = resolve_dtype(config.dtype, device)
         self.model_name = config.model
         self.path = resolve_weights(config.model)

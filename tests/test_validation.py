@@ -213,6 +213,25 @@ def test_cuda_without_cuda_names_the_device(no_weights, device) -> None:
         LLM("smollm2-135m", device=device)
 
 
+def test_a_cuda_device_other_than_the_current_one_is_refused_by_name(no_weights, monkeypatch) -> None:
+    """A second GPU is refused, before any weight is read, unless it is the current device: Triton's
+    kernels and the graphs would run on the current one. (A machine of two GPUs, faked.)"""
+    from nanolab.config import check_current_cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=r"^device='cuda:1': the engine runs its Triton kernels and CUDA graphs on "
+                                         r"the current CUDA device, cuda:0; make cuda:1 current first"):
+        LLM("smollm2-135m", device="cuda:1")
+    check_current_cuda(torch.device("cuda:0"))
+    check_current_cuda(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    check_current_cuda(torch.device("cuda:1"))
+    with pytest.raises(ValueError, match=r"^device='cuda:0'"):
+        check_current_cuda(torch.device("cuda:0"))
+
+
 def test_a_kv_budget_smaller_than_a_block_is_refused(tiny_path) -> None:
     with pytest.raises(ValueError, match=r"^kv_cache_bytes=100: holds no block"):
         LLM("tiny", device="cpu", kv_cache_bytes=100)

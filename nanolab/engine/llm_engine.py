@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanolab.config import EngineConfig, resolve_device
+from nanolab.config import EngineConfig, check_current_cuda, resolve_device
 from nanolab.engine.block_manager import BlockManager, cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.detokenizer import TextDeltas
@@ -302,6 +302,7 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         if config.device is not None and not _same_device(resolve_device(config.device), self.device):
             raise ValueError(f"device={config.device!r}: the model is on {self.device}")
+        check_current_cuda(self.device, config.device)
         self.num_blocks, self.max_model_len = pool_size(config, self.model_config, self.device, self.dtype)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.max_num_seqs,
                                           enable_prefix_caching=config.enable_prefix_caching)
