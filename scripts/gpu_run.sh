@@ -41,7 +41,8 @@
 # a short prompt after a cached prefix, a verify step, a mixed step, and the engine's launch also in the layouts a
 # step hands it (data/day64_varlen_sweep_*), $VARLEN_ARGS added (e.g. "--dtype float32 --prefix day65fp32").
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
-# data/day65_fp8_steps_*), $FP8_ARGS added; verify the cost of a verify step of k = 4 drafts against a
+# data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
+# data/day65_fp8_dots_*, about 5 minutes); verify the cost of a verify step of k = 4 drafts against a
 # decode step there (data/day65_spec_verify_*). smollm2 brings the embedded model onto the box: its
 # 98 MB GGUF is over one call's carry, so one call carries third_party/smollm2/*.part00 and the next
 # (on the still-warm machine) *.part01, with third_party/smollm2/sha256 and the gguf wheel in
