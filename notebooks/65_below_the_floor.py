@@ -28,6 +28,7 @@
 # multiply, and scale each output channel after.
 
 # %%
+import pandas as pd
 import torch
 
 import nanolab.lab as lab
@@ -138,6 +139,34 @@ lab.show(best.groupby(["rows", "projection", "kind"]).us.min().unstack().round(2
 # Getting under 0.55 ms needs fewer, larger launches, not fewer bytes: the fixed cost of a
 # projection's launch, about 5 us, times the 64 projections of a step is most of what separates
 # it from the floor. That is the megakernel's lever, and fp8 would help it.
+#
+# A line through each GEMV's `o` and `gate_up` launches (the narrowest and widest weight, one
+# share of K each) splits a launch into a fixed part and a part per weight.
+
+# %%
+gemv_rows = {"bf16, 8 rows": (8, "bf16 gemv (step_config)"), "fp8, 8 rows": (8, "fp8 gemv"),
+             "fp8, 1 row": (1, "fp8 gemv")}
+fits = []
+for name, (rows, arm) in gemv_rows.items():
+    t = tiles[(tiles.rows == rows) & tiles.arm.str.startswith(arm) & tiles.arm.str.contains("step_config")]
+    t = t.set_index("projection")
+    per_weight = (t.us["gate_up"] - t.us["o"]) / (t.n * t.k).pipe(lambda w: w["gate_up"] - w["o"]) * 1e6
+    fits.append({"GEMV": name, "fixed_us": t.us["o"] - per_weight * t.n["o"] * t.k["o"] / 1e6,
+                 "us_per_million_weights": per_weight})
+fits = pd.DataFrame(fits).set_index("GEMV")
+lab.show(fits.round(3))
+per_weight = fits.us_per_million_weights
+print(f"per weight, fp8 at 8 rows takes {per_weight['fp8, 8 rows'] / per_weight['bf16, 8 rows']:.2f}x bf16's time, "
+      "where its bytes alone would take 0.5x")
+
+# %% [markdown]
+# Past the fixed part, an e4m3 weight costs about seven tenths of a bf16 one, not half. That is
+# what a kernel bound by widening, not by reading, would show: on Hopper an e4m3 pair becomes an
+# fp16 pair in one convert instruction, but a bf16 pair takes that and two more (fp16 to bf16,
+# one each). The GEMV can multiply in fp16 instead (`gemv`'s `dot="mma_f16"`: the weight widened
+# by the one convert, each row taken as x / 256 so fp16 holds it, the sum scaled back in fp32),
+# or, for one row, add fp32 products without tensor cores (`dot="fma"`). `fp8bench --parts dots`
+# times the three; it has not run on the H200 yet, so the engine's step keeps `dot="mma"`.
 #
 # ## What fp8 costs in quality
 #
