@@ -150,9 +150,9 @@ fits = []
 for name, (rows, arm) in gemv_rows.items():
     t = tiles[(tiles.rows == rows) & tiles.arm.str.startswith(arm) & tiles.arm.str.contains("step_config")]
     t = t.set_index("projection")
-    per_weight = (t.us["gate_up"] - t.us["o"]) / (t.n * t.k).pipe(lambda w: w["gate_up"] - w["o"]) * 1e6
-    fits.append({"GEMV": name, "fixed_us": t.us["o"] - per_weight * t.n["o"] * t.k["o"] / 1e6,
-                 "us_per_million_weights": per_weight})
+    slope = (t.us["gate_up"] - t.us["o"]) / (t.n * t.k).pipe(lambda w: w["gate_up"] - w["o"]) * 1e6
+    fits.append({"GEMV": name, "fixed_us": t.us["o"] - slope * t.n["o"] * t.k["o"] / 1e6,
+                 "us_per_million_weights": slope})
 fits = pd.DataFrame(fits).set_index("GEMV")
 lab.show(fits.round(3))
 per_weight = fits.us_per_million_weights
