@@ -75,8 +75,10 @@ def check_current_cuda(device: torch.device, shown=None) -> None:
     other than the current one: Triton launches its kernels, and CUDA graphs capture, on the
     current device, whatever device the tensors are on. Where the engine runs, not where a config
     is checked (a server checks its config in a process that never touches the GPU)."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        current = torch.cuda.current_device()
+    if device.type != "cuda" or device.index is None:
+        return
+    current = torch.cuda.current_device()
+    if device.index != current:
         raise ValueError(f"device={str(shown if shown is not None else device)!r}: the engine runs its Triton kernels "
                          f"and CUDA graphs on the current CUDA device, cuda:{current}; make cuda:{device.index} "
                          f"current first (torch.cuda.set_device({device.index})), or choose it with "

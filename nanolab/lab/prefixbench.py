@@ -125,8 +125,8 @@ class PrefixSizes:
 # lengths, 256 requests a pass (about 1.8 s), 30 a side: pass to pass the throughput moves by about
 # 3%, so six pairs left a 1% question open (2026-12-03), and the medians of ten in three runs spread
 # from 0.968 to 0.994 (2026-12-05). All of it took 5 minutes on a fresh H200 with ten a side, the
-# weights' synthesis and both servers' compiles included; thirty add about 70 s. On a CPU (SmolLM2, two cores) the
-# same parts at sizes that take about a minute.
+# weights' synthesis and both servers' compiles included; thirty add about 70 s. On a CPU (SmolLM2,
+# two cores) the same parts at sizes that take about a minute.
 PREFIX_SIZES = {
     "cuda": PrefixSizes(system_len=2048, suffix_len=(32, 64), shared_requests=20, max_tokens=4, history_len=4096,
                         question_len=32, turn1_tokens=32, conversations=8, systems=16, hit_system_len=1024,
