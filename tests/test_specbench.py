@@ -179,3 +179,37 @@ def test_a_chained_replay_is_worked_by_hand():
     steps = (row.verify_steps, row.plain_steps, row.verify_steps_synchronous, row.plain_steps_synchronous)
     assert steps == (2, 1, 1, 2)
     assert row.speedup_chained == pytest.approx(5 / (2 * 1.5 + 1.0))
+
+
+def test_divergences_find_where_each_output_first_parts_from_off():
+    from nanolab.lab.specbench import divergences
+
+    rows = [("off", 0, [5, 6, 7, 8]), ("off", 1, [9, 9]), ("on", 0, [5, 6, 1, 8]), ("on", 1, [9, 9, 3]),
+            ("k8", 0, [5, 6, 7, 8]), ("k8", 1, [9])]
+    table = pd.DataFrame([{"set": "s", "arm": a, "prompt": p, "token_ids": t} for a, p, t in rows])
+    got = divergences(table)
+    assert got[["arm", "prompt", "position", "off_token", "arm_token"]].values.tolist() == [
+        ["on", 0, 2, 7, 1], ["on", 1, 2, -1, 3], ["k8", 1, 1, 9, -1]]
+
+
+def test_tie_margins_are_the_log_probabilities_where_outputs_part(tiny_path):
+    """The margin is off's token's log-probability minus the arm's at the first position where they
+    part, as a plain greedy run asked for its top log-probabilities gives them there."""
+    from nanolab import LLM, SamplingParams
+    from nanolab.lab.specbench import tie_margins
+
+    llm = LLM(str(tiny_path), device="cpu", enable_prefix_caching=False)
+    prompt = llm.tokenizer.encode("The capital of France is")
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4, logprobs=2),
+                          use_tqdm=False)
+    greedy = out.token_ids
+    chosen, top = out.outputs[0].logprobs[2]  # at position 2: greedy's token and the runner-up
+    runner_up, runner_lp = next((t, lp) for t, lp in top if t != greedy[2])
+    table = pd.DataFrame([{"set": "s", "arm": "off", "prompt": 0, "token_ids": greedy},
+                          {"set": "s", "arm": "on", "prompt": 0, "token_ids": greedy[:2] + [runner_up]}])
+    (row,) = tie_margins(llm, table, {"s": [prompt]}).itertuples()
+    assert (row.position, row.off_token, row.arm_token) == (2, greedy[2], runner_up)
+    assert row.off_logprob == pytest.approx(chosen, abs=1e-4)
+    assert row.arm_logprob == pytest.approx(runner_lp, abs=1e-4)
+    assert row.margin == pytest.approx(chosen - runner_lp, abs=1e-4) and row.margin >= 0
+    llm.close()

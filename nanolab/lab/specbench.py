@@ -162,6 +162,47 @@ def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def divergences(table: pd.DataFrame) -> pd.DataFrame:
+    """Each output of `table` (`run_specbench`'s, token ids as lists or as their JSON) that differs
+    from off's for the same prompt: its set, arm and prompt, the first position where they part,
+    and the token each has there (-1 where one output ends first)."""
+    ids = table.token_ids.map(lambda t: json.loads(t) if isinstance(t, str) else list(t))
+    rows = []
+    for (name, arm, prompt), got in zip(zip(table.set, table.arm, table.prompt), ids):
+        if arm == "off":
+            continue
+        want = ids[(table.set == name) & (table.arm == "off") & (table.prompt == prompt)].iloc[0]
+        if got == want:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        rows.append({"set": name, "arm": arm, "prompt": prompt, "position": at,
+                     "off_token": want[at] if at < len(want) else -1, "arm_token": got[at] if at < len(got) else -1})
+    return pd.DataFrame(rows, columns=["set", "arm", "prompt", "position", "off_token", "arm_token"])
+
+
+def tie_margins(llm: LLM, table: pd.DataFrame, prompts: dict[str, list[list[int]]]) -> pd.DataFrame:
+    """`divergences(table)`, each with the log-probability `llm` (run in fp32, say) gives each of
+    the two tokens where the outputs part (`off_logprob`, `arm_logprob`), fed the prompt
+    (`prompts[set][prompt]`, token ids) and off's output up to there, and off's minus the arm's
+    (`margin`). A margin near 0 is a near tie, where a step's rounding can pick either token; a
+    large one would be a fault. An output that ends first has no token there: NaN."""
+    parts = divergences(table)
+    ids = table.token_ids.map(lambda t: json.loads(t) if isinstance(t, str) else list(t))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    rows = []
+    for d in parts.itertuples(index=False):
+        off = ids[(table.set == d.set) & (table.arm == "off") & (table.prompt == d.prompt)].iloc[0]
+        fed = list(prompts[d.set][d.prompt]) + off[:d.position]
+        lp = {}
+        for which, token in (("off", d.off_token), ("arm", d.arm_token)):
+            if token >= 0:  # the last prompt token's log-probability given everything before it
+                (out,) = llm.generate({"prompt_token_ids": fed + [token]}, params, use_tqdm=False)
+                lp[which] = out.prompt_logprobs[-1][0]
+        off_lp, arm_lp = lp.get("off", float("nan")), lp.get("arm", float("nan"))
+        rows.append({**d._asdict(), "off_logprob": off_lp, "arm_logprob": arm_lp, "margin": off_lp - arm_lp})
+    return pd.DataFrame(rows, columns=[*parts.columns, "off_logprob", "arm_logprob", "margin"])
+
+
 def run_batches(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, batches: Sequence[int] = BATCHES,
                 k: int = 4, max_tokens: int = 64, directory: Path = SETS_DIR,
                 log: Callable[[str], None] = print, dtype: str = "auto") -> pd.DataFrame:
