@@ -365,6 +365,33 @@ lab.show(reads[reads.read == "varlen"].pivot_table(index="case", columns="layout
 # In the step's layout the read takes 44 us, against 70 before; the table rows cost the 7 us
 # left over reading alone, and q's layout 1 us.
 #
+# `scripts/gpu_run.sh varlen` sweeps the read's launch over five steps: on the H200 before the
+# fix (2026-12-04) and on an H100 after it (2026-12-05, no H200 could be started). Each row is a
+# case read alone, at the engine's 64-row tiles, its walk unsplit or cut into the engine's shares,
+# by software-pipelining stages (0: Triton's default, three):
+
+# %%
+sweeps = pd.concat([lab.measured_table("day64_varlen_sweep", "scripts/gpu_run.sh varlen", slug=slug).assign(card=card)
+                    for card, slug in (("H200", "h200"), ("H100", "h100-80gb-hbm3"))], ignore_index=True)
+tiles64 = sweeps[(sweeps.layout.fillna("alone") == "alone") & (sweeps.read.fillna("varlen") == "varlen")
+                 & (sweeps.block_m == 64) & (sweeps.block_n == 64) & (sweeps.num_warps == 4)
+                 & (sweeps.share_tiles == 4) & sweeps.num_stages.isin([0, 2]) & sweeps.splits.isin([1, 4, 8])]
+stages = tiles64.pivot_table(index=["card", "case"], columns=["splits", "num_stages"], values="us", sort=False)
+lab.show(stages.round(1))
+unsplit = stages[1]
+print(f"unsplit, two stages over the default: {(unsplit[2] / unsplit[0]).min():.2f}x to "
+      f"{(unsplit[2] / unsplit[0]).max():.2f}x")
+
+# %% [markdown]
+# Unsplit, two stages beat the default on every case and both cards, by 7 to 13%, so the engine
+# now launches an unsplit walk with two (`UNSPLIT_STAGES`). Split into shares the result goes
+# both ways (two stages won on the H200 and lost on the H100 at four shares, and eight were not
+# swept), so a split walk keeps the default. A prompt step's split count follows its token count,
+# so the 50-token step above is split and keeps its read; a 512-token chunk is not. Tiles of 32
+# rows would halve the mixed step's read's waste on its one-token decode rows (65 against 83 us
+# on the H100) but read a long chunk 1.5x slower, and a captured step cannot tell the two apart
+# from its token count, so the tiles stay at 64.
+#
 # ## A third run
 #
 # prefixbench again (2026-12-05), after the flat grid's fix and two changes to the server's fixed

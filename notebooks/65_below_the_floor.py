@@ -166,7 +166,40 @@ print(f"per weight, fp8 at 8 rows takes {per_weight['fp8, 8 rows'] / per_weight[
 # one each). The GEMV can multiply in fp16 instead (`gemv`'s `dot="mma_f16"`: the weight widened
 # by the one convert, each row taken as x / 256 so fp16 holds it, the sum scaled back in fp32),
 # or, for one row, add fp32 products without tensor cores (`dot="fma"`). `fp8bench --parts dots`
-# times the three; it has not run on the H200 yet, so the engine's step keeps `dot="mma"`.
+# times the three over the tiles that led the sweep. No H200 could be started on the day it was
+# written, so it ran on an H100 (`FP8_ARGS="--parts dots" scripts/gpu_run.sh fp8`), each dot at
+# `step_config`'s tiles:
+
+# %%
+dots = lab.measured_table("day65_fp8_dots", "FP8_ARGS=\"--parts dots\" scripts/gpu_run.sh fp8", slug="h100-80gb-hbm3")
+chosen = dots[dots.arm.str.contains("step_config")].assign(
+    dot=lambda t: t.arm.str.extract(r"(bf16|mma_f16|fma)", expand=False).fillna("mma"))
+by_dot = chosen.pivot_table(index=["rows", "projection"], columns="dot", values="us", sort=False)
+lab.show(by_dot.round(2))
+layer = by_dot.groupby("rows").sum(min_count=1)
+lab.show(layer.round(1))
+for rows in (1, 8):
+    print(f"{rows} row(s): a layer's four fp8 projections take {layer.loc[rows, 'mma_f16']:.1f} us with the fp16 dot "
+          f"against {layer.loc[rows, 'mma']:.1f} with the bf16 one "
+          f"({layer.loc[rows, 'mma_f16'] / layer.loc[rows, 'mma']:.3f}x)")
+wide = chosen[chosen.rows == 8].set_index(["dot", "projection"])
+weights = (wide.n * wide.k).xs("mma")
+for dot in ("bf16", "mma", "mma_f16"):
+    slope = (wide.us[dot, "gate_up"] - wide.us[dot, "o"]) / (weights["gate_up"] - weights["o"]) * 1e6
+    print(f"8 rows, {dot}: {slope:.3f} us a million weights past the fixed part")
+
+# %% [markdown]
+# *`us` a launch of each layer projection on the H100, 16 launches chained in a graph, at each
+# dot's `step_config` tiles; `bf16` is the bf16 weight's GEMV, at 8 rows only (one row runs
+# inductor's reduction, in the tiles table above). The second table sums a layer.*
+#
+# Multiplying in fp16 is faster at every projection and both batch sizes: a layer's projections
+# take 0.95x as long at one row and 0.96x at eight. The fp32 products of `fma` lose at these
+# tiles. So the engine's step now multiplies bf16 rows in fp16 (`fp8_linear`). On the H100 the
+# per-weight cost of e4m3 at 8 rows is already about half of bf16's, as a read-bound kernel's
+# would be: its memory is 30% slower than the H200's, and the conversions hide behind it. On the
+# H200, where they did not, the fp16 dot should gain more. At about 5% of the projections'
+# time, neither card's gain comes near the 0.55 ms aim.
 #
 # ## What fp8 costs in quality
 #
@@ -223,4 +256,7 @@ print(f"fp8 at batch 8: {one['bf16', 8] / one['fp8', 8]:.2f}x bf16 against 1.5x 
 #   about 2.2 TB/s. The aims, 0.55 ms at batch 1 and 1.5x at batch 8, are missed.
 # - The profile found a bf16 loss, SwiGLU recomputed inside `down`'s reduction; writing it once
 #   took bf16 at batch 1 to 1.093 ms.
+# - The fp8 GEMV now multiplies bf16 rows on fp16 tensor cores, one conversion a weight pair
+#   instead of three: 0.95x and 0.96x a layer's projection time at batches 1 and 8 on an H100.
+#   The step has not been timed with it on the H200.
 # - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show.

@@ -278,13 +278,15 @@ def _(x, weight):
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ (qweight * scale[:, None]).T for an e4m3 weight [N, K] and its scale [N]: on CUDA, up to
     MAX_ROWS rows where `step_config`'s tiles divide K, through `gemv`, which reads one byte a
-    weight; otherwise (a prompt's chunk, or the CPU) the weight widened to x's dtype, which holds
-    every e4m3 value exactly, multiplied by `F.linear`, and each output column scaled after, as the
-    GEMV scales its sum. One operator inductor does not look into."""
+    weight, multiplying bf16 rows on fp16 tensor cores ("mma_f16": e4m3 widens to fp16 in one
+    conversion, to bf16 in three); otherwise (a prompt's chunk, or the CPU) the weight widened to
+    x's dtype, which holds every e4m3 value exactly, multiplied by `F.linear`, and each output
+    column scaled after, as the GEMV scales its sum. One operator inductor does not look into."""
     m, k = x.numel() // x.shape[-1], x.shape[-1]
     cfg = step_config(qweight.shape[0], k, m, element_size=1)
     if x.is_cuda and m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous():
-        return gemv(x, qweight, cfg, pdl=ops_pdl(x.device), scale=scale)
+        dot = "mma_f16" if x.dtype == torch.bfloat16 else "mma"
+        return gemv(x, qweight, cfg, pdl=ops_pdl(x.device), scale=scale, dot=dot)
     return F.linear(x, qweight.to(x.dtype)).mul_(scale.to(x.dtype))
 
 

@@ -54,6 +54,9 @@ from nanolab.kernels.reference import reference_read
 
 BLOCK_M = 64  # query-tile rows: BLOCK_Q tokens x G heads
 BLOCK_N = 64  # keys per tile
+# Software-pipelining stages of an unsplit walk (a split one keeps Triton's default): two beat the
+# default three on every unsplit case of the varlen sweeps (`data/day64_varlen_sweep_*`).
+UNSPLIT_STAGES = 2
 
 
 @triton.jit
@@ -224,7 +227,8 @@ def varlen_attention(
     returns         [num_tokens, heads, head_dim]   in q's dtype
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
     the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
-    `num_warps` and `num_stages` (None: Triton's default) are the group kernel's launch.
+    `num_warps` and `num_stages` are the group kernel's launch; `num_stages` None is the engine's
+    choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -274,7 +278,8 @@ def varlen_attention(
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
         DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
         SEG=_pow2(segments) if grid_tokens is not None else 1, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}))
+        **({"num_stages": num_stages} if num_stages is not None else
+           {"num_stages": UNSPLIT_STAGES} if splits == 1 else {}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds
         _varlen_fold[(n,)](acc, m, l, query_start_loc, out, out.stride(0), out.stride(1), heads, d, segments,
                            H=_pow2(heads), D=D, SPLITS=splits)
