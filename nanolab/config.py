@@ -125,13 +125,15 @@ class SpeculativeConfig:
 
     Two rules switch it off where verifying costs more than it saves, and the engine then overlaps
     its steps as it does without speculation: a decode step of more than `max_num_seqs` rows
-    decodes one token a row; and a request that gets no draft to keep (prompt lookup finds no
-    match, or its verify step kept none of its drafts) looks up none for the next step, then for
-    twice as many steps after each such step in a row, at most `max_draft_backoff` (0: never
-    paused), each pause running on to a step numbered a multiple of its length, so that paused
-    requests look up together. A verify step that keeps one ends the pause. Whether a step with a
-    sampled row runs synchronously is decided by a lookup over the tokens a request already has, so
-    a lookup that finds nothing never stops the overlap.
+    decodes one token a row; and a request that gets no draft to keep (its verify step kept none
+    of its drafts, or, unless its steps chain, prompt lookup finds no match) looks up none for the
+    next step, then for twice as many steps after each such step in a row, at most
+    `max_draft_backoff` (0: never paused), each pause running on to a step numbered a multiple of
+    its length, so that paused requests look up together. A verify step that keeps one ends the
+    pause. A chained step overlaps with or without drafts, so there a lookup that finds nothing
+    costs nothing and pauses nothing. Whether a step with a sampled row runs synchronously is
+    decided by a lookup over the tokens a request already has, so a lookup that finds nothing never
+    stops the overlap.
 
     A verify step's rows and drafts together stay within `max_num_batched_tokens` (drafts are cut
     to fit). A seeded request that samples (temperature above 0) gets no drafts: rejection sampling

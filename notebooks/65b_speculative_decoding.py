@@ -254,7 +254,8 @@ print(f"at 32 req/s, speculating over plain ITL p50: {itl['fullgraphs+ngram', 32
 #    `speculative_config.max_draft_backoff` (32 by default). A verify step that keeps one ends the
 #    pause. Steps that can carry no drafts overlap again.
 # 2. A lookup that finds no match is a miss too, and pauses the request the same way. After rule
-#    1 alone, lookups that found nothing still made their steps synchronous.
+#    1 alone, lookups that found nothing still made their steps synchronous. (Chained steps,
+#    below, never block, and have since dropped this rule.)
 # 3. A pause of b steps ends on a step numbered a multiple of b. Requests paused for as long
 #    then look up on the same steps, not each on its own.
 #
@@ -373,6 +374,8 @@ print(f"kernels a step: decode {step_us['decode']:.0f} us, verify {step_us['veri
 
 # %%
 chain_runs = lab.measured_table("day65_spec", "scripts/gpu_run.sh smollm2 smolspec", slug="h100-80gb-hbm3")
+prompts_by_set = {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)]
+                  for name in chain_runs.set.unique()}
 chain_summary = lab.measured_table("day65_spec_summary", "scripts/gpu_run.sh smollm2 smolspec",
                                    slug="h100-80gb-hbm3")
 lab.show(chain_summary[["set", "arm", "ms_per_token", "acceptance_rate", "tokens_per_verify_step",
@@ -380,9 +383,8 @@ lab.show(chain_summary[["set", "arm", "ms_per_token", "acceptance_rate", "tokens
 h100_kernels = lab.measured_table("day65smollm2_spec_verify_kernels", "scripts/gpu_run.sh smolspec",
                                   slug="h100-80gb-hbm3")
 h100_us = h100_kernels[h100_kernels.batch == 1].groupby("arm").us_per_step.sum()
-h100_priced = lab.chained_settings(chain_runs, {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)]
-                                                for name in chain_runs.set.unique()},
-                                   plain_ms=h100_us["decode"] / 1e3, verify_ms=h100_us["verify"] / 1e3)
+h100_priced = lab.chained_settings(chain_runs, prompts_by_set, plain_ms=h100_us["decode"] / 1e3,
+                                   verify_ms=h100_us["verify"] / 1e3)
 measured = chain_summary.set_index(["set", "arm"]).speedup_over_off
 for k in (16, 32):
     got, want = measured["code_edit", lab.lookup_arm(k, 2)], h100_priced.set_index(["set", "k", "min_n"]).loc[
@@ -400,10 +402,47 @@ print(f"code editing, k = 32: {int(ran.steps.sum())} steps ({int(ran.verify_step
 # the synchronous ones on the H200: they now cost about their kernels. Code editing at k = 32 over
 # two-token matches runs 1.74x faster than plain greedy, 0.97 of the 1.8x aim and 0.92 of what the
 # replay gives at this card's kernels; k = 16 runs 1.65x. The replay assumes no pauses, and the
-# engine pauses a request's lookups after a miss: at k = 32 it took 123 steps where the replay
+# engine paused a request's lookups after a miss: at k = 32 it took 123 steps where the replay
 # takes 115, fewer of them verify steps. Summaries gain less, 1.07x to 1.50x. In the k = 32 arm
 # the first three summaries ran plain steps of 1.2 ms where the rest took 0.65 to 0.72, for a
 # reason these tables do not show.
+#
+# A pause after a lookup that finds nothing was made for synchronous speculation, where a step
+# that may carry drafts blocks. A chained step overlaps with or without drafts, so such a pause
+# saves nothing there and forgoes the matches that follow; since this run a chained request
+# pauses only after a verify step that kept nothing. The chain on this machine at k = 32 over
+# two-token matches, a row a prompt, against the replay of its own outputs (greedy, so plain
+# greedy's):
+
+# %%
+chain_llm = LLM(str(path), device=str(DEVICE), dtype=DTYPE, enable_prefix_caching=False, async_scheduling=True,
+                speculative_config={"num_speculative_tokens": 32, "prompt_lookup_min": 2})
+counted = []
+for name in ("code_edit", "summarize"):
+    for i, (messages, ids) in enumerate(zip(lab.load_prompt_set(name), prompts_by_set[name], strict=True)):
+        got = lab.run_prompt(chain_llm, messages, 64)
+        want = lab.replay_chained(ids, got["token_ids"], 32, 2, max_tokens=64)
+        counted.append({"set": name, "prompt": i, "output_tokens": got["output_tokens"], "steps": got["steps"],
+                        "replay_steps": want["verify_steps"] + want["plain_steps"] + 1,
+                        "verify_steps": got["verify_steps"], "replay_verify_steps": want["verify_steps"]})
+chain_llm.close()
+counted = pd.DataFrame(counted)
+lab.show(counted)
+over = counted.steps - counted.replay_steps
+code_steps = counted[counted.set == "code_edit"].steps.sum()
+print(f"steps over the replay's, a prompt: {over.min()} to {over.max()}; code editing {code_steps} steps in all, "
+      "against the H100's 123 with the old pauses")
+assert over.between(0, 3).all(), "the chain takes steps the replay does not count"
+
+# %% [markdown]
+# *Steps each prompt takes, its prompt step counted, and how many were verify steps: the
+# engine's chain on this machine beside the replay over the same output.*
+#
+# The chain now takes the replay's steps and one more a prompt: the last, launched before the
+# step in flight ends the request, as a plain decode step is under asynchronous scheduling. On
+# code editing that is 120 steps against the 123 the H100 took with the old pauses, 30 of them
+# verify steps against 17. Priced at the H100's kernels the replay gives code editing 1.90x at
+# k = 32; the next GPU run measures the chain without these pauses.
 #
 # Four outputs differ from plain greedy's, on two code-editing prompts, against one in the H200's
 # synchronous run. `tie_margins` finds where each first parts from plain greedy's and asks SmolLM2
@@ -413,8 +452,6 @@ print(f"code editing, k = 32: {int(ran.steps.sum())} steps ({int(ran.verify_step
 
 # %%
 judge = LLM(str(path), device=str(DEVICE), dtype="float32", enable_prefix_caching=False)
-prompts_by_set = {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)]
-                  for name in chain_runs.set.unique()}
 ties = pd.concat([lab.tie_margins(judge, table, prompts_by_set).assign(card=card)
                   for card, table in (("h200", runs), ("h100", chain_runs))], ignore_index=True)
 judge.close()
@@ -461,6 +498,7 @@ assert (ties.margin.abs() < 0.25).all(), f"a bf16 output left plain greedy's whe
 #   from 1.66x plain's to 1.003x, a step without a match overlapping as a plain one does.
 # - Greedy verify steps now chain instead of blocking. On an H100 they lower code editing's
 #   latency 1.74x at k = 32 over two-token matches (0.97 of the aim), 0.92 of the replay's price;
-#   not yet measured on the H200. Every bf16 output that parts from plain greedy's does so at a
-#   near tie, within 0.1 in fp32's log-probabilities. Not yet built: a varlen read that fp32 does
-#   not cripple.
+#   not yet measured on the H200. A chained request no longer pauses after a lookup that finds
+#   nothing, and now takes the replay's steps and one more. Every bf16 output that parts from
+#   plain greedy's does so at a near tie, within 0.1 in fp32's log-probabilities. Not yet built: a
+#   varlen read that fp32 does not cripple.

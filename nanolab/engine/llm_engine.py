@@ -595,11 +595,12 @@ class Engine:
         finally:
             del tokens[covered:]
 
-    def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]] | None:
+    def _drafts(self, out: SchedulerOutput, pause_misses: bool = True) -> dict[int, list[int]] | None:
         """Draft tokens by row index for a decode-only step of at most the config's rows, or None:
         none proposed, or the pool lacks the blocks to feed them. A row with no room for drafts
-        (`_draft_room`) gets none; a row whose lookup finds no match is paused (`_drafted`). Drafts
-        are cut, in row order, so that the step feeds at most `max_num_batched_tokens` tokens."""
+        (`_draft_room`) gets none; a row whose lookup finds no match is paused (`_drafted`) if
+        `pause_misses` (not for a chained step: see `_chained_drafts`). Drafts are cut, in row
+        order, so that the step feeds at most `max_num_batched_tokens` tokens."""
         spec = self.config.speculative_config
         if spec is None or not out.decode_only or len(out.seqs) > spec.max_num_seqs:
             return None
@@ -610,7 +611,7 @@ class Engine:
                 proposed = self._lookup(seq, room)
                 if proposed:
                     drafts[i] = proposed
-                else:  # no match: a miss, as a verify step that keeps nothing is
+                elif pause_misses:  # no match: a miss, as a verify step that keeps nothing is
                     self._drafted(seq, kept=False)
         room = self.scheduler.max_num_batched_tokens - len(out.seqs)  # the step's budget, past each pending token
         for i in list(drafts):
@@ -907,7 +908,7 @@ class Engine:
                 return []
             if not out.decode_only:  # prompts and chunks run synchronously: their first tokens come back now
                 return self._run(out)
-            drafts = self._drafts(out) or {}
+            drafts = self._drafts(out, pause_misses=False) or {}
             drafts = self._fit_drafts([list(drafts.get(i, ())) for i in range(len(out.seqs))])
             return self._launch_chained(out.seqs, drafts, None, None, None)
         nxt = self._continuing(prev, check_blocks=False)
@@ -922,7 +923,10 @@ class Engine:
         cannot hold even one token a row. Each row's lookup runs over its tokens and what it takes
         `prev` to add: all of prev's drafts, unless prev's drafts already rest on a premise that
         failed (`stale`), then none. The lookup's first token is its guess of prev's last token and
-        the rest are the drafts. Room is counted as if prev kept every draft. Drafts are cut to the
+        the rest are the drafts. A lookup that finds none does not pause the request: a chained
+        step overlaps whether or not it carries drafts, so the miss costs no synchronous step, and a
+        pause would forgo the matches that follow (a verify step that keeps nothing still pauses
+        it, `_retire_chained`). Room is counted as if prev kept every draft. Drafts are cut to the
         step's budget and the cache's rows (a verify step that chains runs as a decode step), and
         dropped when the pool cannot grow every row by them."""
         index = {id(s): i for i, s in enumerate(prev.seqs)}
@@ -935,9 +939,8 @@ class Engine:
             proposed = []
             if room >= 1:
                 proposed = self._lookup(seq, room + 1, fed[:kept])
-                if len(proposed) < 2:  # no draft past the guess: a miss
+                if len(proposed) < 2:  # no draft past the guess: a plain row, and no pause (see the docstring)
                     proposed = []
-                    self._drafted(seq, kept=False)
             drafts.append(proposed[1:])
             assumed.append(kept)
             guesses.append(proposed[0] if proposed else None)
