@@ -110,6 +110,27 @@ print(f"bf16 batch 1, down with SwiGLU fused in: {silu_down.us_per_step.sum() / 
 # The fp8 arm has no such fusion to lose: its projections are the Triton GEMV, opaque to
 # inductor. Its projections took 784 us a step at batch 1 against bf16's 970.
 #
+# The profile also holds the generate call's prompt step, spread over its 64 decode steps (63
+# here, by the LM head's calls). For bf16 that is a few us a step. For fp8 it is not: three
+# elementwise kernels ran 64 more times in fp8's profile than in bf16's, once for each quantized
+# layer's weight, which the prompt step widens to bf16 before its matmul.
+
+# %%
+widening = profile[profile.kernel.str.contains("direct_copy|gpu_kernel_impl_nocast|bfloat16_copy")]
+extra = widening.pivot_table(index="kernel", columns=["arm", "batch"], values=["calls", "gpu_us"], aggfunc="sum")
+for batch in (1, 8):
+    calls = extra["calls"]["fp8", batch] - extra["calls"]["bf16", batch]
+    ms = (extra["gpu_us"]["fp8", batch] - extra["gpu_us"]["bf16", batch]).sum() / 1e3
+    print(f"batch {batch}: {calls.min():.0f} more calls of each in fp8's profile (at most {calls.max():.0f}), "
+          f"{ms:.1f} ms in all, {ms * 1e3 / 63:.0f} us a decode step of the table")
+
+# %% [markdown]
+# So fp8's prompt step of 128 tokens spends about 7.5 ms widening weights, as long as seven
+# decode steps, and the per-step sums above overstate fp8's decode step by about 120 us. A prompt
+# chunk pays it again for every chunk. `fp8bench --parts profile` now profiles a call of one
+# new token as well and takes its kernels out (`stepparts.decode_kernels`); this table predates
+# that. A prompt step that reads e4m3 bytes itself, instead of widening them first, is not built.
+#
 # ## The projections alone
 #
 # `fp8bench --parts tiles` times each layer projection as the step runs it: 16 launches back to
@@ -259,4 +280,7 @@ print(f"fp8 at batch 8: {one['bf16', 8] / one['fp8', 8]:.2f}x bf16 against 1.5x 
 # - The fp8 GEMV now multiplies bf16 rows on fp16 tensor cores, one conversion a weight pair
 #   instead of three: 0.95x and 0.96x a layer's projection time at batches 1 and 8 on an H100.
 #   The step has not been timed with it on the H200.
-# - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show.
+# - An fp8 prompt step widens every layer's weight before its matmul, about 7.5 ms at 128 tokens
+#   on the H200, paid again by every chunk.
+# - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show; a prompt
+#   step that reads the e4m3 bytes itself.

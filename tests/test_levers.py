@@ -246,6 +246,24 @@ def test_the_host_share_is_what_the_kernels_leave():
     assert parts["host (GPU idle)"] == pytest.approx(1.2 - 0.97)
 
 
+def test_a_prompt_steps_kernels_come_out_of_a_whole_calls_by_name():
+    """`without_kernels`: a whole call's kernels less its prompt step's, by name, per decode step;
+    a kernel only the prompt step ran (a weight widened) leaves nothing, and one it shares with the
+    decode steps keeps the decode steps' calls and time alone."""
+    from nanolab.lab.stepparts import without_kernels
+
+    whole = pd.DataFrame({"arm": "fp8", "kernel": ["_gemv", "direct_copy_kernel", "nvjet_prompt", "_rope_write"],
+                          "calls": [640, 64, 16, 170], "gpu_us": [6400.0, 3000.0, 400.0, 340.0]})
+    prompt = pd.DataFrame({"arm": "fp8", "kernel": ["direct_copy_kernel", "nvjet_prompt", "_rope_write"],
+                           "calls": [64, 16, 10], "gpu_us": [3000.0, 400.0, 40.0]})
+    left = without_kernels(whole, prompt, steps=10).set_index("kernel")
+    assert list(left.index) == ["_gemv", "_rope_write"]
+    assert left.loc["_gemv", "us_per_step"] == pytest.approx(640.0)
+    assert (left.loc["_rope_write", "calls"], left.loc["_rope_write", "us_per_step"]) == (160, pytest.approx(30.0))
+    assert left.share.sum() == pytest.approx(1.0) and left.loc["_gemv", "class"] == "projections"
+    assert (left.arm == "fp8").all()
+
+
 def parts_of(stem: str, batch: int, order: list[str]) -> pd.DataFrame:
     from nanolab.lab.report import load_table
 

@@ -21,7 +21,8 @@ Five parts, each its own table:
   (`lab.gemvbench.dot_sweep`), each way the GEMV can multiply an fp8 tile (`lab.gemvbench.FP8_DOTS`:
   tensor cores in bf16 or in fp16, or one row's products in fp32).
 - `profile` (`day65_fp8_profile_<device>`, CUDA): the GPU kernels of whole `generate` calls' decode
-  steps in bf16 and fp8, by kernel and class (`lab.stepparts.kernel_class`), per step.
+  steps in bf16 and fp8, the prompt step's taken out, by kernel and class
+  (`lab.stepparts.kernel_class`), per step.
 
     python -m nanolab fp8bench --model llama-3.2-1b --parts steps
     python -m nanolab fp8bench --model smollm2-135m --parts quality
@@ -44,7 +45,7 @@ from nanolab.lab.floorbench import nanolab_generate, nanolab_label
 from nanolab.lab.gemvbench import FP8_DOTS, dot_sweep, fp8_chain_table
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
-from nanolab.lab.stepparts import class_line, profiled_kernels
+from nanolab.lab.stepparts import class_line, decode_kernels
 from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
 from nanolab.model.quant import quantize_fp8
@@ -141,8 +142,9 @@ def run_steps(model: str, device: str | None, batches: Sequence[int] = BATCHES, 
 
 def run_profile(model: str, batches: Sequence[int] = BATCHES, prompt_len: int = PROMPT_LEN, steps: int = 64,
                 log: Callable[[str], None] = print) -> pd.DataFrame:
-    """A row per arm, batch and kernel: its GPU us a decode step over `steps` steps of a whole
-    `generate` call (prefill included, a few us a step at these lengths), and its class."""
+    """A row per arm, batch and kernel: its GPU us a decode step over `steps` decode steps of a
+    whole `generate` call, its prompt step's kernels taken out (`stepparts.decode_kernels`), and
+    its class."""
     engine_args = dict(device="cuda", max_num_seqs=max(64, *batches), enable_chunked_prefill=False,
                        enable_prefix_caching=False)
     tables = []
@@ -152,7 +154,7 @@ def run_profile(model: str, batches: Sequence[int] = BATCHES, prompt_len: int = 
             run = nanolab_generate(llm, random_prompts(batch, prompt_len, llm.config.vocab_size))
             run(steps)  # warm
             torch.cuda.synchronize()
-            t = profiled_kernels(lambda run=run: run(steps), steps, name).assign(batch=batch)
+            t = decode_kernels(run, steps, name).assign(batch=batch)
             tables.append(t)
             log(f"{name} batch {batch}: {class_line(t, digits=1)}")
         llm.close()

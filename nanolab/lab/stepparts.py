@@ -49,6 +49,31 @@ def profiled_kernels(run: Callable[[], object], steps: int, arm: str) -> pd.Data
     return table
 
 
+def without_kernels(whole: pd.DataFrame, part: pd.DataFrame, steps: int) -> pd.DataFrame:
+    """`whole`'s kernels (a `profiled_kernels` table) less `part`'s, kernel by kernel (calls and GPU
+    us), over `steps` steps: what `whole` ran beyond `part`. A kernel left with no call is dropped;
+    us_per_step, share and class are those of what is left."""
+    counts = part.set_index("kernel")[["calls", "gpu_us"]]
+    left = whole.set_index("kernel")[["calls", "gpu_us"]].sub(counts, fill_value=0)
+    left = left[(left.calls > 0) & left.index.isin(whole.kernel)].clip(lower=0)
+    table = left.reset_index().assign(arm=whole.arm.iloc[0] if len(whole) else "")
+    table = table.sort_values("gpu_us", ascending=False, ignore_index=True)
+    table["us_per_step"] = table.gpu_us / steps
+    table["share"] = table.gpu_us / table.gpu_us.sum()
+    table["class"] = table.kernel.map(kernel_class)
+    return table[["arm", "kernel", "calls", "gpu_us", "us_per_step", "share", "class"]]
+
+
+def decode_kernels(run: Callable[[int], object], steps: int, arm: str) -> pd.DataFrame:
+    """The CUDA kernels of `steps` decode steps alone: `run(n)` (a whole `generate` call of n new
+    tokens, the first from its prompt step) profiled at `steps` + 1 tokens and at 1, the second's
+    kernels taken from the first's (`without_kernels`). The prompt step's kernels cancel, however
+    much they cost: an fp8 prompt step widens every layer's weight."""
+    whole = profiled_kernels(lambda: run(steps + 1), steps, arm)
+    prompt = profiled_kernels(lambda: run(1), steps, arm)
+    return without_kernels(whole, prompt, steps)
+
+
 def class_line(table: pd.DataFrame, digits: int = 0) -> str:
     """One arm's kernels as a line: us a step in all, then by class."""
     by_class = table.groupby("class").us_per_step.sum()
