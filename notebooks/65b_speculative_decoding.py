@@ -429,9 +429,9 @@ chain_llm.close()
 counted = pd.DataFrame(counted)
 lab.show(counted)
 over = counted.steps - counted.replay_steps
-code_steps = counted[counted.set == "code_edit"].steps.sum()
-print(f"steps over the replay's, a prompt: {over.min()} to {over.max()}; code editing {code_steps} steps in all, "
-      "against the H100's 123 with the old pauses")
+code = counted[counted.set == "code_edit"]
+print(f"steps over the replay's, a prompt: {over.min()} to {over.max()}; code editing {code.steps.sum()} steps in all "
+      f"({code.verify_steps.sum()} verify), against the H100's 123 (17) with the old pauses")
 assert over.between(0, 3).all(), "the chain takes steps the replay does not count"
 
 # %% [markdown]
@@ -446,7 +446,7 @@ assert over.between(0, 3).all(), "the chain takes steps the replay does not coun
 #
 # Four outputs differ from plain greedy's, on two code-editing prompts, against one in the H200's
 # synchronous run. `tie_margins` finds where each first parts from plain greedy's and asks SmolLM2
-# in fp32 on this CPU how close the two tokens were there: a verify step multiplies through other
+# in fp32 on this machine how close the two tokens were there: a verify step multiplies through other
 # kernels than a batch-1 decode step, and bf16 keeps 8 significant bits, so a logit between 16 and
 # 32 is rounded by up to 0.06.
 
