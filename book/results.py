@@ -26,5 +26,6 @@ for source in missing:
 # %% [markdown]
 # The model column says whether the weights were real or synthesized at the real shapes: a
 # synthesized model's speed is the real one's, its outputs are meaningless. Every row is the
-# H200's but one: Day 61's CPU target, measured on the 2-core CPU it names. Ratios read as the
-# peer's time over nanolab's, so above 1 means nanolab is faster.
+# H200's but two: Day 61's CPU target, measured on the 2-core CPU it names, and chained
+# speculation, measured on an H100 on a day no H200 could be started. Ratios read as the peer's
+# time over nanolab's, so above 1 means nanolab is faster.

@@ -166,6 +166,12 @@ HEADLINES = (
              lambda t: (lambda on, off: f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), "
                         f"{on.speedup_over_off:.2f}x")(
                  _at(t, set="code_edit", arm="ngram k=4"), _at(t, set="code_edit", arm="off"))),
+    Headline("65b_speculative_decoding", "day65_spec_summary",
+             "the same with chained speculation, k = 32 over two-token matches",
+             lambda t: (lambda on, off: f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), "
+                        f"{on.speedup_over_off:.2f}x")(
+                 _at(t, set="code_edit", arm="ngram k=32 min_n=2"), _at(t, set="code_edit", arm="off")),
+             slug="h100-80gb-hbm3"),
 )
 
 
