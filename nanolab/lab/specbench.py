@@ -162,17 +162,26 @@ def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _token_lists(token_ids) -> list[list[int]]:
+    """A table's `token_ids` column as lists: `run_specbench`'s lists, or their JSON as saved."""
+    return [json.loads(t) if isinstance(t, str) else list(t) for t in token_ids]
+
+
+def _off_outputs(table: pd.DataFrame) -> dict[tuple[str, int], list[int]]:
+    """Off's output for each (set, prompt) of `table`."""
+    off = table[table.arm == "off"]
+    return dict(zip(zip(off.set, off.prompt), _token_lists(off.token_ids)))
+
+
 def divergences(table: pd.DataFrame) -> pd.DataFrame:
     """Each output of `table` (`run_specbench`'s, token ids as lists or as their JSON) that differs
     from off's for the same prompt: its set, arm and prompt, the first position where they part,
     and the token each has there (-1 where one output ends first)."""
-    ids = table.token_ids.map(lambda t: json.loads(t) if isinstance(t, str) else list(t))
+    offs = _off_outputs(table)
     rows = []
-    for (name, arm, prompt), got in zip(zip(table.set, table.arm, table.prompt), ids):
-        if arm == "off":
-            continue
-        want = ids[(table.set == name) & (table.arm == "off") & (table.prompt == prompt)].iloc[0]
-        if got == want:
+    for name, arm, prompt, got in zip(table.set, table.arm, table.prompt, _token_lists(table.token_ids)):
+        want = offs[name, prompt]
+        if arm == "off" or got == want:
             continue
         at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
         rows.append({"set": name, "arm": arm, "prompt": prompt, "position": at,
@@ -186,13 +195,11 @@ def tie_margins(llm: LLM, table: pd.DataFrame, prompts: dict[str, list[list[int]
     (`prompts[set][prompt]`, token ids) and off's output up to there, and off's minus the arm's
     (`margin`). A margin near 0 is a near tie, where a step's rounding can pick either token; a
     large one would be a fault. An output that ends first has no token there: NaN."""
-    parts = divergences(table)
-    ids = table.token_ids.map(lambda t: json.loads(t) if isinstance(t, str) else list(t))
+    parts, offs = divergences(table), _off_outputs(table)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     rows = []
     for d in parts.itertuples(index=False):
-        off = ids[(table.set == d.set) & (table.arm == "off") & (table.prompt == d.prompt)].iloc[0]
-        fed = list(prompts[d.set][d.prompt]) + off[:d.position]
+        fed = list(prompts[d.set][d.prompt]) + offs[d.set, d.prompt][:d.position]
         lp = {}
         for which, token in (("off", d.off_token), ("arm", d.arm_token)):
             if token >= 0:  # the last prompt token's log-probability given everything before it
@@ -331,7 +338,7 @@ def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks
         plain_ms = off.decode_step_ms.median()  # overlapped: off runs every step asynchronously
         verify_ms, sync_ms = on.verify_step_ms.median(), on.decode_step_ms.median()
         # a table read back from CSV holds each output as its JSON text
-        outputs = [json.loads(t) if isinstance(t, str) else list(t) for t in off.token_ids]
+        outputs = _token_lists(off.token_ids)
         for k, min_n in itertools.product(ks, min_ns):
             steps = [replay_lookup(prompts[name][int(p)], out, k, min_n, max_n, max_tokens)
                      for p, out in zip(off.prompt, outputs, strict=True)]
@@ -360,7 +367,7 @@ def chained_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], p
     rows = []
     for name, g in table.groupby("set", sort=False):
         off = g[g.arm == "off"]
-        outputs = [json.loads(t) if isinstance(t, str) else list(t) for t in off.token_ids]
+        outputs = _token_lists(off.token_ids)
         tokens = sum(len(out) - 1 for out in outputs)
         for k, min_n in settings:
             counts = {}
