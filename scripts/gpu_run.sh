@@ -6,7 +6,7 @@
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
 #                      [prefixsteps] [varlen] [fp8] [verify] [smollm2] [smolspec] [smolfp32] [smolquality]
-#                      [specload] [host]
+#                      [specload] [specrounds] [host]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -56,6 +56,8 @@
 # smolquality fp8bench's quality (data/day65_fp8_quality_*). Each is its own part, so each call fits its limit.
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
 # and 32 req/s on Llama-3.2-1B shapes (data/day65specload_*), $SPECLOAD_ARGS added.
+# specrounds serves Llama-3.2-1B shapes with speculation off and on at once and sends 32 req/s to each in
+# turn, $SPECROUNDS rounds (default 8; graphbench --rounds, data/day65c_rounds_*), $SPECLOAD_ARGS added.
 # host runs hostbench: the host's time a step, plain decode, synchronous verify and chained verify at k = 8, 16
 # and 32, over a stand-in forward whose device time is small (data/day65_host_*); under a minute.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
@@ -138,6 +140,8 @@ for part in "${parts[@]}"; do
         prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
+        specrounds) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 32 \
+                        --rounds "${SPECROUNDS:-8}" --prefix day65c ${SPECLOAD_ARGS:-} || status=1 ;;
         smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches --lookups 4,8:2,16:2,31:2,32:2 \
                 ${SPEC_ARGS:-} || status=1
             python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1 ;;

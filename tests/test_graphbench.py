@@ -21,7 +21,15 @@ from nanolab.lab.compaction import (
     step_summary,
     weighted_median_rows,
 )
-from nanolab.lab.graphbench import graphbench_ratios, run_arm, run_graphbench, startup_columns, startup_table
+from nanolab.lab.graphbench import (
+    graphbench_ratios,
+    round_ratios,
+    run_arm,
+    run_graphbench,
+    run_rounds,
+    startup_columns,
+    startup_table,
+)
 from nanolab.lab.loadclient import PlanRun, RequestResult, run_plan, run_plan_async
 from nanolab.lab.offlinesteps import time_offline
 from nanolab.lab.serveprocess import (
@@ -334,6 +342,40 @@ def test_run_arm_on_the_stand_in(fake_script, tmp_path):
     assert (rates.decode_steps > 0).all() and (rates.step_batch >= rates.median_rows).all()
     assert check_compaction(arm.steps, BUCKETS, expect_graphs=True)
     assert check_compaction(step_summary(arm.steps), BUCKETS, expect_graphs=True)
+
+
+def test_rounds_keep_every_server_up_and_alternate_the_arms_on_one_stream_a_round(fake_script, tmp_path):
+    started = []
+
+    def command(model, port, *, device, eager, step_log, **kw):
+        started.append(kw.get("speculative_config"))
+        return [sys.executable, str(fake_script), f"port={port}", f"step_log={step_log}", f"graphs={not eager}"]
+
+    log = []
+    table = run_rounds(["graphs", "graphs+ngram"], "fake-model", "cuda", 500, [20.0], 3, TINY, SLO(), warmup=1,
+                       workdir=tmp_path, command=command, log=log.append)
+    assert started == [None, {"method": "ngram"}]  # each server started once, for every round
+    assert [(r, a) for r, a in zip(table["round"], table.arm)] == [
+        (0, "graphs"), (0, "graphs+ngram"), (1, "graphs+ngram"), (1, "graphs"), (2, "graphs"), (2, "graphs+ngram")]
+    assert list(table.place) == [0, 1, 0, 1, 0, 1] and (table.server_exit == 0).all()
+    assert check_requests(table)
+    by = table.set_index(["round", "arm"]).requests
+    assert (by.xs("graphs", level="arm") == by.xs("graphs+ngram", level="arm")).all()
+    with pytest.raises(ValueError, match="rounds=0"):
+        run_rounds(["graphs"], "fake-model", "cuda", 500, [20.0], 0, TINY, SLO(), command=command)
+
+
+def test_round_ratios_pair_each_round_and_take_the_median():
+    rounds = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "arm": ["graphs", "graphs+ngram"] * 3, "rate": 32.0,
+                           "itl_p50_ms": [1.0, 1.1, 2.0, 1.9, 1.0, 1.02],
+                           "tpot_p50_ms": [1.0, 1.2, 1.0, 1.0, 1.0, 1.1]})
+    r = round_ratios(rounds).set_index("ratio")
+    itl = r.loc["speculating / plain ITL p50"]
+    # Paired by round: 1.1, 0.95, 1.02; pooling the arms' medians instead would give 1.1 / 1.0.
+    assert itl.value == pytest.approx(1.02) and not itl.met and itl["rounds"] == 3
+    assert itl.lo <= 0.95 + 1e-9 and itl.hi >= 1.1 - 1e-9 and itl.detail == "per round 1.100, 0.950, 1.020"
+    assert r.loc["speculating / plain TPOT p50"].value == pytest.approx(1.1)
+    assert round_ratios(rounds[rounds.arm == "graphs"]).empty  # no speculating arm, no ratio
 
 
 def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_path):

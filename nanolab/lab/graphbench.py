@@ -23,7 +23,8 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -55,7 +56,7 @@ from nanolab.lab.serveprocess import (
     split_arm,
     split_speculation,
 )
-from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, itl_quantiles, serving_metrics
+from nanolab.lab.servingmetrics import SLO, SLOS, check_requests, itl_quantiles, median_interval, serving_metrics
 from nanolab.lab.workload import SEED_RATES, WORKLOADS, Workload, rate_schedule, request_plan
 from nanolab.model.config import ModelConfig
 from nanolab.model.weights import resolve_weights, weights_kind
@@ -124,6 +125,68 @@ class ArmRun:
     startup: dict = field(default_factory=dict)  # `startup_columns` of the server's log
 
 
+def arm_command(arm: str, model: str, port: int, device: str, step_log: Path, *, dtype: str = "auto",
+                read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None, max_waiting: int = 1024,
+                max_num_batched_tokens: int | None = None, command: Callable[..., list[str]] = serve_command
+                ) -> list[str]:
+    """The argv of `arm`'s server (`serve_command`'s signature; tests pass a stand-in's)."""
+    mode, prefill = split_arm(arm)
+    extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
+    if max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = max_num_batched_tokens
+    if mode in GRAPHED:  # named, not left to the server's default
+        extra["cudagraph_mode"] = "full" if mode == "fullgraphs" else "full_decode_only"
+    speculative_config = split_speculation(arm)[1]
+    if speculative_config is not None:
+        extra["speculative_config"] = speculative_config
+    return command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
+                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_waiting=max_waiting, **extra)
+
+
+@contextmanager
+def started_server(arm: str, argv: list[str], port: int, workdir: Path, start_timeout_s: float, out: ArmRun,
+                   log: Callable[[str], None]) -> Iterator[ServeProcess]:
+    """`arm`'s server, started and healthy inside the block and stopped after it, its start's
+    seconds and log lines recorded in `out`."""
+    with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
+        out.ready_s = server.ready_s
+        log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
+        text = server.log.read_text(errors="replace")
+        out.startup = startup_columns(text)
+        for line in text.splitlines():  # the lines `startup_columns` reads, as `startup_table` reads them back
+            if _BUILT.search(line) or _WARMED.search(line):
+                log(f"{arm}: {line.split('nanolab: ', 1)[-1]}")
+        yield server
+
+
+def warm_up(server: ServeProcess, served: str, requests: int, vocab_size: int, workload: Workload, seed: int) -> None:
+    """`requests` requests sent at once, outside every window, so first-use costs fall outside them."""
+    if requests:
+        plan = [replace(r, arrival_s=0.0) for r in request_plan(1000.0, requests, vocab_size, workload, seed)]
+        run_plan(server.url, served, plan)
+
+
+def send_rate(server: ServeProcess, served: str, arm: str, rate: float, vocab_size: int, workload: Workload,
+              slo: SLO, seed: int, log: Callable[[str], None]) -> tuple[dict, pd.DataFrame, tuple[float, float]]:
+    """One seeded Poisson stream at `rate` through `server`: `serving_metrics` (with speculation's
+    counters for a speculating arm), the ITL quantiles, and the window it ran in."""
+    plan = request_plan(rate, workload.requests_at(rate), vocab_size, workload, seed)
+    speculating = split_speculation(arm)[1] is not None
+    before = server.metrics() if speculating else None
+    run = run_plan(server.url, served, plan)
+    server.check_alive()
+    m = {"arm": arm, "prefill": split_arm(arm)[1] or "default", "rate": rate, **serving_metrics(run, slo)}
+    if before is not None:
+        m.update(spec_columns(before, server.metrics()))
+        log(f"{arm:>6} {rate:5g} req/s: {m['verify_steps']:.0f} verify steps kept {m['accepted_tokens']:.0f} "
+            f"of {m['draft_tokens']:.0f} drafts ({m['acceptance_rate']:.2f})")
+    log(f"{arm:>6} {rate:5g} req/s: {m['completed']}/{m['requests']} in {m['duration_s']:.1f} s, "
+        f"ITL p50 {m['itl_p50_ms']:.2f} ms p99 {m['itl_p99_ms']:.2f} ms, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
+        f"{m['output_throughput']:.0f} tok/s, sustained {m['sustained_req_s']:.2f} of "
+        f"{m['offered_req_s']:.2f} req/s offered{'  SATURATED' if m['saturated'] else ''}")
+    return m, itl_quantiles(run).assign(arm=arm, rate=rate), run.window
+
+
 def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[float], max_rate: float,
             workload: Workload, slo: SLO, *, seed: int = 0, dtype: str = "auto", read: str = "auto",
             max_num_seqs: int = 64, max_model_len: int | None = None, warmup: int = 8,
@@ -133,62 +196,102 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     beyond the listed ones saturates. `warmup` requests (all at once, outside every window) go
     first, so first-use costs fall outside the measured rates. `command` builds the server's argv
     (`serve_command`'s signature; tests start a stand-in)."""
-    mode, prefill = split_arm(arm)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
     step_log = workdir / f"steps_{arm}.jsonl"
     port = free_port()
-    extra = {} if prefill is None else {"chunked_prefill": prefill != "whole"}
-    if max_num_batched_tokens is not None:
-        extra["max_num_batched_tokens"] = max_num_batched_tokens
-    if mode in GRAPHED:  # named, not left to the server's default
-        extra["cudagraph_mode"] = "full" if mode == "fullgraphs" else "full_decode_only"
-    speculative_config = split_speculation(arm)[1]
-    if speculative_config is not None:
-        extra["speculative_config"] = speculative_config
-    argv = command(model, port, device=device, eager=mode == "eager", step_log=step_log, dtype=dtype, read=read,
-                   max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   max_waiting=max(1024, workload.max_requests + warmup), **extra)
+    argv = arm_command(arm, model, port, device, step_log, dtype=dtype, read=read, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, max_waiting=max(1024, workload.max_requests + warmup),
+                       max_num_batched_tokens=max_num_batched_tokens, command=command)
     out = ArmRun(arm)
-    with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
-        out.ready_s = server.ready_s
-        log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
-        text = server.log.read_text(errors="replace")
-        out.startup = startup_columns(text)
-        for line in text.splitlines():  # the lines `startup_columns` reads, as `startup_table` reads them back
-            if _BUILT.search(line) or _WARMED.search(line):
-                log(f"{arm}: {line.split('nanolab: ', 1)[-1]}")
+    with started_server(arm, argv, port, workdir, start_timeout_s, out, log) as server:
         served = server.model_id()
-        if warmup:
-            plan = [replace(r, arrival_s=0.0) for r in request_plan(1000.0, warmup, vocab_size, workload, seed)]
-            run_plan(server.url, served, plan)
+        warm_up(server, served, warmup, vocab_size, workload, seed)
         for rate in rate_schedule(rates, max_rate):
-            plan = request_plan(rate, workload.requests_at(rate), vocab_size, workload, seed)
-            before = server.metrics() if speculative_config is not None else None
-            run = run_plan(server.url, served, plan)
-            server.check_alive()
-            m = {"arm": arm, "prefill": prefill or "default", "rate": rate, **serving_metrics(run, slo)}
-            if before is not None:
-                m.update(spec_columns(before, server.metrics()))
-                log(f"{arm:>6} {rate:5g} req/s: {m['verify_steps']:.0f} verify steps kept {m['accepted_tokens']:.0f} "
-                    f"of {m['draft_tokens']:.0f} drafts ({m['acceptance_rate']:.2f})")
+            m, itl, window = send_rate(server, served, arm, rate, vocab_size, workload, slo, seed, log)
             out.rates.append(m)
-            out.itl.append(itl_quantiles(run).assign(arm=arm, rate=rate))
-            out.windows[rate] = run.window
-            log(f"{arm:>6} {rate:5g} req/s: {m['completed']}/{m['requests']} in {m['duration_s']:.1f} s, "
-                f"ITL p50 {m['itl_p50_ms']:.2f} ms p99 {m['itl_p99_ms']:.2f} ms, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
-                f"{m['output_throughput']:.0f} tok/s, sustained {m['sustained_req_s']:.2f} of "
-                f"{m['offered_req_s']:.2f} req/s offered{'  SATURATED' if m['saturated'] else ''}")
+            out.itl.append(itl)
+            out.windows[rate] = window
             if m["saturated"] and rate >= max(rates):
                 break
     out.server_exit = server.exit_code
     if server.exit_code != 0:
         log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
     out.steps = slice_steps(read_step_log(step_log), out.windows).assign(arm=arm)
+    mode = split_arm(arm)[0]
     graphed = mode in GRAPHED and device.startswith("cuda")
     for m in out.rates:
         m.update(step_columns(out.steps[out.steps.rate == m["rate"]], graphed, capture_batch_sizes(max_num_seqs)),
                  server_exit=out.server_exit, server_ready_s=out.ready_s, **out.startup)
     return out
+
+
+def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, rates: Sequence[float], rounds: int,
+               workload: Workload, slo: SLO, *, seed: int = 0, dtype: str = "auto", read: str = "auto",
+               max_num_seqs: int = 64, max_model_len: int | None = None, warmup: int = 8,
+               max_num_batched_tokens: int | None = None, start_timeout_s: float = 600.0,
+               workdir: Path | None = None, log: Callable[[str], None] = print,
+               command: Callable[..., list[str]] = serve_command) -> pd.DataFrame:
+    """Every arm's server up at once (started one after another, each warmed up), then `rounds`
+    rounds at each rate: round r sends the Poisson stream seeded seed + r to every arm in turn,
+    in the arms' order on even rounds and reversed on odd ones (AB, BA, ...), so that drift over
+    the run falls on each arm alike and each round pairs the arms on one stream. A server waits
+    idle while another is measured. One row per (round, rate, arm): `send_rate`'s metrics, the
+    round, the arm's place in its round, and its server's exit code on SIGTERM."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: must be a positive int")
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
+    rows = []
+    with ExitStack() as stack:
+        servers = {}
+        for arm in arms:
+            port = free_port()
+            argv = arm_command(arm, model, port, device, workdir / f"steps_{arm}.jsonl", dtype=dtype, read=read,
+                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                               max_waiting=max(1024, workload.max_requests + warmup),
+                               max_num_batched_tokens=max_num_batched_tokens, command=command)
+            server = stack.enter_context(started_server(arm, argv, port, workdir, start_timeout_s, ArmRun(arm),
+                                                                        log))
+            served = server.model_id()
+            warm_up(server, served, warmup, vocab_size, workload, seed)
+            servers[arm] = (server, served)
+        for r in range(rounds):
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            for rate in rates:
+                for place, arm in enumerate(order):
+                    server, served = servers[arm]
+                    m, _, _ = send_rate(server, served, arm, rate, vocab_size, workload, slo, seed + r, log)
+                    rows.append({"round": r, "place": place, **m})
+    table = pd.DataFrame(rows)
+    for arm, (server, _) in servers.items():
+        if server.exit_code != 0:
+            log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
+    return table.assign(server_exit=table.arm.map({arm: server.exit_code for arm, (server, _) in servers.items()}))
+
+
+def round_ratios(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per speculating arm ("+ngram") and rate, its ITL p50 and TPOT p50 over its plain arm's in
+    each round (the same stream), the median over rounds with a 95% bootstrap interval
+    (`median_interval`), and the ITL aim (1 or less) met by the median."""
+    records = []
+    arms = set(rounds.arm)
+    for arm in sorted(arms):
+        base, speculation = split_speculation(arm)
+        if speculation is None or base not in arms:
+            continue
+        for rate in sorted(set(rounds.rate)):
+            on = rounds[(rounds.arm == arm) & (rounds.rate == rate)].set_index("round")
+            off = rounds[(rounds.arm == base) & (rounds.rate == rate)].set_index("round")
+            for metric in ("itl_p50_ms", "tpot_p50_ms"):
+                per_round = (on[metric] / off[metric]).dropna()
+                value = float(per_round.median())
+                lo, hi = median_interval(per_round)
+                aim = "<= 1" if metric == "itl_p50_ms" else "-"
+                records.append({"ratio": f"speculating / plain {metric.split('_')[0].upper()} p50", "arm": arm,
+                                "rate": rate, "rounds": len(per_round), "value": value, "lo": lo, "hi": hi,
+                                "aim": aim, "met": value <= 1 if aim != "-" else None,
+                                "detail": "per round " + ", ".join(f"{x:.3f}" for x in per_round)})
+    return pd.DataFrame(records, columns=["ratio", "arm", "rate", "rounds", "value", "lo", "hi", "aim", "met",
+                                          "detail"])
 
 
 @dataclass(frozen=True)
@@ -396,6 +499,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-offline", action="store_true",
                         help="skip the in-process step timing (and so the server-overhead ratio)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="instead of each arm's rate sweep: every arm's server up at once, and this many rounds "
+                             "at each of --rates, the arms taking turns on one stream a round (AB, BA, ...); "
+                             "writes data/<prefix>_rounds_<device>.csv (default: 0, the sweep)")
     parser.add_argument("--prefix", default="day58", help="tables go to data/<prefix>_graphbench_<device>.csv, ...")
 
 
@@ -420,6 +527,7 @@ def main(args: argparse.Namespace) -> int:
         positive_int(args.warmup, "--warmup", minimum=0)
         positive_int(args.offline_steps, "--offline-steps")
         positive_int(args.offline_repeats, "--offline-repeats")
+        positive_int(args.rounds, "--rounds", minimum=0)
         workload = Workload(
             args.prompt_len or base.prompt_len, args.output_len or base.output_len,
             base.duration_s if args.duration is None else positive_float(args.duration, "--duration"),
@@ -431,6 +539,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.rounds:
+        return main_rounds(args, device, arms, rates, workload, slo)
     try:
         bench = run_graphbench(args.model, device, arms, rates, max_rate,
                                workload, slo, seed=args.seed, dtype=args.dtype, read=args.read,
@@ -464,3 +574,33 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(f"{g}" for g in gates))
     print(label.caption())
     return 0 if all(gates) else 1
+
+
+def main_rounds(args: argparse.Namespace, device: str, arms: Sequence[str], rates: Sequence[float],
+                workload: Workload, slo: SLO) -> int:
+    """`--rounds`: `run_rounds`, its table saved and `round_ratios` printed."""
+    path = resolve_weights(args.model)
+    vocab = ModelConfig.from_dir(path).vocab_size
+    started = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="graphbench-") as workdir:
+            table = run_rounds(arms, args.model, device, vocab, rates, args.rounds, workload, slo, seed=args.seed,
+                               dtype=args.dtype, read=args.read, max_num_seqs=args.max_num_seqs,
+                               max_model_len=args.max_model_len, warmup=args.warmup,
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               start_timeout_s=args.start_timeout, workdir=Path(workdir))
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"graphbench: {args.rounds} rounds in {time.monotonic() - started:.0f} s")
+    label = run_label(torch.device(device), args.model, resolve_dtype(args.dtype, torch.device(device)),
+                      weights=weights_kind(path))
+    print(f"{args.prefix}_rounds: {save_table(table, f'{args.prefix}_rounds', label)}")
+    cols = ["round", "place", "arm", "rate", "completed", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms",
+            "output_throughput"]
+    print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(round_ratios(table).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    gate = check_requests(table)
+    print(gate)
+    print(label.caption())
+    return 0 if gate else 1

@@ -56,7 +56,7 @@ from nanolab.lab.loadclient import KeepAliveClient, run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
 from nanolab.lab.report import run_label, save_figure, save_table
 from nanolab.lab.serveprocess import ServeProcess, free_port, scrape_metrics, serve_command
-from nanolab.lab.servingmetrics import SLO, serving_metrics
+from nanolab.lab.servingmetrics import SLO, median_interval, serving_metrics
 from nanolab.lab.timing import drain, sync
 from nanolab.lab.workload import TOKEN_ID_FLOOR, WORKLOADS, PlannedRequest, Workload, request_plan
 from nanolab.model.config import ModelConfig
@@ -475,17 +475,6 @@ def nohit_pairs(nohit: pd.DataFrame) -> pd.DataFrame:
     """Per repeat, each arm's tokens/s and on over off."""
     pairs = nohit.pivot_table(index="repeat", columns="arm", values="tokens_per_s")
     return pairs.assign(ratio=pairs["on"] / pairs["off"]).reset_index()
-
-
-def median_interval(values, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A bootstrap interval for the median of `values` (percentiles of the medians of `resamples`
-    seeded resamples with replacement): how far the median of so few repeats could move."""
-    x = np.asarray(values, dtype=float)
-    if len(x) < 2:
-        return (NAN, NAN)
-    medians = np.median(np.random.default_rng(seed).choice(x, size=(resamples, len(x))), axis=1)
-    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
 
 
 def ttft_summary(shared: pd.DataFrame, turns: pd.DataFrame) -> pd.DataFrame:

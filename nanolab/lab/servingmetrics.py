@@ -124,3 +124,14 @@ def check_requests(rates: pd.DataFrame) -> Gate:
               and numbers["token mismatches"] == 0 and numbers["tokens without a chunk"] == 0
               and numbers["servers not exiting 0"] == 0)
     return Gate("every request completes with its tokens, one chunk each; the servers stop cleanly", passed, numbers)
+
+
+def median_interval(values, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval for the median of `values` (percentiles of the medians of `resamples`
+    seeded resamples with replacement): how far the median of so few repeats could move."""
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return (float("nan"), float("nan"))
+    medians = np.median(np.random.default_rng(seed).choice(x, size=(resamples, len(x))), axis=1)
+    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
