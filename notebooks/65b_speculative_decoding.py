@@ -442,7 +442,7 @@ assert over.between(0, 3).all(), "the chain takes steps the replay does not coun
 # step in flight ends the request, as a plain decode step is under asynchronous scheduling. On
 # code editing that is 120 steps against the 123 the H100 took with the old pauses, 30 of them
 # verify steps against 17. Priced at the H100's kernels the replay gives code editing 1.90x at
-# k = 32; the next GPU run measures the chain without these pauses.
+# k = 32; {doc}`Day 65c <65c_chained_again>` measures the chain without these pauses.
 #
 # Four outputs differ from plain greedy's, on two code-editing prompts, against one in the H200's
 # synchronous run. `tie_margins` finds where each first parts from plain greedy's and asks SmolLM2

@@ -31,6 +31,7 @@ CHAPTERS = {
     "64_prefix_caching": "Day 64: prefix caching",
     "65_below_the_floor": "Day 65: fp8 weights",
     "65b_speculative_decoding": "Day 65: speculative decoding",
+    "65c_chained_again": "Day 65: chained speculation, measured again",
 }
 
 

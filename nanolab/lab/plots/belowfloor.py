@@ -153,3 +153,49 @@ def plot_specload_rules(rules: pd.DataFrame) -> Figure:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: the lines fill the axes
     fig.tight_layout()
     return fig
+
+
+def plot_round_ratios(rounds: pd.DataFrame) -> Figure:
+    """`graphbench --rounds` (round, arm, rate, itl_p50_ms, tpot_p50_ms; a plain arm and its
+    "+ngram" arm): per round, the speculating server's ITL p50 and TPOT p50 over the plain one's on
+    the same stream, each round a dot, the median a bar; the dashed line at 1 is the ITL aim."""
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    spec = next(a for a in rounds.arm.unique() if "+" in a)
+    base = spec.split("+")[0]
+    for i, (metric, name) in enumerate((("itl_p50_ms", "ITL p50"), ("tpot_p50_ms", "TPOT p50"))):
+        table = rounds.pivot_table(index="round", columns="arm", values=metric)
+        ratio = table[spec] / table[base]
+        x = i + np.linspace(-0.15, 0.15, len(ratio))
+        ax.plot(x, ratio, "o", color=f"C{i}", label=f"{name}, a round each")
+        ax.hlines(ratio.median(), i - 0.25, i + 0.25, color=f"C{i}", lw=2.5)
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_xticks([0, 1], ["ITL p50", "TPOT p50"])
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylabel("speculating over plain, same stream")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_prompt_step_ms(runs: pd.DataFrame, prompt_set: str) -> Figure:
+    """specbench's per-prompt table (`day65*_spec`: set, arm, prompt, decode_step_ms,
+    verify_step_ms): for one prompt set, each arm's median plain and verify step time a prompt, one
+    line an arm, so a prompt whose steps all ran slow stands out against the arms that ran it at
+    the usual cost."""
+    part = runs[runs.set == prompt_set]
+    fig = Figure(figsize=(9, 4))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, column, title in zip(axes, ("decode_step_ms", "verify_step_ms"), ("plain steps", "verify steps"),
+                                 strict=True):
+        for j, (arm, rows) in enumerate(part.groupby("arm", sort=False)):
+            if rows[column].notna().any():
+                ax.plot(rows.prompt, rows[column], "o-", color=f"C{j}", label=arm)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("prompt")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("ms a step, median over the prompt")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
