@@ -152,6 +152,46 @@ lab.show(paired[["ratio", "rate", "rounds", "value", "lo", "hi", "aim", "met"]].
 # load the step log puts a chained step without drafts within 1% of a plain one at each row count,
 # so these tables do not say which of the two costs dominates.
 #
+# ## A link without drafts
+#
+# The SmolLM2 table above showed that a chained step carrying no drafts costs more than a plain
+# one. hostbench's "chained, no match" arm isolates that case. It runs the chain over a cycle of
+# 400 tokens, so no lookup ever finds a draft, and it sets the host's time a step against plain
+# decoding's. Until this change such a step planned a verify step. It moved its positions back by
+# nothing on the device and ran acceptance over no drafts.
+#
+# Now a step with no drafts that follows one with none runs as a plain decode step (`_launch`),
+# and it stays a link of the chain: the next step still takes its token on the device, and it is
+# read back as a chained step that kept nothing. The first step without drafts after a verify step
+# still goes the verify path, because its positions wait on what that step kept. Both tables are
+# from this project's CPU, before and after the change, in one process each:
+
+# %%
+cpu_host = pd.concat([
+    lab.measured_table("day65c_before_host", "python -m nanolab hostbench --device cpu --prefix day65c_before "
+                       "(the engine at 136300b)", slug="cpu").assign(engine="before"),
+    lab.measured_table("day65c_after_host", "python -m nanolab hostbench --device cpu --prefix day65c_after",
+                       slug="cpu").assign(engine="after")], ignore_index=True)
+per_engine = {name: lab.host_summary(t) for name, t in cpu_host.groupby("engine", sort=False)}
+lab.show(pd.concat([t.assign(engine=name) for name, t in per_engine.items()])[
+    ["engine", "arm", "k", "steps", "us_per_step", "step_over_decode"]].round(2))
+unmatched = {name: t.set_index("arm").loc["chained, no match", "step_over_decode"] for name, t in per_engine.items()}
+print(f"a chained step with no drafts: {unmatched['before']:.2f}x a plain decode step's host time before, "
+      f"{unmatched['after']:.2f}x after")
+live = lab.run_hostbench(str(DEVICE), k=8, tokens=128, repeats=3, arms=("decode", "chained, no match"),
+                         log=lambda _: None)
+lab.show(lab.host_summary(live).round(2))
+
+# %% [markdown]
+# *The host's time a step of hostbench's stand-in forward, medians of the repeats, before and after
+# plain links on this machine; then the two arms without drafts, on this run.*
+#
+# On this CPU the chain's step without drafts fell from 1.83x a plain step's host time to 1.13x.
+# What is left is the lookup a step runs for every row, and reading a chained step back. Steps
+# with drafts cost what they did, 2.3x a plain step's for about 8.4 tokens. On the GPU this is the step SmolLM2 ran at 0.70 ms against 0.62, and
+# under load every step of at most eight rows that has no drafts. Neither has been measured with
+# the change: the next GPU run repeats `smolspec` and `specrounds`.
+#
 # ## The rounds on this machine
 #
 # The same instrument runs here on the tiny preset: two rounds at 4 req/s, speculation off and on.
@@ -180,6 +220,7 @@ assert lab.check_requests(rounds), "a request of the H100's rounds failed"
 assert rounds.groupby("round").arm.nunique().eq(2).all(), "a round lacks an arm"
 assert gain["unpaused"] > gain["paused"], "dropping the pause did not speed summaries up"
 assert (k31.steps - k32.steps) in range(-2, 3), "k = 31 and k = 32 took different numbers of steps"
+assert unmatched["after"] < unmatched["before"], "plain links did not make a step without drafts cheaper"
 itl_row = paired.set_index("ratio").loc["speculating / plain ITL p50"]
 print(f"under load at 32 req/s (H100): ITL p50 {itl_row.value:.3f}x plain's (95% interval {itl_row.lo:.3f} to "
       f"{itl_row.hi:.3f}) against at most 1x ({'met' if itl_row.met else 'missed'})")
@@ -199,3 +240,6 @@ print(f"SmolLM2 code editing (H100): {best.max():.2f}x against 1.8x, {best.max()
 #   never worse, is missed on the H100.
 # - graphbench `--rounds` pairs arms on one stream a round with every server up at once, so a
 #   difference of 1% can be resolved.
+# - A chained step with no drafts after one with none now runs as a plain decode step inside the
+#   chain: on this CPU its host time fell from 1.83x a plain step's to 1.13x. It is not yet measured
+#   on a GPU.

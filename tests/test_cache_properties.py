@@ -306,11 +306,12 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
         return run_speculative(out, drafts)
 
     engine._run_speculative = counted
-    launches, launch = [0], engine._launch
+    launches, links, launch = [0], [0], engine._launch
 
-    def launched(*args):
+    def launched(*args, **kwargs):
         launches[0] += 1
-        return launch(*args)
+        links[0] += bool(kwargs.get("chained"))  # a chained step with no drafts after one with none
+        return launch(*args, **kwargs)
 
     engine._launch = launched
     chained, launch_chained = [0], engine._launch_chained
@@ -345,6 +346,7 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
               f"{' beside speculation' if speculative and spec_steps[0] else ''}")
     if overlapped and speculative:
         event(f"engine: {'speculation chained' if chained[0] else 'no chained step'}")
+        event(f"engine: {'a plain link in the chain' if links[0] else 'no plain link'}")
         if chained[0] and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0:
             event("engine: chained drafts kept and lost")
 

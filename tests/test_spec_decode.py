@@ -224,15 +224,22 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read
 def chained_logits(engine, monkeypatch):
     """Record the logits behind every token a chained engine emits: (on_step, logits). `on_step`
     for `run_until_done` keeps the logits that come with outputs (a prompt step's); every verify
-    step's logits are kept with the drafts its rows kept, read from `accept_on_device`. `logits()`
+    step's logits are kept with the drafts its rows kept, read from `accept_on_device`, and a plain
+    link's (`runner.decode`) with its one token a row. `logits()`
     gives each request's rows in order, as many as it emitted."""
     from nanolab.engine import llm_engine
 
     first, launches, verify, accept = {}, [], engine.runner.verify, llm_engine.accept_on_device
+    decode = engine.runner.decode
 
     def recorded_verify(seqs, counts, **kw):
         out = verify(seqs, counts, **kw)
         launches.append([list(seqs), list(counts), out.detach().clone(), None])
+        return out
+
+    def recorded_decode(seqs, ids=None):  # a link of the chain without drafts: one token a row, kept
+        out = decode(seqs, ids)
+        launches.append([list(seqs), [1] * len(seqs), out.detach().clone(), torch.zeros(len(seqs), dtype=torch.long)])
         return out
 
     def recorded_accept(logits, drafts, counts, fed=None, max_fed=None, **kw):
@@ -253,6 +260,7 @@ def chained_logits(engine, monkeypatch):
         return {s.request_id: rows.get(s.request_id, [])[:len(s.output_token_ids)] for s in seqs}
 
     engine.runner.verify = recorded_verify
+    engine.runner.decode = recorded_decode
     monkeypatch.setattr(llm_engine, "accept_on_device", recorded_accept)
     return on_step, logits
 
@@ -295,6 +303,50 @@ def test_chained_speculation_is_plain_greedy_to_the_logit(sharp_gqa24, monkeypat
     assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
     assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens, "no verify step both kept and lost drafts"
     assert overlapped == calls - 2 and calls < len(want[0]) - 1
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_links_without_drafts_run_as_plain_decode_steps_inside_the_chain(sharp_gqa24, monkeypatch):
+    """A chained step with no drafts after one with none runs as a plain decode step and stays in
+    the chain. Lookups that find drafts at two steps in three give every transition: a verify
+    step, a step without drafts after it (still the verify path: its positions wait on what the
+    one before kept), a plain link, and a verify step after a link, fed the link's token on the
+    device. The same tokens as plain greedy, every logit within 1e-4 of a one-shot forward, every
+    step but the prompt's and the last in flight, and every block back."""
+    from conftest import assert_logits_match_reference, run_until_done
+    from test_cache_properties import check_drained
+
+    from nanolab import SamplingParams
+
+    prompts = repetitive_prompts(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = spec_engine(sharp_gqa24, None)
+    want = [s.output_token_ids for s in plain.add_requests(prompts, [params] * 3)]
+    run_until_done(plain)
+    engine = spec_engine(sharp_gqa24, None, async_scheduling=True,
+                         speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0})
+    on_step, logits = chained_logits(engine, monkeypatch)
+    lookup, kinds = engine._lookup, []
+    engine._lookup = lambda seq, k, tail=None: [] if engine.num_steps % 3 == 0 else lookup(seq, k, tail)
+    launch_chained = engine._launch_chained
+
+    def recorded(seqs, drafts, assumed, guesses, prev):
+        kinds.append(("link" if not any(drafts) and (prev is None or not any(prev.drafts)) else "verify",
+                      prev is not None and any(prev.drafts)))
+        return launch_chained(seqs, drafts, assumed, guesses, prev)
+
+    engine._launch_chained = recorded
+    seqs, calls, overlapped = engine.add_requests(prompts, [params] * 3), 0, 0
+    while engine.has_unfinished_requests():
+        on_step(engine.step())
+        calls += 1
+        overlapped += engine._inflight is not None
+    assert [s.output_token_ids for s in seqs] == want
+    assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
+    links = [i for i, (kind, _) in enumerate(kinds) if kind == "link"]
+    assert links and any(kinds[i + 1][0] == "verify" for i in links if i + 1 < len(kinds)), kinds
+    assert any(kind == "verify" and after_drafts for kind, after_drafts in kinds)
+    assert overlapped == calls - 2
     check_drained(engine.kv_cache, engine.scheduler)
 
 

@@ -329,6 +329,7 @@ class Engine:
         self.async_scheduling = config.overlapped(self.device)
         self._inflight: _InFlight | None = None  # the decode step launched and not yet read back
         self._readback: torch.cuda.Stream | None = None  # where an in-flight step's tokens are read back
+        self._zero_shift: torch.Tensor | None = None  # a plain link's shift, sliced (`_no_shift`)
         self.eos_token_ids = frozenset(self.model_config.eos_token_id)
         self._ids = itertools.count()
         self.requests: dict[int, Sequence] = {}
@@ -791,16 +792,19 @@ class Engine:
         if not nxt:  # the next step needs the scheduler (admission, preemption) or nothing is left
             self._inflight = None
             return self._retire(prev)
-        for seq in nxt:  # what the scheduler does for a step it schedules: the token fed is counted now
+        return self._launch(nxt, self._continued_ids(prev, nxt), prev)
+
+    def _continued_ids(self, prev: _InFlight, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens `seqs` feed at a decode step after `prev`, still on the device: each row's last
+        token of prev ([len(seqs)] int64). Counts each fed token as computed, as the scheduler does
+        for a step it schedules."""
+        for seq in seqs:
             seq.num_computed_tokens += 1
         index = {id(s): i for i, s in enumerate(prev.seqs)}
-        rows = [index[id(s)] for s in nxt]
-        ids = prev.tokens
+        rows = [index[id(s)] for s in seqs]
         if rows != list(range(len(rows))):  # the batch lost rows: gather the survivors' tokens
-            ids = ids[stage(torch.tensor(rows), self.device).to(self.device, non_blocking=True)]
-        else:
-            ids = ids[: len(rows)]
-        return self._launch(nxt, ids, prev)
+            return prev.tokens[stage(torch.tensor(rows), self.device).to(self.device, non_blocking=True)]
+        return prev.tokens[: len(rows)]
 
     def _continuing(self, prev: _InFlight, check_blocks: bool = True) -> list[Sequence] | None:
         """The rows of the in-flight step that can decode again without the scheduler: every
@@ -826,11 +830,13 @@ class Engine:
         return (seq.params.max_tokens is not None and n >= seq.params.max_tokens) or \
             seq.num_tokens + 1 >= self.max_model_len
 
-    def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None, prev: _InFlight | None) -> list[StepOutput]:
+    def _launch(self, seqs: list[Sequence], ids: torch.Tensor | None, prev: _InFlight | None,
+                chained: bool = False) -> list[StepOutput]:
         """Launch a decode step over `seqs` and leave it in flight; return the outputs of `prev`,
         read back after the launch. A step that cannot stay in flight (its forward or its batch
         sampling raised, the sampler is a host one, or a row wants its logprobs) finishes here,
-        after `prev`."""
+        after `prev`. `chained`: a link of chained speculation that carries no drafts
+        (`_launch_chained`), read back as one (`_retire_chained`)."""
         start = time.perf_counter()
         try:
             logits = self.runner.decode(seqs, ids)
@@ -848,8 +854,18 @@ class Engine:
             self.last_step = StepRecord("decode", len(seqs), batch, graph, len(seqs), time.perf_counter() - start)
             return outputs + self._emit(seqs, tokens, logits)
         host, done = self._read_back(tokens)
-        self._inflight = _InFlight(seqs, tokens, host, done, batch, graph, start)
+        n = len(seqs)
+        link = {} if not chained else dict(  # no drafts: nothing kept, nothing to move back
+            chained=True, drafts=[[] for _ in seqs], shift=self._no_shift(n), assumed=[0] * n, guesses=[None] * n,
+            stale=[False] * n, excused=[False] * n, index=self.num_steps)
+        self._inflight = _InFlight(seqs, tokens, host, done, batch, graph, start, **link)
         return self._retire(prev) if prev else []
+
+    def _no_shift(self, rows: int) -> torch.Tensor:
+        """[rows] int64 zeros on the device: a plain link's shift (`_launch`), sliced from one buffer."""
+        if self._zero_shift is None or self._zero_shift.numel() < rows:
+            self._zero_shift = torch.zeros(max(rows, self.kv_cache.max_rows), dtype=torch.int64, device=self.device)
+        return self._zero_shift[:rows]
 
     def _read_back(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying `values` (int64, on the device) to the host: (the host tensor, pinned on
@@ -888,6 +904,8 @@ class Engine:
     # (`ModelRunner.verify`'s `first_ids` and `shift`). Acceptance runs on the device too: each
     # row's kept drafts and last token are all a step reads back. Drafts proposed on a premise
     # that fails are only drafts: the verify step keeps what greedy decoding would have emitted.
+    # A step with no drafts after one with none is a plain link: a plain decode step (`_launch`),
+    # nothing to verify and nothing to move back, read back as a chained step that kept nothing.
 
     def _chains(self) -> bool:
         """Whether decode steps chain: speculation under asynchronous scheduling, one process (no
@@ -968,7 +986,12 @@ class Engine:
         """Launch a step of chained speculation over `seqs`, each row fed its first token and its
         drafts, with acceptance on the device, and leave it in flight; return the outputs of
         `prev`, read back after the launch. With `prev`, each row's first token is prev's last, on
-        the device, and its positions move back by what prev leaves unkept."""
+        the device, and its positions move back by what prev leaves unkept. A step with no drafts
+        after one with none (or after none) has nothing to verify and nothing to move back: it runs
+        as a plain decode step (`_launch`), which plans in fewer host operations and runs no
+        acceptance, and stays a link of the chain."""
+        if not any(drafts) and (prev is None or not any(prev.drafts)):
+            return self._launch(seqs, None if prev is None else self._continued_ids(prev, seqs), prev, chained=True)
         start = time.perf_counter()
         counts = [1 + len(d) for d in drafts]
         after = None
@@ -1006,7 +1029,8 @@ class Engine:
         step after learns whether its drafts' premise held (`stale`, `excused`)."""
         if step.done is not None:
             step.done.synchronize()
-        kept_counts, lasts = step.host.tolist()
+        values = step.host.tolist()  # [2, rows]: kept drafts, last tokens; a plain link's [rows]: its tokens
+        kept_counts, lasts = values if step.host.dim() == 2 else ([0] * len(values), values)
         after = self._inflight if self._inflight is not step else None
         following = {} if after is None else {id(s): i for i, s in enumerate(after.seqs)}
         emitted, live = [], []

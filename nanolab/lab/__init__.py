@@ -46,6 +46,7 @@ _EXPORTS = {
     "nanolab.lab.graphbench": ["graphbench_ratios", "graphbench_stems", "round_ratios", "run_graphbench",
                                 "startup_table"],
     "nanolab.lab.history": ["unplanned_runner"],
+    "nanolab.lab.hostbench": ["host_summary", "run_hostbench"],
     "nanolab.lab.leverrun": ["show_lever_run"],
     "nanolab.lab.plots": ["between_steps_timeline", "lever_run_waterfall", "plot_between_steps",
                           "plot_block_tables", "plot_capture_buckets", "plot_chunked_itl",

@@ -12,7 +12,10 @@ engine with the engine's defaults for the device otherwise:
 - "decode": no speculation, under asynchronous scheduling: the chain's baseline;
 - "sync verify": speculation with `async_scheduling` off, each verify step read back before the
   next is planned;
-- "chained": speculation under asynchronous scheduling.
+- "chained": speculation under asynchronous scheduling;
+- "chained, no match": the same engine over a cycle of `LONG_CYCLE` tokens, its prompt and its
+  output a stretch of the cycle that never repeats, so that no lookup finds a draft: what the chain
+  costs a step that carries none (this arm's requests stop short of the cycle's end).
 
 `async_scheduling` is set for each arm (CUDA graphs make it the default; on the CPU it is off
 unless asked for).
@@ -44,17 +47,21 @@ from nanolab.model.config import PRESETS
 from nanolab.model.llama import LlamaModel
 from nanolab.sampling import SamplingParams
 
-ARMS = ("decode", "sync verify", "chained")
+ARMS = ("decode", "sync verify", "chained", "chained, no match")
 CYCLE = 24  # tokens 100 .. 123, each followed by the next
+LONG_CYCLE = 400  # tokens 100 .. 499: "chained, no match"'s, longer than its prompt and output together
+NO_K = ("decode", "chained, no match")  # arms whose steps carry no drafts: run once, whatever k
 
 
 class CycleForward:
-    """A decode forward whose logits [batch, 1, vocab] fp32 put token 100 + (t - 99) % CYCLE after
-    each fed token t of 100 .. 123, and 100 after any other: one gather from a fixed table."""
+    """A decode forward whose logits [batch, 1, vocab] fp32 put token 100 + (t - 99) % cycle after
+    each fed token t of 100 .. 99 + cycle, and 100 after any other: one gather from a fixed table."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, cycle: int = CYCLE) -> None:
+        if not 1 <= cycle <= vocab_size - 100:
+            raise ValueError(f"cycle={cycle}: must fit the vocabulary's ids 100 .. {vocab_size - 1}")
         nxt = torch.full((vocab_size,), 100, dtype=torch.int64)
-        nxt[100:100 + CYCLE] = 100 + (torch.arange(CYCLE) + 1) % CYCLE
+        nxt[100:100 + cycle] = 100 + (torch.arange(cycle) + 1) % cycle
         self.table = torch.full((vocab_size, vocab_size), -1.0, device=device)
         self.table[torch.arange(vocab_size), nxt.to(device)] = 1.0
 
@@ -68,19 +75,20 @@ def make_engine(arm: str, device: torch.device, k: int) -> Engine:
         raise ValueError(f"arm={arm!r}: must be one of {', '.join(ARMS)}")
     torch.manual_seed(0)
     model = LlamaModel(PRESETS["tiny"]).to(device=device, dtype=resolve_dtype("auto", device)).eval()
+    cycle = LONG_CYCLE if arm == "chained, no match" else CYCLE
     spec = None if arm == "decode" else SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=2,
                                                           max_draft_backoff=0)
     overlap = arm != "sync verify"
     config = EngineConfig(model="tiny", device=device, num_blocks=1024, speculative_config=spec,
                           async_scheduling=overlap)
-    return Engine(model, config, forward=CycleForward(model.config.vocab_size, device), progress=False)
+    return Engine(model, config, forward=CycleForward(model.config.vocab_size, device, cycle), progress=False)
 
 
-def run_request(engine: Engine, tokens: int, prompt_len: int) -> tuple[int, int, float]:
-    """One greedy request of `tokens` new tokens over the cycle's prompt, stepped to its end:
-    (steps that ran a forward after the prompt's, tokens emitted, seconds). The prompt's step is
-    run first, untimed."""
-    prompt = [100 + i % CYCLE for i in range(prompt_len)]
+def run_request(engine: Engine, tokens: int, prompt_len: int, cycle: int = CYCLE) -> tuple[int, int, float]:
+    """One greedy request of `tokens` new tokens over a prompt of the cycle's tokens in order,
+    stepped to its end: (steps that ran a forward after the prompt's, tokens emitted, seconds). The
+    prompt's step is run first, untimed."""
+    prompt = [100 + i % cycle for i in range(prompt_len)]
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
     engine.step()  # the prompt and its first token
     steps, start = 0, time.perf_counter()
@@ -100,13 +108,18 @@ def run_hostbench(device: str | None = None, k: int = 8, tokens: int = 512, prom
             raise ValueError(f"{name}={value!r}: must be a positive int")
     if prompt_len < CYCLE + 2:
         raise ValueError(f"prompt_len={prompt_len}: the prompt must hold the cycle of {CYCLE} and a match after it")
+    if "chained, no match" in arms and prompt_len + 66 > LONG_CYCLE:
+        raise ValueError(f"prompt_len={prompt_len}: the no-match arm's prompt and warm-up request must fit "
+                         f"the cycle of {LONG_CYCLE}")
     rows = []
     for arm in arms:
         engine = make_engine(arm, dev, k)
-        run_request(engine, 64, prompt_len)
+        cycle = LONG_CYCLE if arm == "chained, no match" else CYCLE
+        n = min(tokens, cycle - prompt_len - 2) if cycle == LONG_CYCLE else tokens  # never back to the prompt
+        run_request(engine, 64, prompt_len, cycle)
         for r in range(repeats):
             drafts, kept = engine.spec_draft_tokens, engine.spec_accepted_tokens
-            steps, emitted, seconds = run_request(engine, tokens, prompt_len)
+            steps, emitted, seconds = run_request(engine, n, prompt_len, cycle)
             rows.append({"arm": arm, "k": 0 if arm == "decode" else k, "repeat": r, "steps": steps, "tokens": emitted,
                          "drafts": engine.spec_draft_tokens - drafts, "kept": engine.spec_accepted_tokens - kept,
                          "us_per_step": 1e6 * seconds / steps, "us_per_token": 1e6 * seconds / emitted,
@@ -118,7 +131,7 @@ def run_hostbench(device: str | None = None, k: int = 8, tokens: int = 512, prom
     return pd.DataFrame(rows)
 
 
-def summarize(table: pd.DataFrame) -> pd.DataFrame:
+def host_summary(table: pd.DataFrame) -> pd.DataFrame:
     """Medians per arm, and each arm's step over the decode arm's."""
     out = table.groupby(["arm", "k"], sort=False).agg(steps=("steps", "median"), us_per_step=("us_per_step", "median"),
                                                       us_per_token=("us_per_token", "median")).reset_index()
@@ -142,11 +155,11 @@ def main(args: argparse.Namespace) -> int:
     tables = []
     for k in ks:
         print(f"k = {k}")
-        arms = ARMS if not tables else ARMS[1:]  # the decode arm once: it has no k
+        arms = ARMS if not tables else tuple(a for a in ARMS if a not in NO_K)  # arms without drafts once
         tables.append(run_hostbench(str(dev), k=k, tokens=tokens, repeats=repeats, arms=arms))
     table = pd.concat(tables, ignore_index=True)
     label = run_label(dev, "tiny (stand-in decode forward)", resolve_dtype("auto", dev), weights="synthesized random")
     path = save_table(table, f"{args.prefix}_host", label)
-    print(summarize(table).round(2).to_string(index=False))
+    print(host_summary(table).round(2).to_string(index=False))
     print(f"{path.name}: {label}")
     return 0
