@@ -103,6 +103,10 @@ lab.show(hosts.pivot_table(index=["arm", "k"], columns="run", values="us_per_ste
 # *Host time a step of the stand-in forward (hostbench), each arm's five repeats summarised, in
 # the two runs of 2026-12-05.*
 #
+# So specbench now runs each prompt three times (`--repeats`), a pass over an arm's prompts at a
+# time, and keeps each prompt's run of median time. A slow stretch then lands on different prompts
+# in different passes, and no single one sets an arm's number. The tables above predate that.
+#
 # One more thing the per-prompt table shows. With speculation on, a step that carries no drafts
 # took 0.70 ms at the median, against 0.62 ms for plain greedy's steps. Under chaining such a step
 # still runs the verify path, a lookup for every row and acceptance on the device. On SmolLM2,
@@ -188,9 +192,10 @@ lab.show(lab.host_summary(live).round(2))
 #
 # On this CPU the chain's step without drafts fell from 1.83x a plain step's host time to 1.13x.
 # What is left is the lookup a step runs for every row, and reading a chained step back. Steps
-# with drafts cost what they did, 2.3x a plain step's for about 8.4 tokens. On the GPU this is the step SmolLM2 ran at 0.70 ms against 0.62, and
-# under load every step of at most eight rows that has no drafts. Neither has been measured with
-# the change: the next GPU run repeats `smolspec` and `specrounds`.
+# with drafts cost what they did, 2.3x a plain step's for about 8.4 tokens. On the GPU this is
+# the step SmolLM2 ran at 0.70 ms against 0.62, and under load every step of at most eight rows
+# that has no drafts. Neither has been measured with the change: the next GPU run repeats
+# `smolspec` and `specrounds`.
 #
 # ## The rounds on this machine
 #

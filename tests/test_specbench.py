@@ -213,3 +213,17 @@ def test_tie_margins_are_the_log_probabilities_where_outputs_part(tiny_path):
     assert row.arm_logprob == pytest.approx(runner_lp, abs=1e-4)
     assert row.margin == pytest.approx(chosen - runner_lp, abs=1e-4) and row.margin >= 0
     llm.close()
+
+
+def test_a_prompts_row_is_its_run_of_median_time():
+    from nanolab.lab.specbench import median_run
+
+    runs = [{"seconds": s, "token_ids": [5, 6], "steps": n} for s, n in ((0.30, 1), (0.10, 2), (0.20, 3))]
+    row = median_run(runs)
+    assert (row["seconds"], row["steps"], row["repeats"]) == (0.20, 3, 3)
+    assert (row["seconds_min"], row["seconds_max"]) == (0.10, 0.30)
+    assert median_run(runs[:2])["seconds"] == 0.10  # the lower middle of an even count
+    with pytest.raises(ValueError, match="different tokens"):
+        median_run([runs[0], {**runs[1], "token_ids": [5, 7]}])
+    with pytest.raises(ValueError, match="no run"):
+        median_run([])

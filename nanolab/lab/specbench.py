@@ -5,7 +5,9 @@ Each prompt of a set (`tests/data/spec/<set>.jsonl`, chat messages: a summarizat
 a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and one per lookup
 setting (`--lookups`: k, and the shortest match a draft needs), after one
 untimed prompt of each set (kernels compile for a shape's first step), so a
-token's time is the request's alone. A row per prompt and arm: tokens, wall time, steps, and the
+token's time is the request's alone. Each prompt runs `--repeats` times, a pass over the arm's
+prompts at a time, and its run of median time is kept: one slow stretch of the host sets no
+arm's number. A row per prompt and arm: tokens, wall time, steps, and the
 engine's speculative counts (verify steps, drafts proposed, drafts kept); the summary per set and
 arm: ms a token, the acceptance rate (drafts kept over drafts proposed), tokens a verify step
 gives, the speedup over off, and whether every output equals off's.
@@ -94,6 +96,19 @@ def run_prompt(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
             "token_ids": seq.output_token_ids}
 
 
+def median_run(runs: Sequence[dict]) -> dict:
+    """Of one prompt's `run_prompt` results, the run of median time (the lower middle of an even
+    count), with `repeats`, `seconds_min` and `seconds_max` added. Greedy repeats must emit the
+    same tokens: a difference is raised, as it would make the runs different work."""
+    if not runs:
+        raise ValueError("runs: no run of the prompt")
+    if any(r["token_ids"] != runs[0]["token_ids"] for r in runs):
+        raise ValueError("runs: greedy repeats of one prompt emitted different tokens")
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "repeats": len(runs), "seconds_min": ordered[0]["seconds"],
+            "seconds_max": ordered[-1]["seconds"]}
+
+
 def lookup_arm(k: int, min_n: int = 1) -> str:
     """A speculating arm's name: "ngram k=4", with " min_n=2" when its shortest match is not 1."""
     return f"ngram k={k}" + (f" min_n={min_n}" if min_n != 1 else "")
@@ -120,9 +135,14 @@ def parse_lookups(text: str, flag: str = "--lookups") -> list[tuple[int, int]]:
 
 def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k: int = 4, max_tokens: int = 64,
                   directory: Path = SETS_DIR, log: Callable[[str], None] = print, dtype: str = "auto",
-                  lookups: Sequence[tuple[int, int]] | None = None) -> pd.DataFrame:
+                  lookups: Sequence[tuple[int, int]] | None = None, repeats: int = 1) -> pd.DataFrame:
     """A row per prompt of each set and arm, each arm one `LLM`: "off", then one speculating arm
-    per (k, shortest match) of `lookups` (`lookup_arm`; default `k` alone, matches of any length)."""
+    per (k, shortest match) of `lookups` (`lookup_arm`; default `k` alone, matches of any length).
+    Each prompt runs `repeats` times, a pass over all of an arm's prompts at a time, so that a slow
+    stretch of the host lands on different prompts; a prompt's row is its run of median time
+    (`median_run`), with `repeats` and the fastest and slowest run's seconds beside it."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be a positive int")
     prompts = {name: load_prompt_set(name, directory) for name in sets}
     arms: dict[str, dict | None] = {"off": None}
     for k_, min_n in lookups or [(k, 1)]:
@@ -132,9 +152,14 @@ def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k:
         llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, enable_prefix_caching=False)
         for conversations in prompts.values():  # untimed: first uses (kernels compiled for new shapes)
             run_prompt(llm, conversations[0], max_tokens)
-        for name, conversations in prompts.items():
-            for i, messages in enumerate(conversations):
-                rows.append({"set": name, "arm": arm, "prompt": i, **run_prompt(llm, messages, max_tokens)})
+        runs = {(name, i): [] for name, conversations in prompts.items() for i in range(len(conversations))}
+        for _ in range(repeats):
+            for name, i in runs:
+                runs[name, i].append(run_prompt(llm, prompts[name][i], max_tokens))
+        for name in prompts:
+            for (set_name, i), made in runs.items():
+                if set_name == name:
+                    rows.append({"set": name, "arm": arm, "prompt": i, **median_run(made)})
             done = [r for r in rows if r["arm"] == arm and r["set"] == name]
             log(f"{arm}, {name}: {sum(r['output_tokens'] for r in done)} tokens in "
                 f"{sum(r['seconds'] for r in done):.2f} s")
@@ -488,6 +513,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latency: the speculating arms, comma-separated k or k:min_n (the shortest match), "
                              "e.g. 4,8:2,16:3 (default: --k, matches of any length)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", default="3",
+                        help="latency: runs of each prompt, a pass over the prompts at a time; a prompt's row is "
+                             "its run of median time (default: 3)")
     parser.add_argument("--dtype", default="auto", help="the weights' dtype")
     parser.add_argument("--parts", default="latency", help=f"comma-separated, from {', '.join(PARTS)}")
     parser.add_argument("--batches", default=None,
@@ -515,7 +543,7 @@ def main(args: argparse.Namespace) -> int:
     for part in parts:
         if part == "latency":
             table = run_specbench(args.model, str(device), sets, args.k, args.max_tokens, dtype=args.dtype,
-                                  lookups=lookups)
+                                  lookups=lookups, repeats=positive_int(args.repeats, "--repeats"))
             summary = spec_summary(table)
             print(summary.round(3).to_string(index=False))
             for stem, df in ((f"{args.prefix}_spec", table.assign(token_ids=table.token_ids.map(json.dumps))),
