@@ -1,6 +1,6 @@
 """FP8 weights against bf16: the decode step's time and bytes, and the quality they cost (Day 65).
 
-Five parts, each its own table:
+Six parts, each its own table:
 
 - `steps` (`day65_fp8_steps_<device>`): ms a decode step of whole `generate` calls
   (`lab.timing.time_generate`, as floorbench times them) with the weights in bf16 and with
@@ -20,6 +20,9 @@ Five parts, each its own table:
 - `dots` (`day65_fp8_dots_<device>`, CUDA): as `tiles`, over the tiles that led it
   (`lab.gemvbench.dot_sweep`), each way the GEMV can multiply an fp8 tile (`lab.gemvbench.FP8_DOTS`:
   tensor cores in bf16 or in fp16, or one row's products in fp32).
+- `prefill` (`day65_fp8_prefill_<device>`, CUDA): each layer projection of a prompt step at 128 and
+  512 tokens: bf16, the engine's fp8 path (the weight widened in memory), and the lab's W8A16
+  kernel reading e4m3 bytes (`lab.w8a16`), by tile.
 - `profile` (`day65_fp8_profile_<device>`, CUDA): the GPU kernels of whole `generate` calls' decode
   steps in bf16 and fp8, the prompt step's taken out, by kernel and class
   (`lab.stepparts.kernel_class`), per step.
@@ -50,7 +53,7 @@ from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
 from nanolab.model.layers import Linear
 from nanolab.model.quant import quantize_fp8
 
-PARTS = ("steps", "quality", "tiles", "dots", "profile")
+PARTS = ("steps", "quality", "tiles", "dots", "profile", "prefill")
 BATCHES = (1, 8)
 PROMPT_LEN = 128
 STEPS = 256
@@ -252,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
     if "quality" in parts and kind != "real":
         raise ValueError(f"--parts quality needs real weights; {args.model} has {kind} weights")
     for part in parts:
-        if part in ("tiles", "dots", "profile") and device.type != "cuda":
+        if part in ("tiles", "dots", "profile", "prefill") and device.type != "cuda":
             raise ValueError(f"--parts {part} runs on CUDA only")
         if part in ("tiles", "dots"):
             from nanolab.model.config import ModelConfig
@@ -266,6 +269,13 @@ def main(args: argparse.Namespace) -> int:
         elif part == "profile":
             table = run_profile(args.model, batches)
             dtype = torch.bfloat16
+        elif part == "prefill":
+            from nanolab.lab.w8a16 import layer_prefill, prefill_table
+            from nanolab.model.config import ModelConfig
+            table = prefill_table(ModelConfig.from_dir(resolve_weights(args.model)))
+            dtype = torch.bfloat16
+            print(table.drop(columns=[c for c in ("error",) if c in table]).round(3).to_string(index=False))
+            print(layer_prefill(table).round(1).to_string(index=False))
         elif part == "steps":
             table = run_steps(args.model, str(device), batches, steps=args.steps, repeats=args.repeats)
             dtype = resolve_dtype("auto", device)
@@ -274,7 +284,7 @@ def main(args: argparse.Namespace) -> int:
             dtype = torch.bfloat16
             table = run_quality(args.model, str(device))
         label = run_label(device, args.model, dtype, weights=kind)
-        if part not in ("tiles", "dots", "profile"):
+        if part not in ("tiles", "dots", "profile", "prefill"):
             print(table.round(4).to_string(index=False))
         print(f"wrote {save_table(table, f'{args.prefix}_fp8_{part}', label)}")
     return 0
