@@ -173,7 +173,18 @@ HEADLINES = (
                         f"{on.speedup_over_off:.2f}x")(
                  _at(t, set="code_edit", arm="ngram k=32 min_n=2"), _at(t, set="code_edit", arm="off")),
              slug="h100-80gb-hbm3"),
+    Headline("65c_chained_again", "day65c_rounds",
+             "under load at 32 req/s, random weights: chained speculation's ITL p50 over plain's, paired rounds",
+             lambda t: (lambda r: f"{r.value:.3f}x, 95% interval {r.lo:.3f} to {r.hi:.3f} ({r['rounds']} rounds)")(
+                 _round_itl(t)), slug="h100-80gb-hbm3"),
 )
+
+
+def _round_itl(rounds: pd.DataFrame) -> pd.Series:
+    """`graphbench.round_ratios`' ITL row of a rounds table."""
+    from nanolab.lab.graphbench import round_ratios
+
+    return _at(round_ratios(rounds), ratio="speculating / plain ITL p50")
 
 
 def headline_table(slug: str = "h200", headlines=HEADLINES) -> tuple[pd.DataFrame, list[str]]:
