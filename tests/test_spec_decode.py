@@ -221,6 +221,17 @@ def test_speculative_greedy_is_plain_greedy_to_the_logit(sharp_gqa24, path, read
     assert 0 < engine.spec_accepted_tokens <= engine.spec_draft_tokens and engine.spec_steps > 0
 
 
+def step_chain(engine, on_step) -> tuple[int, int]:
+    """Step `engine` until its requests end, handing each step's outputs to `on_step`: (the step
+    calls, those that left a step in flight)."""
+    calls = overlapped = 0
+    while engine.has_unfinished_requests():
+        on_step(engine.step())
+        calls += 1
+        overlapped += engine._inflight is not None
+    return calls, overlapped
+
+
 def chained_logits(engine, monkeypatch):
     """Record the logits behind every token a chained engine emits: (on_step, logits). `on_step`
     for `run_until_done` keeps the logits that come with outputs (a prompt step's); every verify
@@ -294,11 +305,8 @@ def test_chained_speculation_is_plain_greedy_to_the_logit(sharp_gqa24, monkeypat
     if path == "padded":
         engine.runner.buckets = DecodeBuckets.default(engine.kv_cache.max_rows, engine.kv_cache.max_width, min_width=16)
     on_step, logits = chained_logits(engine, monkeypatch)
-    seqs, calls, overlapped = engine.add_requests(prompts, [params] * 3), 0, 0
-    while engine.has_unfinished_requests():
-        on_step(engine.step())
-        calls += 1
-        overlapped += engine._inflight is not None
+    seqs = engine.add_requests(prompts, [params] * 3)
+    calls, overlapped = step_chain(engine, on_step)
     assert [s.output_token_ids for s in seqs] == want
     assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
     assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens, "no verify step both kept and lost drafts"
@@ -327,21 +335,24 @@ def test_links_without_drafts_run_as_plain_decode_steps_inside_the_chain(sharp_g
     engine = spec_engine(sharp_gqa24, None, async_scheduling=True,
                          speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0})
     on_step, logits = chained_logits(engine, monkeypatch)
-    lookup, kinds = engine._lookup, []
+    lookup, kinds, links = engine._lookup, [], [0]
     engine._lookup = lambda seq, k, tail=None: [] if engine.num_steps % 4 else lookup(seq, k, tail)
-    launch_chained = engine._launch_chained
+    launch, launch_chained = engine._launch, engine._launch_chained
+
+    def launched(*args, **kwargs):  # what the engine ran, not what this test expects it to run
+        links[0] += bool(kwargs.get("chained"))
+        return launch(*args, **kwargs)
 
     def recorded(seqs, drafts, assumed, guesses, prev):
-        kinds.append(("link" if not any(drafts) and (prev is None or not any(prev.drafts)) else "verify",
-                      prev is not None and any(prev.drafts), prev is not None and len(seqs) < len(prev.seqs)))
-        return launch_chained(seqs, drafts, assumed, guesses, prev)
+        before = links[0]
+        out = launch_chained(seqs, drafts, assumed, guesses, prev)
+        kinds.append(("link" if links[0] > before else "verify", prev is not None and any(prev.drafts),
+                      prev is not None and len(seqs) < len(prev.seqs)))
+        return out
 
-    engine._launch_chained = recorded
-    seqs, calls, overlapped = engine.add_requests(prompts, params), 0, 0
-    while engine.has_unfinished_requests():
-        on_step(engine.step())
-        calls += 1
-        overlapped += engine._inflight is not None
+    engine._launch, engine._launch_chained = launched, recorded
+    seqs = engine.add_requests(prompts, params)
+    calls, overlapped = step_chain(engine, on_step)
     assert [s.output_token_ids for s in seqs] == want
     assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
     links = [i for i, (kind, _, _) in enumerate(kinds) if kind == "link"]

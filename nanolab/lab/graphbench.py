@@ -144,19 +144,30 @@ def arm_command(arm: str, model: str, port: int, device: str, step_log: Path, *,
 
 
 @contextmanager
-def started_server(arm: str, argv: list[str], port: int, workdir: Path, start_timeout_s: float, out: ArmRun,
-                   log: Callable[[str], None]) -> Iterator[ServeProcess]:
-    """`arm`'s server, started and healthy inside the block and stopped after it, its start's
-    seconds and log lines recorded in `out`."""
-    with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
-        out.ready_s = server.ready_s
-        log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
-        text = server.log.read_text(errors="replace")
+def started_arm(arm: str, model: str, device: str, vocab_size: int, workload: Workload, out: ArmRun, *,
+                warmup: int, seed: int, workdir: Path, start_timeout_s: float, log: Callable[[str], None],
+                **server) -> Iterator[tuple[ServeProcess, str]]:
+    """`arm`'s server (`arm_command`, `server` its keywords; its step log at
+    workdir/steps_<arm>.jsonl), started, healthy and warmed up by `warmup` requests inside the
+    block: (the server, the model id it serves). Its start's seconds and log lines are recorded in
+    `out`; after the block it is stopped, and a nonzero exit is logged with its log's end."""
+    port = free_port()
+    argv = arm_command(arm, model, port, device, workdir / f"steps_{arm}.jsonl",
+                       max_waiting=max(1024, workload.max_requests + warmup), **server)
+    with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as proc:
+        out.ready_s = proc.ready_s
+        log(f"{arm}: server ready in {proc.ready_s:.1f} s ({' '.join(argv[1:])})")
+        text = proc.log.read_text(errors="replace")
         out.startup = startup_columns(text)
         for line in text.splitlines():  # the lines `startup_columns` reads, as `startup_table` reads them back
             if _BUILT.search(line) or _WARMED.search(line):
                 log(f"{arm}: {line.split('nanolab: ', 1)[-1]}")
-        yield server
+        served = proc.model_id()
+        warm_up(proc, served, warmup, vocab_size, workload, seed)
+        yield proc, served
+    out.server_exit = proc.exit_code
+    if proc.exit_code != 0:
+        log(f"{arm}: the server exited with {proc.exit_code} on SIGTERM; the end of its log:\n{proc.tail()}")
 
 
 def warm_up(server: ServeProcess, served: str, requests: int, vocab_size: int, workload: Workload, seed: int) -> None:
@@ -197,15 +208,11 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
     first, so first-use costs fall outside the measured rates. `command` builds the server's argv
     (`serve_command`'s signature; tests start a stand-in)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
-    step_log = workdir / f"steps_{arm}.jsonl"
-    port = free_port()
-    argv = arm_command(arm, model, port, device, step_log, dtype=dtype, read=read, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len, max_waiting=max(1024, workload.max_requests + warmup),
-                       max_num_batched_tokens=max_num_batched_tokens, command=command)
     out = ArmRun(arm)
-    with started_server(arm, argv, port, workdir, start_timeout_s, out, log) as server:
-        served = server.model_id()
-        warm_up(server, served, warmup, vocab_size, workload, seed)
+    with started_arm(arm, model, device, vocab_size, workload, out, warmup=warmup, seed=seed, workdir=workdir,
+                     start_timeout_s=start_timeout_s, log=log, dtype=dtype, read=read, max_num_seqs=max_num_seqs,
+                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                     command=command) as (server, served):
         for rate in rate_schedule(rates, max_rate):
             m, itl, window = send_rate(server, served, arm, rate, vocab_size, workload, slo, seed, log)
             out.rates.append(m)
@@ -213,10 +220,7 @@ def run_arm(arm: str, model: str, device: str, vocab_size: int, rates: Sequence[
             out.windows[rate] = window
             if m["saturated"] and rate >= max(rates):
                 break
-    out.server_exit = server.exit_code
-    if server.exit_code != 0:
-        log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
-    out.steps = slice_steps(read_step_log(step_log), out.windows).assign(arm=arm)
+    out.steps = slice_steps(read_step_log(workdir / f"steps_{arm}.jsonl"), out.windows).assign(arm=arm)
     mode = split_arm(arm)[0]
     graphed = mode in GRAPHED and device.startswith("cuda")
     for m in out.rates:
@@ -240,20 +244,13 @@ def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, ra
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r}: must be a positive int")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
-    rows = []
+    rows, runs = [], {arm: ArmRun(arm) for arm in arms}
     with ExitStack() as stack:
-        servers = {}
-        for arm in arms:
-            port = free_port()
-            argv = arm_command(arm, model, port, device, workdir / f"steps_{arm}.jsonl", dtype=dtype, read=read,
-                               max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                               max_waiting=max(1024, workload.max_requests + warmup),
-                               max_num_batched_tokens=max_num_batched_tokens, command=command)
-            server = stack.enter_context(started_server(arm, argv, port, workdir, start_timeout_s, ArmRun(arm),
-                                                                        log))
-            served = server.model_id()
-            warm_up(server, served, warmup, vocab_size, workload, seed)
-            servers[arm] = (server, served)
+        servers = {arm: stack.enter_context(started_arm(
+            arm, model, device, vocab_size, workload, runs[arm], warmup=warmup, seed=seed, workdir=workdir,
+            start_timeout_s=start_timeout_s, log=log, dtype=dtype, read=read, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, command=command))
+            for arm in arms}
         for r in range(rounds):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for rate in rates:
@@ -262,10 +259,7 @@ def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, ra
                     m, _, _ = send_rate(server, served, arm, rate, vocab_size, workload, slo, seed + r, log)
                     rows.append({"round": r, "place": place, **m})
     table = pd.DataFrame(rows)
-    for arm, (server, _) in servers.items():
-        if server.exit_code != 0:
-            log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
-    return table.assign(server_exit=table.arm.map({arm: server.exit_code for arm, (server, _) in servers.items()}))
+    return table.assign(server_exit=table.arm.map({arm: run.server_exit for arm, run in runs.items()}))
 
 
 def round_ratios(rounds: pd.DataFrame) -> pd.DataFrame:

@@ -53,6 +53,11 @@ LONG_CYCLE = 400  # tokens 100 .. 499: "chained, no match"'s, longer than its pr
 NO_K = ("decode", "chained, no match")  # arms whose steps carry no drafts: run once, whatever k
 
 
+def arm_cycle(arm: str) -> int:
+    """The length of the cycle `arm`'s forward and prompts follow."""
+    return LONG_CYCLE if arm == "chained, no match" else CYCLE
+
+
 class CycleForward:
     """A decode forward whose logits [batch, 1, vocab] fp32 put token 100 + (t - 99) % cycle after
     each fed token t of 100 .. 99 + cycle, and 100 after any other: one gather from a fixed table."""
@@ -75,13 +80,12 @@ def make_engine(arm: str, device: torch.device, k: int) -> Engine:
         raise ValueError(f"arm={arm!r}: must be one of {', '.join(ARMS)}")
     torch.manual_seed(0)
     model = LlamaModel(PRESETS["tiny"]).to(device=device, dtype=resolve_dtype("auto", device)).eval()
-    cycle = LONG_CYCLE if arm == "chained, no match" else CYCLE
     spec = None if arm == "decode" else SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=2,
                                                           max_draft_backoff=0)
     overlap = arm != "sync verify"
     config = EngineConfig(model="tiny", device=device, num_blocks=1024, speculative_config=spec,
                           async_scheduling=overlap)
-    return Engine(model, config, forward=CycleForward(model.config.vocab_size, device, cycle), progress=False)
+    return Engine(model, config, forward=CycleForward(model.config.vocab_size, device, arm_cycle(arm)), progress=False)
 
 
 def run_request(engine: Engine, tokens: int, prompt_len: int, cycle: int = CYCLE) -> tuple[int, int, float]:
@@ -114,7 +118,7 @@ def run_hostbench(device: str | None = None, k: int = 8, tokens: int = 512, prom
     rows = []
     for arm in arms:
         engine = make_engine(arm, dev, k)
-        cycle = LONG_CYCLE if arm == "chained, no match" else CYCLE
+        cycle = arm_cycle(arm)
         n = min(tokens, cycle - prompt_len - 2) if cycle == LONG_CYCLE else tokens  # never back to the prompt
         run_request(engine, 64, prompt_len, cycle)
         for r in range(repeats):

@@ -164,20 +164,21 @@ HEADLINES = (
                  _at(t, arm="fp8", batch=1), _at(t, arm="bf16", batch=1))),
     Headline("65b_speculative_decoding", "day65_spec_summary",
              "SmolLM2 on code edits at batch 1: ms a token with prompt lookup (without), bf16",
-             lambda t: (lambda on, off: f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), "
-                        f"{on.speedup_over_off:.2f}x")(
-                 _at(t, set="code_edit", arm="ngram k=4"), _at(t, set="code_edit", arm="off"))),
+             lambda t: _code_edit_speedup(t, "ngram k=4")),
     Headline("65b_speculative_decoding", "day65_spec_summary",
              "the same with chained speculation, k = 32 over two-token matches",
-             lambda t: (lambda on, off: f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), "
-                        f"{on.speedup_over_off:.2f}x")(
-                 _at(t, set="code_edit", arm="ngram k=32 min_n=2"), _at(t, set="code_edit", arm="off")),
-             slug="h100-80gb-hbm3"),
+             lambda t: _code_edit_speedup(t, "ngram k=32 min_n=2"), slug="h100-80gb-hbm3"),
     Headline("65c_chained_again", "day65c_rounds",
              "under load at 32 req/s, random weights: chained speculation's ITL p50 over plain's, paired rounds",
              lambda t: (lambda r: f"{r.value:.3f}x, 95% interval {r.lo:.3f} to {r.hi:.3f} ({r['rounds']} rounds)")(
                  _round_itl(t)), slug="h100-80gb-hbm3"),
 )
+
+
+def _code_edit_speedup(summary: pd.DataFrame, arm: str) -> str:
+    """A specbench summary's code edits: `arm`'s ms a token (off's), and its speedup."""
+    on, off = _at(summary, set="code_edit", arm=arm), _at(summary, set="code_edit", arm="off")
+    return f"{_ms(on.ms_per_token)} ({_ms(off.ms_per_token)}), {on.speedup_over_off:.2f}x"
 
 
 def _round_itl(rounds: pd.DataFrame) -> pd.Series:

@@ -156,10 +156,8 @@ def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k:
         for _ in range(repeats):
             for name, i in runs:
                 runs[name, i].append(run_prompt(llm, prompts[name][i], max_tokens))
+        rows += [{"set": name, "arm": arm, "prompt": i, **median_run(made)} for (name, i), made in runs.items()]
         for name in prompts:
-            for (set_name, i), made in runs.items():
-                if set_name == name:
-                    rows.append({"set": name, "arm": arm, "prompt": i, **median_run(made)})
             done = [r for r in rows if r["arm"] == arm and r["set"] == name]
             log(f"{arm}, {name}: {sum(r['output_tokens'] for r in done)} tokens in "
                 f"{sum(r['seconds'] for r in done):.2f} s")
