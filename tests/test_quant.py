@@ -208,6 +208,32 @@ def test_fp8_layers_on_cuda_decode_as_the_weight_read_back(tiny_path, batch):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the W8A16 prompt matmul needs a CUDA device")
+def test_fp8_prompt_steps_on_cuda_score_as_the_weight_read_back(tiny_path, monkeypatch):
+    """Prompts of 300 and 90 tokens in chunks of up to 128 (graphed prompt and mixed steps past the
+    GEMV's 64 rows, through `kernels.w8a16`), every prompt token scored (`prompt_logprobs`): the
+    scores and greedy tokens of the same fp8 model with every projection's weight read back
+    (eager, `F.linear`), the scores within bf16's rounding of a logit."""
+    from nanolab.model import layers
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 10 for i in range(n)]} for j, n in ((0, 300), (1, 90))]
+    fast = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8", max_num_batched_tokens=128)
+    got = fast.generate(prompts, params, use_tqdm=False)
+    fast.close()
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, q, s: F.linear(x, dequantize_fp8(q, s, x.dtype)))
+    reference = LLM(str(tiny_path), device="cuda", dtype="bfloat16", quantization="fp8", enforce_eager=True,
+                    compile=False, max_num_batched_tokens=128)
+    want = reference.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        fast_lp = torch.tensor([lp for lp, _ in g.prompt_logprobs])
+        want_lp = torch.tensor([lp for lp, _ in w.prompt_logprobs])
+        assert len(fast_lp) == len(g.prompt_token_ids) - 1
+        torch.testing.assert_close(fast_lp, want_lp, atol=5e-2, rtol=0)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp8 GEMV's compiled kernels need a CUDA device")
 @pytest.mark.parametrize("m", [1, 8])
 def test_every_dot_of_the_fp8_gemv_on_cuda_is_the_dequantized_matmul(m):

@@ -220,10 +220,9 @@ def test_a_prompts_row_is_its_run_of_median_time():
 
     runs = [{"seconds": s, "token_ids": [5, 6], "steps": n} for s, n in ((0.30, 1), (0.10, 2), (0.20, 3))]
     row = median_run(runs)
-    assert (row["seconds"], row["steps"], row["repeats"]) == (0.20, 3, 3)
+    assert (row["seconds"], row["steps"], row["repeats"], row["distinct_outputs"]) == (0.20, 3, 3, 1)
     assert (row["seconds_min"], row["seconds_max"]) == (0.10, 0.30)
     assert median_run(runs[:2])["seconds"] == 0.10  # the lower middle of an even count
-    with pytest.raises(ValueError, match="different tokens"):
-        median_run([runs[0], {**runs[1], "token_ids": [5, 7]}])
+    assert median_run([runs[0], {**runs[1], "token_ids": [5, 7]}, runs[2]])["distinct_outputs"] == 2
     with pytest.raises(ValueError, match="no run"):
         median_run([])

@@ -1,12 +1,14 @@
-"""The lab's W8A16 matmul (`lab.w8a16`): e4m3 bytes widened in registers, against the dequantized
-weight's matmul in float64, in Triton's interpreter on the CPU and compiled on CUDA."""
+"""The fp8 prompt step's matmul (`kernels.w8a16`): e4m3 bytes widened in registers, against the
+dequantized weight's matmul in float64, in Triton's interpreter on the CPU and compiled on CUDA;
+the tile rule; and the lab's prefill table (`lab.w8a16`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanolab.lab.w8a16 import CONFIGS, MMConfig, w8a16_linear
+from nanolab.kernels.w8a16 import PROMPT_TILES, MMConfig, prompt_tile, w8a16_linear
+from nanolab.lab.w8a16 import CONFIGS
 from nanolab.model.quant import dequantize_fp8, quantize_fp8
 
 
@@ -47,6 +49,32 @@ def test_w8a16_through_fp16_tensor_cores_keeps_bf16_rows_in_range():
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all() and _rel(out, ref) < 8e-3
 
 
+def test_the_prompt_tile_is_the_largest_that_gives_every_sm_a_program():
+    """At 132 SMs, Llama-3.2-1B's projections get the tile that was fastest or within 4% of it on
+    the H100 (data/day65d_fp8_prefill_*): 128 x 128 only for gate_up at 512 rows, 64 x 128 where
+    that still fills the device, 64 x 64 x 128 where nothing larger does."""
+    big, mid, small = PROMPT_TILES
+    assert (big.block_m, big.block_n, mid.block_m, mid.block_n, small.block_n) == (128, 128, 64, 128, 64)
+    assert prompt_tile(512, 16384, 132) == big  # gate_up: 4 x 128 programs
+    assert prompt_tile(128, 16384, 132) == mid  # 1 x 128 of the big tile is under 132
+    assert prompt_tile(512, 3072, 132) == mid  # qkv: 8 x 24
+    for m, n in ((128, 3072), (128, 2048), (512, 2048)):  # qkv at 128, o and down at 128 and 512
+        assert prompt_tile(m, n, 132) == small
+    assert prompt_tile(1, 8, 132) == small and prompt_tile(10**6, 8, 1) == big
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter: CPU tensors only")
+def test_the_default_tile_and_dot_compute_the_same_function():
+    """No tile or dot given: fp32 rows through "x" at the CPU's default tile, and bf16 rows through
+    "f16", each equal to the same call with those named."""
+    x, q, scale, ref = _case(130, 136, 192, 9)
+    out = w8a16_linear(x, q, scale)
+    assert torch.equal(out, w8a16_linear(x, q, scale, PROMPT_TILES[0], dot="x"))
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    xb = x.bfloat16()
+    assert torch.equal(w8a16_linear(xb, q, scale), w8a16_linear(xb, q, scale, PROMPT_TILES[0], dot="f16"))
+
+
 def test_bad_inputs_are_refused_by_name():
     x, q, scale, _ = _case(4, 8, 16, 0)
     with pytest.raises(ValueError, match="qweight"):
@@ -70,6 +98,24 @@ def test_w8a16_on_cuda_at_a_prompt_steps_shapes(dot):
         ref = x.double() @ dequantize_fp8(q, scale).double().T
         for config in CONFIGS:
             assert _rel(w8a16_linear(x, q, scale, config, dot=dot), ref) < 8e-3, (m, n, k, config, dot)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs a CUDA device")
+def test_fp8_linear_takes_a_prompts_rows_through_w8a16_on_cuda(monkeypatch):
+    """The engine's op past the GEMV's rows: the W8A16 matmul at the tile `prompt_tile` picks (a
+    call counted), as close to the weight read back as the kernel is; 64 rows stay the GEMV's."""
+    from nanolab.kernels import gemv
+
+    calls = []
+    monkeypatch.setattr(gemv, "w8a16_linear", lambda *a: calls.append(a[0].shape) or w8a16_linear(*a))
+    for m in (65, 200):
+        x, q, scale, _ = _case(m, 2048, 2048, m, "cuda")
+        x = x.bfloat16()
+        ref = x.double() @ dequantize_fp8(q, scale).double().T
+        assert _rel(gemv.fp8_linear(x.view(1, m, -1), q, scale)[0], ref) < 8e-3
+    gemv.fp8_linear(x[:64], q, scale)
+    assert calls == [(1, 65, 2048), (1, 200, 2048)]
 
 
 def test_a_layers_prefill_sums_each_projections_fastest_tile():

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nanolab.kernels.pdl import dependent_launch, ops_pdl
+from nanolab.kernels.w8a16 import w8a16_linear
 
 MAX_ROWS = 64  # the largest decode bucket; rows are padded to a power of two of at least 16 (tl.dot)
 
@@ -276,18 +277,21 @@ def _(x, weight):
 
 @torch.library.custom_op("nanolab::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x @ (qweight * scale[:, None]).T for an e4m3 weight [N, K] and its scale [N]: on CUDA, up to
-    MAX_ROWS rows where `step_config`'s tiles divide K, through `gemv`, which reads one byte a
-    weight, multiplying bf16 rows on fp16 tensor cores ("mma_f16": e4m3 widens to fp16 in one
-    conversion, to bf16 in three); otherwise (a prompt's chunk, or the CPU) the weight widened to
-    x's dtype, which holds every e4m3 value exactly, multiplied by `F.linear`, and each output
-    column scaled after, as the GEMV scales its sum. One operator inductor does not look into."""
+    """x @ (qweight * scale[:, None]).T for an e4m3 weight [N, K] and its fp32 scale [N]. On CUDA
+    both paths read one byte a weight and scale the fp32 sum: up to MAX_ROWS rows where
+    `step_config`'s tiles divide K, `gemv`, multiplying bf16 rows on fp16 tensor cores ("mma_f16":
+    e4m3 widens to fp16 in one conversion, to bf16 in three); more rows (a prompt's chunk),
+    `kernels.w8a16.w8a16_linear`, a tiled matmul. On the CPU, the reference: the weight widened
+    to x's dtype, which holds every e4m3 value exactly, multiplied by `F.linear`, and each output
+    column scaled after. One operator inductor does not look into."""
     m, k = x.numel() // x.shape[-1], x.shape[-1]
+    if not x.is_cuda:
+        return F.linear(x, qweight.to(x.dtype)).mul_(scale.to(x.dtype))
     cfg = step_config(qweight.shape[0], k, m, element_size=1)
-    if x.is_cuda and m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous():
+    if m <= MAX_ROWS and not k % (cfg.split_k * cfg.block_k) and x.is_contiguous():
         dot = "mma_f16" if x.dtype == torch.bfloat16 else "mma"
         return gemv(x, qweight, cfg, pdl=ops_pdl(x.device), scale=scale, dot=dot)
-    return F.linear(x, qweight.to(x.dtype)).mul_(scale.to(x.dtype))
+    return w8a16_linear(x, qweight, scale)
 
 
 @fp8_linear.register_fake

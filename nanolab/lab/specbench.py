@@ -98,15 +98,16 @@ def run_prompt(llm: LLM, messages: list[dict], max_tokens: int) -> dict:
 
 def median_run(runs: Sequence[dict]) -> dict:
     """Of one prompt's `run_prompt` results, the run of median time (the lower middle of an even
-    count), with `repeats`, `seconds_min` and `seconds_max` added. Greedy repeats must emit the
-    same tokens: a difference is raised, as it would make the runs different work."""
+    count), with `repeats`, `seconds_min` and `seconds_max` added, and `distinct_outputs`: how many
+    different token lists the greedy repeats emitted. On CUDA a repeat may differ at a near-tie,
+    since a verify step's rows go through other kernels than a decode step's and where steps
+    speculate depends on the engine's step count; more than one is then reported, not hidden."""
     if not runs:
         raise ValueError("runs: no run of the prompt")
-    if any(r["token_ids"] != runs[0]["token_ids"] for r in runs):
-        raise ValueError("runs: greedy repeats of one prompt emitted different tokens")
     ordered = sorted(runs, key=lambda r: r["seconds"])
     return {**ordered[(len(ordered) - 1) // 2], "repeats": len(runs), "seconds_min": ordered[0]["seconds"],
-            "seconds_max": ordered[-1]["seconds"]}
+            "seconds_max": ordered[-1]["seconds"],
+            "distinct_outputs": len({tuple(r["token_ids"]) for r in runs})}
 
 
 def lookup_arm(k: int, min_n: int = 1) -> str:
@@ -168,8 +169,8 @@ def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k:
 def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per set and arm: output tokens, ms a token (all tokens over all time), the acceptance
     rate, tokens a verify step gives (kept drafts plus the one it adds), the speedup in ms a token
-    over "off", the median over prompts of each prompt's median decode and verify step, and
-    whether every output equals off's."""
+    over "off", the median over prompts of each prompt's median decode and verify step, whether
+    every output equals off's, and how many prompts' repeats emitted more than one output."""
     rows = []
     for (name, arm), g in table.groupby(["set", "arm"], sort=False):
         off = table[(table.set == name) & (table.arm == "off")].set_index("prompt")
@@ -181,7 +182,9 @@ def spec_summary(table: pd.DataFrame) -> pd.DataFrame:
                      "tokens_per_verify_step": (kept + verify) / verify if verify else float("nan"),
                      "speedup_over_off": 1e3 * off.seconds.sum() / off.output_tokens.sum() / ms,
                      "decode_step_ms": g.decode_step_ms.median(), "verify_step_ms": g.verify_step_ms.median(),
-                     "outputs_equal_off": same})
+                     "outputs_equal_off": same,
+                     "prompts_repeats_differ": int((g["distinct_outputs"] > 1).sum())
+                     if "distinct_outputs" in g else 0})
     return pd.DataFrame(rows)
 
 

@@ -102,8 +102,9 @@ class Linear(nn.Linear):
 
     def quantize_fp8_(self) -> None:
         """Hold the weight as e4m3 with a scale per output row (`model.quant`) in place of the
-        weight itself, which is dropped. The forward is `kernels.gemv.fp8_linear`: the fp8 GEMV for
-        a decode step's few rows on CUDA, the weight widened to the activations' dtype otherwise."""
+        weight itself, which is dropped. The forward is `kernels.gemv.fp8_linear`: on CUDA the fp8
+        GEMV for a decode step's few rows and a tiled W8A16 matmul for more, both reading the
+        bytes; on the CPU the weight widened to the activations' dtype."""
         if self.packed is not None:
             raise ValueError("a prepacked Linear keeps its weight: quantize before prepack()")
         self.qweight, self.scale = quantize_fp8(self.weight.data)
