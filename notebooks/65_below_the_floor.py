@@ -283,6 +283,5 @@ print(f"fp8 at batch 8: {one['bf16', 8] / one['fp8', 8]:.2f}x bf16 against 1.5x 
 # - An fp8 prompt step widens every layer's weight before its matmul, about 7.5 ms at 128 tokens
 #   on the H200, paid again by every chunk.
 # - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show. A prompt
-#   step that reads the e4m3 bytes itself exists as a lab candidate (`lab.w8a16`, a Triton matmul
-#   tested in the interpreter); `fp8bench --parts prefill` times it against this path on a GPU,
-#   and it has not run there yet.
+#   step that reads the e4m3 bytes itself was written the same day as a lab candidate;
+#   {doc}`Day 65d <65d_prompt_bytes>` timed it on a GPU and moved it into the engine.

@@ -32,6 +32,7 @@ CHAPTERS = {
     "65_below_the_floor": "Day 65: fp8 weights",
     "65b_speculative_decoding": "Day 65: speculative decoding",
     "65c_chained_again": "Day 65: chained speculation, measured again",
+    "65d_prompt_bytes": "Day 65: an fp8 prompt step that reads its bytes",
 }
 
 
@@ -172,7 +173,18 @@ HEADLINES = (
              "under load at 32 req/s, random weights: chained speculation's ITL p50 over plain's, paired rounds",
              lambda t: (lambda r: f"{r.value:.3f}x, 95% interval {r.lo:.3f} to {r.hi:.3f} ({r['rounds']} rounds)")(
                  _round_itl(t)), slug="h100-80gb-hbm3"),
+    Headline("65d_prompt_bytes", "day65d_engine_fp8_prefill",
+             "fp8 prompt step, a layer's projections at 128 and 512 tokens: the engine (bf16, widened first)",
+             lambda t: _fp8_prefill(t), slug="h100-80gb-hbm3"),
 )
+
+
+def _fp8_prefill(sweep: pd.DataFrame) -> str:
+    """A prefill sweep's layer sums at each token count: the engine's op (bf16's, the widening path's)."""
+    from nanolab.lab.w8a16 import ENGINE, WIDENED, layer_prefill
+
+    return "; ".join(f"{r[ENGINE]:.0f} us ({r['bf16 F.linear']:.0f}, {r[WIDENED]:.0f})"
+                     for _, r in layer_prefill(sweep).iterrows())
 
 
 def _code_edit_speedup(summary: pd.DataFrame, arm: str) -> str:

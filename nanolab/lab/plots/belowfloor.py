@@ -1,6 +1,7 @@
 """Day 65's figures: a decode step's bytes and time in bf16 and fp8 against their floors, output
-tokens a second against batch size with speculation on and off, and a verify step's kernels
-beside a decode step's. Each function takes a bench's table and returns a Figure."""
+tokens a second against batch size with speculation on and off, a verify step's kernels beside a
+decode step's, paired rounds under load, and an fp8 prompt step's projections. Each function
+takes a bench's table and returns a Figure."""
 
 from __future__ import annotations
 
@@ -197,5 +198,30 @@ def plot_prompt_step_ms(runs: pd.DataFrame, prompt_set: str) -> Figure:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("ms a step, median over the prompt")
     axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_fp8_prefill(table: pd.DataFrame, arms: dict[str, str]) -> Figure:
+    """`<prefix>_fp8_prefill` (projection, tokens, arm, us): per token count, us a launch of each
+    layer projection for the arms named in `arms` (its arm -> its label), bars side by side, with
+    a layer's sum of each arm in the title's place beside the legend."""
+    counts = sorted(table.tokens.unique())
+    fig = Figure(figsize=(5.5 * len(counts), 4))
+    axes = np.atleast_1d(fig.subplots(1, len(counts)))
+    projections = list(dict.fromkeys(table.projection))
+    width = 0.8 / len(arms)
+    for ax, m in zip(axes, counts, strict=True):
+        t = table[table.tokens == m]
+        for j, (arm, name) in enumerate(arms.items()):
+            us = t[t.arm == arm].set_index("projection").us.reindex(projections)
+            x = np.arange(len(projections)) + (j - (len(arms) - 1) / 2) * width
+            ax.bar(x, us, width, color=ARM_COLOURS["bf16"] if arm.startswith("bf16") else f"C{j}",
+                   label=f"{name}: {us.sum():.0f} us a layer")
+        ax.set_xticks(range(len(projections)), projections)
+        ax.set_ylabel("us a launch")
+        ax.set_title(f"{m} tokens", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
