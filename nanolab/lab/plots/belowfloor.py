@@ -94,13 +94,18 @@ def plot_fp8_tiles(tiles: pd.DataFrame, bandwidth_tb_s: float) -> Figure:
             floor_us = shape.n * shape.k * nbytes / (bandwidth_tb_s * 1e6)
             ax.scatter(x, floor_us, marker="_", s=200, color="k", zorder=3,
                        label="its bytes at the copy bandwidth" if j == 0 else None)
-        ax.set_xticks(range(len(projections)), projections)
-        ax.set_ylabel("us a launch, chained in a graph")
-        ax.set_title(f"{m} row{'s' if m > 1 else ''}", fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7)
+        _projection_axes(ax, projections, "us a launch, chained in a graph", f"{m} row{'s' if m > 1 else ''}")
     fig.tight_layout()
     return fig
+
+
+def _projection_axes(ax, projections: list[str], ylabel: str, title: str) -> None:
+    """A panel of bars a layer projection: its ticks, labels, grid and legend."""
+    ax.set_xticks(range(len(projections)), projections)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
 
 
 def plot_verify_kernels(kernels: pd.DataFrame) -> Figure:
@@ -204,8 +209,8 @@ def plot_prompt_step_ms(runs: pd.DataFrame, prompt_set: str) -> Figure:
 
 def plot_fp8_prefill(table: pd.DataFrame, arms: dict[str, str]) -> Figure:
     """`<prefix>_fp8_prefill` (projection, tokens, arm, us): per token count, us a launch of each
-    layer projection for the arms named in `arms` (its arm -> its label), bars side by side, with
-    a layer's sum of each arm in the title's place beside the legend."""
+    layer projection for the arms named in `arms` (its arm -> its label), bars side by side, each
+    arm's sum over a layer in its legend entry."""
     counts = sorted(table.tokens.unique())
     fig = Figure(figsize=(5.5 * len(counts), 4))
     axes = np.atleast_1d(fig.subplots(1, len(counts)))
@@ -218,10 +223,6 @@ def plot_fp8_prefill(table: pd.DataFrame, arms: dict[str, str]) -> Figure:
             x = np.arange(len(projections)) + (j - (len(arms) - 1) / 2) * width
             ax.bar(x, us, width, color=ARM_COLOURS["bf16"] if arm.startswith("bf16") else f"C{j}",
                    label=f"{name}: {us.sum():.0f} us a layer")
-        ax.set_xticks(range(len(projections)), projections)
-        ax.set_ylabel("us a launch")
-        ax.set_title(f"{m} tokens", fontsize=9)
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7)
+        _projection_axes(ax, projections, "us a launch", f"{m} tokens")
     fig.tight_layout()
     return fig
