@@ -568,8 +568,10 @@ def test_speculative_config_is_checked():
 
 @pytest.mark.slow
 def test_speculative_greedy_on_smollm2_is_plain_greedy(smollm2_path):
-    """Real text: SmolLM2 asked to repeat a code edit, greedy, 40 tokens, with drafts of up to 4
-    and without: the same tokens, and some drafts kept (fewer steps)."""
+    """Real text: SmolLM2 asked to repeat a code edit, greedy, 40 tokens, without drafts, with
+    drafts of up to 4 in synchronous verify steps, and chained (asynchronous scheduling, up to 8
+    drafts over matches of two tokens, plain links where a lookup finds none): the same tokens,
+    and some drafts kept (fewer steps)."""
     from nanolab import LLM, SamplingParams
 
     code = "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n" \
@@ -577,16 +579,29 @@ def test_speculative_greedy_on_smollm2_is_plain_greedy(smollm2_path):
     prompt = [{"role": "user", "content": f"Rename width to w in this code and print it again:\n{code}"}]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     runs = {}
-    for spec in (None, {"num_speculative_tokens": 4}):
-        llm = LLM("smollm2-135m", device="cpu", speculative_config=spec)
-        seq = llm.engine.add_request(llm.tokenizer.encode_chat(prompt), params)
+    arms = {"plain": (None, False), "sync": ({"num_speculative_tokens": 4}, False),
+            "chained": ({"num_speculative_tokens": 8, "prompt_lookup_min": 2}, True)}
+    for arm, (spec, overlap) in arms.items():
+        llm = LLM("smollm2-135m", device="cpu", speculative_config=spec, async_scheduling=overlap)
+        engine, links = llm.engine, [0]
+        launch = engine._launch
+
+        def counted(*args, launch=launch, links=links, **kwargs):  # the plain links the engine ran
+            links[0] += bool(kwargs.get("chained"))
+            return launch(*args, **kwargs)
+
+        engine._launch = counted
+        seq = engine.add_request(llm.tokenizer.encode_chat(prompt), params)
         steps = 0
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
             steps += 1
-        runs[spec is not None] = (seq.output_token_ids, steps)
-    assert runs[True][0] == runs[False][0]
-    assert runs[True][1] < runs[False][1], "no draft was kept"
+        runs[arm] = (seq.output_token_ids, steps, links[0])
+        llm.close()
+    for arm in ("sync", "chained"):
+        assert runs[arm][0] == runs["plain"][0], arm
+        assert runs[arm][1] < runs["plain"][1], f"{arm}: no draft was kept"
+    assert runs["chained"][2] > 0, "no plain link ran"
 
 
 def test_a_row_asking_for_logprobs_gets_them_beside_speculating_rows(sharp_gqa24):
