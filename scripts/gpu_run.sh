@@ -61,9 +61,14 @@
 # host runs hostbench: the host's time a step, plain decode, synchronous verify and chained verify at k = 8, 16
 # and 32, over a stand-in forward whose device time is small (data/day65_host_*); under a minute.
 # capture takes extra arguments from $CAPTURE_ARGS, e.g. CAPTURE_ARGS="--batches 1,8 --contexts 128".
-# Results are packed after every part, so a run cut off by a time limit still returns what it made.
+# Results are packed after every part, so a run cut off by a time limit still returns what it made; with $OUT
+# set, everything the run prints is also kept in $OUT/gpu_run.log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -n "${OUT:-}" ]]; then  # the whole run's output comes back too: a caller that keeps only its tail loses no error
+    mkdir -p "$OUT"
+    exec > >(tee -a "$OUT/gpu_run.log") 2>&1
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 parts=("${@:-tests notebooks bench}")
 parts=(${parts[*]})
