@@ -225,9 +225,15 @@ lab.show(fig)
 # a GPU and not on the CPU is that `median_run` raised when two greedy repeats of a prompt emitted
 # different tokens. Repeats step through different verify shapes, because a request's pauses
 # line up with the engine's step count, and a different shape can flip a near-tie. `median_run`
-# now reports the number of distinct outputs (`distinct_outputs`) instead of raising. The second
-# attempt ran out of the session's device time. The code-editing number stays Day 65c's: 1.69x
-# at k = 31, 0.94 of the 1.8x aim.
+# now reports the number of distinct outputs (`distinct_outputs`) instead of raising, and
+# `gpu_run.sh` keeps everything a run prints in `$OUT/gpu_run.log`, so the next failure will show
+# its cause. The second attempt ran out of the session's device time. The code-editing number
+# stays Day 65c's: 1.69x at k = 31, 0.94 of the 1.8x aim.
+#
+# On the CPU the chain is not the default, since asynchronous scheduling is off there. SmolLM2's
+# speculative greedy test now also runs it with asynchronous scheduling on, up to 8 drafts over
+# two-token matches. Its tokens equal plain greedy's, and it counts the plain links the engine
+# launched. Emitting one draft too many fails it.
 #
 # ## The gates
 #
