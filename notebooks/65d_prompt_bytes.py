@@ -125,8 +125,11 @@ for m, row in layer.iterrows():
 # instead of 342 us at 512 tokens, 1.5x faster. That is the sum of the fastest tiles to within
 # 0.4%. fp8 prompt steps are still slower than bf16's, 1.5x at 128 tokens and 1.9x at 512. Each
 # program walks all of K, so down, with 2,048 columns and K = 8,192, puts 64 programs on 132 SMs
-# at 128 tokens. That is 2.2x bf16's time there, and splitting K is the next lever for it. Larger
-# prompts move toward compute, where cuBLAS's bf16 kernels do better than this tile loop.
+# at 128 tokens. That is 2.2x bf16's time there, and splitting K is the next lever for it: the
+# kernel now takes a number of shares of K (`MMConfig.split_k`), each share's fp32 partial added
+# after, and the sweep tries the smallest tile in 2 and 4 shares. That is tested in the
+# interpreter and has not run on a GPU, so `prompt_tile` splits nothing. Larger prompts move
+# toward compute, where cuBLAS's bf16 kernels do better than this tile loop.
 #
 # The CUDA tests ran on the H100 with the change:
 # - every tile against the dequantized weight's matmul in float64;
@@ -260,8 +263,8 @@ print(f"fp8 prompt step (H100): a layer's projections at {layer[ENGINE].iloc[0] 
 #
 # - fp8 prompt steps now read the e4m3 bytes once, through a Triton W8A16 matmul with a tile rule
 #   that looks at SMs: a layer's projections run 2.2x faster at 128 tokens and 1.5x at 512 on an
-#   H100, within 0.4% of the sweep's best tiles. They are still 1.5x to 1.9x bf16's time, and
-#   split-K is the next lever for down.
+#   H100, within 0.4% of the sweep's best tiles. They are still 1.5x to 1.9x bf16's time. Split-K,
+#   the next lever for down, is in the kernel and the sweep, unmeasured.
 # - Plain links cost the H100's host 1.13x a plain step, against 1.9x to 2.0x for a chained step
 #   with drafts.
 # - Under load they changed nothing. ITL p50 is 1.016x plain's (1.006 to 1.025). The cost is about

@@ -39,6 +39,22 @@ def test_w8a16_is_the_matmul_of_the_weight_read_back(m, n, k):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter: CPU tensors only")
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_w8a16_split_along_k_adds_every_share_once(split_k):
+    """K of 200 in tiles of 32 (7 tiles, the last partial) split in 2, 3 and 5 shares of whole tiles
+    (4, 3 and 2 shares once rounded): the sum over all of K, fp32 rows to 1e-5, bf16 rows through
+    the "f16" dot within bf16's rounding."""
+    x, q, scale, ref = _case(70, 90, 200, split_k)
+    out = w8a16_linear(x, q, scale, MMConfig(32, 32, 32, group_m=2, split_k=split_k))
+    assert out.shape == (70, 90) and out.dtype == torch.float32
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    xb = x.bfloat16()
+    refb = xb.double() @ dequantize_fp8(q, scale).double().T
+    outb = w8a16_linear(xb, q, scale, MMConfig(32, 32, 32, group_m=2, split_k=split_k), dot="f16")
+    assert outb.dtype == torch.bfloat16 and _rel(outb, refb) < 8e-3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter: CPU tensors only")
 def test_w8a16_through_fp16_tensor_cores_keeps_bf16_rows_in_range():
     """bf16 rows of 1e-3 to 1e5 (past fp16's range unless divided by 256) through the "f16" dot,
     within the bf16 output's rounding."""
@@ -85,6 +101,8 @@ def test_bad_inputs_are_refused_by_name():
         w8a16_linear(x[:, :8], q, scale)
     with pytest.raises(ValueError, match="dot="):
         w8a16_linear(x, q, scale, dot="f16")  # fp32 rows
+    with pytest.raises(ValueError, match="split_k"):
+        w8a16_linear(x, q, scale, MMConfig(split_k=0))
 
 
 @pytest.mark.cuda

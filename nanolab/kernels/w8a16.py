@@ -8,7 +8,9 @@ rows go through fp16 tensor cores as x / 256 (e4m3 widens to fp16 in one convers
 
 Programs run in groups of `group_m` row blocks down each column block, so a group reads a weight
 tile from memory once and the rest from L2. `prompt_tile` picks the tile by how many programs it
-makes against the device's SMs.
+makes against the device's SMs. A config may also split K into shares (`split_k`), each share's
+programs writing an fp32 partial that are added after: more programs for a projection with few
+column tiles and a long K; `prompt_tile` uses none.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class MMConfig:
     group_m: int = 8  # row blocks that walk one column block's weight tiles in turn, while they sit in L2
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # shares of K, each its own programs, their fp32 partials added after
 
     def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+        split = f" k/{self.split_k}" if self.split_k > 1 else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{split}"
 
 
 # `prompt_tile`'s choices, largest first: the fastest tile of each Llama-3.2-1B projection at 128
@@ -59,14 +63,17 @@ def _sm_count(index: int) -> int:
 
 
 @triton.jit
-def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SHARE, stride_xm, stride_wn, stride_om, stride_os,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
               DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One program: out[m0:m0 + BLOCK_M, n0:n0 + BLOCK_N] = x (w s)^T over all of K, for x [M, K]
     and an e4m3 weight w [N, K] with its scale s [N] fp32. DOT "x": the weight widened to x's
     dtype; "f16" (bf16 x): the weight widened to fp16 and x taken as x / 256, which fp16 holds to
-    bf16's precision from 2**-6 up and below that to within 2**-17 absolute, the sum multiplied back."""
+    bf16's precision from 2**-6 up and below that to within 2**-17 absolute, the sum multiplied back.
+    Program axis 1 is a share of K, K_SHARE columns from pid_k * K_SHARE (all of K when there is
+    one share); with more than one, each writes its scaled fp32 sum to out_ptr + pid_k * stride_os."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     blocks_m = tl.cdiv(M, BLOCK_M)
     blocks_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * blocks_n
@@ -80,8 +87,9 @@ def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, strid
     mmask = m < M
     nmask = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = (k0 + k) < K
+    k_end = tl.minimum(K, (pid_k + 1) * K_SHARE)
+    for k0 in range(pid_k * K_SHARE, k_end, BLOCK_K):
+        kmask = (k0 + k) < k_end
         x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :],
                     other=0.0)
         w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None] & kmask[None, :],
@@ -94,7 +102,7 @@ def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, strid
     if DOT == "f16":
         acc *= 256.0
     acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + pid_k * stride_os + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
@@ -102,8 +110,9 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, co
                  dot: str | None = None) -> torch.Tensor:
     """x [..., K] (fp32, bf16 or fp16) @ (qweight * scale[:, None]).T for an e4m3 weight [N, K] and
     its fp32 scale [N] -> [..., N] in x's dtype, reading the weight's bytes once. `config`: the
-    tile (default `prompt_tile`'s on CUDA, the first of `PROMPT_TILES` elsewhere); `dot` as
-    `_w8a16_mm`'s DOT (default "f16" for bf16 x, "x" otherwise)."""
+    tile (default `prompt_tile`'s on CUDA, the first of `PROMPT_TILES` elsewhere); with split_k
+    above 1, the shares' fp32 partials [split_k, rows, N] are added by `torch.sum` and rounded
+    once. `dot` as `_w8a16_mm`'s DOT (default "f16" for bf16 x, "x" otherwise)."""
     if qweight.dtype != torch.float8_e4m3fn or qweight.dim() != 2 or qweight.stride(1) != 1:
         raise ValueError(f"qweight must be a 2-D float8_e4m3fn weight contiguous along K, got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
@@ -121,13 +130,19 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, co
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
     c = config or (prompt_tile(m, n, sm_count(x.device)) if x.is_cuda else PROMPT_TILES[0])
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
-    _w8a16_mm[grid](x2, qweight, scale, out, m, n, k, x2.stride(0), qweight.stride(0), out.stride(0),
-                    BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, DOT=dot,
-                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
+    if isinstance(c.split_k, bool) or not isinstance(c.split_k, int) or c.split_k < 1:
+        raise ValueError(f"config.split_k={c.split_k!r}: must be a positive int")
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    share = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k  # whole tiles a share
+    shares = triton.cdiv(k, share)
+    out = torch.empty((shares, m, n) if shares > 1 else (1, m, n),
+                      dtype=torch.float32 if shares > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), shares)
+    _w8a16_mm[grid](x2, qweight, scale, out, m, n, k, share, x2.stride(0), qweight.stride(0), out.stride(1),
+                    out.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                    DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c.num_warps,
                     num_stages=c.num_stages)
+    out = out.sum(0).to(x.dtype) if shares > 1 else out[0]
     return out.view(*x.shape[:-1], n)

@@ -26,8 +26,10 @@ WIDENED = "fp8 widened, F.linear, scaled"  # the design fp8_linear's prompt path
 ENGINE = "fp8_linear (engine)"
 
 
-# Tiles the prefill sweep tries: `kernels.w8a16.PROMPT_TILES`, and one more of 128 rows by 64 columns.
-CONFIGS = (*PROMPT_TILES, MMConfig(128, 64, 64, num_warps=4, num_stages=4))
+# Tiles the prefill sweep tries: `kernels.w8a16.PROMPT_TILES`, one more of 128 rows by 64 columns, and
+# the smallest tile with K split in 2 and 4 shares (down's 64 programs at 128 tokens become 128 and 256).
+CONFIGS = (*PROMPT_TILES, MMConfig(128, 64, 64, num_warps=4, num_stages=4), MMConfig(64, 64, 128, split_k=2),
+           MMConfig(64, 64, 128, split_k=4))
 
 
 def prefill_table(config, tokens: Sequence[int] = (128, 512), repeats: int = 20, progress: bool = True
