@@ -383,9 +383,16 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
     assert split_arm("fullgraphs-chunked+ngram") == ("fullgraphs", "chunked")
     assert split_speculation("fullgraphs+ngram") == ("fullgraphs", {"method": "ngram"})
     assert split_speculation("graphs") == ("graphs", None)
-    for unknown in ("graphs-sometimes", "graphs-compiled", "compiled", "graphs+eagle", "graphs+"):
+    assert split_speculation("graphs+ngram:prompt_lookup_min=2:num_speculative_tokens=8") == (
+        "graphs", {"method": "ngram", "prompt_lookup_min": 2, "num_speculative_tokens": 8})
+    for unknown in ("graphs-sometimes", "graphs-compiled", "compiled", "graphs+eagle", "graphs+", "graphs+eagle:k=2"):
         with pytest.raises(ValueError, match="unknown arm"):
             split_arm(unknown)
+    for bad, field in (("graphs+ngram:k=4", "not a setting"), ("graphs+ngram:prompt_lookup_min", "not a setting"),
+                       ("graphs+ngram:max_num_seqs=two", "not a setting"),
+                       ("graphs+ngram:num_speculative_tokens=0", "num_speculative_tokens")):
+        with pytest.raises(ValueError, match=field):
+            split_arm(bad)
     argv = lambda **kw: serve_command("m", 1, device="cpu", eager=True, step_log=tmp_path / "s", **kw)
     assert "--no-enable-chunked-prefill" in argv(chunked_prefill=False)
     assert "--enable-chunked-prefill" in argv(chunked_prefill=True)

@@ -1,7 +1,8 @@
 """Day 58's serving measurement: the real server over loopback, with CUDA graphs on and off.
 
 For each arm (`serveprocess`: "graphs", "eager" = `--enforce-eager`, either optionally naming its
-prefill, "-chunked" or "-whole", then optionally "+ngram" for a server that speculates, Day 65)
+prefill, "-chunked" or "-whole", then optionally "+ngram" for a server that speculates, Day 65,
+with `SpeculativeConfig` settings after colons, "+ngram:prompt_lookup_min=2")
 this starts `python -m nanolab serve` with a step log, sends a seeded Poisson stream of streamed
 completions at each rate from its own aiohttp client (`workload`, `loadclient`), and reduces the
 timings with `vllm bench serve`'s definitions (`servingmetrics`).
@@ -459,8 +460,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default=None,
                         help="comma-separated arms: graphs (the server's CUDA graphs), fullgraphs "
                              "(--cudagraph-mode full), eager (--enforce-eager), each optionally "
-                             "ending in -chunked or -whole to serve with or without chunked prefill, e.g. "
-                             "graphs-chunked,graphs-whole (default: graphs,eager on CUDA, eager on a CPU)")
+                             "ending in -chunked or -whole to serve with or without chunked prefill, then "
+                             "optionally in +ngram to speculate, with SpeculativeConfig settings after colons, e.g. "
+                             "graphs-chunked,graphs-whole or fullgraphs,fullgraphs+ngram:prompt_lookup_min=2 "
+                             "(default: graphs,eager on CUDA, eager on a CPU)")
     parser.add_argument("--rates", default="1,2,4,8", help="requests/s always run, in order (default: the seed's)")
     parser.add_argument("--max-rate", type=float, default=256.0,
                         help="after --rates, the rate doubles until it saturates or passes this (default: 256)")

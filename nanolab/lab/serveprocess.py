@@ -10,6 +10,7 @@ a bare arm takes the server's default, chunked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from nanolab.config import EngineConfig
+from nanolab.config import EngineConfig, SpeculativeConfig
 
 ARMS = ("graphs", "fullgraphs", "eager")
 GRAPHED = ("graphs", "fullgraphs")  # the modes that capture decode graphs
@@ -41,22 +42,42 @@ def free_port() -> int:
 
 def split_arm(arm: str) -> tuple[str, str | None]:
     """An arm's graphs mode and prefill: "graphs-whole" -> ("graphs", "whole"); "eager" ->
-    ("eager", None), the server's default prefill. Either may end in "+ngram" (`split_speculation`)."""
+    ("eager", None), the server's default prefill. Either may end in "+ngram", with settings
+    (`split_speculation`)."""
     base, plus, spec = arm.partition("+")
     mode, _, prefill = base.partition("-")
-    if mode not in ARMS or prefill not in ("", *PREFILLS) or (plus and spec not in SPECULATIONS):
+    if mode not in ARMS or prefill not in ("", *PREFILLS) or (plus and spec.partition(":")[0] not in SPECULATIONS):
         raise ValueError(f"unknown arm {arm!r}: one of {ARMS}, optionally ending in -{' or -'.join(PREFILLS)}, "
-                         f"then optionally +{' or +'.join(SPECULATIONS)}")
+                         f"then optionally +{' or +'.join(SPECULATIONS)}, with :field=value settings")
+    if plus:
+        _speculative_config(arm, spec)
     return mode, prefill or None
+
+
+def _speculative_config(arm: str, spec: str) -> dict:
+    """"ngram:prompt_lookup_min=2:num_speculative_tokens=8" -> the `speculative_config` dict, its
+    settings checked as `SpeculativeConfig` checks them (a bad one is refused by its field's name)."""
+    method, *settings = spec.split(":")
+    config = {"method": method}
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"method"}
+    for setting in settings:
+        name, eq, value = setting.partition("=")
+        if name not in fields or not eq or not value.lstrip("-").isdigit():
+            raise ValueError(f"arm {arm!r}: {setting!r} is not a setting: field=int, the field one of "
+                             f"{', '.join(sorted(fields))}")
+        config[name] = int(value)
+    SpeculativeConfig(**config)
+    return config
 
 
 def split_speculation(arm: str) -> tuple[str, dict | None]:
     """An arm without its speculation, and the server's `speculative_config` for it:
     "graphs+ngram" -> ("graphs", {"method": "ngram"}), prompt lookup with the config's defaults;
+    "graphs+ngram:prompt_lookup_min=2" -> ("graphs", {"method": "ngram", "prompt_lookup_min": 2});
     an arm without the suffix -> (arm, None)."""
     split_arm(arm)
     plain, plus, spec = arm.partition("+")
-    return plain, {"method": spec} if plus else None
+    return plain, _speculative_config(arm, spec) if plus else None
 
 
 def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: Path, dtype: str = "auto",
