@@ -216,9 +216,12 @@ lab.show(fig)
 # steps with drafts that keep nothing.
 #
 # A rule that would remove them has to act before a request's first miss. For example, an
-# engine-wide pause while recent verify steps across all requests keep nothing. That changes
-# behaviour at batch 1 on real text too, so it needs the SmolLM2 bench beside it, and this
-# session's device time ran out before that could run.
+# engine-wide pause while recent verify steps across all requests keep nothing. Another is a
+# stricter lookup: matches of two tokens or more are far rarer in text that does not repeat.
+# Either changes behaviour at batch 1 on real text too, so it needs the SmolLM2 bench beside it,
+# and this session's device time ran out before that could run. graphbench's arms now carry
+# speculation settings after colons (`fullgraphs+ngram:prompt_lookup_min=2`), so the next rounds
+# can put such settings beside plain on the same streams.
 #
 # ## SmolLM2 at batch 1
 #
