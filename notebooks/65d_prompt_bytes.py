@@ -69,7 +69,7 @@ lab.show(per_projection.round(1))
 #
 # The kernel beat the widening path on every projection, from 1.2x (down, 512 tokens) to 4.2x
 # (gate_up, 128 tokens). At gate_up and 128 tokens it even beat bf16, 33.6 us against 36.9 us.
-# The "f16" dot was the faster of the two in all eight cases.
+# Each case's fastest tile ran the "f16" dot.
 #
 # Which tile wins depends on how many programs it launches against the card's 132 SMs. A tile of
 # 128 x 128 reads each weight tile once for more rows, but o at 128 tokens would make only 16
@@ -172,8 +172,8 @@ print(f"a plain link: {link:.2f}x a plain decode step's host time on the H100 (1
 # *The host's time per step, medians of five repeats, on the H100 box.*
 #
 # A plain link costs the H100's host 1.13x a plain step, the same ratio as the CPU's. A chained
-# step with drafts costs 1.9x to 2.0x. Day 65c's H100 runs measured plain decoding at 547 to 631
-# us a step in one run and 296 to 508 in another. The repeats this time ranged from 418 to 580.
+# step with drafts costs 1.9x to 2.0x. The two H100 runs Day 65c set side by side measured plain
+# decoding at 547 to 631 us a step in one and 296 to 508 in the other. The repeats this time ranged from 418 to 580.
 # Only ratios within a run are worth reading on this box.
 #
 # What is left of a link's extra 13% is spread thin. Under cProfile on this CPU, planning the

@@ -68,6 +68,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -n "${OUT:-}" ]]; then  # the whole run's output comes back too: a caller that keeps only its tail loses no error
     mkdir -p "$OUT"
     exec > >(tee -a "$OUT/gpu_run.log") 2>&1
+    tee_pid=$!
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 parts=("${@:-tests notebooks bench}")
@@ -163,4 +164,8 @@ for part in "${parts[@]}"; do
         tar czf "$OUT/results.tgz" data figures
     fi
 done
+if [[ -n "${tee_pid:-}" ]]; then  # the log's last lines are written before the run ends
+    exec >&- 2>&-
+    wait "$tee_pid"
+fi
 exit $status

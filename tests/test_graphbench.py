@@ -389,8 +389,11 @@ def test_arms_name_the_prefill_and_the_server_gets_the_flag(fake_script, tmp_pat
         with pytest.raises(ValueError, match="unknown arm"):
             split_arm(unknown)
     for bad, field in (("graphs+ngram:k=4", "not a setting"), ("graphs+ngram:prompt_lookup_min", "not a setting"),
-                       ("graphs+ngram:max_num_seqs=two", "not a setting"),
-                       ("graphs+ngram:num_speculative_tokens=0", "num_speculative_tokens")):
+                       ("graphs+ngram:max_num_seqs=two", "not a setting"), ("graphs+ngram:max_num_seqs=--3", "not a"),
+                       ("graphs+ngram:max_num_seqs=\u00b2", "not a setting"),
+                       ("graphs+ngram:max_num_seqs=2:max_num_seqs=3", "max_num_seqs is set twice"),
+                       ("graphs+ngram:num_speculative_tokens=0", "'graphs.ngram:num_speculative_tokens=0': "
+                                                                 "speculative_config.num_speculative_tokens=0")):
         with pytest.raises(ValueError, match=field):
             split_arm(bad)
     argv = lambda **kw: serve_command("m", 1, device="cpu", eager=True, step_log=tmp_path / "s", **kw)

@@ -34,6 +34,10 @@ def test_the_summary_is_worked_by_hand():
     assert on.speedup_over_off == pytest.approx(100 / 37.5)
     assert not on.outputs_equal_off  # prompt 1's last token differs
     assert (on.decode_step_ms, on.verify_step_ms) == (2.5, 4.0)  # medians over the two prompts
+    assert on.prompts_repeats_differ == 0  # a table from before `distinct_outputs`
+    table["distinct_outputs"] = [1, 1, 2, 1]
+    by_arm = spec_summary(table).set_index("arm").prompts_repeats_differ
+    assert (by_arm["off"], by_arm["on"]) == (0, 1)
 
 
 def test_the_switch_off_batch_is_where_speculation_stops_paying():

@@ -87,13 +87,14 @@ def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SHARE, stride_xm, stride_
     mmask = m < M
     nmask = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # Row offsets in int64: a long prompt's rows times N (or K) pass 2**31 elements.
+    rows_x = m.to(tl.int64)[:, None] * stride_xm
+    rows_w = n.to(tl.int64)[:, None] * stride_wn
     k_end = tl.minimum(K, (pid_k + 1) * K_SHARE)
     for k0 in range(pid_k * K_SHARE, k_end, BLOCK_K):
         kmask = (k0 + k) < k_end
-        x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + n[:, None] * stride_wn + (k0 + k)[None, :], mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + rows_x + (k0 + k)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rows_w + (k0 + k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         if DOT == "f16":
             xh = (x.to(tl.float32) * 0.00390625).to(tl.float16)
             acc += tl.dot(xh, tl.trans(w.to(tl.float16)))
@@ -102,8 +103,8 @@ def _w8a16_mm(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SHARE, stride_xm, stride_
     if DOT == "f16":
         acc *= 256.0
     acc *= tl.load(s_ptr + n, mask=nmask, other=0.0)[None, :]
-    tl.store(out_ptr + pid_k * stride_os + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, config: MMConfig | None = None,

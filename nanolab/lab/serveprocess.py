@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,11 +63,16 @@ def _speculative_config(arm: str, spec: str) -> dict:
     fields = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"method"}
     for setting in settings:
         name, eq, value = setting.partition("=")
-        if name not in fields or not eq or not value.lstrip("-").isdigit():
+        if name not in fields or not eq or not re.fullmatch(r"-?[0-9]+", value, re.ASCII):
             raise ValueError(f"arm {arm!r}: {setting!r} is not a setting: field=int, the field one of "
                              f"{', '.join(sorted(fields))}")
+        if name in config:
+            raise ValueError(f"arm {arm!r}: {name} is set twice")
         config[name] = int(value)
-    SpeculativeConfig(**config)
+    try:
+        SpeculativeConfig(**config)
+    except ValueError as e:
+        raise ValueError(f"arm {arm!r}: {e}") from None
     return config
 
 
