@@ -254,6 +254,24 @@ def test_every_dot_of_the_fp8_gemv_on_cuda_is_the_dequantized_matmul(m):
             assert err < 8e-3, (n, k, dot, err)
 
 
+def test_fp8bench_times_a_prompt_in_both_arms_in_one_process():
+    """`run_prompt_steps` on the tiny preset: a row per arm and length, each the median of its
+    alternated calls within their fastest and slowest, fp8's ratio over bf16's; bad lengths and
+    repeats refused by name."""
+    from nanolab.lab.fp8bench import run_prompt_steps
+
+    table = run_prompt_steps("tiny", "cpu", lengths=(16, 40), repeats=3, log=lambda _: None)
+    assert list(zip(table.arm, table.prompt_len)) == [("bf16", 16), ("fp8", 16), ("bf16", 40), ("fp8", 40)]
+    assert (table.ms_min <= table.ms).all() and (table.ms <= table.ms_max).all() and (table.ms_min > 0).all()
+    for _, g in table.groupby("prompt_len"):
+        by = g.set_index("arm")
+        assert by.fp8_over_bf16.to_dict() == pytest.approx({"bf16": 1.0, "fp8": by.ms["fp8"] / by.ms["bf16"]})
+    for kwargs, name in (({"lengths": (16, 0)}, "lengths\\[1\\]"), ({"repeats": 0}, "repeats"),
+                         ({"lengths": ()}, "lengths")):
+        with pytest.raises(ValueError, match=name):
+            run_prompt_steps("tiny", "cpu", **{"lengths": (16,), **kwargs})
+
+
 def test_a_quantized_models_bytes_are_its_e4m3_weights_and_scales():
     """fp8bench's floor: a quantized Linear counts one byte a weight and four a scale, a tied
     weight once."""

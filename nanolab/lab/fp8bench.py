@@ -1,6 +1,6 @@
 """FP8 weights against bf16: the decode step's time and bytes, and the quality they cost (Day 65).
 
-Six parts, each its own table:
+Seven parts, each its own table:
 
 - `steps` (`day65_fp8_steps_<device>`): ms a decode step of whole `generate` calls
   (`lab.timing.time_generate`, as floorbench times them) with the weights in bf16 and with
@@ -21,8 +21,12 @@ Six parts, each its own table:
   (`lab.gemvbench.dot_sweep`), each way the GEMV can multiply an fp8 tile (`lab.gemvbench.FP8_DOTS`:
   tensor cores in bf16 or in fp16, or one row's products in fp32).
 - `prefill` (`day65_fp8_prefill_<device>`, CUDA): each layer projection of a prompt step at 128 and
-  512 tokens: bf16, the engine's fp8 path (the weight widened in memory), and the lab's W8A16
-  kernel reading e4m3 bytes (`lab.w8a16`), by tile.
+  512 tokens: bf16, the engine's fp8 op (`kernels.gemv.fp8_linear`, the W8A16 matmul on CUDA), the
+  design it replaced (the weight widened in memory), and the W8A16 kernel at every tile
+  (`lab.w8a16`).
+- `prompt` (`day65_fp8_prompt_<device>`): a prompt of each length in the engine, bf16 and fp8 in
+  one process (`run_prompt_steps`): the wall time of `generate` with one new token, which is the
+  prompt's steps (chunks of the default token budget) and one token's sampling.
 - `profile` (`day65_fp8_profile_<device>`, CUDA): the GPU kernels of whole `generate` calls' decode
   steps in bf16 and fp8, the prompt step's taken out, by kernel and class
   (`lab.stepparts.kernel_class`), per step.
@@ -30,6 +34,7 @@ Six parts, each its own table:
     python -m nanolab fp8bench --model llama-3.2-1b --parts steps
     python -m nanolab fp8bench --model smollm2-135m --parts quality
     python -m nanolab fp8bench --model llama-3.2-1b --parts tiles,profile
+    python -m nanolab fp8bench --model llama-3.2-1b --parts prefill,prompt
 """
 
 from __future__ import annotations
@@ -49,11 +54,12 @@ from nanolab.lab.gemvbench import FP8_DOTS, dot_sweep, fp8_chain_table
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.specbench import PROMPT_SETS, load_prompt_set
 from nanolab.lab.stepparts import class_line, decode_kernels
-from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate
+from nanolab.lab.timing import copy_bandwidth, random_prompts, time_generate, wall_s
 from nanolab.model.layers import Linear
 from nanolab.model.quant import quantize_fp8
 
-PARTS = ("steps", "quality", "tiles", "dots", "profile", "prefill")
+PARTS = ("steps", "quality", "tiles", "dots", "profile", "prefill", "prompt")
+PROMPT_LENS = (128, 512, 2048)
 BATCHES = (1, 8)
 PROMPT_LEN = 128
 STEPS = 256
@@ -140,6 +146,43 @@ def run_steps(model: str, device: str | None, batches: Sequence[int] = BATCHES, 
     table = pd.DataFrame(rows)
     bf16 = table[table.arm == "bf16"].set_index("batch").ms_per_step
     table["speedup_over_bf16"] = [bf16[b] / ms for b, ms in zip(table.batch, table.ms_per_step, strict=True)]
+    return table
+
+
+def run_prompt_steps(model: str, device: str | None, lengths: Sequence[int] = PROMPT_LENS, repeats: int = 5,
+                     log: Callable[[str], None] = print) -> pd.DataFrame:
+    """A row per arm ("bf16", "fp8") and prompt length: the median, fastest and slowest wall ms of
+    `generate` over one random prompt of that length with one new token (the prompt's steps, in
+    chunks of the engine's default token budget, and the first token), prefix caching off. Both
+    engines live in one process; after one untimed call each, the arms alternate call by call
+    (AB, BA, ...) `repeats` times. `fp8_over_bf16`: the arm's median over bf16's."""
+    for name, value in (("repeats", repeats), *((f"lengths[{i}]", n) for i, n in enumerate(lengths))):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive int")
+    if not lengths:
+        raise ValueError("lengths: no prompt length")
+    engine_args = dict(device=device, enable_prefix_caching=False)
+    arms = {"bf16": LLM(model, **engine_args), "fp8": LLM(model, quantization="fp8", **engine_args)}
+    dev = arms["bf16"].device
+    rows = []
+    for n in lengths:
+        runs = {name: nanolab_generate(llm, random_prompts(1, n, llm.config.vocab_size, seed=n))
+                for name, llm in arms.items()}
+        for run in runs.values():
+            run(1)
+        times = {name: [] for name in arms}
+        for r in range(repeats):
+            for name in (arms if r % 2 == 0 else reversed(list(arms))):
+                times[name].append(1e3 * wall_s(lambda run=runs[name]: run(1), dev))
+        for name, ms in times.items():
+            rows.append({"arm": name, "label": nanolab_label(arms[name]), "prompt_len": n, "repeats": repeats,
+                         "ms": float(pd.Series(ms).median()), "ms_min": min(ms), "ms_max": max(ms)})
+        log(f"prompt of {n}: " + ", ".join(f"{r['arm']} {r['ms']:.2f} ms" for r in rows[-len(arms):]))
+    for llm in arms.values():
+        llm.close()
+    table = pd.DataFrame(rows)
+    bf16 = table[table.arm == "bf16"].set_index("prompt_len").ms
+    table["fp8_over_bf16"] = [ms / bf16[n] for n, ms in zip(table.prompt_len, table.ms, strict=True)]
     return table
 
 
@@ -276,6 +319,9 @@ def main(args: argparse.Namespace) -> int:
             dtype = torch.bfloat16
             print(table.drop(columns=[c for c in ("error",) if c in table]).round(3).to_string(index=False))
             print(layer_prefill(table).round(1).to_string(index=False))
+        elif part == "prompt":
+            table = run_prompt_steps(args.model, str(device), repeats=max(args.repeats, 5))
+            dtype = resolve_dtype("auto", device)
         elif part == "steps":
             table = run_steps(args.model, str(device), batches, steps=args.steps, repeats=args.repeats)
             dtype = resolve_dtype("auto", device)
