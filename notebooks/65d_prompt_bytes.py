@@ -80,9 +80,13 @@ lab.show(per_projection.round(1))
 
 # %%
 config = PRESETS["llama-3.2-1b"]
-rule = pd.DataFrame([{"projection": name, "n": n, "k": k, "tokens": m, "tile": prompt_tile(m, n, 132).name(),
-                      "programs": -(-m // prompt_tile(m, n, 132).block_m) * -(-n // prompt_tile(m, n, 132).block_n)}
-                     for name, (n, k) in projection_shapes(config).items() if name != "lm_head" for m in (128, 512)])
+rule = []
+for name, (n, k) in projection_shapes(config).items():
+    for m in (128, 512) if name != "lm_head" else ():
+        tile = prompt_tile(m, n, 132)
+        rule.append({"projection": name, "n": n, "k": k, "tokens": m, "tile": tile.name(),
+                     "programs": -(-m // tile.block_m) * -(-n // tile.block_n)})
+rule = pd.DataFrame(rule)
 fastest = best.assign(tile=best.arm.str.removeprefix("fp8 w8a16 ").str.rsplit(" dot", n=1).str[0])
 rule["fastest on the H100"] = rule.merge(fastest, on=["projection", "tokens"], how="left").tile_y.values
 lab.show(rule)

@@ -15,12 +15,13 @@ column tiles and a long K; `prompt_tile` uses none.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from nanolab.kernels.paged_attention import sm_count
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,6 @@ def prompt_tile(m: int, n: int, sms: int) -> MMConfig:
         if triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n) >= sms:
             return tile
     return PROMPT_TILES[-1]
-
-
-def sm_count(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
