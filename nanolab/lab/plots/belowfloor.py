@@ -162,19 +162,27 @@ def plot_specload_rules(rules: pd.DataFrame) -> Figure:
 
 
 def plot_round_ratios(rounds: pd.DataFrame) -> Figure:
-    """`graphbench --rounds` (round, arm, rate, itl_p50_ms, tpot_p50_ms; a plain arm and its
-    "+ngram" arm): per round, the speculating server's ITL p50 and TPOT p50 over the plain one's on
-    the same stream, each round a dot, the median a bar; the dashed line at 1 is the ITL aim."""
+    """`graphbench --rounds` (round, arm, rate, itl_p50_ms, tpot_p50_ms; plain arms and their
+    "+ngram" arms): per round, each speculating server's ITL p50 and TPOT p50 over its plain
+    server's on the same stream, each round a dot, the median a bar, one colour a speculating arm;
+    the dashed line at 1 is the ITL aim."""
+    from nanolab.lab.serveprocess import split_speculation
+
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    spec = next(a for a in rounds.arm.unique() if "+" in a)
-    base = spec.split("+")[0]
-    for i, (metric, name) in enumerate((("itl_p50_ms", "ITL p50"), ("tpot_p50_ms", "TPOT p50"))):
-        table = rounds.pivot_table(index="round", columns="arm", values=metric)
-        ratio = table[spec] / table[base]
-        x = i + np.linspace(-0.15, 0.15, len(ratio))
-        ax.plot(x, ratio, "o", color=f"C{i}", label=f"{name}, a round each")
-        ax.hlines(ratio.median(), i - 0.25, i + 0.25, color=f"C{i}", lw=2.5)
+    pairs = [(arm, split_speculation(arm)[0]) for arm in rounds.arm.unique() if split_speculation(arm)[1]]
+    width = 0.5 / len(pairs)
+    for j, (spec, base) in enumerate(pairs):
+        for i, (metric, name) in enumerate((("itl_p50_ms", "ITL p50"), ("tpot_p50_ms", "TPOT p50"))):
+            table = rounds.pivot_table(index="round", columns="arm", values=metric)
+            ratio = table[spec] / table[base]
+            centre = i + (j - (len(pairs) - 1) / 2) * width
+            x = centre + np.linspace(-0.3, 0.3, len(ratio)) * width
+            label = (f"{spec} over {base}, a round each" if len(pairs) > 1 else f"{name}, a round each") \
+                if i == 0 or len(pairs) == 1 else None
+            colour = f"C{j}" if len(pairs) > 1 else f"C{i}"
+            ax.plot(x, ratio, "o", color=colour, label=label)
+            ax.hlines(ratio.median(), centre - width / 2, centre + width / 2, color=colour, lw=2.5)
     ax.axhline(1.0, color="k", lw=1, ls="--")
     ax.set_xticks([0, 1], ["ITL p50", "TPOT p50"])
     ax.set_xlim(-0.6, 1.6)
