@@ -9,8 +9,10 @@
 #                      [specload] [specrounds] [host]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
-# prometheus-client, which the server imports (`pip download --no-deps -d third_party/wheels
-# prometheus-client==0.26.0`), and pytest-xdist and execnet for cuda (`... pytest-xdist==3.8.0 execnet`).
+# prometheus-client and orjson, which the server imports (`pip download --no-deps -d third_party/wheels
+# prometheus-client==0.26.0`, and orjson==3.13.0 with `--only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_17_x86_64` for the image's Python), and pytest-xdist and execnet for cuda
+# (`... pytest-xdist==3.8.0 execnet`).
 # cuda runs only the test files that hold CUDA tests (tests that need a GPU; the rest run in CI), four
 # files at a time when the pytest-xdist wheel installed, each test's outcome logged as it ends to
 # $OUT/cuda_tests.log (_build/ without $OUT); the output shows the failures, errors and skips.
@@ -33,7 +35,8 @@
 # prefix (Day 64) runs prefixbench on Llama-3.2-1B shapes, into data/day64_*: TTFT with prefix caching on and off
 # at a 2,048-token shared system prompt and at a chat's second turn over a 4,096-token history (servers over
 # loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
-# server's /metrics reports for 16 shared system prompts (needs the prometheus-client wheel); $PREFIX_ARGS added.
+# server's /metrics reports for 16 shared system prompts (needs the prometheus-client and orjson wheels);
+# $PREFIX_ARGS added. Then frontcosts times a request's host work stage by stage on this host (data/day64b_front_*).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
 # 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*).
@@ -125,7 +128,8 @@ for part in "${parts[@]}"; do
                   --stem day63 || status=1 ;;
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
-        prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1 ;;
+        prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1
+            python3 -m nanolab frontcosts || status=1 ;;
         fp8) python3 -m nanolab fp8bench --model llama-3.2-1b --parts steps ${FP8_ARGS:-} || status=1 ;;
         verify) python3 -m nanolab specbench --model llama-3.2-1b --parts verify ${VERIFY_ARGS:-} || status=1 ;;
         smollm2) gguf=SmolLM2-135M-Instruct.Q4_1.gguf

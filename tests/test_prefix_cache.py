@@ -10,6 +10,7 @@ prefix there.
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
@@ -46,6 +47,31 @@ def test_the_key_memo_gives_the_chains_keys_and_keeps_at_most_its_capacity():
     # The same block after two different parents: two keys.
     a, b = [1] * BS + [7] * BS, [2] * BS + [7] * BS
     assert list(memo.chain(None, a, 0, 2))[1] != list(memo.chain(None, b, 0, 2))[1]
+
+
+def test_keys_from_packed_ids_are_the_keys_of_the_ids():
+    """A new request's prompt is keyed from the bytes its check packed (`Sequence.prompt_bytes`):
+    every key, and every cached prefix found, is the one its list of ids gives."""
+    rng = random.Random(1)
+    m = BlockManager(num_blocks=32, block_size=BS, max_rows=2, enable_prefix_caching=True)
+    prompt = [rng.randrange(0, 1 << 40) for _ in range(5 * BS + 2)]
+    packed = array.array("q", prompt).tobytes()
+    for first, stop in ((0, 5), (2, 4), (3, 3)):
+        parent = None if first == 0 else block_key(None, prompt[:BS])
+        assert list(chain_keys(parent, packed, first, stop, BS)) == list(chain_keys(parent, prompt, first, stop, BS))
+    fill(m, m.open_row(), prompt)
+    for n in (BS, BS + 1, 3 * BS, len(prompt)):  # whole blocks, and the last token left to compute
+        assert m.cached_prefix(packed[:8 * n]) == m.cached_prefix(prompt[:n]), n
+    assert len(m.cached_prefix(packed)[0]) == 5
+
+
+def test_the_engine_keeps_each_prompt_packed_as_its_check_packed_it():
+    llm = LLM("tiny", device="cpu", enable_prefix_caching=True)
+    seqs = llm.engine.add_requests([[5, 6, 7], [9] * 40], [SamplingParams(max_tokens=1)] * 2)
+    seqs.append(llm.engine.add_request([3, 2, 1], SamplingParams(max_tokens=1)))
+    for seq, prompt in zip(seqs, ([5, 6, 7], [9] * 40, [3, 2, 1])):
+        assert seq.prompt_token_ids == prompt and type(seq.prompt_token_ids) is list
+        assert seq.prompt_bytes == array.array("q", prompt).tobytes()
 
 
 def fill(manager: BlockManager, row: int, tokens: list[int]) -> None:

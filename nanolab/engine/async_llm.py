@@ -153,7 +153,7 @@ class EngineCore:
         timed as the core takes them."""
         if self._log is not None:
             self._log.write(json.dumps({"t": time.monotonic(), "event": "add", "requests": len(requests)}) + "\n")
-        seqs = self.engine.add_checked_requests([r[1].tolist() for r in requests], [r[2] for r in requests])
+        seqs = self.engine.add_checked_requests([r[1] for r in requests], [r[2] for r in requests])
         for (rid, _, _), seq in zip(requests, seqs):
             self._seqs[rid] = seq
             self._rids[seq.request_id] = rid

@@ -42,10 +42,19 @@ def block_key(parent: bytes | None, tokens) -> bytes:
     return next(chain_keys(parent, tokens, 0, 1, len(tokens)))
 
 
+def packed_span(token_ids, first: int, stop: int, block_size: int) -> bytes:
+    """Blocks first .. stop - 1 of `token_ids` as int64 bytes, native order: sliced from `token_ids`
+    when it is already packed (`bytes`, as `Sequence.prompt_bytes`), else packed once here."""
+    if isinstance(token_ids, bytes):
+        return token_ids[8 * first * block_size: 8 * stop * block_size]
+    return array.array("q", token_ids[first * block_size: stop * block_size]).tobytes()
+
+
 def chain_keys(parent: bytes | None, token_ids, first: int, stop: int, block_size: int) -> Iterator[bytes]:
-    """`block_key` of blocks first .. stop - 1 of `token_ids`, in order, each chained to the one
-    before (the first to `parent`): the tokens are packed to bytes once, not block by block."""
-    data = array.array("q", token_ids[first * block_size: stop * block_size]).tobytes()
+    """`block_key` of blocks first .. stop - 1 of `token_ids` (ints, or int64 bytes), in order, each
+    chained to the one before (the first to `parent`): the tokens are packed to bytes once, not block
+    by block."""
+    data = packed_span(token_ids, first, stop, block_size)
     width = 8 * block_size
     for at in range(0, len(data), width):
         parent = hashlib.sha256((parent or b"") + data[at: at + width]).digest()
@@ -72,7 +81,7 @@ class KeyMemo:
     def chain(self, parent: bytes | None, token_ids, first: int, stop: int) -> Iterator[bytes]:
         """`chain_keys(parent, token_ids, first, stop, block_size)`, lazily, through the memo."""
         bs, keys = self.block_size, self._keys
-        data = array.array("q", token_ids[first * bs: stop * bs]).tobytes()
+        data = packed_span(token_ids, first, stop, bs)
         width = 8 * bs
         for at in range(0, len(data), width):
             entry = (parent, data[at: at + width])
@@ -248,12 +257,13 @@ class BlockManager:
 
     def cached_prefix(self, token_ids) -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their keys) of the longest run of full blocks that begins
-        `token_ids`, leaving at least its last token uncached: a request must compute one token to
-        be sampled. Empty without prefix caching."""
+        `token_ids` (ints, or int64 bytes as `Sequence.prompt_bytes`), leaving at least its last token
+        uncached: a request must compute one token to be sampled. Empty without prefix caching."""
         blocks, keys = [], []
         if not self.enable_prefix_caching:
             return blocks, keys
-        for key in self.key_memo.chain(None, token_ids, 0, (len(token_ids) - 1) // self.block_size):
+        num_tokens = len(token_ids) // 8 if isinstance(token_ids, bytes) else len(token_ids)
+        for key in self.key_memo.chain(None, token_ids, 0, (num_tokens - 1) // self.block_size):
             block = self.allocator.lookup(key)
             if block is None:
                 break

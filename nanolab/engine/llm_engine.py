@@ -397,12 +397,11 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request of one sample (`params.n` 1; `add_requests` takes more). Bad input raises
         ValueError (TypeError for a wrong type) and changes nothing."""
-        prompt = list(prompt_token_ids)
-        self.validate_request(prompt, params)
+        packed = self.limits.check(list(prompt_token_ids), params)
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: add_request queues one sample; add_requests "
                              "queues a request's n samples")
-        return self.add_checked_requests([prompt], [params])[0]
+        return self.add_checked_requests([packed], [params])[0]
 
     def add_requests(self, prompts: Seq[list[int]], params: Seq[SamplingParams],
                      name: str = "request") -> list[Sequence]:
@@ -411,24 +410,25 @@ class Engine:
         samples is n sequences, in order (`SamplingParams.samples`). Sequences of one call with the
         same prompt compute it once: with prefix caching, each after the first waits until the
         first has run its prompt, then shares its cached blocks."""
-        prompts = [list(p) for p in prompts]
-        self.limits.check_all(prompts, params, name)
-        samples = [(prompt, s) for prompt, p in zip(prompts, params) for s in p.samples()]
+        packed = self.limits.check_all([list(p) for p in prompts], params, name)
+        samples = [(prompt, s) for prompt, p in zip(packed, params) for s in p.samples()]
         return self.add_checked_requests([prompt for prompt, _ in samples], [s for _, s in samples])
 
-    def add_checked_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+    def add_checked_requests(self, prompts: list[array.array], params: list[SamplingParams]) -> list[Sequence]:
         """Queue requests that `RequestLimits.check` has passed (one sample each: `n` already
-        spread by `SamplingParams.samples`), each prompt a list no caller holds: `add_requests`'
-        copies, or the engine core's (`EngineCore.add`, checked by `AsyncLLM` in the server's
+        spread by `SamplingParams.samples`), each prompt's ids as the check packed them (int64
+        `array.array`s: `add_requests`', or the engine core's, checked by `AsyncLLM` in the server's
         process). Nothing is checked again here: a request that did not pass may break the step."""
         # Validated input: nothing here raises (SamplingParams checked the seed's range), so a batch
         # is queued whole.
         seqs = []
-        first: dict[tuple[int, ...], Sequence] = {}  # prompt -> the first request of this call with it
-        for prompt, p in zip(prompts, params):
+        first: dict[bytes, Sequence] = {}  # prompt -> the first request of this call with it
+        for packed, p in zip(prompts, params):
             generator = None if p.seed is None else torch.Generator(device=self.device).manual_seed(p.seed)
-            key = tuple(prompt) if len(prompts) > 1 else ()  # a prompt alone has no other sample to wait for
-            seq = Sequence(next(self._ids), prompt, p, generator, parent=first.get(key))
+            prompt_bytes = packed.tobytes()
+            key = prompt_bytes if len(prompts) > 1 else b""  # a prompt alone has no other sample to wait for
+            seq = Sequence(next(self._ids), packed.tolist(), p, generator, parent=first.get(key),
+                           prompt_bytes=prompt_bytes)
             first.setdefault(key, seq)
             if p.logprobs is not None:
                 seq.output_logprobs = []

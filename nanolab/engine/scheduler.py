@@ -209,7 +209,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
-        blocks, keys = self.blocks.cached_prefix(seq.token_ids)
+        # A request back from preemption may find its output's blocks too; a new one has only its prompt.
+        blocks, keys = self.blocks.cached_prefix(
+            seq.prompt_bytes if seq.prompt_bytes is not None and not seq.output_token_ids else seq.token_ids)
         self.prefix_cache_queries += seq.num_tokens
         if blocks:
             self.blocks.share_prefix(seq.row, blocks, keys)

@@ -53,6 +53,9 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs] | None = None
     # Speculative decoding: where each of its token ids occurs, for prompt lookup (made on its first lookup).
     token_index: TokenIndex | None = None
+    # The prompt's ids packed as int64 (native order), as the request's check packed them: what the
+    # prefix cache keys a new request's blocks from, without packing its thousands of ids again.
+    prompt_bytes: bytes | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -4,7 +4,8 @@ each completion over its own connection, and times every chunk as it arrives. Da
 client does.
 
 A request's result keeps the raw times (send, each chunk); TTFT, TPOT and ITL are read from them
-as `vllm bench serve` defines them.
+as `vllm bench serve` defines them, from the send of the request's encoded body: encoding the JSON
+comes before it and is kept apart (`encode_s`), since it is the client's work and not the server's.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class RequestResult:
     index: int
     prompt_len: int
     max_tokens: int
-    send_s: float
+    send_s: float  # when the encoded body was handed to the connection
     chunk_s: tuple[float, ...]  # arrival of each chunk that carried a choice: one a token, or one for several
     output_tokens: int | None  # the usage chunk's completion_tokens
     prompt_tokens: int | None  # the usage chunk's prompt_tokens
     finish_reason: str | None
     error: str | None = None
     text: str = ""  # the streamed text, chunk after chunk (Day 64: a chat's reply goes back in its next turn)
+    encode_s: float = 0.0  # the client's JSON encoding of the body, just before `send_s`
 
     @property
     def ok(self) -> bool:
@@ -78,6 +80,9 @@ class RequestResult:
         return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:])]
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 async def send_request(session, url: str, model: str, req: PlannedRequest, start: float) -> RequestResult:
     """Wait until `start + req.arrival_s` (perf_counter), then stream one completion from `url`
     (the server's root) and time its chunks. Failures come back in `error`, never raised."""
@@ -91,9 +96,11 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     usage: dict = {}
     finish = error = None
     done = False
+    encode = time.perf_counter()
+    body = json.dumps(payload).encode()
     send = time.perf_counter()
     try:
-        async with session.post(f"{url}/v1/completions", json=payload) as resp:
+        async with session.post(f"{url}/v1/completions", data=body, headers=JSON_HEADERS) as resp:
             if resp.status != 200:
                 error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             else:
@@ -122,7 +129,8 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
         error = f"{type(e).__name__}: {e}"
     return RequestResult(req.index, len(req.prompt_token_ids), req.max_tokens, send, tuple(chunks),
-                         usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error, "".join(texts))
+                         usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error, "".join(texts),
+                         send - encode)
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,8 @@ def run_plan(url: str, model: str, plan: Sequence[PlannedRequest], timeout_s: fl
 class KeepAliveClient:
     """Requests sent one after another over one kept-alive connection, as an SDK client sends
     them: the first opens it and every later one reuses it, so a later request's TTFT holds no TCP
-    handshake. Each is timed as `send_request` times it, from just before its POST (its JSON
-    encoding included). The session lives on an event loop of its own thread, so a notebook, whose
+    handshake. Each is timed as `send_request` times it, from the POST of its encoded body (the
+    encoding kept apart, in `encode_s`). The session lives on an event loop of its own thread, so a notebook, whose
     own loop is already running, can call `send`; use it as a context manager, or `close` it."""
 
     def __init__(self, url: str, model: str, timeout_s: float = 600.0) -> None:

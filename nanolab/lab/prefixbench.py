@@ -228,9 +228,9 @@ def prefix_counters(url: str) -> PrefixCounters | None:
 
 def send_one(client: KeepAliveClient, prompt: Sequence[int], max_tokens: int, counted: bool) -> tuple[dict, str]:
     """One streamed completion alone on the server, over `client`'s kept-alive connection (TTFT from
-    just before the POST, as `send_request` times it): its row (prompt, TTFT and tokens, what it
-    moved the prefix counters by, NaN unless `counted`, and its `window` in monotonic seconds, the
-    step log's clock, for `add_server_steps`) and its text."""
+    the POST of its encoded body, as `send_request` times it; the encoding in `encode_ms`): its row
+    (prompt, TTFT and tokens, what it moved the prefix counters by, NaN unless `counted`, and its
+    `window` in monotonic seconds, the step log's clock, for `add_server_steps`) and its text."""
     before = prefix_counters(client.url) if counted else None
     run = client.send(PlannedRequest(0, 0.0, tuple(prompt), max_tokens))
     after = prefix_counters(client.url) if counted else None
@@ -238,7 +238,8 @@ def send_one(client: KeepAliveClient, prompt: Sequence[int], max_tokens: int, co
     result = run.results[0]
     to_monotonic = run.window[0] - run.start_s  # perf_counter -> the step log's clock
     return {"prompt_len": result.prompt_len, "ttft_ms": 1000 * result.ttft if result.ok else NAN,
-            "output_tokens": result.output_tokens, "ok": result.tokens_match, "error": result.error or "",
+            "encode_ms": 1000 * result.encode_s, "output_tokens": result.output_tokens, "ok": result.tokens_match,
+            "error": result.error or "",
             "queried_tokens": moved.queries if moved else NAN, "cached_tokens": moved.hits if moved else NAN,
             "window": run.window, "sent_t": result.send_s + to_monotonic,
             "first_t": result.chunk_s[0] + to_monotonic if result.chunk_s else NAN}, result.text
@@ -256,8 +257,8 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
     is also split (`TTFT_SPLIT`, NaN otherwise), between its send and first chunk (`sent_t`,
     `first_t`, popped too):
 
-    - front: from the client's send to the core taking the request (the client's JSON encoding,
-      HTTP over the kept-alive connection, the server's checks, the pipe to the core's process);
+    - front: from the client's send of the encoded body to the core taking the request (HTTP over
+      the kept-alive connection, the server's parse and checks, the pipe to the core's process);
     - core wait: from there to the core calling its first prompt step;
     - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
       emitting the token);
@@ -494,10 +495,11 @@ def ttft_summary(shared: pd.DataFrame, turns: pd.DataFrame) -> pd.DataFrame:
                          "ttft_p90_ms": ok.ttft_ms.quantile(0.9), "ttft_min_ms": ok.ttft_ms.min(),
                          "ttft_max_ms": ok.ttft_ms.max(), "cached_tokens": ok.cached_tokens.median(),
                          "server_prefill_tokens": ok.server_prefill_tokens.median(),
-                         **{c: ok[c].median() if c in ok else NAN for c in TTFT_SPLIT}})
+                         **{c: ok[c].median() if c in ok else NAN for c in TTFT_SPLIT},
+                         "encode_ms": ok.encode_ms.median() if "encode_ms" in ok else NAN})
     return pd.DataFrame(rows, columns=["part", "phase", "arm", "requests", "completed", "prompt_len", "ttft_p50_ms",
                                        "ttft_p90_ms", "ttft_min_ms", "ttft_max_ms", "cached_tokens",
-                                       "server_prefill_tokens", *TTFT_SPLIT])
+                                       "server_prefill_tokens", *TTFT_SPLIT, "encode_ms"])
 
 
 def prefix_ratios(summary: pd.DataFrame, nohit: pd.DataFrame, hitrate: pd.DataFrame) -> pd.DataFrame:

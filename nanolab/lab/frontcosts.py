@@ -1,0 +1,151 @@
+"""The host's work on a request before and after its one prompt step, stage by stage, at several
+prompt lengths (Day 64b): what a warm prefix hit pays outside the GPU. Every stage runs in this
+process, timed alone over prompts of random ids, so no pipe, socket or step is in the numbers: they
+are the CPU work a stage does for each id, not the wake-ups between processes.
+
+The stages, in the order a request meets them (`STAGES`); where the engine changed a stage, the
+design it replaced is its own arm beside it (`arm` "before"), run from here:
+
+- "encode": the client's `json.dumps` of the completion's body (the bench's client, an SDK's);
+- "parse": the server reading the body, with the standard `json` module (before) and `orjson` (now);
+- "fields": `protocol.parse_request` over the parsed body;
+- "check": `RequestLimits.check`, each id's type and range, packed to int64;
+- "post": pickling the request for the core's pipe; the core unpickling it, and listing its ids and
+  keeping their bytes for its `Sequence`;
+- "lookup": `BlockManager.cached_prefix` over a prompt whose every full block is cached, from the
+  ids packed again (before) and from the packed prompt the check made (now);
+- "share": `share_prefix` of those blocks to a row, and the row's release.
+
+    python -m nanolab frontcosts
+    python -m nanolab frontcosts --lengths 2048,4096 --prefix day64b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
+
+import orjson
+import pandas as pd
+import torch
+
+from nanolab.engine.block_manager import BlockManager
+from nanolab.engine.llm_engine import RequestLimits
+from nanolab.entrypoints.openai import protocol
+from nanolab.lab.cliargs import int_list, positive_int
+from nanolab.lab.report import run_label, save_table
+from nanolab.sampling import SamplingParams
+
+STAGES = ("encode", "parse", "fields", "check", "post", "lookup", "share")
+BLOCK_SIZE = 16
+VOCAB = 128_256  # Llama 3's, as prefixbench's prompts on the GPU
+
+
+def _time_us(fn: Callable[[], object], repeats: int, inner: int) -> float:
+    """The median over `repeats` of the mean µs of `inner` back-to-back calls, after one untimed call."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        runs.append((time.perf_counter() - start) / inner * 1e6)
+    return statistics.median(runs)
+
+
+def _unpack(message: tuple) -> tuple[list[int], bytes]:
+    ((_, packed, _),) = message[1]
+    return packed.tolist(), packed.tobytes()
+
+
+def stage_calls(prompt_len: int, seed: int = 0) -> list[tuple[str, str, Callable[[], object]]]:
+    """(stage, arm, call) for a prompt of `prompt_len` random ids: arm "before" for the design a
+    stage replaced, "now" for the engine's, "both" where nothing changed."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(VOCAB) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    body = {"model": "m", "prompt": ids, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    raw = json.dumps(body).encode()
+    parsed = orjson.loads(raw)
+    limits = RequestLimits(VOCAB, 1 << 20, 1 << 16, BLOCK_SIZE)
+    packed = limits.check(ids, params)
+    blocks = BlockManager(prompt_len // BLOCK_SIZE + 8, BLOCK_SIZE, 2, enable_prefix_caching=True)
+    row = blocks.open_row()
+    blocks.grow([row], [prompt_len])
+    blocks.commit_full_blocks(row, ids)
+    blocks.free_row(row)  # every full block cached, held by none: a warm hit finds them all
+    prompt_bytes = packed.tobytes()
+    found = blocks.cached_prefix(prompt_bytes)
+    assert len(found[0]) == (prompt_len - 1) // BLOCK_SIZE, "the warm prompt's blocks are not all cached"
+    assert found == blocks.cached_prefix(ids), "packed and listed ids found different prefixes"
+
+    def share() -> None:
+        r = blocks.open_row()
+        blocks.share_prefix(r, *found)
+        blocks.free_row(r)
+        blocks._new.clear()  # the staged entries a step would have copied to the device
+
+    return [
+        ("encode", "both", lambda: json.dumps(body).encode()),
+        ("parse", "before", lambda: json.loads(raw)),
+        ("parse", "now", lambda: orjson.loads(raw)),
+        ("fields", "both", lambda: protocol.parse_request(parsed, chat=False, model="m")),
+        ("check", "both", lambda: limits.check(ids, params)),
+        ("post", "both", lambda: _unpack(pickle.loads(ForkingPickler.dumps(("add", [(0, packed, params)]))))),
+        ("lookup", "before", lambda: blocks.cached_prefix(ids)),
+        ("lookup", "now", lambda: blocks.cached_prefix(prompt_bytes)),
+        ("share", "both", share),
+    ]
+
+
+def front_costs(lengths: Sequence[int] = (512, 2048, 4096), repeats: int = 7, inner: int = 20,
+                seed: int = 0) -> pd.DataFrame:
+    """A row per (prompt length, stage, arm): the µs one request's stage takes (`_time_us`)."""
+    rows = []
+    for n in lengths:
+        if n < 2 * BLOCK_SIZE:
+            raise ValueError(f"lengths: {n} is shorter than two blocks of {BLOCK_SIZE}")
+        for stage, arm, fn in stage_calls(n, seed):
+            rows.append({"prompt_len": n, "stage": stage, "arm": arm, "us": _time_us(fn, repeats, inner)})
+    return pd.DataFrame(rows)
+
+
+def front_totals(costs: pd.DataFrame) -> pd.DataFrame:
+    """Per prompt length, the stages summed for the engine before and now ("both" counts in each)."""
+    out = {}
+    for arm in ("before", "now"):
+        part = costs[costs.arm.isin([arm, "both"])]
+        out[arm] = part.groupby("prompt_len").us.sum()
+    table = pd.DataFrame(out)
+    table["saved_us"] = table.before - table.now
+    return table.reset_index()
+
+
+# The command line: `python -m nanolab frontcosts`.
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default="512,2048,4096", help="prompt lengths in ids (default: 512,2048,4096)")
+    parser.add_argument("--repeats", default="7", help="timed loops a stage, their median kept (default: 7)")
+    parser.add_argument("--prefix", default="day64b", help="the table goes to data/<prefix>_front_<device>.csv")
+
+
+def main(args: argparse.Namespace) -> int:
+    lengths = int_list(args.lengths, "--lengths", minimum=2 * BLOCK_SIZE)
+    costs = front_costs(lengths, repeats=positive_int(args.repeats, "--repeats"))
+    # The stages are the host's: the label names the machine (its GPU, where it has one) they ran on.
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    label = run_label(dev, "none (a request's host work; ids of Llama 3's vocabulary)", torch.int64,
+                      weights="synthesized random")
+    path = save_table(costs, f"{args.prefix}_front", label)
+    print(costs.pivot_table(index=["stage", "arm"], columns="prompt_len", values="us", sort=False).round(1))
+    print(front_totals(costs).round(1).to_string(index=False))
+    print(f"{path.name}: {label}")
+    return 0
