@@ -23,10 +23,10 @@ design it replaced is its own arm beside it (`arm` "before"), run from here:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pickle
 import random
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -39,7 +39,7 @@ from nanolab.engine.block_manager import BlockManager
 from nanolab.engine.llm_engine import RequestLimits
 from nanolab.entrypoints.openai import protocol
 from nanolab.lab.cliargs import int_list, positive_int
-from nanolab.lab.report import run_label, save_table
+from nanolab.lab.report import RunLabel, run_label, save_table
 from nanolab.sampling import SamplingParams
 
 STAGES = ("encode", "parse", "fields", "check", "post", "lookup", "share")
@@ -48,15 +48,23 @@ VOCAB = 128_256  # Llama 3's, as prefixbench's prompts on the GPU
 
 
 def _time_us(fn: Callable[[], object], repeats: int, inner: int) -> float:
-    """The median over `repeats` of the mean µs of `inner` back-to-back calls, after one untimed call."""
+    """The fastest of `repeats` loops, each the mean µs of `inner` back-to-back calls, after one
+    untimed call, with the garbage collector off while they run (as `timeit` times): what the stage
+    costs when nothing else interrupts it."""
     fn()
     runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        runs.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(runs)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            runs.append((time.perf_counter() - start) / inner * 1e6)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return min(runs)
 
 
 def _unpack(message: tuple) -> tuple[list[int], bytes]:
@@ -131,19 +139,24 @@ def front_totals(costs: pd.DataFrame) -> pd.DataFrame:
 # The command line: `python -m nanolab frontcosts`.
 
 
+def front_label() -> RunLabel:
+    """The run label of a `front_costs` table. The stages are the host's, and the label names the
+    machine they ran on: its GPU, where it has one."""
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return run_label(dev, "none (a request's host work; ids of Llama 3's vocabulary)", torch.int64,
+                     weights="synthesized random")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="512,2048,4096", help="prompt lengths in ids (default: 512,2048,4096)")
-    parser.add_argument("--repeats", default="7", help="timed loops a stage, their median kept (default: 7)")
+    parser.add_argument("--repeats", default="7", help="timed loops a stage, the fastest kept (default: 7)")
     parser.add_argument("--prefix", default="day64b", help="the table goes to data/<prefix>_front_<device>.csv")
 
 
 def main(args: argparse.Namespace) -> int:
     lengths = int_list(args.lengths, "--lengths", minimum=2 * BLOCK_SIZE)
     costs = front_costs(lengths, repeats=positive_int(args.repeats, "--repeats"))
-    # The stages are the host's: the label names the machine (its GPU, where it has one) they ran on.
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    label = run_label(dev, "none (a request's host work; ids of Llama 3's vocabulary)", torch.int64,
-                      weights="synthesized random")
+    label = front_label()
     path = save_table(costs, f"{args.prefix}_front", label)
     print(costs.pivot_table(index=["stage", "arm"], columns="prompt_len", values="us", sort=False).round(1))
     print(front_totals(costs).round(1).to_string(index=False))

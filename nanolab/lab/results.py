@@ -29,6 +29,7 @@ CHAPTERS = {
     "62_two_gpus": "Day 62: two GPUs",
     "63_serving_tail": "Day 63: the serving tail",
     "64_prefix_caching": "Day 64: prefix caching",
+    "64b_the_host_path": "Day 64: what a warm hit pays the host",
     "65_below_the_floor": "Day 65: fp8 weights",
     "65b_speculative_decoding": "Day 65: speculative decoding",
     "65c_chained_again": "Day 65: chained speculation, measured again",

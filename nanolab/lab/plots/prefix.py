@@ -115,3 +115,38 @@ def plot_shared_blocks(tables: pd.DataFrame, pool: pd.DataFrame) -> Figure:
     states.set_title("the pool at each moment", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_front_costs(costs: pd.DataFrame) -> Figure:
+    """`<prefix>_front` (prompt_len, stage, arm, us): at each prompt length, the request's host work
+    before and now as two bars, each stacked from the stages in order ("both" stages in each bar),
+    with the total at the bar's end."""
+    from nanolab.lab.frontcosts import STAGES
+
+    lengths = sorted(costs.prompt_len.unique())
+    fig = Figure(figsize=(9, 1.0 + 1.1 * len(lengths)))
+    ax = fig.subplots()
+    colours = {stage: f"C{i}" for i, stage in enumerate(STAGES)}
+    ticks, names = [], []
+    for i, n in enumerate(lengths):
+        for j, arm in enumerate(("before", "now")):
+            y = i * 3 + j
+            rows = costs[(costs.prompt_len == n) & costs.arm.isin([arm, "both"])].set_index("stage").us
+            left = 0.0
+            for stage in STAGES:
+                if stage in rows:
+                    ax.barh(y, rows[stage], left=left, color=colours[stage], height=0.8,
+                            label=stage if (i, j) == (0, 0) else None)
+                    left += rows[stage]
+            ax.annotate(f"{left:,.0f} us", (left, y), xytext=(4, 0), textcoords="offset points", va="center",
+                        fontsize=8)
+            ticks.append(y)
+            names.append(f"{n:,} ids, {arm}")
+    ax.set_yticks(ticks, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("host work of one request (us), each stage alone on this machine")
+    ax.set_xlim(0, 1.15 * ax.get_xlim()[1])
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, ncol=len(STAGES), loc="upper center", bbox_to_anchor=(0.5, 1.16), frameon=False)
+    fig.tight_layout()
+    return fig
