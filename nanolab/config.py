@@ -115,7 +115,11 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's `speculative_config`; given to `EngineConfig` as this or a
     dict of its fields). Method "ngram": each decoding row gets up to `num_speculative_tokens`
     drafts by prompt lookup (`spec_decode.propose_ngram`, suffixes of `prompt_lookup_max` down to
-    `prompt_lookup_min` tokens), verified in one forward with the row's pending token.
+    `prompt_lookup_min` tokens), verified in one forward with the row's pending token. Until one of
+    a request's drafts has been kept, its lookups take only matches of at least
+    `prompt_lookup_min_until_kept` tokens (None: two, or `prompt_lookup_min` if that is more, and at
+    most `prompt_lookup_max`): text that never repeats still matches its last token somewhere now
+    and then, and each such draft costs a verify step that keeps nothing.
 
     Under asynchronous scheduling (`async_scheduling`), while every running request is greedy and
     none asks for logprobs, verify steps overlap as plain decode steps do: each step is launched
@@ -144,6 +148,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    prompt_lookup_min_until_kept: int | None = None
     max_num_seqs: int = 8
     max_draft_backoff: int = 32
 
@@ -153,8 +158,20 @@ class SpeculativeConfig:
         check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
         check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
         check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, minimum=self.prompt_lookup_min)
+        check_int("speculative_config.prompt_lookup_min_until_kept", self.prompt_lookup_min_until_kept,
+                  minimum=self.prompt_lookup_min, optional=True)
+        if self.prompt_lookup_min_until_kept is not None and self.prompt_lookup_min_until_kept > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min_until_kept={self.prompt_lookup_min_until_kept}: "
+                             f"must be at most prompt_lookup_max ({self.prompt_lookup_max})")
         check_int("speculative_config.max_num_seqs", self.max_num_seqs)
         check_int("speculative_config.max_draft_backoff", self.max_draft_backoff, minimum=0)
+
+    @property
+    def min_until_kept(self) -> int:
+        """The shortest match a request's lookups take until one of its drafts has been kept."""
+        if self.prompt_lookup_min_until_kept is not None:
+            return self.prompt_lookup_min_until_kept
+        return min(max(2, self.prompt_lookup_min), self.prompt_lookup_max)
 
 
 @dataclass(frozen=True)

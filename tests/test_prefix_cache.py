@@ -273,6 +273,25 @@ def test_cached_prefixes_give_the_reference_logits(sharp_gqa24):
     assert engine.block_manager.allocator.num_free == engine.num_blocks
 
 
+def test_a_preempted_request_finds_its_outputs_blocks_again(sharp_gqa24):
+    """A request preempted after its output filled blocks comes back to them: its lookup covers its
+    output, not only the prompt its check packed (`Sequence.prompt_bytes`), and its logits stay the
+    reference's."""
+    sharp = sharp_gqa24
+    engine = engine_with_cache(sharp)
+    prompt = torch.randint(3, 320, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits, keep = logit_recorder()
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    while len(seq.output_token_ids) < 8:  # 17 tokens: four full blocks of 4, two of them output
+        keep(engine.step())
+    engine.scheduler.running.remove(seq)
+    engine.scheduler.preempt(seq)
+    keep(engine.step())  # re-admitted: all its tokens but the last found cached
+    assert seq.num_computed_tokens == 17 and engine.scheduler.prefix_cache_hits == 16
+    run_until_done(engine, on_step=keep)
+    assert_logits_match_reference(sharp, [seq], logits)
+
+
 def test_evicted_prefixes_are_recomputed_under_a_tiny_pool(sharp_gqa24):
     """A pool of 12 blocks and more distinct prompts than it caches: old prefixes are evicted, a
     prompt that comes back finds what is left of its prefix, and every logit is the reference's."""

@@ -122,7 +122,8 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
         # and a lone surrogate (JSON's grammar carries "\ud800"; no tokenizer takes it).
         for raw in (b"{bad", b"[1, 2]", b"\xff\xfe", b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
                     b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b'{"prompt": [1, NaN]}',
-                    b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": "\\ud800"}]}'):
+                    b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}'):
             r = await client.post("/v1/completions", data=raw)
             results.append((raw[:40], 400, None, r.status, await r.json()))
             if raw != b"[1, 2]":  # valid JSON, but not an object

@@ -465,6 +465,30 @@ def test_a_request_whose_lookup_finds_no_match_pauses_it_and_the_steps_overlap(s
     assert seq.num_draft_tokens == 0
 
 
+def test_until_a_draft_is_kept_a_request_takes_only_longer_matches(sharp_gqa24):
+    """A request none of whose drafts has been kept yet looks up matches of at least
+    `min_until_kept` tokens (two by default), so its last token alone, repeated from earlier, gives
+    no draft; once one is kept, matches as short as `prompt_lookup_min` count."""
+    from nanolab import SamplingParams
+    from nanolab.config import SpeculativeConfig
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = spec_engine(sharp_gqa24, 4)
+    one, two = engine.add_requests([[7, 8, 9, 10, 7], [7, 8, 9, 10, 7, 8]], [params] * 2)
+    assert engine._lookup(one, 4) == [] and engine._lookup(two, 4) == [9, 10, 7, 8]
+    one.num_accepted_tokens = 1  # a verify step kept one of its drafts
+    assert engine._lookup(one, 4) == [8, 9, 10, 7]
+    loose = spec_engine(sharp_gqa24, 4, speculative_config={"num_speculative_tokens": 4,
+                                                              "prompt_lookup_min_until_kept": 1})
+    assert loose._lookup(loose.add_request([7, 8, 9, 10, 7], params), 4) == [8, 9, 10, 7]
+    assert SpeculativeConfig(prompt_lookup_min=3).min_until_kept == 3
+    assert SpeculativeConfig(prompt_lookup_max=1).min_until_kept == 1
+    for bad, message in (({"prompt_lookup_min": 2, "prompt_lookup_min_until_kept": 1}, "an int >= 2"),
+                         ({"prompt_lookup_min_until_kept": 5}, "at most prompt_lookup_max")):
+        with pytest.raises(ValueError, match=f"prompt_lookup_min_until_kept=.*{message}"):
+            SpeculativeConfig(**bad)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sharp_gqa24, async_scheduling):
     """EOS inside a kept run of drafts ends the request there (what follows is dropped), max_tokens
@@ -482,7 +506,10 @@ def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sha
     want = plain.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
     run_until_done(plain)
     for blocks in (96, 24):
-        engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4, async_scheduling=async_scheduling)
+        # Matches of one token count from the start: the sampled row's output repeats only single
+        # tokens early on, and its drafts are what this test verifies by rejection sampling.
+        engine = spec_engine(sharp_gqa24, 3, num_blocks=blocks, max_num_seqs=4, async_scheduling=async_scheduling,
+                             speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min_until_kept": 1})
         seqs = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
         sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=11))
         top1 = engine.add_request(prompts[1], SamplingParams(temperature=0.8, top_k=1, max_tokens=15))

@@ -113,9 +113,11 @@ def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
     outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
     run_until_done(plain)
     kept_any = False
-    for k, min_n in ((2, 1), (4, 2)):
+    for k, min_n, until in ((2, 1, None), (2, 1, 1), (4, 2, None)):  # None: the default, two until a draft is kept
         engine = spec_engine(sharp_gqa24, k, speculative_config={
-            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "max_draft_backoff": 0})
+            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_min_until_kept": until,
+            "max_draft_backoff": 0})
+        until = engine.config.speculative_config.min_until_kept
         for prompt, out in zip(prompts, outs, strict=True):
             verified, steps = engine.spec_steps, 0
             seq = engine.add_request(prompt, params)
@@ -123,11 +125,11 @@ def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
                 engine.step()
                 steps += 1
             assert seq.output_token_ids == out
-            want = replay_lookup(prompt, out, k, min_n, 4, max_tokens=20)
+            want = replay_lookup(prompt, out, k, min_n, 4, max_tokens=20, min_until_kept=until)
             verify = engine.spec_steps - verified
             got = {"verify_steps": verify, "plain_steps": steps - 1 - verify,  # the first step: the prompt's
                    "accepted_tokens": seq.num_accepted_tokens}
-            assert got == want, (k, min_n, prompt)
+            assert got == want, (k, min_n, until, prompt)
             kept_any |= want["accepted_tokens"] > 0
     assert kept_any
 
@@ -148,9 +150,11 @@ def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
     outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
     run_until_done(plain)
     kept_any = lost_any = False
-    for k, min_n in ((2, 1), (4, 2)):
+    for k, min_n, until in ((2, 1, None), (2, 1, 1), (4, 2, None)):
         engine = spec_engine(sharp_gqa24, k, async_scheduling=True, speculative_config={
-            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "max_draft_backoff": 0})
+            "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_min_until_kept": until,
+            "max_draft_backoff": 0})
+        until = engine.config.speculative_config.min_until_kept
         for prompt, out in zip(prompts, outs, strict=True):
             before = (engine.spec_steps, engine.spec_draft_tokens)
             seq, calls = engine.add_request(prompt, params), 0
@@ -158,11 +162,11 @@ def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
                 engine.step()
                 calls += 1
             assert seq.output_token_ids == out
-            want = replay_chained(prompt, out, k, min_n, 4, max_tokens=20)
+            want = replay_chained(prompt, out, k, min_n, 4, max_tokens=20, min_until_kept=until)
             verify = engine.spec_steps - before[0]
             got = {"verify_steps": verify, "plain_steps": calls - 2 - verify,
                    "accepted_tokens": seq.num_accepted_tokens}
-            assert got == want, (k, min_n, prompt)
+            assert got == want, (k, min_n, until, prompt)
             kept_any |= want["accepted_tokens"] > 0
             lost_any |= engine.spec_draft_tokens - before[1] > want["accepted_tokens"]
     assert kept_any and lost_any

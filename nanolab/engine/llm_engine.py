@@ -584,15 +584,18 @@ class Engine:
 
     def _lookup(self, seq: Sequence, k: int, tail: list[int] | None = None) -> list[int]:
         """Prompt lookup's drafts (up to `k`) for `seq`'s tokens, then `tail` (tokens a step in
-        flight is assumed to add), through its `TokenIndex`, brought up to date first."""
+        flight is assumed to add), through its `TokenIndex`, brought up to date first; matches as
+        short as `prompt_lookup_min` once one of its drafts has been kept, and as short as
+        `SpeculativeConfig.min_until_kept` before."""
         spec = self.config.speculative_config
+        min_n = spec.prompt_lookup_min if seq.num_accepted_tokens else spec.min_until_kept
         if seq.token_index is None:
             seq.token_index = TokenIndex()
         index = seq.token_index.update(seq.prompt_token_ids, seq.output_token_ids)
         tokens, covered = index.tokens, index.length  # the request's tokens, not a copy
         tokens.extend(tail or ())  # for this lookup only
         try:
-            return propose_ngram(tokens, k, spec.prompt_lookup_max, spec.prompt_lookup_min, index, covered)
+            return propose_ngram(tokens, k, spec.prompt_lookup_max, min_n, index, covered)
         finally:
             del tokens[covered:]
 

@@ -6,12 +6,13 @@ are the CPU work a stage does for each id, not the wake-ups between processes.
 The stages, in the order a request meets them (`STAGES`); where the engine changed a stage, the
 design it replaced is its own arm beside it (`arm` "before"), run from here:
 
-- "encode": the client's `json.dumps` of the completion's body (the bench's client, an SDK's);
+- "encode": the client's `json.dumps` of the completion's body (the bench's client, an SDK's), which
+  TTFT counts as `vllm bench serve` does;
 - "parse": the server reading the body, with the standard `json` module (before) and `orjson` (now);
 - "fields": `protocol.parse_request` over the parsed body;
 - "check": `RequestLimits.check`, each id's type and range, packed to int64;
-- "post": pickling the request for the core's pipe; the core unpickling it, and listing its ids and
-  keeping their bytes for its `Sequence`;
+- "post": pickling the request for the core's pipe; the core unpickling it and listing its ids, and
+  now keeping their bytes for its `Sequence` too;
 - "lookup": `BlockManager.cached_prefix` over a prompt whose every full block is cached, from the
   ids packed again (before) and from the packed prompt the check made (now);
 - "share": `share_prefix` of those blocks to a row, and the row's release.
@@ -67,9 +68,10 @@ def _time_us(fn: Callable[[], object], repeats: int, inner: int) -> float:
     return min(runs)
 
 
-def _unpack(message: tuple) -> tuple[list[int], bytes]:
+def _unpack(message: tuple, keep_bytes: bool = True) -> tuple[list[int], bytes | None]:
+    """What the core makes of a posted request's ids: their list and, now, their bytes."""
     ((_, packed, _),) = message[1]
-    return packed.tolist(), packed.tobytes()
+    return packed.tolist(), packed.tobytes() if keep_bytes else None
 
 
 def stage_calls(prompt_len: int, seed: int = 0) -> list[tuple[str, str, Callable[[], object]]]:
@@ -106,7 +108,9 @@ def stage_calls(prompt_len: int, seed: int = 0) -> list[tuple[str, str, Callable
         ("parse", "now", lambda: orjson.loads(raw)),
         ("fields", "both", lambda: protocol.parse_request(parsed, chat=False, model="m")),
         ("check", "both", lambda: limits.check(ids, params)),
-        ("post", "both", lambda: _unpack(pickle.loads(ForkingPickler.dumps(("add", [(0, packed, params)]))))),
+        ("post", "before", lambda: _unpack(pickle.loads(ForkingPickler.dumps(("add", [(0, packed, params)]))),
+                                           keep_bytes=False)),
+        ("post", "now", lambda: _unpack(pickle.loads(ForkingPickler.dumps(("add", [(0, packed, params)]))))),
         ("lookup", "before", lambda: blocks.cached_prefix(ids)),
         ("lookup", "now", lambda: blocks.cached_prefix(prompt_bytes)),
         ("share", "both", share),

@@ -4,8 +4,8 @@ each completion over its own connection, and times every chunk as it arrives. Da
 client does.
 
 A request's result keeps the raw times (send, each chunk); TTFT, TPOT and ITL are read from them
-as `vllm bench serve` defines them, from the send of the request's encoded body: encoding the JSON
-comes before it and is kept apart (`encode_s`), since it is the client's work and not the server's.
+as `vllm bench serve` defines them, from just before the POST, the client's JSON encoding of the
+body included; how long that encoding took is kept too (`encode_s`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ class RequestResult:
     index: int
     prompt_len: int
     max_tokens: int
-    send_s: float  # when the encoded body was handed to the connection
+    send_s: float  # just before the POST, its body not yet encoded
     chunk_s: tuple[float, ...]  # arrival of each chunk that carried a choice: one a token, or one for several
     output_tokens: int | None  # the usage chunk's completion_tokens
     prompt_tokens: int | None  # the usage chunk's prompt_tokens
     finish_reason: str | None
     error: str | None = None
     text: str = ""  # the streamed text, chunk after chunk (Day 64: a chat's reply goes back in its next turn)
-    encode_s: float = 0.0  # the client's JSON encoding of the body, just before `send_s`
+    encode_s: float = 0.0  # the client's JSON encoding of the body: the first part of TTFT
 
     @property
     def ok(self) -> bool:
@@ -96,9 +96,9 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
     usage: dict = {}
     finish = error = None
     done = False
-    encode = time.perf_counter()
-    body = json.dumps(payload).encode()
     send = time.perf_counter()
+    body = json.dumps(payload).encode()  # as aiohttp's json= would, timed
+    encoded = time.perf_counter()
     try:
         async with session.post(f"{url}/v1/completions", data=body, headers=JSON_HEADERS) as resp:
             if resp.status != 200:
@@ -130,7 +130,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
         error = f"{type(e).__name__}: {e}"
     return RequestResult(req.index, len(req.prompt_token_ids), req.max_tokens, send, tuple(chunks),
                          usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error, "".join(texts),
-                         send - encode)
+                         encoded - send)
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ def run_plan(url: str, model: str, plan: Sequence[PlannedRequest], timeout_s: fl
 class KeepAliveClient:
     """Requests sent one after another over one kept-alive connection, as an SDK client sends
     them: the first opens it and every later one reuses it, so a later request's TTFT holds no TCP
-    handshake. Each is timed as `send_request` times it, from the POST of its encoded body (the
-    encoding kept apart, in `encode_s`). The session lives on an event loop of its own thread, so a notebook, whose
-    own loop is already running, can call `send`; use it as a context manager, or `close` it."""
+    handshake. Each is timed as `send_request` times it, from just before its POST (its JSON
+    encoding included, and kept in `encode_s`). The session lives on an event loop of its own
+    thread, so a notebook, whose own loop is already running, can call `send`; use it as a context
+    manager, or `close` it."""
 
     def __init__(self, url: str, model: str, timeout_s: float = 600.0) -> None:
         self.url, self.model = url, model

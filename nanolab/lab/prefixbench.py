@@ -228,9 +228,10 @@ def prefix_counters(url: str) -> PrefixCounters | None:
 
 def send_one(client: KeepAliveClient, prompt: Sequence[int], max_tokens: int, counted: bool) -> tuple[dict, str]:
     """One streamed completion alone on the server, over `client`'s kept-alive connection (TTFT from
-    the POST of its encoded body, as `send_request` times it; the encoding in `encode_ms`): its row
-    (prompt, TTFT and tokens, what it moved the prefix counters by, NaN unless `counted`, and its
-    `window` in monotonic seconds, the step log's clock, for `add_server_steps`) and its text."""
+    just before the POST, as `send_request` times it, the JSON encoding included and also kept in
+    `encode_ms`): its row (prompt, TTFT and tokens, what it moved the prefix counters by, NaN unless
+    `counted`, and its `window` in monotonic seconds, the step log's clock, for `add_server_steps`)
+    and its text."""
     before = prefix_counters(client.url) if counted else None
     run = client.send(PlannedRequest(0, 0.0, tuple(prompt), max_tokens))
     after = prefix_counters(client.url) if counted else None
@@ -257,8 +258,9 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
     is also split (`TTFT_SPLIT`, NaN otherwise), between its send and first chunk (`sent_t`,
     `first_t`, popped too):
 
-    - front: from the client's send of the encoded body to the core taking the request (HTTP over
-      the kept-alive connection, the server's parse and checks, the pipe to the core's process);
+    - front: from the client's send to the core taking the request (the client's JSON encoding, in
+      `encode_ms` too, HTTP over the kept-alive connection, the server's checks, the pipe to the
+      core's process);
     - core wait: from there to the core calling its first prompt step;
     - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
       emitting the token);

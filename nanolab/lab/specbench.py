@@ -274,20 +274,22 @@ def run_batches(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, batc
 
 
 def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4,
-                  max_tokens: int | None = None) -> dict[str, int]:
+                  max_tokens: int | None = None, min_until_kept: int | None = None) -> dict[str, int]:
     """The steps greedy speculation takes to emit `output_ids` after `prompt_ids` (a request of
     `max_tokens`, default the output's length), with drafts of up to `k` by prompt lookup
     (`propose_ngram(.., max_n, min_n)`) at every step and no pauses. At temperature 0 a verify step
     keeps exactly the drafts that match the output and adds the next token, so plain greedy's
     output alone fixes every step: a step with drafts is a verify step, one without a plain decode
     step. The first output token comes from the prompt step and is not counted; an output shorter
-    than `max_tokens` ended at EOS, past which no draft is kept."""
+    than `max_tokens` ended at EOS, past which no draft is kept. `min_until_kept` (default `min_n`):
+    the shortest match until a draft has been kept, as `SpeculativeConfig.min_until_kept`."""
     out = list(output_ids)
     limit = len(out) if max_tokens is None else max_tokens
     i, verify, plain, kept = 1, 0, 0, 0
     while i < len(out):
         room = min(k, limit - i - 1)
-        drafts = propose_ngram(list(prompt_ids) + out[:i], room, max_n, min_n) if room >= 1 else []
+        shortest = min_n if kept or min_until_kept is None else min_until_kept
+        drafts = propose_ngram(list(prompt_ids) + out[:i], room, max_n, shortest) if room >= 1 else []
         j = 0
         while j < len(drafts) and i + j < len(out) and drafts[j] == out[i + j]:
             j += 1
@@ -297,13 +299,15 @@ def replay_lookup(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, 
 
 
 def replay_chained(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4,
-                   max_tokens: int | None = None) -> dict[str, int]:
+                   max_tokens: int | None = None, min_until_kept: int | None = None) -> dict[str, int]:
     """`replay_lookup` for chained speculation (`Engine`'s, under asynchronous scheduling): each
     step is launched before the one in flight is read back, so its drafts are looked up over the
     tokens known a step earlier and the drafts in flight, as if all were kept (unless those rest
     on a premise already seen to fail: then over the known tokens alone), and the lookup's first
     token is a guess at what the step in flight adds, not fed. A step that a request's end makes
-    useless is launched all the same and counted. No pauses. Counts as `replay_lookup`'s."""
+    useless is launched all the same and counted. No pauses. Counts and `min_until_kept` as
+    `replay_lookup`'s: a step's lookup runs before the step in flight is read back, so it knows
+    only the drafts kept before that one."""
     out = list(output_ids)
     prompt = list(prompt_ids)
     limit = len(out) if max_tokens is None else max_tokens
@@ -311,10 +315,13 @@ def replay_chained(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int,
     def room(known: int, ahead: int) -> int:
         return min(k, limit - known - ahead - 1)
 
+    def shortest() -> int:
+        return min_n if kept or min_until_kept is None else min_until_kept
+
     i = 1  # output tokens known; the last is the one the step in flight was fed first
     r = room(i, 0)
-    fed = propose_ngram(prompt + out[:i], r, max_n, min_n) if r >= 1 else []
     stale, verify, plain, kept = False, 0, 0, 0
+    fed = propose_ngram(prompt + out[:i], r, max_n, shortest()) if r >= 1 else []
     while True:
         if i + 1 >= limit:  # the step in flight ends the request: it is read back and nothing follows
             verify, plain = verify + bool(fed), plain + (not fed)
@@ -322,7 +329,7 @@ def replay_chained(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int,
             break
         r = room(i, len(fed) + 1)
         assumed = 0 if stale else len(fed)
-        proposed = propose_ngram(prompt + out[:i] + fed[:assumed], r + 1, max_n, min_n) if r >= 1 else []
+        proposed = propose_ngram(prompt + out[:i] + fed[:assumed], r + 1, max_n, shortest()) if r >= 1 else []
         guess, drafts = (proposed[0], proposed[1:]) if len(proposed) >= 2 else (None, [])
         a = _matched(fed, out, i)  # the step in flight read back
         verify, plain, kept = verify + bool(fed), plain + (not fed), kept + a
@@ -383,10 +390,11 @@ def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks
 
 
 def chained_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], plain_ms: float, verify_ms: float,
-                     settings: Sequence[tuple[int, int]] = ((4, 1), (8, 2), (16, 2), (32, 2)), max_n: int = 4,
+                     settings: Sequence[tuple[int, ...]] = ((4, 1), (8, 2), (16, 2), (32, 2)), max_n: int = 4,
                      max_tokens: int = 64) -> pd.DataFrame:
     """What chained speculation would give on a latency table's prompts, from its "off" outputs:
-    per set and (k, min_n) of `settings`, the steps `replay_chained` and `replay_lookup` count,
+    per set and (k, min_n) or (k, min_n, min_until_kept) of `settings` (`min_until_kept` NaN where
+    not given: min_n throughout), the steps `replay_chained` and `replay_lookup` count,
     and the speedup over off with every step at the GPU's time for its kind, a plain step at
     `plain_ms` and a verify step at `verify_ms` (steps that chain leave the GPU no gap), off's
     steps all plain."""
@@ -395,15 +403,17 @@ def chained_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], p
         off = g[g.arm == "off"]
         outputs = _token_lists(off.token_ids)
         tokens = sum(len(out) - 1 for out in outputs)
-        for k, min_n in settings:
+        for k, min_n, *until in settings:
+            until = until[0] if until else None
             counts = {}
             for how, replay in (("chained", replay_chained), ("synchronous", replay_lookup)):
-                steps = [replay(prompts[name][int(p)], out, k, min_n, max_n, max_tokens)
+                steps = [replay(prompts[name][int(p)], out, k, min_n, max_n, max_tokens, until)
                          for p, out in zip(off.prompt, outputs, strict=True)]
                 counts[how] = {key: sum(s[key] for s in steps) for key in ("verify_steps", "plain_steps")}
             chained = counts["chained"]
             ms = chained["verify_steps"] * verify_ms + chained["plain_steps"] * plain_ms
-            rows.append({"set": name, "k": k, "min_n": min_n, "tokens": tokens,
+            rows.append({"set": name, "k": k, "min_n": min_n,
+                         "min_until_kept": float("nan") if until is None else until, "tokens": tokens,
                          "verify_steps": chained["verify_steps"], "plain_steps": chained["plain_steps"],
                          "verify_steps_synchronous": counts["synchronous"]["verify_steps"],
                          "plain_steps_synchronous": counts["synchronous"]["plain_steps"],

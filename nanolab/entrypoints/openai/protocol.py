@@ -124,7 +124,8 @@ MAX_STOP_LENGTH = 256
 
 
 def _text(v) -> bool:
-    """A str that encodes (JSON can carry lone surrogates such as "\\ud800"; no tokenizer takes them)."""
+    """A str that encodes to UTF-8: JSON's grammar carries lone surrogates such as "\\ud800", which no
+    tokenizer takes. The server's parser already refuses them; a dict built in Python may hold one."""
     if not isinstance(v, str):
         return False
     try:
