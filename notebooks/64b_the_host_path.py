@@ -78,10 +78,9 @@ for part in ("shared prefix", "multi-turn"):
 #   (`Sequence.prompt_bytes`), and a new request's blocks are keyed from those bytes. The old
 #   lookup re-packed the prompt's list of ids.
 #
-# The client's encoding also changed where it is counted. It is the client's work, and a faster
-# client would not make the server any faster. So the load client now starts its clock when it
-# hands over the encoded body, and keeps the encoding in a column of its own (`encode_ms`).
-# Earlier runs counted the encoding in TTFT, in both arms.
+# The client's encoding ("encode") is the client's work, and no change to the server makes it
+# faster. It stays in TTFT, which counts from just before the POST, as `vllm bench serve` counts
+# it. prefixbench now also records it for each request (`encode_ms`).
 
 # %%
 costs = lab.front_costs((512, 2048, 4096))
@@ -100,10 +99,10 @@ for stage in ("parse", "lookup"):
 
 # %% [markdown]
 # On this machine, encoding, parsing and checking dominate the per-id work. For the parse,
-# `orjson` is about 2.8 times faster than `json` at every length. A lookup from the packed bytes
-# is 1.7 times faster, because it skips a re-pack that was two fifths of the old lookup. At 4,096
-# ids the two changes save about 0.2 ms, and the encoding, which TTFT no longer counts, is another
-# 0.23 ms.
+# `orjson` is about three times faster than `json`: 2.8x at the longer prompts on the machine that
+# wrote this. A lookup from the packed bytes is about 1.7 times faster, because it skips a re-pack
+# that was two fifths of the old lookup. At 4,096 ids the two changes save about 0.2 ms of a
+# request's host work.
 #
 # The two parsers do not accept exactly the same inputs. `orjson` refuses NaN, infinities and lone
 # UTF-16 surrogates, all of which the standard module lets through. It refuses nesting deeper than
@@ -147,17 +146,18 @@ host = hits.front_ms + hits.core_wait_ms + hits.step_host_ms
 for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")):
     before, after = host["before", part, phase], host["after", part, phase]
     print(f"{part}, {phase}: front, core wait and step host {before:.2f} ms before, {after:.2f} after "
-          f"({before - after:.2f} ms less); the client's encoding, now outside TTFT, "
+          f"({before - after:.2f} ms less), of which the client's encoding "
           f"{runs['after'].set_index(['part', 'phase', 'arm']).encode_ms[part, phase, 'on']:.2f} ms")
 
 # %% [markdown]
-# Before the step, the host's share of a warm hit fell by 0.58 ms at the shared prefix and by
-# 0.16 ms at the second turn. Front no longer holds the client's encoding, so the stage table
-# predicts 0.22 and 0.44 ms: the encoding, the parse, and the re-pack. Nine requests, or five
-# second turns, per run cannot settle the difference. With caching off, where only the parse and
-# the encoding changed, front fell by 0.20 and 0.49 ms. Back is not comparable on this machine. It ranged from 0.7 to 4.7 ms between rows,
-# because three processes share two cores, and after each step the core's compute threads keep
-# the cores from the server for a while.
+# Before the step, the host's share of a warm hit fell by 0.33 ms at the shared prefix and by
+# 0.14 ms at the second turn. The stage table predicts about 0.1 and 0.2 ms: the parse and the
+# re-pack. With nine requests per run, or five second turns, the difference is within the spread.
+# With caching off, where only the parse changed, front fell by 0.30 ms at the shared prefix and
+# did not move at the second turn. The client's encoding is in front in both runs: 0.18 ms at
+# 2,096 ids and 0.37 ms at 4,192 in the second. Back cannot be compared on this machine. Across
+# the rows of both runs it ranged from 0.6 to 5.7 ms, because three processes share two cores, and
+# after each step the core's compute threads hold the cores for a while.
 #
 # What is left of front is mostly fixed. A request wakes three processes in turn: the client, the
 # server's event loop, and the engine core. On this virtual machine each wake-up costs a few
@@ -167,13 +167,13 @@ for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")):
 # ## What this predicts for the H200
 #
 # The H200 host's front grew by 0.50 us an id. On this CPU, the stages that run before the core
-# takes a request (encode, parse, fields, check and post) grew by 0.15 us an id, less than a third
-# of that. So either the H200 host does this work more slowly, or it does more work than these
-# stages count. The saving
-# predicted below is this CPU's saving scaled by the ratio of those two slopes, so that the
-# per-id work matches the H200's front. It is a model, not a measurement. `scripts/gpu_run.sh prefix`
-# now also runs `frontcosts` on the GPU's host, and that run will replace the scaling with the
-# host's own numbers.
+# takes a request (encode, parse, fields, check and post) grow by several times less (printed
+# below). So either the H200 host does this work more slowly, or it does more work than these
+# stages count. The saving predicted below takes the stages' savings twice: at this CPU's speed,
+# and scaled by the ratio of the two slopes, so that the per-id work matches the H200's front.
+# Both are models, not measurements. With caching off a request saves the parse; with caching on
+# it also saves the re-pack before its lookup. `scripts/gpu_run.sh prefix` now also runs
+# `frontcosts` on the GPU's host, and that run will replace the scaling with the host's own numbers.
 
 # %%
 front_stages = ["encode", "parse", "fields", "check", "post"]
@@ -181,25 +181,28 @@ per_id = (costs[costs.stage.isin(front_stages) & costs.arm.isin(["before", "both
           .groupby("prompt_len").us.sum())
 cpu_slope = (per_id[4096] - per_id[512]) / (4096 - 512)
 scale = slope / cpu_slope
+print(f"before the core, a request's stages grow {cpu_slope:.2f} us an id on this machine; the H200's front "
+      f"{slope:.2f}: scaled {scale:.1f}x")
 saved = by.xs("before", level="arm") - by.xs("now", level="arm")
 rows = []
 for part, n in (("shared prefix", 2048), ("multi-turn", 4096)):
-    # What TTFT stops paying at n ids, in us on this CPU: the client's encoding and the parse in both
-    # arms, and the re-pack before the lookup with caching on.
-    client, parse, lookup = by[n, "encode", "both"], saved[n, "parse"], saved[n, "lookup"]
-    for model, s in (("at this CPU's speed", 1.0), (f"scaled {scale:.1f}x to the H200's front", scale)):
-        on_ms = warm.ttft_p50_ms[part, "on"] - s * (client + parse + lookup) / 1e3
-        off_ms = warm.ttft_p50_ms[part, "off"] - s * (client + parse) / 1e3
+    off_us = saved[n, "parse"] + saved[n, "post"]  # us at n ids on this CPU; caching on saves the re-pack too
+    on_us = off_us + saved[n, "lookup"]
+    for model, f in (("at this CPU's speed", 1.0), (f"scaled {scale:.1f}x to the H200's front", scale)):
+        on_ms = warm.ttft_p50_ms[part, "on"] - f * on_us / 1e3
+        off_ms = warm.ttft_p50_ms[part, "off"] - f * off_us / 1e3
         rows.append({"part": part, "model": model, "on_ms": on_ms, "off_ms": off_ms, "off_over_on": off_ms / on_ms,
                      "of_the_5x_aim": off_ms / on_ms / 5})
 prediction = pd.DataFrame(rows)
 lab.show(prediction.round(2))
 
 # %% [markdown]
-# At best, the shared prefix reaches 3.4x, 0.68 of the aim. What remains is the 50-token step,
-# 2.5 ms of which 1.7 ms is kernels, and a fixed path of wake-ups around it. The host cannot close
-# that gap alone. The second turn is closer. Under the scaling it reaches 5.4x and crosses the aim.
-# At this CPU's speed it reaches 4.8x, 0.95 of the aim.
+# Neither part reaches the aim. The second turn comes closest: about 4.7x at this CPU's speed and
+# about 4.9x scaled, 0.93 to 0.98 of 5x, on the machine that wrote this. The shared prefix moves
+# only to about 3.1x to 3.2x. What remains there is the 50-token step, 2.5 ms of which 1.7 ms is
+# kernels, and the fixed path of wake-ups around it. The host cannot close that gap alone. The next
+# lever is the step itself. Its attention read takes 36 us a layer for about 4 MB of K/V
+# (chapter 64), far more than those bytes need.
 #
 # ## The gates
 #
@@ -222,13 +225,14 @@ print("every request of both runs completed with its tokens; the lookups agreed 
 #
 # - On the H200, a warm hit's front grows by about 0.5 us for each prompt id: 1.6 ms at 2,098 ids
 #   and 2.7 ms at 4,192, a third of the second turn's TTFT.
-# - The server now parses bodies with `orjson`, 2.8x faster than `json`, and still answers every
-#   bad input with a 400. The engine keys a new prompt from the bytes its check packed,
-#   so it skips a re-pack of every id. The load client now counts TTFT from the encoded body, and
-#   keeps the encoding beside it.
-# - On this CPU, the host's work before the step fell by 0.58 ms at the shared prefix and 0.16 ms
-#   at the second turn, where the stages predict 0.22 and 0.44 ms (the encoding, now outside TTFT,
-#   among them). Most of what remains is fixed: wake-ups between three processes.
-# - Predicted for the H200, and not yet measured: if the host's per-id work matches the scaling,
-#   the second turn reaches 5.4x and crosses the aim, and the shared prefix reaches 3.4x. The next
-#   GPU session's `scripts/gpu_run.sh prefix` measures both.
+# - The server now parses bodies with `orjson`, about three times faster than `json`, and still
+#   answers every bad input with a 400. The engine keys a new prompt from the bytes its check
+#   packed, so it skips a re-pack of every id. prefixbench records the client's JSON encoding,
+#   which TTFT counts as `vllm bench serve` does.
+# - On this CPU, the host's work before a warm hit's step fell by 0.33 ms at the shared prefix and
+#   by 0.14 ms at the second turn, about what the stages predict. Most of what remains is fixed:
+#   wake-ups between three processes.
+# - Predicted for the H200, and not yet measured: the second turn at about 4.7x to 4.9x, short of
+#   5x, and the shared prefix at about 3.1x to 3.2x. The host cannot reach the aim alone; the
+#   prompt step's attention read is the next lever. The next GPU session's
+#   `scripts/gpu_run.sh prefix` measures the host's part.

@@ -34,6 +34,7 @@ CHAPTERS = {
     "65b_speculative_decoding": "Day 65: speculative decoding",
     "65c_chained_again": "Day 65: chained speculation, measured again",
     "65d_prompt_bytes": "Day 65: an fp8 prompt step that reads its bytes",
+    "65e_earned_matches": "Day 65: one-token matches, after a draft has been kept",
 }
 
 

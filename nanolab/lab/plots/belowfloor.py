@@ -234,3 +234,34 @@ def plot_fp8_prefill(table: pd.DataFrame, arms: dict[str, str]) -> Figure:
         _projection_axes(ax, projections, "us a launch", f"{m} tokens")
     fig.tight_layout()
     return fig
+
+
+def plot_lookup_rules(table: pd.DataFrame) -> Figure:
+    """`chained_settings` rows with a `rule` column (set, k, rule, verify_steps, speedup_chained):
+    a panel per set, a group of bars per k, one bar per rule to its predicted speedup over plain
+    greedy, each labelled with its verify steps."""
+    sets = list(dict.fromkeys(table.set))
+    rules = list(dict.fromkeys(table.rule))
+    fig = Figure(figsize=(5.4 * len(sets), 4.0))
+    axes = fig.subplots(1, len(sets), squeeze=False)[0]
+    width = 0.8 / len(rules)
+    for ax, name in zip(axes, sets, strict=True):
+        rows = table[table.set == name]
+        ks = sorted(rows.k.unique())
+        for j, rule in enumerate(rules):
+            got = rows[rows.rule == rule].set_index("k").reindex(ks)
+            x = np.arange(len(ks)) + (j - (len(rules) - 1) / 2) * width
+            bars = ax.bar(x, got.speedup_chained, width, color=f"C{j}", label=rule)
+            for bar, steps in zip(bars, got.verify_steps, strict=True):
+                ax.annotate(f"{steps:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                            textcoords="offset points", ha="center", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        ax.set_xticks(range(len(ks)), [f"k = {k}" for k in ks])
+        ax.set_ylim(0, 1.15 * table.speedup_chained.max())
+        ax.set_ylabel("predicted speedup over plain greedy")
+        ax.set_title(f"{name}: verify steps above each bar", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="upper center", ncol=len(names))
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    return fig
