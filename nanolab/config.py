@@ -119,7 +119,8 @@ class SpeculativeConfig:
     a request's drafts has been kept, its lookups take only matches of at least
     `prompt_lookup_min_until_kept` tokens (None: two, or `prompt_lookup_min` if that is more, and at
     most `prompt_lookup_max`): text that never repeats still matches its last token somewhere now
-    and then, and each such draft costs a verify step that keeps nothing.
+    and then, and each such draft costs a verify step that keeps nothing. Where a lookup's miss
+    pauses a request (below), a lookup that finds only a shorter match counts as a miss.
 
     Under asynchronous scheduling (`async_scheduling`), while every running request is greedy and
     none asks for logprobs, verify steps overlap as plain decode steps do: each step is launched

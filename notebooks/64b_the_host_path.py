@@ -197,7 +197,7 @@ prediction = pd.DataFrame(rows)
 lab.show(prediction.round(2))
 
 # %% [markdown]
-# Neither part reaches the aim. The second turn comes closest: about 4.7x at this CPU's speed and
+# Neither part reaches the aim. The second turn comes closest: about 4.65x at this CPU's speed and
 # about 4.9x scaled, 0.93 to 0.98 of 5x, on the machine that wrote this. The shared prefix moves
 # only to about 3.1x to 3.2x. What remains there is the 50-token step, 2.5 ms of which 1.7 ms is
 # kernels, and the fixed path of wake-ups around it. The host cannot close that gap alone. The next
@@ -230,9 +230,10 @@ print("every request of both runs completed with its tokens; the lookups agreed 
 #   packed, so it skips a re-pack of every id. prefixbench records the client's JSON encoding,
 #   which TTFT counts as `vllm bench serve` does.
 # - On this CPU, the host's work before a warm hit's step fell by 0.33 ms at the shared prefix and
-#   by 0.14 ms at the second turn, about what the stages predict. Most of what remains is fixed:
-#   wake-ups between three processes.
-# - Predicted for the H200, and not yet measured: the second turn at about 4.7x to 4.9x, short of
+#   by 0.14 ms at the second turn, where the stages predict about 0.1 and 0.2 ms; with so few
+#   requests a run, the gap is within the spread. Most of what remains is fixed: wake-ups between
+#   three processes.
+# - Predicted for the H200, and not yet measured: the second turn at about 4.65x to 4.9x, short of
 #   5x, and the shared prefix at about 3.1x to 3.2x. The host cannot reach the aim alone; the
 #   prompt step's attention read is the next lever. The next GPU session's
 #   `scripts/gpu_run.sh prefix` measures the host's part.

@@ -77,10 +77,12 @@ def test_a_replayed_lookup_is_worked_by_hand():
 def test_lookup_settings_are_parsed_and_named():
     from nanolab.lab.specbench import lookup_arm, parse_lookups
 
-    assert parse_lookups("4, 8:2,16:3") == [(4, 1), (8, 2), (16, 3)]
-    assert [lookup_arm(*s) for s in parse_lookups("4,8:2")] == ["ngram k=4", "ngram k=8 min_n=2"]
+    assert parse_lookups("4, 8:2,16:3,4:1:1") == [(4, 1), (8, 2), (16, 3), (4, 1, 1)]
+    assert [lookup_arm(*s) for s in parse_lookups("4,8:2,4:1:1")] == ["ngram k=4", "ngram k=8 min_n=2",
+                                                                      "ngram k=4 until_kept=1"]
     for text, needle in (("0", "at least 1"), ("4:5", "at most 4"), ("4,4:1", "twice"), (",", "no setting"),
-                         ("x", "not an integer")):
+                         ("x", "not an integer"), ("4:2:1", "until_kept at least min_n"), ("4:1:5", "at most 4"),
+                         ("4:1:2:3", "k:min_n:until_kept")):
         with pytest.raises(ValueError, match=needle):
             parse_lookups(text)
 
@@ -112,7 +114,7 @@ def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
     plain = spec_engine(sharp_gqa24, None)
     outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
     run_until_done(plain)
-    kept_any = False
+    kept_any = rules_differ = False
     for k, min_n, until in ((2, 1, None), (2, 1, 1), (4, 2, None)):  # None: the default, two until a draft is kept
         engine = spec_engine(sharp_gqa24, k, speculative_config={
             "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_min_until_kept": until,
@@ -131,7 +133,8 @@ def test_a_replayed_lookup_counts_the_engines_own_steps(sharp_gqa24):
                    "accepted_tokens": seq.num_accepted_tokens}
             assert got == want, (k, min_n, until, prompt)
             kept_any |= want["accepted_tokens"] > 0
-    assert kept_any
+            rules_differ |= want != replay_lookup(prompt, out, k, min_n, 4, max_tokens=20)
+    assert kept_any and rules_differ, "no prompt tells the rule until a draft is kept from min_n's"
 
 
 def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
@@ -149,7 +152,7 @@ def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
     plain = spec_engine(sharp_gqa24, None)
     outs = [s.output_token_ids for s in plain.add_requests(prompts, [params] * len(prompts))]
     run_until_done(plain)
-    kept_any = lost_any = False
+    kept_any = lost_any = rules_differ = False
     for k, min_n, until in ((2, 1, None), (2, 1, 1), (4, 2, None)):
         engine = spec_engine(sharp_gqa24, k, async_scheduling=True, speculative_config={
             "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_min_until_kept": until,
@@ -169,7 +172,8 @@ def test_a_chained_replay_counts_the_engines_own_steps(sharp_gqa24):
             assert got == want, (k, min_n, until, prompt)
             kept_any |= want["accepted_tokens"] > 0
             lost_any |= engine.spec_draft_tokens - before[1] > want["accepted_tokens"]
-    assert kept_any and lost_any
+            rules_differ |= want != replay_chained(prompt, out, k, min_n, 4, max_tokens=20)
+    assert kept_any and lost_any and rules_differ, "no prompt tells the rule until a draft is kept from min_n's"
 
 
 def test_a_chained_replay_is_worked_by_hand():
@@ -187,6 +191,24 @@ def test_a_chained_replay_is_worked_by_hand():
     steps = (row.verify_steps, row.plain_steps, row.verify_steps_synchronous, row.plain_steps_synchronous)
     assert steps == (2, 1, 1, 2)
     assert row.speedup_chained == pytest.approx(5 / (2 * 1.5 + 1.0))
+
+
+def test_a_replay_until_a_draft_is_kept_is_worked_by_hand():
+    from nanolab.lab.specbench import chained_settings, replay_lookup
+
+    prompt, out = [9, 5, 3], [5, 3, 8, 5, 3, 8]
+    # One token throughout, k = 2: after 5, [5] matched at 1 drafts 3, 5 (keeps 3, adds 8); after 8
+    # nothing; after 5 again, 3 (room for one, kept): two verify steps, one plain, two kept.
+    assert replay_lookup(prompt, out, 2, max_tokens=6) == {"verify_steps": 2, "plain_steps": 1, "accepted_tokens": 2}
+    # Two tokens until a draft is kept: after 5, [3, 5] never occurred: plain. After 3, [5, 3] drafts
+    # 5, 3 and keeps none (out has 8, 5); after 8 and after 5 no two-token match; after the last 3 no
+    # room: one verify step, four plain, nothing kept.
+    assert replay_lookup(prompt, out, 2, max_tokens=6, min_until_kept=2) == {
+        "verify_steps": 1, "plain_steps": 4, "accepted_tokens": 0}
+    table = pd.DataFrame([{"set": "s", "arm": "off", "prompt": 0, "token_ids": out}])
+    rows = chained_settings(table, {"s": [prompt]}, 1.0, 1.5, settings=((2, 1), (2, 1, 2)), max_tokens=6)
+    assert rows.min_until_kept.isna().tolist() == [True, False] and rows.min_until_kept.iloc[1] == 2
+    assert rows.verify_steps_synchronous.tolist() == [2, 1]
 
 
 def test_divergences_find_where_each_output_first_parts_from_off():

@@ -259,8 +259,8 @@ def add_server_steps(rows: list[dict], steps: pd.DataFrame, adds: pd.Series | No
     `first_t`, popped too):
 
     - front: from the client's send to the core taking the request (the client's JSON encoding, in
-      `encode_ms` too, HTTP over the kept-alive connection, the server's checks, the pipe to the
-      core's process);
+      `encode_ms` too, HTTP over the kept-alive connection, the server's parse and checks, the pipe
+      to the core's process);
     - core wait: from there to the core calling its first prompt step;
     - step host: inside those calls but outside the forward's timer (scheduling, the prefix lookup,
       emitting the token);

@@ -3,14 +3,14 @@ lookup on and off (Day 65).
 
 Each prompt of a set (`tests/data/spec/<set>.jsonl`, chat messages: a summarization-like set and
 a code-editing-like one) runs alone and greedy through one `LLM` per arm, off and one per lookup
-setting (`--lookups`: k, and the shortest match a draft needs), after one
-untimed prompt of each set (kernels compile for a shape's first step), so a
-token's time is the request's alone. Each prompt runs `--repeats` times, a pass over the arm's
-prompts at a time, and its run of median time is kept: one slow stretch of the host sets no
-arm's number. A row per prompt and arm: tokens, wall time, steps, and the
-engine's speculative counts (verify steps, drafts proposed, drafts kept); the summary per set and
-arm: ms a token, the acceptance rate (drafts kept over drafts proposed), tokens a verify step
-gives, the speedup over off, and whether every output equals off's.
+setting (`--lookups`: k, the shortest match a draft needs, and the shortest until a draft is kept),
+after one untimed prompt of each set (kernels compile for a shape's first step), so a token's time
+is the request's alone. Each prompt runs `--repeats` times, a pass over the arm's prompts at a
+time, and its run of median time is kept: one slow stretch of the host sets no arm's number. A row
+per prompt and arm: tokens, wall time, steps, and the engine's speculative counts (verify steps,
+drafts proposed, drafts kept); the summary per set and arm: ms a token, the acceptance rate
+(drafts kept over drafts proposed), tokens a verify step gives, the speedup over off, and whether
+every output equals off's.
 
 Two more parts:
 
@@ -110,35 +110,45 @@ def median_run(runs: Sequence[dict]) -> dict:
             "distinct_outputs": len({tuple(r["token_ids"]) for r in runs})}
 
 
-def lookup_arm(k: int, min_n: int = 1) -> str:
-    """A speculating arm's name: "ngram k=4", with " min_n=2" when its shortest match is not 1."""
-    return f"ngram k={k}" + (f" min_n={min_n}" if min_n != 1 else "")
+def lookup_arm(k: int, min_n: int = 1, until_kept: int | None = None) -> str:
+    """A speculating arm's name: "ngram k=4", with " min_n=2" when its shortest match is not 1 and
+    " until_kept=1" when it sets `prompt_lookup_min_until_kept` (else the engine's default rule)."""
+    return (f"ngram k={k}" + (f" min_n={min_n}" if min_n != 1 else "")
+            + (f" until_kept={until_kept}" if until_kept is not None else ""))
 
 
-def parse_lookups(text: str, flag: str = "--lookups") -> list[tuple[int, int]]:
-    """"4,8:2,16:3" -> [(4, 1), (8, 2), (16, 3)]: each k, or k:min_n (the shortest match, at most
-    `SpeculativeConfig.prompt_lookup_max`'s default 4)."""
+def parse_lookups(text: str, flag: str = "--lookups") -> list[tuple[int, ...]]:
+    """"4,8:2,4:1:1" -> [(4, 1), (8, 2), (4, 1, 1)]: each k, k:min_n (the shortest match, at most
+    `SpeculativeConfig.prompt_lookup_max`'s default 4), or k:min_n:until_kept (the shortest match
+    until a draft is kept, `prompt_lookup_min_until_kept`; left out, the engine's default)."""
     settings = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        k, _, min_n = part.partition(":")
-        setting = (positive_int(k, flag), positive_int(min_n, flag) if min_n else 1)
-        if setting[1] > 4:
-            raise ValueError(f"{flag}: {part!r}: the shortest match must be at most 4 (prompt_lookup_max)")
+        fields = part.split(":")
+        if len(fields) > 3:
+            raise ValueError(f"{flag}: {part!r}: a setting is k, k:min_n or k:min_n:until_kept")
+        k, min_n, *until = [positive_int(f, flag) for f in fields] + ([1] if len(fields) == 1 else [])
+        if min_n > 4 or any(not min_n <= u <= 4 for u in until):
+            raise ValueError(f"{flag}: {part!r}: the shortest match must be at most 4 (prompt_lookup_max), and "
+                             "until_kept at least min_n")
+        setting = (k, min_n, *until)
         if setting in settings:
             raise ValueError(f"{flag}: {part!r} is given twice")
         settings.append(setting)
     if not settings:
-        raise ValueError(f"{flag}: {text!r} holds no setting (comma-separated k or k:min_n)")
+        raise ValueError(f"{flag}: {text!r} holds no setting (comma-separated k, k:min_n or k:min_n:until_kept)")
     return settings
 
 
 def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k: int = 4, max_tokens: int = 64,
                   directory: Path = SETS_DIR, log: Callable[[str], None] = print, dtype: str = "auto",
-                  lookups: Sequence[tuple[int, int]] | None = None, repeats: int = 1) -> pd.DataFrame:
+                  lookups: Sequence[tuple[int, ...]] | None = None, repeats: int = 1) -> pd.DataFrame:
     """A row per prompt of each set and arm, each arm one `LLM`: "off", then one speculating arm
-    per (k, shortest match) of `lookups` (`lookup_arm`; default `k` alone, matches of any length).
+    per (k, shortest match[, shortest until a draft is kept]) of `lookups` (`lookup_arm`; default
+    `k` alone). What an arm does not set is the engine's default: since Day 65e, matches of two
+    tokens until a draft is kept, so an arm named "ngram k=4" ran one-token matches throughout
+    before then, and runs that rule now as "ngram k=4 until_kept=1".
     Each prompt runs `repeats` times, a pass over all of an arm's prompts at a time, so that a slow
     stretch of the host lands on different prompts; a prompt's row is its run of median time
     (`median_run`), with `repeats` and the fastest and slowest run's seconds beside it."""
@@ -146,8 +156,9 @@ def run_specbench(model: str, device: str, sets: Sequence[str] = PROMPT_SETS, k:
         raise ValueError(f"repeats={repeats!r}: must be a positive int")
     prompts = {name: load_prompt_set(name, directory) for name in sets}
     arms: dict[str, dict | None] = {"off": None}
-    for k_, min_n in lookups or [(k, 1)]:
-        arms[lookup_arm(k_, min_n)] = {"num_speculative_tokens": k_, "prompt_lookup_min": min_n}
+    for k_, min_n, *until in lookups or [(k, 1)]:
+        arms[lookup_arm(k_, min_n, *until)] = {"num_speculative_tokens": k_, "prompt_lookup_min": min_n,
+                                               "prompt_lookup_min_until_kept": until[0] if until else None}
     rows = []
     for arm, spec in arms.items():
         llm = LLM(model, device=device, dtype=dtype, speculative_config=spec, enable_prefix_caching=False)
@@ -521,8 +532,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sets", default=",".join(PROMPT_SETS), help="comma-separated prompt sets of tests/data/spec")
     parser.add_argument("--k", type=int, default=4, help="the most drafts a row (num_speculative_tokens)")
     parser.add_argument("--lookups", default=None,
-                        help="latency: the speculating arms, comma-separated k or k:min_n (the shortest match), "
-                             "e.g. 4,8:2,16:3 (default: --k, matches of any length)")
+                        help="latency: the speculating arms, comma-separated k, k:min_n (the shortest match) or "
+                             "k:min_n:until_kept (the shortest until a draft is kept), e.g. 4,4:1:1,8:2 "
+                             "(default: --k, the engine's lookup rule)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", default="3",
                         help="latency: runs of each prompt, a pass over the prompts at a time; a prompt's row is "
