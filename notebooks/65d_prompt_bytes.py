@@ -30,8 +30,6 @@ from nanolab.lab.gemvbench import projection_shapes
 from nanolab.lab.w8a16 import ENGINE, WIDENED
 from nanolab.model.config import PRESETS
 from nanolab.model.quant import dequantize_fp8, quantize_fp8
-from nanolab.model.tokenizer import Tokenizer
-from nanolab.model.weights import resolve_weights
 
 DEVICE, MODEL, DTYPE, path, label = lab.chapter_run(cpu_model="tiny")
 ON_GPU = DEVICE.type == "cuda"
@@ -240,11 +238,8 @@ lab.show(fig)
 # %%
 spec_runs = lab.measured_table("day65c_spec", 'SPEC_ARGS="--prefix day65c" scripts/gpu_run.sh smollm2 smolspec',
                                slug=SLUG)
-spec_summary = lab.load_table("day65c_spec_summary", SLUG).set_index(["set", "arm"])
-smol = Tokenizer.from_dir(resolve_weights("smollm2-135m"))
-prompt_ids = {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)] for name in spec_runs.set.unique()}
-plain_ms = spec_summary.loc[("code_edit", "off"), "decode_step_ms"]
-verify_ms = spec_summary.loc[("code_edit", lab.lookup_arm(31, 2)), "verify_step_ms"]
+_, prompt_ids, plain_ms, verify_ms = lab.replay_inputs(spec_runs, lab.load_table("day65c_spec_summary", SLUG),
+                                                     lab.lookup_arm(31, 2))
 strict = lab.chained_settings(spec_runs, prompt_ids, plain_ms=plain_ms, verify_ms=verify_ms,
                               settings=[(k, n) for k in (4, 8, 31) for n in (1, 2)])
 lab.show(strict.pivot_table(index=["set", "k"], columns="min_n", values=["verify_steps", "speedup_chained"],

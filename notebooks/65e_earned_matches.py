@@ -39,7 +39,6 @@ import pandas as pd
 import nanolab.lab as lab
 from nanolab import LLM
 from nanolab.config import SpeculativeConfig
-from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights
 
 SLUG = "h100-80gb-hbm3"
@@ -58,11 +57,8 @@ print("the default rule: matches of at least", SpeculativeConfig().min_until_kep
 # %%
 spec_runs = lab.measured_table("day65c_spec", 'SPEC_ARGS="--prefix day65c" scripts/gpu_run.sh smollm2 smolspec',
                                slug=SLUG)
-spec_summary = lab.load_table("day65c_spec_summary", SLUG).set_index(["set", "arm"])
-smol = Tokenizer.from_dir(resolve_weights("smollm2-135m"))
-prompt_ids = {name: [smol.encode_chat(m) for m in lab.load_prompt_set(name)] for name in spec_runs.set.unique()}
-plain_ms = spec_summary.loc[("code_edit", "off"), "decode_step_ms"]
-verify_ms = spec_summary.loc[("code_edit", lab.lookup_arm(31, 2)), "verify_step_ms"]
+smol, prompt_ids, plain_ms, verify_ms = lab.replay_inputs(spec_runs, lab.load_table("day65c_spec_summary", SLUG),
+                                                     lab.lookup_arm(31, 2))
 RULES = {"one token (old default)": (1, 1), "two tokens": (2, 2), "two until a draft is kept (new)": (1, 2)}
 rules = pd.concat([
     lab.chained_settings(spec_runs, prompt_ids, plain_ms=plain_ms, verify_ms=verify_ms,

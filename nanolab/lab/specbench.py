@@ -50,6 +50,7 @@ from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.report import REPO_ROOT, run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.lab.timing import prefill, random_prompts, sync
+from nanolab.model.tokenizer import Tokenizer
 from nanolab.model.weights import resolve_weights, weights_kind
 from nanolab.spec_decode import propose_ngram
 
@@ -398,6 +399,19 @@ def lookup_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], ks
                          "speedup_overlapped": plain_ms / overlapped, "speedup_synchronous": plain_ms / synchronous,
                          "plain_step_ms": plain_ms, "verify_step_ms": verify_ms, "sync_step_ms": sync_ms})
     return pd.DataFrame(rows)
+
+
+def replay_inputs(runs: pd.DataFrame, summary: pd.DataFrame, verify_arm: str, priced_set: str = "code_edit"
+                  ) -> tuple[Tokenizer, dict[str, list[list[int]]], float, float]:
+    """What replaying a latency table's outputs (`run_specbench`'s rows, and its `spec_summary`)
+    takes from it: its model's tokenizer, each of its sets' prompts as that tokenizer's chat ids,
+    and the prices: a plain step at off's median decode step on `priced_set`, a verify step at
+    `verify_arm`'s median there."""
+    tokenizer = Tokenizer.from_dir(resolve_weights(str(runs.model.iloc[0])))
+    prompts = {name: [tokenizer.encode_chat(m) for m in load_prompt_set(name)] for name in runs.set.unique()}
+    by = summary.set_index(["set", "arm"])
+    return (tokenizer, prompts, float(by.loc[(priced_set, "off"), "decode_step_ms"]),
+            float(by.loc[(priced_set, verify_arm), "verify_step_ms"]))
 
 
 def chained_settings(table: pd.DataFrame, prompts: dict[str, list[list[int]]], plain_ms: float, verify_ms: float,
