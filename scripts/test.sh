@@ -15,7 +15,12 @@ step() {
 }
 
 step "ruff" ruff check .
-step "unit tests" python -m pytest -q tests/ --ignore=tests/test_book.py "$@"
+# Two pytest-xdist workers, a test file each at a time (--dist loadfile: a file's module fixtures
+# build once), one intra-op thread each for the reason the notebooks below give. Most tests spend
+# their time in one Python thread (compiling, Triton's interpreter, a server and its client), so
+# two at once took 502 s where one after another took 700 to 869 s on the 2-core CI machine.
+step "unit tests" env OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile tests/ \
+    --ignore=tests/test_book.py "$@"
 
 # Every notebook runs once, under nbval: its asserts are the gates. nbval collects only .ipynb, so
 # the jupytext notebooks are converted into a scratch folder, keeping their paths (nanolab resolves
