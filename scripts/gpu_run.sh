@@ -36,7 +36,8 @@
 # at a 2,048-token shared system prompt and at a chat's second turn over a 4,096-token history (servers over
 # loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
 # server's /metrics reports for 16 shared system prompts (needs the prometheus-client and orjson wheels);
-# $PREFIX_ARGS added. Then frontcosts times a request's host work stage by stage on this host (data/day64b_front_*).
+# $PREFIX_ARGS added. Then frontcosts times a request's host work stage by stage on this host, and
+# after it idles (data/day64b_front_*, data/day64b_idle_*).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
 # 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*).

@@ -27,3 +27,19 @@ def test_bad_lengths_are_refused_by_name():
         front_costs((16,))
     with pytest.raises(ValueError, match="--lengths"):
         frontcosts.main(argparse.Namespace(lengths="64,8", repeats="1", prefix="never"))
+
+
+def test_idle_costs_time_a_round_trip_and_a_pass_at_each_gap():
+    idle = frontcosts.idle_costs((0.0, 1.0), samples=3, prompt_len=64)
+    assert list(zip(idle.gap_ms, idle.what)) == [(0.0, "pipe round trip"), (0.0, "stages"),
+                                                 (1.0, "pipe round trip"), (1.0, "stages")]
+    assert (idle.us_p50 > 0).all() and (idle.us_p90 >= idle.us_p50).all() and (idle.samples == 3).all()
+    assert set(idle[idle.what == "stages"].prompt_len) == {64}
+
+
+def test_bad_gaps_are_refused_by_name_before_anything_runs():
+    with pytest.raises(ValueError, match="gaps"):
+        frontcosts.idle_costs((-1.0,))
+    for gaps in ("1,x", "-5", "nan"):
+        with pytest.raises(ValueError, match="--gaps"):
+            frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps=gaps, prefix="never"))

@@ -25,7 +25,8 @@ is loaded from its module on first use, so importing one instrument does not loa
   graphed, and the server's start (Day 63)
 - `prefixbench` and `plots.prefix`: prefix caching on and off, at a shared prefix, a chat's second
   turn, no hits, and the hit rate /metrics reports (Day 64)
-- `frontcosts`: a request's host work around its prompt step, stage by stage and by prompt length (Day 64b)
+- `frontcosts`: a request's host work around its prompt step, stage by stage and by prompt length,
+  and after the host idles (Day 64b)
 - `specbench`: speculative decoding on real text, acceptance and ms a token at batch 1 (Day 65)
 - `results`: the front page's figure and the results page, from the committed tables
 """
@@ -63,7 +64,7 @@ _EXPORTS = {
                                     "plot_spec_batches", "plot_specload_rules", "plot_verify_kernels"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.prefix": ["plot_front_costs", "plot_nohit_throughput", "plot_prefix_ttft", "plot_shared_blocks"],
-    "nanolab.lab.frontcosts": ["front_costs", "front_label", "front_totals"],
+    "nanolab.lab.frontcosts": ["front_costs", "front_label", "front_totals", "idle_costs"],
     "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.plots.tail": ["plot_itl_cdf", "plot_startup"],

@@ -17,6 +17,11 @@ design it replaced is its own arm beside it (`arm` "before"), run from here:
   ids packed again (before) and from the packed prompt the check made (now);
 - "share": `share_prefix` of those blocks to a row, and the row's release.
 
+`idle_costs` times what the stages leave out, after the host has idled for a gap: a round trip
+through a pipe to a process blocked reading it (two wake-ups, as a request's post and its reply
+make), and one pass of the engine's stages, each timed once, as a request meets them, not the
+fastest of warm loops.
+
     python -m nanolab frontcosts
     python -m nanolab frontcosts --lengths 2048,4096 --prefix day64b
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import pickle
 import random
 import time
@@ -44,6 +50,7 @@ from nanolab.lab.report import RunLabel, run_label, save_table
 from nanolab.sampling import SamplingParams
 
 STAGES = ("encode", "parse", "fields", "check", "post", "lookup", "share")
+IDLE_GAPS_MS = (0.0, 1.0, 10.0, 50.0)
 BLOCK_SIZE = 16
 VOCAB = 128_256  # Llama 3's, as prefixbench's prompts on the GPU
 
@@ -129,6 +136,68 @@ def front_costs(lengths: Sequence[int] = (512, 2048, 4096), repeats: int = 7, in
     return pd.DataFrame(rows)
 
 
+def _echo(inbox, outbox) -> None:
+    """The peer of `idle_costs`' round trips: block reading `inbox`, send each message straight
+    back; None ends it."""
+    while (message := inbox.recv()) is not None:
+        outbox.send(message)
+
+
+def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, prompt_len: int = 2048,
+               seed: int = 0) -> pd.DataFrame:
+    """What the host's part of a request costs after it idled: for each gap, `samples` times
+    each, sleep the gap, then time one, with the garbage collector off:
+
+    - "pipe round trip": a small message to a process blocked reading its pipe (spawned once, idle
+      in between like an engine core between requests), and its echo back;
+    - "stages": one pass of the engine's stages for `prompt_len` ids (`stage_calls`' "now" and
+      "both" arms, the client's "encode" left out), in order.
+
+    A row per (gap, what): the median and p90 µs."""
+    if samples < 1 or any(g < 0 for g in gaps_ms):
+        raise ValueError(f"samples must be positive and gaps at least 0, got {samples} and {list(gaps_ms)}")
+    stages = [fn for stage, arm, fn in stage_calls(prompt_len, seed) if arm != "before" and stage != "encode"]
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold a CUDA context
+    to_peer, from_peer = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+    peer = ctx.Process(target=_echo, args=(to_peer[0], from_peer[1]), daemon=True)
+    peer.start()
+    rows = []
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        to_peer[1].send(-1)
+        if from_peer[0].recv() != -1:  # the peer is up and echoing before anything is timed
+            raise RuntimeError("the echo process answered with something else")
+        for gap in gaps_ms:
+            trips, passes = [], []
+            for i in range(samples):
+                time.sleep(gap / 1e3)
+                start = time.perf_counter()
+                to_peer[1].send(i)
+                back = from_peer[0].recv()
+                trips.append((time.perf_counter() - start) * 1e6)
+                if back != i:
+                    raise RuntimeError(f"the echo process sent {back!r} back for {i}")
+            for _ in range(samples):
+                time.sleep(gap / 1e3)
+                start = time.perf_counter()
+                for fn in stages:
+                    fn()
+                passes.append((time.perf_counter() - start) * 1e6)
+            for what, us in (("pipe round trip", trips), ("stages", passes)):
+                series = pd.Series(us)
+                rows.append({"gap_ms": gap, "what": what, "prompt_len": prompt_len if what == "stages" else 0,
+                             "samples": samples, "us_p50": series.median(), "us_p90": series.quantile(0.9)})
+    finally:
+        if was_enabled:
+            gc.enable()
+        to_peer[1].send(None)
+        peer.join(10)
+        if peer.is_alive():
+            peer.kill()
+    return pd.DataFrame(rows)
+
+
 def front_totals(costs: pd.DataFrame) -> pd.DataFrame:
     """Per prompt length, the stages summed for the engine before and now ("both" counts in each)."""
     out = {}
@@ -154,15 +223,27 @@ def front_label() -> RunLabel:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="512,2048,4096", help="prompt lengths in ids (default: 512,2048,4096)")
     parser.add_argument("--repeats", default="7", help="timed loops a stage, the fastest kept (default: 7)")
-    parser.add_argument("--prefix", default="day64b", help="the table goes to data/<prefix>_front_<device>.csv")
+    parser.add_argument("--gaps", default=",".join(f"{g:g}" for g in IDLE_GAPS_MS),
+                        help="idle gaps in ms before each timed round trip and pass (default: 0,1,10,50)")
+    parser.add_argument("--prefix", default="day64b",
+                        help="the tables go to data/<prefix>_front_<device>.csv and <prefix>_idle_<device>.csv")
 
 
 def main(args: argparse.Namespace) -> int:
     lengths = int_list(args.lengths, "--lengths", minimum=2 * BLOCK_SIZE)
+    try:
+        gaps = [float(g) for g in args.gaps.split(",")]
+    except ValueError:
+        gaps = [-1.0]
+    if any(not 0 <= g < 10_000 for g in gaps):  # NaN too
+        raise ValueError(f"--gaps: {args.gaps!r} must be ms from 0 to 10,000, comma-separated")
     costs = front_costs(lengths, repeats=positive_int(args.repeats, "--repeats"))
     label = front_label()
     path = save_table(costs, f"{args.prefix}_front", label)
     print(costs.pivot_table(index=["stage", "arm"], columns="prompt_len", values="us", sort=False).round(1))
     print(front_totals(costs).round(1).to_string(index=False))
-    print(f"{path.name}: {label}")
+    idle = idle_costs(gaps)
+    idle_path = save_table(idle, f"{args.prefix}_idle", label)
+    print(idle.round(1).to_string(index=False))
+    print(f"{path.name}, {idle_path.name}: {label}")
     return 0
