@@ -246,6 +246,31 @@ def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, mo
     assert not m[:n].isnan().any() and m[n:].isnan().all()
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_prefetched_walks_equal_the_reference(splits, monkeypatch):
+    """`prefetch`: each turn of the walk loads the next tile before it attends the one it holds.
+    Whole walks and shares, the last share's prefetch past its tiles loading nothing, in a flat
+    grid over padding and in 16 bits: what the reference reads."""
+    made = poison_partials(monkeypatch)
+    for segments in (MIXED, UNEVEN):
+        case, max_q = varlen_case(segments, 6, 2, 16, seed=9)
+        ref = varlen_reference(**case)
+        got = varlen_attention(**case, max_query_len=max_q, splits=splits, share_tiles=1, prefetch=True, **TILES)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        n = case["q"].shape[0]
+        step = padded(case, extra_tokens=5, extra_segments=3)
+        got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 5, splits=splits, share_tiles=1,
+                               prefetch=True, **TILES)
+        torch.testing.assert_close(got[:n], ref, rtol=1e-5, atol=1e-5)
+        assert not got[n:].any(), "a padding token was attended"
+    assert all(not m[:n].isnan().any() for _, m, _ in made[-1:]), "a share left a real token's partials unwritten"
+    half = {k: v.half() if k in ("q", "k_pool", "v_pool") else v for k, v in case.items()}
+    got = varlen_attention(**half, max_query_len=max_q, splits=splits, share_tiles=1, prefetch=True, **TILES)
+    torch.testing.assert_close(got.float(), varlen_reference(**{**half, **{k: half[k].float() for k in
+                                                                          ("q", "k_pool", "v_pool")}}),
+                               rtol=2e-2, atol=4e-3)
+
+
 def test_the_operator_passes_splits_through(monkeypatch):
     """The compiled step's operator, at the default 64-key tiles: a 5-tile context read in two
     shares (4 tiles and 1); its schema and fake agree with it (`opcheck`)."""

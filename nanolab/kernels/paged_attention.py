@@ -107,6 +107,39 @@ def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, sc
 
 
 @triton.jit
+def _kv_tiles(k_ptr, v_ptr, slot, kv, d, dmask, valid, stride_ks, stride_kh, stride_vs, stride_vh):
+    """The K and V tiles [N, D] of pool slots `slot` [N] for KV head kv, zeros where not `valid`:
+    both loads issued together, for a caller that loads a tile ahead of the one it attends."""
+    tile_mask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_kv(q, k, v, seen, m, l, acc, scale, DOT: tl.constexpr):
+    """`_attend_tile` over K and V tiles [N, D] already loaded (`_kv_tiles`)."""
+    if DOT == 0:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    elif DOT == 1:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(seen, s * scale, float("-inf"))  # [M, N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(s - m_use[:, None])
+    if DOT == 0:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        pv = tl.dot(p, v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_head(
     q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, lens_ptr, pos_ptr, out_ptr, tiles_ptr,
     stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_pr, stride_or, stride_oh,

@@ -42,9 +42,11 @@ import triton.language as tl
 
 from nanolab.kernels.paged_attention import (
     SHARE_TILES,
+    _attend_kv,
     _attend_tile,
     _dot_mode,
     _fold_shares,
+    _kv_tiles,
     _partials,
     _pow2,
     _slots,
@@ -83,7 +85,7 @@ def _varlen_group(
     scale, head_dim, segments,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, SPLITS: tl.constexpr = 1,
-    SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1,
+    SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
 ):
     """One program: segment s, query tile qb, KV head kv, share sp of the walk. Row i of the
     [BLOCK_Q * G, D] query tile is token qb * BLOCK_Q + i // G of the segment and query head
@@ -92,7 +94,9 @@ def _varlen_group(
     program walks every tile its queries can see and writes the output normalised. Otherwise
     axis 2 is kv * SPLITS + sp: share sp walks its contiguous part of those tiles
     (`_tiles_per_share`) and writes its un-normalised acc with its m and l for every live row, an
-    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them."""
+    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them. With PREFETCH each turn of
+    the walk issues the next tile's table, K and V loads before it attends the tile it holds, so a
+    tile's loads wait behind the one before rather than after it."""
     if FLAT:
         s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
         if not live_tile:
@@ -129,13 +133,28 @@ def _varlen_group(
     m = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * G], tl.float32)
     acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
-    for b in range(first, last):
-        w = b * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = w < n_keys
-        slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
-        seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
-        m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
-                                 stride_ks, stride_kh, stride_vs, stride_vh, DOT)
+    if PREFETCH:
+        stop = tl.minimum(last * BLOCK_N, n_keys)  # the share's keys end here: nothing is loaded past it
+        w = first * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, w < stop, PAGE)
+        k, v = _kv_tiles(k_ptr, v_ptr, slot, kv, d, dmask, valid, stride_ks, stride_kh, stride_vs, stride_vh)
+        for _ in range(first, last):
+            # the next tile's loads go out first (none past the share's last tile), then this one is attended
+            w_next = w + BLOCK_N
+            slot_next, valid_next = _slots(table_ptr, rows_ptr, s, stride_tr, w_next, w_next < stop, PAGE)
+            k_next, v_next = _kv_tiles(k_ptr, v_ptr, slot_next, kv, d, dmask, valid_next,
+                                       stride_ks, stride_kh, stride_vs, stride_vh)
+            seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+            m, l, acc = _attend_kv(q, k, v, seen, m, l, acc, scale, DOT)
+            w, valid, k, v = w_next, valid_next, k_next, v_next
+    else:
+        for b in range(first, last):
+            w = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = w < n_keys
+            slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
+            seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+            m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
+                                     stride_ks, stride_kh, stride_vs, stride_vh, DOT)
     if SPLITS == 1:
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -206,6 +225,7 @@ def varlen_attention(
     share_tiles: int = SHARE_TILES,
     num_warps: int = 4,
     num_stages: int | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -228,7 +248,8 @@ def varlen_attention(
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
     the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
     `num_warps` and `num_stages` are the group kernel's launch; `num_stages` None is the engine's
-    choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one.
+    choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `prefetch`
+    loads each key tile's K and V a turn of the walk ahead (`_varlen_group`'s PREFETCH).
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -277,7 +298,7 @@ def varlen_attention(
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
         DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
-        SEG=_pow2(segments) if grid_tokens is not None else 1, num_warps=num_warps,
+        SEG=_pow2(segments) if grid_tokens is not None else 1, PREFETCH=bool(prefetch), num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else
            {"num_stages": UNSPLIT_STAGES} if splits == 1 else {}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds

@@ -59,6 +59,7 @@ CASES = (
     VarlenCase("prompt chunk 512, nothing cached", ((0, 512),)),
     VarlenCase("prompt chunk 512 after 1,536", ((1536, 512),)),
     VarlenCase("50 tokens after a cached 2,048", ((2048, 50),)),
+    VarlenCase("64 tokens after a cached 4,128", ((4128, 64),)),
     VarlenCase("verify: 8 rows of 5 over 256", tuple((256, 5) for _ in range(8))),
     VarlenCase("mixed: chunk 448 + 64 decode rows over 512", ((0, 448),) + tuple((512, 1) for _ in range(64))),
 )
@@ -85,9 +86,11 @@ class VarlenConfig(NamedTuple):
     num_stages: int | None
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
+    prefetch: bool = False  # load each key tile a turn of the walk ahead (`varlen_attention`'s prefetch)
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
+PREFETCHED = DEFAULT._replace(prefetch=True)
 
 
 def sweep_configs() -> list[VarlenConfig]:
@@ -96,7 +99,7 @@ def sweep_configs() -> list[VarlenConfig]:
     shares shorten the walk); then tiles, warps and stages, each with the engine's share count and
     with none."""
     out = [DEFAULT] + [DEFAULT._replace(splits=s, share_tiles=t)
-                       for s in (1, 2, 4, 8, 16, 32) for t in (SHARE_TILES, 1)]
+                       for s in (1, 2, 4, 8, 16, 32) for t in (SHARE_TILES, 1)] + prefetch_configs()
     for block_m in (32, 64, 128):
         for block_n in (32, 64):
             for warps in (4, 8):
@@ -104,6 +107,13 @@ def sweep_configs() -> list[VarlenConfig]:
                     for splits in (None, 1):
                         out.append(VarlenConfig(block_m, block_n, warps, stages, splits))
     return list(dict.fromkeys(out))
+
+
+def prefetch_configs() -> list[VarlenConfig]:
+    """The engine's tiles and warps with and without the prefetch, at its share count and at 4, 8
+    and 16 of one tile or more, each at its default stages and at 1 and 3."""
+    return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, prefetch=p)
+            for p in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
 
 
 def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
@@ -183,11 +193,11 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
-            num_stages=c.num_stages)
+            num_stages=c.num_stages, prefetch=c.prefetch)
         row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
-               "share_tiles": c.share_tiles,
+               "share_tiles": c.share_tiles, "prefetch": c.prefetch,
                "engine_default": c == DEFAULT}
         try:
             err = float((run().float() - ref).abs().max())
@@ -260,12 +270,13 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
         if best and default:
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
-                f"splits {best['splits']} of at least {best['share_tiles']} tiles)")
+                f"splits {best['splits']} of at least {best['share_tiles']} tiles, prefetch {best['prefetch']})")
         for layout in layouts[1:]:
-            (r,) = time_case(case, config, [DEFAULT], repeats, dtype=dtype, layout=layout)
-            rows.append(r)
-            log(f"  the engine's launch, {layout.name}: {r['us']:.1f} us ({r['splits']} shares, "
-                f"{r['table_segments']} table rows, grid for {r['grid_tokens']} tokens)")
+            for r in time_case(case, config, [DEFAULT, PREFETCHED], repeats, dtype=dtype, layout=layout):
+                rows.append(r)
+                log(f"  the engine's launch{', prefetched' if r['prefetch'] else ''}, {layout.name}: "
+                    f"{r['us']:.1f} us ({r['splits']} shares, {r['table_segments']} table rows, grid for "
+                    f"{r['grid_tokens']} tokens)")
         if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:
             for layout in layouts:
                 r = time_decode_read(case, config, repeats, dtype=dtype, layout=layout)
@@ -286,6 +297,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated words; only the cases whose name holds one (e.g. verify,50 tokens)")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
                         help="time only the engine's launch (and the decode read), not the sweep of tiles")
+    parser.add_argument("--prefetch-only", action="store_true",
+                        help="sweep only the prefetch against the engine's walk (`prefetch_configs`), not every tile")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -304,8 +317,8 @@ def main(args: argparse.Namespace) -> int:
         cases = tuple(c for c in CASES if any(w in c.name for w in words))
         if not cases:
             raise ValueError(f"--cases {args.cases!r} names none of: {'; '.join(c.name for c in CASES)}")
-    table = run_varlenbench(args.model, cases, None if args.sweep else [DEFAULT], repeats=args.repeats,
-                            layouts=layouts, dtype=dtype)
+    configs = prefetch_configs() if args.prefetch_only else None if args.sweep else [DEFAULT]
+    table = run_varlenbench(args.model, cases, configs, repeats=args.repeats, layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)
           .to_string(index=False))
