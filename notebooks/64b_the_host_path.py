@@ -165,10 +165,10 @@ for part, phase in (("shared prefix", "warm"), ("multi-turn", "turn 2")):
 # once, after a wait: between two of these requests the core waits for the client, and the
 # server's event loop waits for both. A request also wakes three processes in turn (the client,
 # the server's event loop and the engine core), and no stage above counts a wake-up.
-# `idle_costs` times both, after the host has idled for 0 to 50 ms: a round trip through a pipe
-# to a process blocked reading it (two wake-ups, as a post to the core and the core's reply
-# make), and one pass of the engine's stages at 2,048 ids (the stage table's "now" and "both"
-# arms without the client's encode), each timed once, the median of 40.
+# `idle_costs` times both after the host has idled for 0 to 50 ms: a round trip through a pipe to
+# a process blocked reading it (two wake-ups, as a post to the core and the core's reply make),
+# and one pass of the engine's stages at 2,048 ids (the stage table's "now" and "both" arms
+# without the client's encode), each timed once; the median of 40 of each.
 
 # %%
 idle = lab.idle_costs()
@@ -177,26 +177,37 @@ lab.show(idle.pivot_table(index="what", columns="gap_ms", values=["us_p50", "us_
 fastest = costs[(costs.prompt_len == 2048) & costs.arm.isin(["now", "both"]) & (costs.stage != "encode")].us.sum()
 passes = idle[idle.what == "stages"].set_index("gap_ms").us_p50
 trips = idle[idle.what == "pipe round trip"].set_index("gap_ms").us_p50
-print(f"the stages at 2,048 ids: {fastest:.0f} us as the fastest warm loops, one pass "
+print(f"the stages at 2,048 ids, the fastest warm loops summed: {fastest:.0f} us; a single pass's median "
       + ", ".join(f"{passes[g] / fastest:.1f}x that after {g:g} ms idle" for g in passes.index))
-print("a pipe round trip: " + ", ".join(f"{trips[g]:.0f} us after {g:g} ms" for g in trips.index))
-h200_idle = lab.measured_table("day64b_idle", "scripts/gpu_run.sh prefix (it runs frontcosts)")
-if h200_idle is not None:
-    lab.show(h200_idle.pivot_table(index="what", columns="gap_ms", values="us_p50", sort=False).round(0))
+print("a pipe round trip's median: " + ", ".join(f"{trips[g]:.0f} us after {g:g} ms" for g in trips.index)
+      + f"; after 10 ms, {trips[10.0] / trips[1.0]:.1f}x and a pass {passes[10.0] / passes[1.0]:.1f}x "
+        "what they took after 1 ms")
+for slug, table in lab.committed_tables("day64b_idle").items():
+    if slug != "cpu":  # a GPU host's run (`scripts/gpu_run.sh prefix` runs frontcosts)
+        print(f"{slug}'s host:")
+        lab.show(table.pivot_table(index="what", columns="gap_ms", values="us_p50", sort=False).round(0))
 
 # %% [markdown]
-# On this virtual machine neither number is fixed. Over the runs on the machine that wrote this,
-# one pass of the stages took 1.3 to 2 times the fastest warm loops at gaps of up to 1 ms, because
-# each stage ran once and cold, and 3.5 to 4 times after 10 or 50 ms idle. A pipe round trip took
-# 0.06 to 0.1 ms at those short gaps and 0.2 to 0.3 ms after 10 ms or more. The likeliest cause is
-# the hypervisor: it halts an idle virtual CPU, and waking one costs more than waking a process on
-# a running one. A request to an idle server pays this in the client, the server and the core, so
-# front keeps a fixed part of a millisecond or more that fewer bytes cannot shrink.
+# Both grew with the gap. In the run committed with this chapter (`data/day64b_idle_cpu.csv`), a
+# single pass of the stages took 1.4 times the fastest warm loops summed with no gap, 2.4 times
+# after 1 ms, and 4.1 to 4.5 times after 10 or 50 ms. Part of the first ratio is only how each is
+# taken: a median of single passes against the fastest of seven loops. A pipe round trip took
+# 0.07 ms with no gap, 0.11 ms after 1 ms, and 0.38 to 0.39 ms after 10 ms or more. The round trip
+# includes waking the peer; a likely cause of its growth is the hypervisor halting an idle virtual
+# CPU, which then costs more to wake than a process on a running one. The pass's timer starts
+# after the sleep has returned, so its growth is something else, such as caches or a clock that
+# slowed while idle; this run cannot tell which.
 #
-# A core that polled its pipe instead of blocking on it would keep its CPU awake, at the price of
-# a core spinning. On this 2-core machine that core would take half the CPU from the server and
-# the client, so only a GPU host's many cores can say whether it pays. The engine core still
-# blocks.
+# Under `scripts/test.sh` another notebook's kernel runs on the second core meanwhile, so the
+# numbers printed above move from run to run. `python -m nanolab frontcosts` writes the same
+# table from a quiet machine.
+#
+# What this suggests for front, without measuring it: a request to an idle server pays such costs
+# in the client, the server and the core, a part of a millisecond that the stage table does not
+# count and that fewer bytes would not obviously shrink. A core that polled its pipe instead of
+# blocking on it would keep its CPU awake, at the price of a core spinning. On this 2-core machine
+# that core would take half the CPU from the server and the client, so only a GPU host's many
+# cores can say whether it pays. The engine core still blocks.
 #
 # ## What this predicts for the H200
 #
@@ -265,10 +276,9 @@ print("every request of both runs completed with its tokens; the lookups agreed 
 #   which TTFT counts as `vllm bench serve` does.
 # - On this CPU, the host's work before a warm hit's step fell by 0.33 ms at the shared prefix and
 #   by 0.14 ms at the second turn, where the stages predict about 0.1 and 0.2 ms; with so few
-#   requests a run, the gap is within the spread. Most of what remains is fixed: wake-ups between
-#   three processes, and stages that run once and cold. After 10 ms idle, on this virtual machine,
-#   a pipe round trip took three to five times as long as after 1 ms, and a pass of the stages two
-#   to three times as long.
+#   requests a run, the gap is within the spread. What the stages leave out grows when the host
+#   idles: in the committed run on this virtual machine, a pipe round trip took 3.3 times as long
+#   after 10 ms idle as after 1 ms, and a single pass of the stages 1.9 times as long.
 # - Predicted for the H200, and not yet measured: the second turn at about 4.65x to 4.9x, short of
 #   5x, and the shared prefix at about 3.1x to 3.2x. The host cannot reach the aim alone; the
 #   prompt step's attention read is the next lever. The next GPU session's

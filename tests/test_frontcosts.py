@@ -38,8 +38,13 @@ def test_idle_costs_time_a_round_trip_and_a_pass_at_each_gap():
 
 
 def test_bad_gaps_are_refused_by_name_before_anything_runs():
-    with pytest.raises(ValueError, match="gaps"):
-        frontcosts.idle_costs((-1.0,))
+    for gaps in ((-1.0,), (float("nan"),), (float("inf"),), ()):
+        with pytest.raises(ValueError, match="gaps"):
+            frontcosts.idle_costs(gaps)
+    with pytest.raises(ValueError, match="prompt_len: 16"):
+        frontcosts.idle_costs(prompt_len=16)
+    with pytest.raises(ValueError, match="samples"):
+        frontcosts.idle_costs(samples=0)
     for gaps in ("1,x", "-5", "nan"):
         with pytest.raises(ValueError, match="--gaps"):
             frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps=gaps, prefix="never"))

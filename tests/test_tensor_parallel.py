@@ -248,13 +248,14 @@ def test_a_worker_that_exits_fails_the_next_request_and_every_later_one():
 def test_an_idle_worker_outlasts_the_groups_timeout():
     """A worker waits for the next step on its pipe, which has no timeout, so a server idle for
     longer than the group's collective timeout (30 minutes by default on gloo) still serves; here
-    the timeout is 10 s and the group idles for 12. (The timeout also bounds the workers' start, a
-    fresh interpreter importing torch, so it cannot be much shorter on a busy 2-core machine.)"""
+    the timeout is 15 s and the group idles for 17. (The timeout also bounds the workers' start, a
+    fresh interpreter importing torch, so it cannot be much shorter on a busy 2-core machine, where
+    another test process may share the cores.)"""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     with LLM("tiny", device="cpu", dtype="float32", num_blocks=32, tensor_parallel_size=2,
-             distributed_timeout_s=10.0) as llm:
+             distributed_timeout_s=15.0) as llm:
         before = llm.generate(["a b c"], params)[0]
-        time.sleep(12)
+        time.sleep(17)
         after = llm.generate(["a b c"], params)[0]
         assert after.error is None and after.token_ids == before.token_ids
         assert llm.workers.exited() == []

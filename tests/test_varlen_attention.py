@@ -249,8 +249,8 @@ def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, mo
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_prefetched_walks_equal_the_reference(splits, monkeypatch):
     """`prefetch`: each turn of the walk loads the next tile before it attends the one it holds.
-    Whole walks and shares, the last share's prefetch past its tiles loading nothing, in a flat
-    grid over padding and in 16 bits: what the reference reads."""
+    Whole walks and shares, in a flat grid over padding and in 16 bits: what the reference reads,
+    every real token's partials written and the padding's left alone."""
     made = poison_partials(monkeypatch)
     for segments in (MIXED, UNEVEN):
         case, max_q = varlen_case(segments, 6, 2, 16, seed=9)
@@ -263,7 +263,11 @@ def test_prefetched_walks_equal_the_reference(splits, monkeypatch):
                                prefetch=True, **TILES)
         torch.testing.assert_close(got[:n], ref, rtol=1e-5, atol=1e-5)
         assert not got[n:].any(), "a padding token was attended"
-    assert all(not m[:n].isnan().any() for _, m, _ in made[-1:]), "a share left a real token's partials unwritten"
+        if splits > 1:
+            (_, m, _), (_, m_step, _) = made[-2:]
+            assert not m.isnan().any() and not m_step[:n].isnan().any(), "a real token's partials were not written"
+            assert m_step[n:].isnan().all(), "a padding token's partials were written"
+    assert len(made) == (4 if splits > 1 else 0)
     half = {k: v.half() if k in ("q", "k_pool", "v_pool") else v for k, v in case.items()}
     got = varlen_attention(**half, max_query_len=max_q, splits=splits, share_tiles=1, prefetch=True, **TILES)
     torch.testing.assert_close(got.float(), varlen_reference(**{**half, **{k: half[k].float() for k in

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import multiprocessing
 import pickle
 import random
@@ -144,7 +145,7 @@ def _echo(inbox, outbox) -> None:
 
 
 def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, prompt_len: int = 2048,
-               seed: int = 0) -> pd.DataFrame:
+               seed: int = 0, timeout_s: float = 60.0) -> pd.DataFrame:
     """What the host's part of a request costs after it idled: for each gap, `samples` times
     each, sleep the gap, then time one, with the garbage collector off:
 
@@ -153,31 +154,42 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
     - "stages": one pass of the engine's stages for `prompt_len` ids (`stage_calls`' "now" and
       "both" arms, the client's "encode" left out), in order.
 
-    A row per (gap, what): the median and p90 µs."""
-    if samples < 1 or any(g < 0 for g in gaps_ms):
-        raise ValueError(f"samples must be positive and gaps at least 0, got {samples} and {list(gaps_ms)}")
+    A row per (gap, what): the median and p90 µs. An echo process that dies, or does not answer
+    within `timeout_s`, is an error, not a wait."""
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive int, got {samples!r}")
+    if not gaps_ms or not all(0 <= g < math.inf for g in gaps_ms):
+        raise ValueError(f"gaps must be finite ms of at least 0, got {list(gaps_ms)}")
+    if prompt_len < 2 * BLOCK_SIZE:
+        raise ValueError(f"prompt_len: {prompt_len} is shorter than two blocks of {BLOCK_SIZE}")
     stages = [fn for stage, arm, fn in stage_calls(prompt_len, seed) if arm != "before" and stage != "encode"]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold a CUDA context
-    to_peer, from_peer = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
-    peer = ctx.Process(target=_echo, args=(to_peer[0], from_peer[1]), daemon=True)
-    peer.start()
+    (peer_in, to_peer), (from_peer, peer_out) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+    peer = ctx.Process(target=_echo, args=(peer_in, peer_out), daemon=True)
+
+    def echo(message):
+        to_peer.send(message)
+        if not from_peer.poll(timeout_s):  # an EOF (the peer died) polls ready, and recv raises it
+            raise RuntimeError(f"the echo process did not answer within {timeout_s:g} s")
+        back = from_peer.recv()
+        if back != message:
+            raise RuntimeError(f"the echo process sent {back!r} back for {message!r}")
+
     rows = []
     was_enabled = gc.isenabled()
-    gc.disable()
     try:
-        to_peer[1].send(-1)
-        if from_peer[0].recv() != -1:  # the peer is up and echoing before anything is timed
-            raise RuntimeError("the echo process answered with something else")
+        peer.start()
+        peer_in.close()  # the peer's ends: once it exits, a read here ends at EOF instead of waiting
+        peer_out.close()
+        echo(-1)  # the peer is up and echoing before anything is timed
+        gc.disable()
         for gap in gaps_ms:
             trips, passes = [], []
             for i in range(samples):
                 time.sleep(gap / 1e3)
                 start = time.perf_counter()
-                to_peer[1].send(i)
-                back = from_peer[0].recv()
+                echo(i)
                 trips.append((time.perf_counter() - start) * 1e6)
-                if back != i:
-                    raise RuntimeError(f"the echo process sent {back!r} back for {i}")
             for _ in range(samples):
                 time.sleep(gap / 1e3)
                 start = time.perf_counter()
@@ -191,10 +203,16 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
     finally:
         if was_enabled:
             gc.enable()
-        to_peer[1].send(None)
-        peer.join(10)
+        try:
+            to_peer.send(None)
+        except OSError:  # the peer is gone already
+            pass
+        if peer.is_alive():
+            peer.join(10)
         if peer.is_alive():
             peer.kill()
+        for conn in (to_peer, from_peer, peer_in, peer_out):
+            conn.close()
     return pd.DataFrame(rows)
 
 

@@ -99,7 +99,7 @@ def sweep_configs() -> list[VarlenConfig]:
     shares shorten the walk); then tiles, warps and stages, each with the engine's share count and
     with none."""
     out = [DEFAULT] + [DEFAULT._replace(splits=s, share_tiles=t)
-                       for s in (1, 2, 4, 8, 16, 32) for t in (SHARE_TILES, 1)] + prefetch_configs()
+                       for s in (1, 2, 4, 8, 16, 32) for t in (SHARE_TILES, 1)]
     for block_m in (32, 64, 128):
         for block_n in (32, 64):
             for warps in (4, 8):
@@ -111,7 +111,8 @@ def sweep_configs() -> list[VarlenConfig]:
 
 def prefetch_configs() -> list[VarlenConfig]:
     """The engine's tiles and warps with and without the prefetch, at its share count and at 4, 8
-    and 16 of one tile or more, each at its default stages and at 1 and 3."""
+    and 16 of one tile or more, each at its default stages and at 1 and 3 (`--prefetch-only`; the
+    full sweep of tiles leaves the prefetch out)."""
     return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, prefetch=p)
             for p in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
 
@@ -271,10 +272,11 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles, prefetch {best['prefetch']})")
+        launches = [DEFAULT, PREFETCHED] if any(c.prefetch for c in configs) else [DEFAULT]
         for layout in layouts[1:]:
-            for r in time_case(case, config, [DEFAULT, PREFETCHED], repeats, dtype=dtype, layout=layout):
+            for r in time_case(case, config, launches, repeats, dtype=dtype, layout=layout):
                 rows.append(r)
-                log(f"  the engine's launch{', prefetched' if r['prefetch'] else ''}, {layout.name}: "
+                log(f"  {'the prefetched walk' if r['prefetch'] else 'the engine launch'}, {layout.name}: "
                     f"{r['us']:.1f} us ({r['splits']} shares, {r['table_segments']} table rows, grid for "
                     f"{r['grid_tokens']} tokens)")
         if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:
