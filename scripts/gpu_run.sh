@@ -44,9 +44,9 @@
 # varlen sweeps the varlen read's tiles, warps, stages and splits alone on the steps that use it: a prompt chunk,
 # a short prompt after a cached prefix, a verify step, a mixed step, and the engine's launch also in the layouts a
 # step hands it (data/day64_varlen_sweep_*), $VARLEN_ARGS added (e.g. "--dtype float32 --prefix day65fp32").
-# VARLEN_ARGS="--prefetch-only --cases tokens --prefix day64c" times the read's walk with each tile loaded a
-# turn ahead (`varlen_attention`'s prefetch) against the engine's, for 50 and 64 tokens after a cached 2,048
-# and 4,128 (the two cases whose names hold "tokens").
+# VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" times the read with K and V addressed through one
+# tensor of int32 offsets (`varlen_attention`'s narrow) against the engine's, for 50 and 64 tokens after a
+# cached 2,048 and 4,128 (the two cases whose names hold "tokens").
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # data/day65_fp8_dots_*, about 5 minutes); verify the cost of a verify step of k = 4 drafts against a

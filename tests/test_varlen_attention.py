@@ -247,20 +247,20 @@ def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, mo
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_prefetched_walks_equal_the_reference(splits, monkeypatch):
-    """`prefetch`: each turn of the walk loads the next tile before it attends the one it holds.
-    Whole walks and shares, in a flat grid over padding and in 16 bits: what the reference reads,
-    every real token's partials written and the padding's left alone."""
+def test_narrow_offsets_read_what_the_reference_reads(splits, monkeypatch):
+    """`narrow`: K and V addressed through one tensor of int32 offsets. Whole walks and shares, in a
+    flat grid over padding and in 16 bits: what the reference reads, every real token's partials
+    written and the padding's left alone."""
     made = poison_partials(monkeypatch)
     for segments in (MIXED, UNEVEN):
         case, max_q = varlen_case(segments, 6, 2, 16, seed=9)
         ref = varlen_reference(**case)
-        got = varlen_attention(**case, max_query_len=max_q, splits=splits, share_tiles=1, prefetch=True, **TILES)
+        got = varlen_attention(**case, max_query_len=max_q, splits=splits, share_tiles=1, narrow=True, **TILES)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         n = case["q"].shape[0]
         step = padded(case, extra_tokens=5, extra_segments=3)
         got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 5, splits=splits, share_tiles=1,
-                               prefetch=True, **TILES)
+                               narrow=True, **TILES)
         torch.testing.assert_close(got[:n], ref, rtol=1e-5, atol=1e-5)
         assert not got[n:].any(), "a padding token was attended"
         if splits > 1:
@@ -269,10 +269,25 @@ def test_prefetched_walks_equal_the_reference(splits, monkeypatch):
             assert m_step[n:].isnan().all(), "a padding token's partials were written"
     assert len(made) == (4 if splits > 1 else 0)
     half = {k: v.half() if k in ("q", "k_pool", "v_pool") else v for k, v in case.items()}
-    got = varlen_attention(**half, max_query_len=max_q, splits=splits, share_tiles=1, prefetch=True, **TILES)
+    got = varlen_attention(**half, max_query_len=max_q, splits=splits, share_tiles=1, narrow=True, **TILES)
     torch.testing.assert_close(got.float(), varlen_reference(**{**half, **{k: half[k].float() for k in
                                                                           ("q", "k_pool", "v_pool")}}),
                                rtol=2e-2, atol=4e-3)
+
+
+def test_narrow_offsets_need_pools_they_can_address(monkeypatch):
+    """Narrow offsets are shared by K and V and are int32: pools of other strides, or of more
+    elements than an int32 reaches, are refused by name rather than read wrong."""
+    case, max_q = varlen_case(MIXED, 4, 2, 24)
+    v_wide = torch.zeros(case["v_pool"].shape[0], 2, 32, device=case["v_pool"].device)[:, :, :24]
+    v_wide.copy_(case["v_pool"])
+    with pytest.raises(ValueError, match="narrow offsets need K and V pools of equal strides"):
+        varlen_attention(**{**case, "v_pool": v_wide}, max_query_len=max_q, narrow=True, **TILES)
+    torch.testing.assert_close(varlen_attention(**{**case, "v_pool": v_wide}, max_query_len=max_q, **TILES),
+                               varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(varlen_attention_module, "NARROW_LIMIT", case["k_pool"].numel())
+    with pytest.raises(ValueError, match="fewer than"):
+        varlen_attention(**case, max_query_len=max_q, narrow=True, **TILES)
 
 
 def test_the_operator_passes_splits_through(monkeypatch):

@@ -15,7 +15,7 @@ from nanolab.lab.varlenbench import (
     VarlenConfig,
     capture_tokens,
     case_inputs,
-    prefetch_configs,
+    narrow_configs,
     sweep_configs,
     time_case,
     time_decode_read,
@@ -28,20 +28,20 @@ def test_every_config_reads_what_the_reference_reads(tiny_path, one_thread):
     config = ModelConfig.from_dir(tiny_path)
     case = VarlenCase("a chunk after a cached prefix, and a decode row", ((40, 9), (23, 1)))
     configs = [VarlenConfig(32, 32, 4, 2, 1), VarlenConfig(32, 32, 4, None, 2, share_tiles=1),
-               VarlenConfig(32, 32, 4, None, 2, share_tiles=1, prefetch=True)]
+               VarlenConfig(32, 32, 4, None, 2, share_tiles=1, narrow=True)]
     rows = time_case(case, config, configs, repeats=1, sms=4, device="cpu", dtype=torch.float32)
     assert [r["error"] for r in rows] == ["", "", ""]
     assert all(r["max_err"] < 1e-4 and r["us"] > 0 and r["tokens"] == 10 for r in rows)
-    assert [(r["splits"], r["share_tiles"], r["prefetch"]) for r in rows] == [(1, 4, False), (2, 1, False),
+    assert [(r["splits"], r["share_tiles"], r["narrow"]) for r in rows] == [(1, 4, False), (2, 1, False),
                                                                              (2, 1, True)]
 
 
 def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     configs = sweep_configs()
     assert configs[0] == DEFAULT and len(configs) == len(set(configs)) > 30
-    prefetched = prefetch_configs()
-    assert not any(c.prefetch for c in configs) and DEFAULT in prefetched and len(set(prefetched)) == 24
-    assert {c._replace(prefetch=False) for c in prefetched if c.prefetch} == {c for c in prefetched if not c.prefetch}
+    narrowed = narrow_configs()
+    assert not any(c.narrow for c in configs) and DEFAULT in narrowed and len(set(narrowed)) == 24
+    assert {c._replace(narrow=False) for c in narrowed if c.narrow} == {c for c in narrowed if not c.narrow}
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
 
 

@@ -107,18 +107,8 @@ def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, sc
 
 
 @triton.jit
-def _kv_tiles(k_ptr, v_ptr, slot, kv, d, dmask, valid, stride_ks, stride_kh, stride_vs, stride_vh):
-    """The K and V tiles [N, D] of pool slots `slot` [N] for KV head kv, zeros where not `valid`:
-    both loads issued together, for a caller that loads a tile ahead of the one it attends."""
-    tile_mask = valid[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
 def _attend_kv(q, k, v, seen, m, l, acc, scale, DOT: tl.constexpr):
-    """`_attend_tile` over K and V tiles [N, D] already loaded (`_kv_tiles`)."""
+    """`_attend_tile` over K and V tiles [N, D] its caller loaded."""
     if DOT == 0:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif DOT == 1:

@@ -46,7 +46,6 @@ from nanolab.kernels.paged_attention import (
     _attend_tile,
     _dot_mode,
     _fold_shares,
-    _kv_tiles,
     _partials,
     _pow2,
     _slots,
@@ -59,6 +58,8 @@ BLOCK_N = 64  # keys per tile
 # Software-pipelining stages of an unsplit walk (a split one keeps Triton's default): two beat the
 # default three on every unsplit case of the varlen sweeps (`data/day64_varlen_sweep_*`).
 UNSPLIT_STAGES = 2
+# `narrow` offsets are int32: every element of a pool must be reachable by one.
+NARROW_LIMIT = 2**31
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def _varlen_group(
     scale, head_dim, segments,
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, SPLITS: tl.constexpr = 1,
-    SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
+    SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1, NARROW: tl.constexpr = False,
 ):
     """One program: segment s, query tile qb, KV head kv, share sp of the walk. Row i of the
     [BLOCK_Q * G, D] query tile is token qb * BLOCK_Q + i // G of the segment and query head
@@ -94,9 +95,10 @@ def _varlen_group(
     program walks every tile its queries can see and writes the output normalised. Otherwise
     axis 2 is kv * SPLITS + sp: share sp walks its contiguous part of those tiles
     (`_tiles_per_share`) and writes its un-normalised acc with its m and l for every live row, an
-    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them. With PREFETCH each turn of
-    the walk issues the next tile's table, K and V loads before it attends the tile it holds, so a
-    tile's loads wait behind the one before rather than after it."""
+    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them. With NARROW a key tile's K
+    and V are read through one [BLOCK_N, D] tensor of int32 offsets, which K and V share (their
+    pools' strides are equal and their elements fewer than 2**31, as the host checks), instead of
+    two of 64-bit pointers."""
     if FLAT:
         s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
         if not live_tile:
@@ -133,26 +135,18 @@ def _varlen_group(
     m = tl.full([BLOCK_Q * G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * G], tl.float32)
     acc = tl.zeros([BLOCK_Q * G, D], tl.float32)
-    if PREFETCH:
-        stop = tl.minimum(last * BLOCK_N, n_keys)  # the share's keys end here: nothing is loaded past it
-        w = first * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, w < stop, PAGE)
-        k, v = _kv_tiles(k_ptr, v_ptr, slot, kv, d, dmask, valid, stride_ks, stride_kh, stride_vs, stride_vh)
-        for _ in range(first, last):
-            # the next tile's loads go out first (none past the share's last tile), then this one is attended
-            w_next = w + BLOCK_N
-            slot_next, valid_next = _slots(table_ptr, rows_ptr, s, stride_tr, w_next, w_next < stop, PAGE)
-            k_next, v_next = _kv_tiles(k_ptr, v_ptr, slot_next, kv, d, dmask, valid_next,
-                                       stride_ks, stride_kh, stride_vs, stride_vh)
-            seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+    for b in range(first, last):
+        w = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = w < n_keys
+        slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
+        seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+        if NARROW:
+            off = slot.to(tl.int32)[:, None] * stride_ks + kv * stride_kh + d[None, :]  # [N, D]: K's and V's
+            tile_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + off, mask=tile_mask, other=0.0)
+            v = tl.load(v_ptr + off, mask=tile_mask, other=0.0)
             m, l, acc = _attend_kv(q, k, v, seen, m, l, acc, scale, DOT)
-            w, valid, k, v = w_next, valid_next, k_next, v_next
-    else:
-        for b in range(first, last):
-            w = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = w < n_keys
-            slot, valid = _slots(table_ptr, rows_ptr, s, stride_tr, w, valid, PAGE)
-            seen = valid[None, :] & (w[None, :] <= pos[:, None])  # causal by position
+        else:
             m, l, acc = _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
                                      stride_ks, stride_kh, stride_vs, stride_vh, DOT)
     if SPLITS == 1:
@@ -225,7 +219,7 @@ def varlen_attention(
     share_tiles: int = SHARE_TILES,
     num_warps: int = 4,
     num_stages: int | None = None,
-    prefetch: bool = False,
+    narrow: bool = False,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -248,8 +242,9 @@ def varlen_attention(
     `block_m` is the query tile's rows (tokens x the group's heads, at least 16 for tl.dot), `block_n`
     the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
     `num_warps` and `num_stages` are the group kernel's launch; `num_stages` None is the engine's
-    choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `prefetch`
-    loads each key tile's K and V a turn of the walk ahead (`_varlen_group`'s PREFETCH).
+    choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `narrow`
+    addresses K and V through one tensor of int32 offsets (`_varlen_group`'s NARROW): it needs
+    pools of equal strides and fewer than `NARROW_LIMIT` elements.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -264,6 +259,9 @@ def varlen_attention(
     if num_warps not in (1, 2, 4, 8, 16) or num_stages is not None and num_stages < 1:
         raise ValueError(f"num_warps must be a power of two up to 16 and num_stages positive or None, got "
                          f"{num_warps} and {num_stages}")
+    if narrow and (k_pool.stride() != v_pool.stride() or k_pool.numel() >= NARROW_LIMIT):
+        raise ValueError(f"narrow offsets need K and V pools of equal strides and fewer than {NARROW_LIMIT} elements, "
+                         f"got strides {k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
@@ -298,7 +296,7 @@ def varlen_attention(
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
         DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
-        SEG=_pow2(segments) if grid_tokens is not None else 1, PREFETCH=bool(prefetch), num_warps=num_warps,
+        SEG=_pow2(segments) if grid_tokens is not None else 1, NARROW=bool(narrow), num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else
            {"num_stages": UNSPLIT_STAGES} if splits == 1 else {}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds

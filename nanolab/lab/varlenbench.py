@@ -86,11 +86,11 @@ class VarlenConfig(NamedTuple):
     num_stages: int | None
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
-    prefetch: bool = False  # load each key tile a turn of the walk ahead (`varlen_attention`'s prefetch)
+    narrow: bool = False  # K and V through one tensor of int32 offsets (`varlen_attention`'s narrow)
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
-PREFETCHED = DEFAULT._replace(prefetch=True)
+NARROWED = DEFAULT._replace(narrow=True)
 
 
 def sweep_configs() -> list[VarlenConfig]:
@@ -109,12 +109,12 @@ def sweep_configs() -> list[VarlenConfig]:
     return list(dict.fromkeys(out))
 
 
-def prefetch_configs() -> list[VarlenConfig]:
-    """The engine's tiles and warps with and without the prefetch, at its share count and at 4, 8
-    and 16 of one tile or more, each at its default stages and at 1 and 3 (`--prefetch-only`; the
-    full sweep of tiles leaves the prefetch out)."""
-    return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, prefetch=p)
-            for p in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
+def narrow_configs() -> list[VarlenConfig]:
+    """The engine's tiles and warps with and without narrow offsets, at its share count and at 4, 8
+    and 16 of one tile or more, each at its default stages and at 1 and 3 (`--narrow-only`; the
+    full sweep of tiles leaves them out)."""
+    return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, narrow=n)
+            for n in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
 
 
 def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
@@ -194,11 +194,11 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
-            num_stages=c.num_stages, prefetch=c.prefetch)
+            num_stages=c.num_stages, narrow=c.narrow)
         row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
-               "share_tiles": c.share_tiles, "prefetch": c.prefetch,
+               "share_tiles": c.share_tiles, "narrow": c.narrow,
                "engine_default": c == DEFAULT}
         try:
             err = float((run().float() - ref).abs().max())
@@ -271,12 +271,12 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
         if best and default:
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
-                f"splits {best['splits']} of at least {best['share_tiles']} tiles, prefetch {best['prefetch']})")
-        launches = [DEFAULT, PREFETCHED] if any(c.prefetch for c in configs) else [DEFAULT]
+                f"splits {best['splits']} of at least {best['share_tiles']} tiles, narrow {best['narrow']})")
+        launches = [DEFAULT, NARROWED] if any(c.narrow for c in configs) else [DEFAULT]
         for layout in layouts[1:]:
             for r in time_case(case, config, launches, repeats, dtype=dtype, layout=layout):
                 rows.append(r)
-                log(f"  {'the prefetched walk' if r['prefetch'] else 'the engine launch'}, {layout.name}: "
+                log(f"  {'narrow offsets' if r['narrow'] else 'the engine launch'}, {layout.name}: "
                     f"{r['us']:.1f} us ({r['splits']} shares, {r['table_segments']} table rows, grid for "
                     f"{r['grid_tokens']} tokens)")
         if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:
@@ -299,8 +299,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated words; only the cases whose name holds one (e.g. verify,50 tokens)")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
                         help="time only the engine's launch (and the decode read), not the sweep of tiles")
-    parser.add_argument("--prefetch-only", action="store_true",
-                        help="sweep only the prefetch against the engine's walk (`prefetch_configs`), not every tile")
+    parser.add_argument("--narrow-only", action="store_true",
+                        help="sweep only narrow offsets against the engine's (`narrow_configs`), not every tile")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -319,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
         cases = tuple(c for c in CASES if any(w in c.name for w in words))
         if not cases:
             raise ValueError(f"--cases {args.cases!r} names none of: {'; '.join(c.name for c in CASES)}")
-    configs = prefetch_configs() if args.prefetch_only else None if args.sweep else [DEFAULT]
+    configs = narrow_configs() if args.narrow_only else None if args.sweep else [DEFAULT]
     table = run_varlenbench(args.model, cases, configs, repeats=args.repeats, layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)
