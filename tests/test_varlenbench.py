@@ -32,7 +32,8 @@ def test_every_config_reads_what_the_reference_reads(tiny_path, one_thread):
     rows = time_case(case, config, configs, repeats=1, sms=4, device="cpu", dtype=torch.float32)
     assert [r["error"] for r in rows] == ["", "", ""]
     assert all(r["max_err"] < 1e-4 and r["us"] > 0 and r["tokens"] == 10 for r in rows)
-    assert [(r["splits"], r["share_tiles"], r["narrow"]) for r in rows] == [(1, 4, False), (2, 1, False),
+    # the first two at the engine's choice: narrow, the pools being small
+    assert [(r["splits"], r["share_tiles"], r["narrow"]) for r in rows] == [(1, 4, True), (2, 1, True),
                                                                              (2, 1, True)]
 
 
@@ -40,7 +41,8 @@ def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     configs = sweep_configs()
     assert configs[0] == DEFAULT and len(configs) == len(set(configs)) > 30
     narrowed = narrow_configs()
-    assert not any(c.narrow for c in configs) and DEFAULT in narrowed and len(set(narrowed)) == 24
+    assert all(c.narrow is None for c in configs) and DEFAULT._replace(narrow=False) in narrowed
+    assert len(set(narrowed)) == 24
     assert {c._replace(narrow=False) for c in narrowed if c.narrow} == {c for c in narrowed if not c.narrow}
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
 

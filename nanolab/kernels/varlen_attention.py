@@ -60,6 +60,10 @@ BLOCK_N = 64  # keys per tile
 UNSPLIT_STAGES = 2
 # `narrow` offsets are int32: every element of a pool must be reachable by one.
 NARROW_LIMIT = 2**31
+# `choose_varlen_splits` cuts walks until the grid holds this many programs an SM: at one, a step of
+# 64 tokens after 4,128 cached took 4 shares and 59.9 us on an H100, where 8 took 40.1
+# (`data/day64c_varlen_sweep_*`); the 512-token steps, at two already, stay unshared.
+WAVES = 2
 
 
 @triton.jit
@@ -219,7 +223,7 @@ def varlen_attention(
     share_tiles: int = SHARE_TILES,
     num_warps: int = 4,
     num_stages: int | None = None,
-    narrow: bool = False,
+    narrow: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -243,8 +247,9 @@ def varlen_attention(
     the keys per tile; both powers of two. `share_tiles` is the fewest key tiles a share walks.
     `num_warps` and `num_stages` are the group kernel's launch; `num_stages` None is the engine's
     choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `narrow`
-    addresses K and V through one tensor of int32 offsets (`_varlen_group`'s NARROW): it needs
-    pools of equal strides and fewer than `NARROW_LIMIT` elements.
+    addresses K and V through one tensor of int32 offsets (`_varlen_group`'s NARROW), which needs
+    pools of equal strides and fewer than `NARROW_LIMIT` elements (`narrow_fits`); None, the
+    engine's choice, takes it wherever the pools allow.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -259,7 +264,9 @@ def varlen_attention(
     if num_warps not in (1, 2, 4, 8, 16) or num_stages is not None and num_stages < 1:
         raise ValueError(f"num_warps must be a power of two up to 16 and num_stages positive or None, got "
                          f"{num_warps} and {num_stages}")
-    if narrow and (k_pool.stride() != v_pool.stride() or k_pool.numel() >= NARROW_LIMIT):
+    if narrow is None:
+        narrow = narrow_fits(k_pool, v_pool)
+    elif narrow and not narrow_fits(k_pool, v_pool):
         raise ValueError(f"narrow offsets need K and V pools of equal strides and fewer than {NARROW_LIMIT} elements, "
                          f"got strides {k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
@@ -305,20 +312,26 @@ def varlen_attention(
     return out
 
 
+def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether one tensor of int32 offsets addresses both pools (`varlen_attention`'s `narrow`)."""
+    return k_pool.stride() == v_pool.stride() and k_pool.numel() < NARROW_LIMIT
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: int, num_sms: int = 132,
                          max_splits: int = 8, max_context: int | None = None) -> int:
     """Shares per program for a varlen step: the smallest power of two, at most `max_splits`, that
     brings the grid (query tiles x kv_heads x shares, the query tiles counted as the flat grid counts
-    them) to at least `num_sms` programs; 1 when the grid fills the SMs unshared, or when
-    `max_context` (the longest row, where the host knows it) fits one share's `SHARE_TILES` tiles.
-    The shares pay off only where each walk is long: a short context's extra shares walk nothing."""
+    them) to at least two programs an SM (`WAVES`); 1 when the grid holds that many unshared, or
+    when `max_context` (the longest row, where the host knows it) fits one share's `SHARE_TILES`
+    tiles. The shares pay off only where each walk is long: a short context's extra shares walk
+    nothing."""
     if max_context is not None and max_context <= SHARE_TILES * BLOCK_N:
         return 1
     block_q = max(1, BLOCK_M // _pow2(group))
     programs = (num_tokens // block_q + segments) * kv_heads
     splits = 1
-    while splits < max_splits and programs * splits < num_sms:
+    while splits < max_splits and programs * splits < WAVES * num_sms:
         splits *= 2
     return splits
 

@@ -39,7 +39,14 @@ import triton
 from nanolab.config import resolve_device
 from nanolab.engine.graphs import capture_sizes
 from nanolab.kernels.paged_attention import SHARE_TILES, paged_attention
-from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, choose_varlen_splits, varlen_attention, varlen_reference
+from nanolab.kernels.varlen_attention import (
+    BLOCK_M,
+    BLOCK_N,
+    choose_varlen_splits,
+    narrow_fits,
+    varlen_attention,
+    varlen_reference,
+)
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.timing import time_us
 from nanolab.model.config import ModelConfig
@@ -86,11 +93,11 @@ class VarlenConfig(NamedTuple):
     num_stages: int | None
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
-    narrow: bool = False  # K and V through one tensor of int32 offsets (`varlen_attention`'s narrow)
+    narrow: bool | None = None  # K and V through one int32 offset tensor; None: where the pools allow (the engine)
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
-NARROWED = DEFAULT._replace(narrow=True)
+NARROWED, WIDE = DEFAULT._replace(narrow=True), DEFAULT._replace(narrow=False)
 
 
 def sweep_configs() -> list[VarlenConfig]:
@@ -110,9 +117,8 @@ def sweep_configs() -> list[VarlenConfig]:
 
 
 def narrow_configs() -> list[VarlenConfig]:
-    """The engine's tiles and warps with and without narrow offsets, at its share count and at 4, 8
-    and 16 of one tile or more, each at its default stages and at 1 and 3 (`--narrow-only`; the
-    full sweep of tiles leaves them out)."""
+    """The engine's tiles and warps with narrow offsets off and on, at its share count and at 4, 8
+    and 16 of one tile or more, each at its default stages and at 1 and 3 (`--narrow-only`)."""
     return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, narrow=n)
             for n in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
 
@@ -198,7 +204,8 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
-               "share_tiles": c.share_tiles, "narrow": c.narrow,
+               "share_tiles": c.share_tiles,
+               "narrow": narrow_fits(args["k_pool"], args["v_pool"]) if c.narrow is None else c.narrow,
                "engine_default": c == DEFAULT}
         try:
             err = float((run().float() - ref).abs().max())
@@ -272,11 +279,11 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
             log(f"{case.name}: engine {default['us']:.1f} us, best {best['us']:.1f} us (block_m {best['block_m']}, "
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles, narrow {best['narrow']})")
-        launches = [DEFAULT, NARROWED] if any(c.narrow for c in configs) else [DEFAULT]
+        launches = [WIDE, NARROWED] if any(c.narrow is not None for c in configs) else [DEFAULT]
         for layout in layouts[1:]:
             for r in time_case(case, config, launches, repeats, dtype=dtype, layout=layout):
                 rows.append(r)
-                log(f"  {'narrow offsets' if r['narrow'] else 'the engine launch'}, {layout.name}: "
+                log(f"  the engine's tiles, {'narrow' if r['narrow'] else 'wide'} offsets, {layout.name}: "
                     f"{r['us']:.1f} us ({r['splits']} shares, {r['table_segments']} table rows, grid for "
                     f"{r['grid_tokens']} tokens)")
         if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:

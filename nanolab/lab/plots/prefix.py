@@ -150,3 +150,30 @@ def plot_front_costs(costs: pd.DataFrame) -> Figure:
     ax.legend(fontsize=8, ncol=len(STAGES), loc="upper center", bbox_to_anchor=(0.5, 1.16), frameon=False)
     fig.tight_layout()
     return fig
+
+
+def plot_read_shares(sweep: pd.DataFrame, chosen: dict[str, int]) -> Figure:
+    """`<prefix>_varlen_sweep` read alone (case, splits, num_stages, narrow, us): one panel per case,
+    µs of the read against its shares at the default stages, wide (grey) and narrow (blue)
+    offsets, with the share count the engine now chooses for the case (`chosen`) marked."""
+    cases = list(dict.fromkeys(sweep.case))
+    fig = Figure(figsize=(5.2 * len(cases), 4))
+    axes = fig.subplots(1, len(cases), squeeze=False)[0]
+    for ax, case in zip(axes, cases, strict=True):
+        rows = sweep[(sweep.case == case) & (sweep.num_stages == 0)]
+        for narrow, (colour, name) in {False: ("C7", "wide offsets (64-bit, K's and V's apart)"),
+                                       True: ("C0", "narrow offsets (int32, shared)")}.items():
+            part = rows[rows.narrow.astype(bool) == narrow].groupby("splits").us.min()
+            ax.plot(part.index, part.to_numpy(), "o-", color=colour, label=name)
+        ax.axvline(chosen[case], color="k", ls=":", lw=1, label="the engine's choice now")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(rows.splits.unique()), [str(int(s)) for s in sorted(rows.splits.unique())])
+        ax.set_ylim(0, 1.15 * rows.us.max())
+        ax.set_xlabel("shares a walk is cut into")
+        ax.set_ylabel("µs a read, alone in a CUDA graph")
+        ax.set_title(case, fontsize=9)
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="upper center", ncol=len(names))
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
