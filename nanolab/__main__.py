@@ -1,7 +1,7 @@
 """Command line: `python -m nanolab generate "prompt"`, `python -m nanolab weights PRESET`,
 `python -m nanolab serve` (the OpenAI-compatible server), and the lab's benches: `bench`,
 `capturebench`, `streambench`, `graphbench`, `levers`, `floorbench`, `tpbench`,
-`prefixbench`, `prefixsteps`, `varlenbench`, `specbench`, `hostbench`, `fp8bench`, `frontcosts`.
+`prefixbench`, `prefixsteps`, `varlenbench`, `specbench`, `hostbench`, `fp8bench`, `frontcosts`, `kernelres`.
 
 Bad input (a ValueError, TypeError or FileNotFoundError, a CUDA
 device this machine lacks among them) ends in one `error: ...` line on stderr and exit code 2;
@@ -49,6 +49,8 @@ LAZY_COMMANDS = {
                   "the host's work a decode step, plain, synchronous verify and chained verify (Day 65)"),
     "fp8bench": ("nanolab.lab.fp8bench", "lab",
                  "fp8 weights against bf16: ms a decode step against each floor, and perplexity (Day 65)"),
+    "kernelres": ("nanolab.lab.kernelres", "lab",
+                  "a kernel's registers and spills on an NVIDIA GPU, compiled without one (Day 64c)"),
     "frontcosts": ("nanolab.lab.frontcosts", "lab",
                    "a request's host work, stage by stage, around its prompt step, by prompt length (Day 64b)"),
     "prefixbench": ("nanolab.lab.prefixbench", "lab",

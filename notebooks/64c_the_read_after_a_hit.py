@@ -23,17 +23,6 @@
 # new tokens has only four query tiles, so for eight KV heads it has 32 programs before any
 # sharing, on a GPU of 132 SMs. `choose_varlen_splits` picked the fewest shares that reached one
 # program an SM.
-#
-# Compiled for the H100's architecture on this CPU (Triton 3.9, `triton.compile` with an sm_90
-# target, read with `cuobjdump -res-usage`), the read's kernel at the engine's tiles held 255
-# registers a thread and spilled 72 bytes of them to local memory. Most of those registers hold two
-# [64, 64] tiles of 64-bit addresses, one for K and one for V. With one tensor of int32 offsets
-# that K and V share, it held 254 and spilled nothing. That check ran once, by hand, and is not a
-# cell here; the timings below are what decide.
-#
-# On 2026-12-06 a device machine started, an H100 rather than an H200: `varlenbench
-# --narrow-only` timed both cases, each read alone in a CUDA graph with L2 flushed, at 4, 8 and 16
-# shares, at three pipeline depths, with wide and narrow offsets.
 
 # %%
 import torch
@@ -44,6 +33,35 @@ from nanolab.kernels.varlen_attention import WAVES, choose_varlen_splits, varlen
 H100 = "h100-80gb-hbm3"
 COMMAND = 'VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" scripts/gpu_run.sh varlen'
 sweep = lab.measured_table("day64c_varlen_sweep", COMMAND, slug=H100)
+
+# %% [markdown]
+# ## What the kernel holds
+#
+# A GPU is not needed to see what the read's kernel holds on one. `kernelres` has Triton compile
+# it for sm_90 (the H100's and the H200's architecture) on this machine, and the `cuobjdump` that
+# Triton's wheel ships reads the binary's registers a thread and the bytes it spills. Here at the
+# engine's tiles (64 x 64, 4 warps) and Llama-3.2-1B's heads, with 64-bit addresses for K and V
+# apart ("wide", the kernel as it was) and with one tensor of int32 offsets that K and V share
+# ("narrow"):
+
+# %%
+resources = lab.varlen_resources()
+lab.save_table(resources, "day64c_kernel_resources", lab.resources_label())
+lab.show(resources.drop(columns=["kernel", "arch"]))
+wide, narrow = (resources[resources.narrow == n].set_index("splits") for n in (False, True))
+print(f"wide: {wide.registers.max()} registers a thread and {wide.stack_bytes.max()} bytes spilled; narrow: "
+      f"{narrow.registers.max()} registers and {narrow.stack_bytes.max()} bytes")
+
+# %% [markdown]
+# The wide kernel holds 255 registers a thread, the most a thread may have, and spills the rest
+# to the stack. A [64, 64] tile of 64-bit addresses takes 64 registers a thread at 4 warps, and the
+# wide kernel holds two, one for K and one for V; a shared tile of int32 offsets takes 32. The
+# narrow kernel spills nothing. These are the compiler's numbers, from this machine's Triton, which
+# may not be the GPU image's (3.6.0); whether the spill costs time is for the timings below to say.
+#
+# On 2026-12-06 a device machine started, an H100 rather than an H200: `varlenbench
+# --narrow-only` timed both cases, each read alone in a CUDA graph with L2 flushed, at 4, 8 and 16
+# shares, at three pipeline depths, with wide and narrow offsets.
 
 # %% [markdown]
 # ## Shares and offsets, measured

@@ -27,6 +27,7 @@ is loaded from its module on first use, so importing one instrument does not loa
   turn, no hits, and the hit rate /metrics reports (Day 64)
 - `frontcosts`: a request's host work around its prompt step, stage by stage and by prompt length,
   and after the host idles (Day 64b)
+- `kernelres`: a kernel's registers and spilled bytes on an NVIDIA GPU, compiled on this machine (Day 64c)
 - `specbench`: speculative decoding on real text, acceptance and ms a token at batch 1 (Day 65)
 - `results`: the front page's figure and the results page, from the committed tables
 """
@@ -66,6 +67,7 @@ _EXPORTS = {
     "nanolab.lab.plots.prefix": ["plot_front_costs", "plot_nohit_throughput", "plot_prefix_ttft", "plot_read_shares",
                                  "plot_shared_blocks"],
     "nanolab.lab.frontcosts": ["front_costs", "front_label", "front_totals", "idle_costs"],
+    "nanolab.lab.kernelres": ["resources_label", "varlen_resources"],
     "nanolab.lab.plots.results": ["plot_headline"],
     "nanolab.lab.plots.serving": ["plot_graphbench", "plot_row_compaction"],
     "nanolab.lab.plots.tail": ["plot_itl_cdf", "plot_startup"],

@@ -1,0 +1,138 @@
+"""What a kernel of the engine's holds on an NVIDIA GPU, read without one: Triton compiles it for
+an architecture (sm_90 by default: the H100's and the H200's) and the `cuobjdump` its wheel ships
+reads the binary's resource usage. Registers a thread, bytes spilled to the stack and to local
+memory, and static shared memory. Day 64c reads the varlen read's kernel (`_varlen_group`) at the
+engine's launch, with wide and narrow offsets.
+
+A CPU process runs the engine's kernels in Triton's interpreter (`nanolab.kernels`), whose kernels
+cannot be compiled, so each compile runs in a child interpreter whose environment turns the
+interpreter off; this process's environment is left as it is.
+
+The numbers are the compiler's, not a timing: they say whether a kernel spills, not how fast it
+runs. The Triton that compiles them is this machine's, which may not be the GPU image's.
+
+    python -m nanolab kernelres
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import pandas as pd
+
+from nanolab.lab.report import RunLabel, run_label, save_table
+
+
+class VarlenLaunch(NamedTuple):
+    narrow: bool
+    splits: int
+    num_stages: int  # the engine's: 2 for an unsplit walk, Triton's default (3) for a split one
+
+
+# The engine's launch of the read after a cached prefix (8 shares) and of an unsplit one, each with
+# 64-bit addresses for K and V apart and with shared int32 offsets.
+LAUNCHES = tuple(VarlenLaunch(narrow, splits, 3 if splits > 1 else 2) for splits in (8, 1) for narrow in (False, True))
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def parse_usage(text: str) -> dict[str, int]:
+    """`cuobjdump -res-usage`'s line for a kernel -> registers, stack, shared and local bytes."""
+    found = _USAGE.search(text)
+    if found is None:
+        raise ValueError(f"no resource usage in cuobjdump's output: {text[-300:]!r}")
+    reg, stack, shared, local = (int(x) for x in found.groups())
+    return {"registers": reg, "stack_bytes": stack, "shared_static_bytes": shared, "local_bytes": local}
+
+
+def _cuobjdump() -> Path:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        raise FileNotFoundError(f"Triton's wheel ships no cuobjdump here ({tool})")
+    return tool
+
+
+def _compile_varlen(launches: list[list], arch: int) -> list[dict]:
+    """In the child: compile `_varlen_group` for each launch (Llama-3.2-1B's heads: 8 KV heads of 4
+    query heads, head_dim 64, bf16 pools, the engine's 64 x 64 tiles and 4 warps, a captured step's
+    flat grid) and read each binary's resource usage."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, _varlen_group
+
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr="*i32", rows_ptr="*i64",
+                    starts_ptr="*i64", lens_ptr="*i64", pos_ptr="*i64", out_ptr="*bf16", acc_ptr="*fp32",
+                    m_ptr="*fp32", l_ptr="*fp32")
+    ints = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_tr", "stride_ot",
+            "stride_oh")
+    rows = []
+    for narrow, splits, stages in launches:
+        constants = dict(GROUP=4, G=4, BLOCK_Q=BLOCK_M // 4, BLOCK_N=BLOCK_N, D=64, PAGE=16, DOT=2, FLAT=True,
+                         SPLITS=splits, SHARE_TILES=4, SEG=64, NARROW=narrow)
+        signature = {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32", "head_dim": "i32", "segments": "i32",
+                     **dict.fromkeys(constants, "constexpr")}
+        names = list(signature)
+        source = ASTSource(fn=_varlen_group, signature=signature,
+                           constexprs={(names.index(k),): v for k, v in constants.items()})
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4,
+                                                                                         num_stages=stages))
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "kernel.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            out = subprocess.run([str(_cuobjdump()), "-res-usage", str(cubin)], capture_output=True, text=True,
+                                 check=True).stdout
+        rows.append({"kernel": "_varlen_group", "narrow": narrow, "splits": splits, "num_stages": stages,
+                     "arch": f"sm_{arch}", **parse_usage(out)})
+    return rows
+
+
+def varlen_resources(launches: Sequence[VarlenLaunch] = LAUNCHES, arch: int = 90, timeout_s: float = 600.0
+                     ) -> pd.DataFrame:
+    """A row per launch: the varlen read's kernel compiled for `arch`, its registers a thread and
+    its spilled and shared bytes (`_compile_varlen`, in a child interpreter with Triton's
+    interpreter off)."""
+    if not launches:
+        raise ValueError("launches: name at least one")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = ("import json, sys; from nanolab.lab.kernelres import _compile_varlen; "
+            "print(json.dumps(_compile_varlen(json.loads(sys.argv[1]), int(sys.argv[2]))))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([list(x) for x in launches]), str(arch)], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the varlen read for sm_{arch} failed: {done.stderr.strip()[-800:]}")
+    return pd.DataFrame(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def resources_label() -> RunLabel:
+    """A compile on this machine, for a GPU it may not have: the label names this machine."""
+    return run_label("cpu", "none (Llama-3.2-1B's attention heads; a compile, not a run)", "bfloat16",
+                     weights="synthesized random")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", type=int, default=90, help="the NVIDIA architecture, e.g. 90 for sm_90 (default)")
+    parser.add_argument("--prefix", default="day64c", help="the table goes to data/<prefix>_kernel_resources_cpu.csv")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.arch < 50:
+        raise ValueError(f"--arch: {args.arch} is not an NVIDIA architecture Triton compiles for (e.g. 90)")
+    table = varlen_resources(arch=args.arch)
+    label = resources_label()
+    path = save_table(table, f"{args.prefix}_kernel_resources", label)
+    print(table.to_string(index=False))
+    print(f"{path.name}: {label}")
+    return 0

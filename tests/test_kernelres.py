@@ -1,0 +1,34 @@
+"""`lab.kernelres`: the varlen read's kernel compiled for sm_90 without a GPU, and cuobjdump's
+resource line read back."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nanolab.lab import kernelres
+from nanolab.lab.kernelres import VarlenLaunch, parse_usage, varlen_resources
+
+
+def test_the_resource_line_is_read_and_a_missing_one_refused():
+    line = "Function _varlen_group:\n REG:254 STACK:0 SHARED:1024 LOCAL:8 CONSTANT[0]:688 TEXTURE:0"
+    assert parse_usage(line) == {"registers": 254, "stack_bytes": 0, "shared_static_bytes": 1024, "local_bytes": 8}
+    with pytest.raises(ValueError, match="no resource usage"):
+        parse_usage("cuobjdump: nothing")
+
+
+def test_narrow_offsets_compile_without_spilling():
+    """The engine's launch after a cached prefix, compiled for sm_90: narrow offsets spill nothing
+    (what chapter 64c reads), and every row names its launch."""
+    table = varlen_resources([VarlenLaunch(True, 8, 3)])
+    (row,) = table.to_dict("records")
+    assert (row["kernel"], row["narrow"], row["splits"], row["arch"]) == ("_varlen_group", True, 8, "sm_90")
+    assert 0 < row["registers"] <= 255 and row["stack_bytes"] == 0 and row["local_bytes"] == 0
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="launches"):
+        varlen_resources([])
+    with pytest.raises(ValueError, match="--arch"):
+        kernelres.main(argparse.Namespace(arch=9, prefix="never"))
