@@ -14,21 +14,23 @@
 # After a prefix hit, the prompt step feeds a few new tokens and reads every cached key before
 # them. At a 2,048-token shared system prompt the step's attention read took 36 us a layer on the
 # H200 ({doc}`Day 64 <64_prefix_caching>`), for about 4 MB of K and V. At a chat's second turn,
-# 64 tokens after 4,128, it reads twice the keys. This chapter asks what that read is waiting on,
-# and what two changes to it buy: cutting each walk into more shares, and addressing K and V
-# through narrower offsets.
+# 64 tokens after 4,128, it reads twice the keys. This chapter asks how much two things change
+# that read's time, and which of them the engine should take: how many shares each walk over the
+# keys is cut into, and how wide the addresses of K and V are.
 #
 # The read (`varlen_attention`) runs one program for each query tile and KV head, and cuts each
 # program's walk over the keys into shares (split-K), which a second kernel folds. A step of 50
 # new tokens has only four query tiles, so for eight KV heads it has 32 programs before any
-# sharing, on a GPU of 132 SMs. `choose_varlen_splits` picked the fewest shares that reached one
+# sharing, on a GPU of 132 SMs. `choose_varlen_splits` picks the fewest shares that reach one
 # program an SM.
 
 # %%
+import pandas as pd
 import torch
 
 import nanolab.lab as lab
-from nanolab.kernels.varlen_attention import WAVES, choose_varlen_splits, varlen_attention, varlen_reference
+from nanolab.engine.graphs import capture_sizes
+from nanolab.kernels.varlen_attention import choose_varlen_splits, varlen_attention, varlen_reference
 
 H100 = "h100-80gb-hbm3"
 COMMAND = 'VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" scripts/gpu_run.sh varlen'
@@ -59,74 +61,96 @@ print(f"wide: {wide.registers.max()} registers a thread and {wide.stack_bytes.ma
 # narrow kernel spills nothing. These are the compiler's numbers, from this machine's Triton, which
 # may not be the GPU image's (3.6.0); whether the spill costs time is for the timings below to say.
 #
-# On 2026-12-06 a device machine started, an H100 rather than an H200: `varlenbench
-# --narrow-only` timed both cases, each read alone in a CUDA graph with L2 flushed, at 4, 8 and 16
-# shares, at three pipeline depths, with wide and narrow offsets.
-
-# %% [markdown]
 # ## Shares and offsets, measured
 #
-# The rows below are each case's read alone, by shares and pipeline stages (0: the engine's
-# default), wide offsets against narrow. A captured step cuts the read's grid for its capture size:
-# 56 tokens for 50, and 64 for 64. There the engine chose 8 shares for the first case and 4 for
-# the second.
+# On 2026-12-06 a device machine started, an H100 rather than an H200. `varlenbench --narrow-only`
+# timed both cases there at commit 8ee3400, before any of the engine's choices below changed: each
+# read alone in a CUDA graph with L2 flushed, at 4, 8 and 16 shares and three pipeline depths
+# (0: the engine's default), with wide and narrow offsets. At 4 shares it ran both settings of the
+# fewest tiles a share walks (`share_tiles`: the engine's 4, and 1); past 4 shares each share of
+# these cases walks at least five tiles, so the two settings cut the same walks and only 1 ran.
 
 # %%
 alone = None
 if sweep is not None:
     alone = sweep[(sweep.layout == "alone") & (sweep.read == "varlen")].copy()
     alone["narrow"] = alone.narrow.astype(bool)
-    lab.show(alone.pivot_table(index=["case", "splits", "num_stages"], columns="narrow", values="us", sort=False)
-             .round(1).rename(columns={False: "wide us", True: "narrow us"}))
-    # the grid a captured step of the case is cut for: the engine's capture size, in the step's layout
+    lab.show(alone.pivot_table(index=["case", "splits", "share_tiles", "num_stages"], columns="narrow", values="us",
+                               sort=False).round(1).rename(columns={False: "wide us", True: "narrow us"}))
+    # a captured step cuts the read's grid for its capture size: the step layout's rows say which
     grids = sweep[sweep.layout == "step"].groupby("case").grid_tokens.first().astype(int)
     chosen = {case: choose_varlen_splits(grids[case], 1, 8, 4) for case in grids.index}
-    # the rule before: one program an SM, the same as two on half the SMs
-    before = {case: choose_varlen_splits(grids[case], 1, 8, 4, num_sms=132 // WAVES) for case in grids.index}
-    print("shares in a captured step, before and now:", {c: (before[c], chosen[c]) for c in grids.index})
-    fig = lab.plot_read_shares(alone, chosen)
+    print("the engine's shares in a captured step:", {c: f"{chosen[c]} (grid for {grids[c]} tokens)" for c in chosen})
+    fig = lab.plot_read_shares(alone[alone.share_tiles == 1], chosen)
     lab.save_figure(fig, "day64c_read_shares", lab.table_label(sweep))
     lab.show(fig)
 
 # %% [markdown]
-# *The read after a cached prefix, alone, by shares (H100, Llama-3.2-1B's heads, bf16). Grey:
-# 64-bit addresses for K and V apart; blue: int32 offsets they share. The dotted line is the
-# share count the engine now chooses.*
+# *The read after a cached prefix, alone, by shares (H100, Llama-3.2-1B's heads, bf16, the fewest
+# tiles a share one, default stages). Grey: 64-bit addresses for K and V apart; blue: int32
+# offsets they share. The dotted line is the share count the engine chooses in a captured step.*
 #
-# Eight shares are the fastest count for both cases, by far more than the offsets move anything:
-# 50 tokens after 2,048 went from 36.7 us at 4 shares to 28.1 at 8, and 64 tokens after 4,128
-# from 59.3 to 40.1. At 16 both were slower again, each share's walk then too short to pay for the
-# programs and the fold. Narrow offsets were faster in each of the 18 pairs, by 1% to 9%.
+# **Shares.** Eight were the fastest count for both cases, by far more than the offsets moved
+# anything: wide, at default stages, 50 tokens after 2,048 took 37.3 us at 4 shares and 28.1 at
+# 8, and 64 tokens after 4,128 took 58.8 at 4 and 40.1 at 8. At 16 both were slower again. A
+# captured step of 50 tokens already reads in 8 shares (its grid is cut for 56 tokens, 32
+# programs), but one of 64 tokens reads in 4 (40 programs fill the SMs at 4), at 59.9 us with the
+# engine's fewest tiles. Eight shares there would save about 20 us a layer, about 0.3 ms of the
+# second turn's 16-layer prompt step.
 #
-# ## What the engine now does
-#
-# - `choose_varlen_splits` cuts walks until the grid holds two programs an SM (`WAVES`), not one.
-#   The second turn's step of 64 tokens then takes 8 shares, as the 50-token step already did.
-#   Steps of 512 tokens already hold 264 programs unshared and stay at one share, and a row known
-#   to be short still reads in one (the rule's `max_context`).
-# - `varlen_attention` addresses K and V through one tensor of int32 offsets wherever the pools
-#   allow it: the same strides, and fewer than 2**31 elements (`narrow_fits`). A larger pool, like
-#   the bench's 4 GiB one, keeps 64-bit addresses.
+# The engine does not take them yet. A rule that gave this step 8 shares, two programs an SM
+# instead of one, would double the shares of 40 of Llama-3.2-1B's 51 capture sizes, and a captured
+# step does not know its rows' contexts when its graph is cut. Day 64's sweeps measured what extra
+# shares cost where the walks are short:
 
 # %%
-print(f"two programs an SM (WAVES = {WAVES}) on 132 SMs: " + ", ".join(
-    f"{n} tokens -> {choose_varlen_splits(n, 1, 8, 4)} shares" for n in (16, 56, 64, 128, 256, 512)))
-if alone is not None:
-    for case, g in alone.groupby("case", sort=False):
-        old = g[(g.splits == before[case]) & (g.num_stages == 0) & ~g.narrow].us.min()
-        new = g[(g.splits == chosen[case]) & (g.num_stages == 0) & g.narrow].us.min()
-        print(f"{case}: the engine's read {old:.1f} us before, {new:.1f} us now ({old / new:.2f}x), "
-              f"about {16 * (old - new) / 1e3:.2f} ms off a 16-layer prompt step (predicted, not measured)")
+sizes = capture_sizes(512)
+doubled = [n for n in sizes if choose_varlen_splits(n, 1, 8, 4, num_sms=2 * 132) != choose_varlen_splits(n, 1, 8, 4)]
+print(f"two programs an SM would change the shares of {len(doubled)} of the {len(sizes)} capture sizes "
+      f"({doubled[0]} to {doubled[-1]} tokens)")
+costs = []
+for slug, card in (("h200", "H200"), (H100, "H100")):
+    day64 = lab.load_table("day64_varlen_sweep", slug)
+    if day64 is None:
+        continue
+    if "layout" in day64:
+        day64 = day64[(day64.layout.fillna("alone") == "alone") & (day64.read.fillna("varlen") == "varlen")]
+    engine_tiles = day64[(day64.block_m == 64) & (day64.block_n == 64) & (day64.num_warps == 4)
+                         & (day64.num_stages == 0) & (day64.share_tiles == 4)].groupby(["case", "splits"]).us.min()
+    for case, fewer, more in (("prompt chunk 512, nothing cached", 1, 2), ("prompt chunk 512 after 1,536", 1, 2),
+                              ("verify: 8 rows of 5 over 256", 2, 4)):
+        costs.append({"card": card, "case": case, "shares": f"{fewer} -> {more}", "us": engine_tiles[case, fewer],
+                      "us with twice the shares": engine_tiles[case, more],
+                      "ratio": engine_tiles[case, more] / engine_tiles[case, fewer]})
+lab.show(pd.DataFrame(costs).round(3))
 
 # %% [markdown]
-# At 8 shares each share of these two cases walks at least five 64-key tiles, so the engine's
-# fewest tiles a share (four) and the bench's (one) cut the same walks.
+# Twice the shares cost 4% to 16% on these reads, on both cards. A rule that reads the contexts
+# where the host knows them, or a capture that records them, needs timings across capture sizes
+# first; that is the next GPU session's sweep, and the engine keeps one program an SM until then.
 #
-# The prediction, made from the read alone: almost nothing off the shared prefix's 2.9 ms prompt
-# step, whose read already took 8 shares and gains only the offsets, and about 0.3 ms off the
-# second turn's 3.4 ms on the H100. Read inside a graphed step, the same launch has taken longer
-# than alone (Day 64), so the step may gain more or less than this; the next
-# `scripts/gpu_run.sh prefix` measures it.
+# **Offsets.** Alone, narrow offsets were faster in 23 of the 24 pairs, by 1.4% to 9.5%; the one
+# slower pair, by 1.3%, is the engine's launch at 50 tokens (4 shares, fewest tiles 4). In the
+# layouts a captured step hands the read, they gained less: 0.1% to 1% with a table row for each
+# of the engine's 64 rows, and 3% with q read out of the fused projection's output.
+
+# %%
+if sweep is not None:
+    pairs = alone.pivot_table(index=["case", "splits", "share_tiles", "num_stages"], columns="narrow", values="us")
+    gain = pairs[False] / pairs[True]
+    print(f"alone: narrow faster in {(gain > 1).sum()} of {len(gain)} pairs, wide over narrow "
+          f"{gain.min():.3f}x to {gain.max():.3f}x")
+    laid = sweep[(sweep.layout != "alone") & (sweep.read == "varlen")].copy()
+    laid["narrow"] = laid.narrow.astype(bool)
+    steps = laid.pivot_table(index=["case", "layout"], columns="narrow", values="us", sort=False)
+    lab.show((steps[False] / steps[True]).rename("wide over narrow").dropna().round(3).to_frame())
+
+# %% [markdown]
+# The engine now reads K and V through shared int32 offsets wherever its pools allow
+# (`narrow_fits`: contiguous pools of one shape, fewer than 2**31 elements); a larger pool, like the
+# bench's 4 GiB one, keeps 64-bit addresses. It spills nothing and is no slower anywhere it was
+# timed in a step's layout, but it saves the prompt step almost nothing: under 1% of a read that
+# is a fifth of the step.
 #
 # ## The gates
 #
@@ -163,10 +187,11 @@ print("wide and narrow offsets, two shares: the reference's output")
 # %% [markdown]
 # ## Summary
 #
-# - After a cached prefix, the read's share count mattered far more than its addressing: on an
-#   H100, 8 shares read 64 tokens after 4,128 in 40.1 us, where the engine's 4 took about 59; 50 tokens
-#   after 2,048, which a captured step already read in 8, took 28.1.
-# - The engine now cuts walks until the grid holds two programs an SM, and addresses K and V
-#   through shared int32 offsets where its pools allow: measured 1% to 9% faster alone.
-# - Predicted from the read alone, and not yet measured in a step: about 0.3 ms off the second
-#   turn's prompt step, and almost nothing off the shared prefix's.
+# - Compiled for sm_90, the read's kernel held 255 registers a thread and spilled 72 bytes; with
+#   K and V through one tensor of int32 offsets it spills none. The engine now takes those offsets
+#   wherever its pools allow. On an H100 they were 1.4% to 9.5% faster alone in 23 of 24 timings,
+#   and within 1% in a captured step's layout.
+# - Shares mattered more: 8 read 64 tokens after 4,128 in 40.1 us where the engine's 4 took 59.9.
+#   The rule that would choose 8 there doubles shares at most capture sizes, and twice the shares
+#   cost 4% to 16% on short walks in Day 64's sweeps, so the engine keeps its rule until a sweep
+#   across capture sizes says where to change it. Measured alone, not in a step.

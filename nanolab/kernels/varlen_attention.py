@@ -60,10 +60,6 @@ BLOCK_N = 64  # keys per tile
 UNSPLIT_STAGES = 2
 # `narrow` offsets are int32: every element of a pool must be reachable by one.
 NARROW_LIMIT = 2**31
-# `choose_varlen_splits` cuts walks until the grid holds this many programs an SM: at one, a step of
-# 64 tokens after 4,128 cached took 4 shares and 59.9 us on an H100, where 8 took 40.1
-# (`data/day64c_varlen_sweep_*`); the 512-token steps, at two already, stay unshared.
-WAVES = 2
 
 
 @triton.jit
@@ -101,8 +97,8 @@ def _varlen_group(
     (`_tiles_per_share`) and writes its un-normalised acc with its m and l for every live row, an
     empty share m = -inf and l = acc = 0; `_varlen_fold` folds them. With NARROW a key tile's K
     and V are read through one [BLOCK_N, D] tensor of int32 offsets, which K and V share (their
-    pools' strides are equal and their elements fewer than 2**31, as the host checks), instead of
-    two of 64-bit pointers."""
+    pools are contiguous, of one shape, and of fewer than 2**31 elements, as the host checks),
+    instead of two of 64-bit pointers."""
     if FLAT:
         s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
         if not live_tile:
@@ -248,8 +244,8 @@ def varlen_attention(
     `num_warps` and `num_stages` are the group kernel's launch; `num_stages` None is the engine's
     choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `narrow`
     addresses K and V through one tensor of int32 offsets (`_varlen_group`'s NARROW), which needs
-    pools of equal strides and fewer than `NARROW_LIMIT` elements (`narrow_fits`); None, the
-    engine's choice, takes it wherever the pools allow.
+    contiguous pools of one shape and fewer than `NARROW_LIMIT` elements (`narrow_fits`); None,
+    the engine's choice, takes it wherever the pools allow.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -267,8 +263,9 @@ def varlen_attention(
     if narrow is None:
         narrow = narrow_fits(k_pool, v_pool)
     elif narrow and not narrow_fits(k_pool, v_pool):
-        raise ValueError(f"narrow offsets need K and V pools of equal strides and fewer than {NARROW_LIMIT} elements, "
-                         f"got strides {k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
+        raise ValueError(f"narrow offsets need contiguous K and V pools of one shape and fewer than {NARROW_LIMIT} "
+                         f"elements, got shapes {tuple(k_pool.shape)} and {tuple(v_pool.shape)}, strides "
+                         f"{k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
@@ -313,8 +310,11 @@ def varlen_attention(
 
 
 def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
-    """Whether one tensor of int32 offsets addresses both pools (`varlen_attention`'s `narrow`)."""
-    return k_pool.stride() == v_pool.stride() and k_pool.numel() < NARROW_LIMIT
+    """Whether one tensor of int32 offsets addresses both pools (`varlen_attention`'s `narrow`):
+    both contiguous and of one shape (so an element's offset is the same in each, and below its
+    count), with fewer than `NARROW_LIMIT` elements."""
+    return (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape == v_pool.shape
+            and k_pool.numel() < NARROW_LIMIT)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -322,16 +322,15 @@ def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: i
                          max_splits: int = 8, max_context: int | None = None) -> int:
     """Shares per program for a varlen step: the smallest power of two, at most `max_splits`, that
     brings the grid (query tiles x kv_heads x shares, the query tiles counted as the flat grid counts
-    them) to at least two programs an SM (`WAVES`); 1 when the grid holds that many unshared, or
-    when `max_context` (the longest row, where the host knows it) fits one share's `SHARE_TILES`
-    tiles. The shares pay off only where each walk is long: a short context's extra shares walk
-    nothing."""
+    them) to at least `num_sms` programs; 1 when the grid fills the SMs unshared, or when
+    `max_context` (the longest row, where the host knows it) fits one share's `SHARE_TILES` tiles.
+    The shares pay off only where each walk is long: a short context's extra shares walk nothing."""
     if max_context is not None and max_context <= SHARE_TILES * BLOCK_N:
         return 1
     block_q = max(1, BLOCK_M // _pow2(group))
     programs = (num_tokens // block_q + segments) * kv_heads
     splits = 1
-    while splits < max_splits and programs * splits < WAVES * num_sms:
+    while splits < max_splits and programs * splits < num_sms:
         splits *= 2
     return splits
 

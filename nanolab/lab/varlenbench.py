@@ -206,7 +206,8 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
                "narrow": narrow_fits(args["k_pool"], args["v_pool"]) if c.narrow is None else c.narrow,
-               "engine_default": c == DEFAULT}
+               "engine_default": c._replace(narrow=None) == DEFAULT and c.narrow in (None, narrow_fits(
+                   args["k_pool"], args["v_pool"]))}
         try:
             err = float((run().float() - ref).abs().max())
             us = time_us(run, args["q"].device, repeats)

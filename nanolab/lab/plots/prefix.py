@@ -153,9 +153,10 @@ def plot_front_costs(costs: pd.DataFrame) -> Figure:
 
 
 def plot_read_shares(sweep: pd.DataFrame, chosen: dict[str, int]) -> Figure:
-    """`<prefix>_varlen_sweep` read alone (case, splits, num_stages, narrow, us): one panel per case,
-    µs of the read against its shares at the default stages, wide (grey) and narrow (blue)
-    offsets, with the share count the engine now chooses for the case (`chosen`) marked."""
+    """`<prefix>_varlen_sweep`'s reads alone at one setting of the fewest tiles a share (case, splits,
+    num_stages, narrow, us; the caller picks the rows): one panel per case, µs of the read against
+    its shares at the default stages (0), wide (grey) and narrow (blue) offsets, with the share
+    count the engine chooses for the case (`chosen`) marked."""
     cases = list(dict.fromkeys(sweep.case))
     fig = Figure(figsize=(5.2 * len(cases), 4))
     axes = fig.subplots(1, len(cases), squeeze=False)[0]
@@ -163,9 +164,9 @@ def plot_read_shares(sweep: pd.DataFrame, chosen: dict[str, int]) -> Figure:
         rows = sweep[(sweep.case == case) & (sweep.num_stages == 0)]
         for narrow, (colour, name) in {False: ("C7", "wide offsets (64-bit, K's and V's apart)"),
                                        True: ("C0", "narrow offsets (int32, shared)")}.items():
-            part = rows[rows.narrow.astype(bool) == narrow].groupby("splits").us.min()
+            part = rows[rows.narrow.astype(bool) == narrow].set_index("splits").us.sort_index()
             ax.plot(part.index, part.to_numpy(), "o-", color=colour, label=name)
-        ax.axvline(chosen[case], color="k", ls=":", lw=1, label="the engine's choice now")
+        ax.axvline(chosen[case], color="k", ls=":", lw=1, label="the engine's shares in a captured step")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(rows.splits.unique()), [str(int(s)) for s in sorted(rows.splits.unique())])
         ax.set_ylim(0, 1.15 * rows.us.max())
