@@ -268,6 +268,30 @@ print(f"fp8 at batch 1: {one['fp8', 1]:.3f} ms, {one['fp8', 1] / 0.55:.2f}x the 
 print(f"fp8 at batch 8: {one['bf16', 8] / one['fp8', 8]:.2f}x bf16 against 1.5x (missed)")
 
 # %% [markdown]
+# ## What the fp8 GEMV holds (2026-12-06)
+#
+# Why the fp8 GEMV streams gate/up at about 2.2 TB/s is for a kernel profile to say, but one cause
+# can be read without a GPU. `kernelres` has Triton compile the GEMV for sm_90 on a CPU machine, as
+# `fp8_linear` launches it at `step_config`'s tiles for each projection, and reads the binary's
+# registers a thread and the bytes it spills (the compile used that machine's Triton, 3.9.0, not
+# the GPU image's 3.6.0):
+
+# %%
+resources = lab.measured_table("day65_gemv_resources", "python -m nanolab kernelres --kernels gemv", slug="cpu",
+                               where="any machine with Triton (a compile for sm_90, no GPU needed)")
+if resources is not None:
+    lab.show(resources.pivot_table(index=["projection", "rows"], columns="num_warps",
+                                   values=["registers", "stack_bytes"], sort=False))
+
+# %% [markdown]
+# At the engine's 4 warps, the qkv, o and gate/up GEMVs hold 255 registers a thread, the most a
+# thread may have, and spill 32 to 56 bytes to the stack; `down`, in four shares of narrower
+# tiles, does not. At 8 warps each thread holds half the tile and none spills. Day 65's sweep of
+# the fp8 tiles (`day65_fp8_tiles_h200`) ran every tile at 4 warps. `fp8bench --parts dots` now
+# also times the engine's tiles at 8 warps; until a GPU runs it, whether the spill costs time is
+# not known.
+#
+# %% [markdown]
 # ## Summary
 #
 # - FP8 weights work end to end: every decoder layer in e4m3, a scale per channel, SmolLM2's
@@ -282,6 +306,8 @@ print(f"fp8 at batch 8: {one['bf16', 8] / one['fp8', 8]:.2f}x bf16 against 1.5x 
 #   The step has not been timed with it on the H200.
 # - An fp8 prompt step widens every layer's weight before its matmul, about 7.5 ms at 128 tokens
 #   on the H200, paid again by every chunk.
+# - Compiled for sm_90 without a GPU (2026-12-06), the fp8 GEMV spills at the engine's 4 warps for
+#   qkv, o and gate/up, and not at 8; the next GPU run times 8 warps (`fp8bench --parts dots`).
 # - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show. A prompt
 #   step that reads the e4m3 bytes itself was written the same day as a lab candidate;
 #   {doc}`Day 65d <65d_prompt_bytes>` timed it on a GPU and moved it into the engine.

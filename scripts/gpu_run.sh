@@ -49,6 +49,7 @@
 # cached 2,048 and 4,128 (the two cases whose names hold "tokens").
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
+# the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),
 # data/day65_fp8_dots_*, about 5 minutes); verify the cost of a verify step of k = 4 drafts against a
 # decode step there (data/day65_spec_verify_*). smollm2 brings the embedded model onto the box: its
 # 98 MB GGUF is over one call's carry, so one call carries third_party/smollm2/*.part00 and the next

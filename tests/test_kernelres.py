@@ -31,4 +31,17 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="launches"):
         varlen_resources([])
     with pytest.raises(ValueError, match="--arch"):
-        kernelres.main(argparse.Namespace(arch=9, prefix="never"))
+        kernelres.main(argparse.Namespace(arch=9, kernels="varlen", prefix="never"))
+    with pytest.raises(ValueError, match="--kernels"):
+        kernelres.main(argparse.Namespace(arch=90, kernels="varlen,paged", prefix="never"))
+
+
+def test_the_fp8_gemv_at_8_warps_compiles_without_spilling():
+    """The fp8 decode GEMV at `step_config`'s tiles for Llama-3.2-1B's projections (the preset's
+    shapes; no weights are made), at 8 warps: none spills, and each row names its tiles."""
+    table = kernelres.gemv_resources(rows=(1,), warps=(8,))
+    assert list(table.projection) == ["qkv", "o", "gate_up", "down"]
+    assert (table.num_warps == 8).all() and (table.stack_bytes == 0).all() and (table.registers <= 255).all()
+    assert table.set_index("projection").loc["down", "split_k"] > 1  # a deep weight in shares, as the engine cuts it
+    with pytest.raises(ValueError, match="warps"):
+        kernelres.gemv_resources(warps=(3,))

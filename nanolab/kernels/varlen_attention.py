@@ -309,12 +309,12 @@ def varlen_attention(
     return out
 
 
-def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor, limit: int = NARROW_LIMIT) -> bool:
     """Whether one tensor of int32 offsets addresses both pools (`varlen_attention`'s `narrow`):
     both contiguous and of one shape (so an element's offset is the same in each, and below its
-    count), with fewer than `NARROW_LIMIT` elements."""
+    count), with fewer than `limit` elements."""
     return (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape == v_pool.shape
-            and k_pool.numel() < NARROW_LIMIT)
+            and k_pool.numel() < limit)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -158,10 +158,12 @@ def _time_fp8_chain(name: str, n: int, k: int, m: int, layers: int, repeats: int
         cfg16 = step_config(n, k, m)
         arms.append(("bf16 gemv (step_config)", lambda i: gemv(x, ws[i], cfg16, pdl=True), ref_bf16, 2 * n * k))
     for dot in dots:
-        for c in dict.fromkeys([chosen, *sweep(n, k)]):
+        # the chosen tiles at 8 warps too: at 4, the fp8 GEMV spills (`lab.kernelres.gemv_resources`)
+        for c in dict.fromkeys([chosen, chosen._replace(num_warps=8), *sweep(n, k)]):
             if dot == "fma" and (m != 1 or c.block_n * c.block_k > FMA_TILE):
                 continue
             arm = (f"fp8 gemv {c.block_n}x{c.block_k} split {c.split_k} stages {c.num_stages}"
+                   + ("" if c.num_warps == 4 else f" warps {c.num_warps}")
                    + ("" if dot == "mma" else f" {dot}") + (" (step_config)" if c == chosen else ""))
             arms.append((arm, lambda i, c=c, dot=dot: gemv(x, qs[i][0], c, pdl=True, scale=qs[i][1], dot=dot), ref,
                          n * k + 4 * n))
