@@ -281,15 +281,18 @@ def test_narrow_offsets_need_pools_they_can_address():
     pass their element count), of other shapes, or of more elements than an int32 reaches, are
     refused by name rather than read wrong; the engine's choice reads them with wide offsets."""
     case, max_q = varlen_case(MIXED, 4, 2, 24)
-    v_wide = torch.zeros(case["v_pool"].shape[0], 2, 32, device=case["v_pool"].device)[:, :, :24]
-    v_wide.copy_(case["v_pool"])
+
+    def strided(pool):  # the pool's values in a view of a wider buffer: not contiguous
+        view = torch.zeros(pool.shape[0], pool.shape[1], 32, device=pool.device)[:, :, :pool.shape[2]]
+        return view.copy_(pool)
+
+    v_wide = strided(case["v_pool"])
     with pytest.raises(ValueError, match="narrow offsets need contiguous K and V pools of one shape"):
         varlen_attention(**{**case, "v_pool": v_wide}, max_query_len=max_q, narrow=True, **TILES)
     torch.testing.assert_close(varlen_attention(**{**case, "v_pool": v_wide}, max_query_len=max_q, **TILES),
                                varlen_reference(**case), rtol=1e-5, atol=1e-5)
     # views of equal strides: an element's offset is the same in each, but may pass their count
-    k_view = torch.zeros(case["k_pool"].shape[0], 2, 32, device=case["k_pool"].device)[:, :, :24]
-    k_view.copy_(case["k_pool"])
+    k_view = strided(case["k_pool"])
     views = {**case, "k_pool": k_view, "v_pool": v_wide}
     assert k_view.stride() == v_wide.stride()
     with pytest.raises(ValueError, match="narrow offsets need contiguous"):

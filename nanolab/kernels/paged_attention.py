@@ -76,15 +76,10 @@ def _row_length(lens_ptr, pos_ptr, r, stride_pr, HAS_POS: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
-                 stride_ks, stride_kh, stride_vs, stride_vh, DOT: tl.constexpr):
-    """Fold one tile of keys into an online softmax: q [M, D] (M query rows sharing KV head kv),
-    the tile's pool slots [N] and which are live (`valid`, [N]), which (row, key) pairs may be read
-    (`seen`, [M, N]), and the running max m [M], denominator l [M] and accumulator acc [M, D], all
-    fp32. Returns the new (m, l, acc). DOT is `_dot_mode`'s: 0 and 1 multiply fp32 tiles (at IEEE
-    or default precision), 2 the pool's own 16-bit tiles with fp32 accumulation."""
-    tile_mask = valid[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+def _softmax_tile(q, k, seen, m, scale, DOT: tl.constexpr):
+    """The online softmax's step over one K tile [N, D]: q's scores against it, -inf where not
+    `seen`, and from the running max m [M] the new max, the old terms' rescale and the tile's
+    weights p [M, N]."""
     if DOT == 0:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif DOT == 1:
@@ -94,39 +89,43 @@ def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, sc
     s = tl.where(seen, s * scale, float("-inf"))  # [M, N]
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
-    alpha = tl.exp(m - m_use)
-    p = tl.exp(s - m_use[:, None])
-    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+    return m_new, tl.exp(m - m_use), tl.exp(s - m_use[:, None])
+
+
+@triton.jit
+def _accumulate_tile(p, v, alpha, l, acc, DOT: tl.constexpr):
+    """The weights p [M, N] of one V tile [N, D] added to the rescaled denominator and accumulator."""
     if DOT == 0:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     elif DOT == 1:
         pv = tl.dot(p, v.to(tl.float32))
     else:
         pv = tl.dot(p.to(v.dtype), v)  # p rounded to 16 bits, as flash attention does
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+    return l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, slot, kv, d, dmask, valid, seen, m, l, acc, scale,
+                 stride_ks, stride_kh, stride_vs, stride_vh, DOT: tl.constexpr):
+    """Fold one tile of keys into an online softmax: q [M, D] (M query rows sharing KV head kv),
+    the tile's pool slots [N] and which are live (`valid`, [N]), which (row, key) pairs may be read
+    (`seen`, [M, N]), and the running max m [M], denominator l [M] and accumulator acc [M, D], all
+    fp32. Returns the new (m, l, acc). DOT is `_dot_mode`'s: 0 and 1 multiply fp32 tiles (at IEEE
+    or default precision), 2 the pool's own 16-bit tiles with fp32 accumulation."""
+    tile_mask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+    m_new, alpha, p = _softmax_tile(q, k, seen, m, scale, DOT)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+    l, acc = _accumulate_tile(p, v, alpha, l, acc, DOT)
+    return m_new, l, acc
 
 
 @triton.jit
 def _attend_kv(q, k, v, seen, m, l, acc, scale, DOT: tl.constexpr):
     """`_attend_tile` over K and V tiles [N, D] its caller loaded."""
-    if DOT == 0:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    elif DOT == 1:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)))
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(seen, s * scale, float("-inf"))  # [M, N]
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_use)
-    p = tl.exp(s - m_use[:, None])
-    if DOT == 0:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    elif DOT == 1:
-        pv = tl.dot(p, v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+    m_new, alpha, p = _softmax_tile(q, k, seen, m, scale, DOT)
+    l, acc = _accumulate_tile(p, v, alpha, l, acc, DOT)
+    return m_new, l, acc
 
 
 @triton.jit

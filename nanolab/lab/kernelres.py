@@ -64,14 +64,32 @@ def _cuobjdump() -> Path:
     return tool
 
 
-def _compile_varlen(launches: list[list], arch: int) -> list[dict]:
-    """In the child: compile `_varlen_group` for each launch (Llama-3.2-1B's heads: 8 KV heads of 4
-    query heads, head_dim 64, bf16 pools, the engine's 64 x 64 tiles and 4 warps, a captured step's
-    flat grid) and read each binary's resource usage."""
+def _usage(fn, signature: dict[str, str], constants: dict, arch: int, num_warps: int, num_stages: int
+           ) -> dict[str, int]:
+    """In the child: `fn` compiled for sm_`arch` (`signature` every parameter's type in order,
+    "constexpr" for those `constants` gives), its binary's resource usage read by cuobjdump."""
+    import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = list(signature)
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in constants.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(_cuobjdump()), "-res-usage", str(cubin)], capture_output=True, text=True,
+                             check=True).stdout
+    return parse_usage(out)
+
+
+def _compile_varlen(launches: list[list], arch: int) -> list[dict]:
+    """In the child: compile `_varlen_group` for each launch (Llama-3.2-1B's heads: 8 KV heads of 4
+    query heads, head_dim 64, bf16 pools, the engine's 64 x 64 tiles and 4 warps, a captured step's
+    flat grid) and read each binary's resource usage."""
     from nanolab.kernels.varlen_attention import BLOCK_M, BLOCK_N, _varlen_group
 
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", table_ptr="*i32", rows_ptr="*i64",
@@ -85,35 +103,15 @@ def _compile_varlen(launches: list[list], arch: int) -> list[dict]:
                          SPLITS=splits, SHARE_TILES=4, SEG=64, NARROW=narrow)
         signature = {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32", "head_dim": "i32", "segments": "i32",
                      **dict.fromkeys(constants, "constexpr")}
-        names = list(signature)
-        source = ASTSource(fn=_varlen_group, signature=signature,
-                           constexprs={(names.index(k),): v for k, v in constants.items()})
-        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4,
-                                                                                         num_stages=stages))
         rows.append({"kernel": "_varlen_group", "narrow": narrow, "splits": splits, "num_stages": stages,
-                     "arch": f"sm_{arch}", **_cubin_usage(kernel)})
+                     "arch": f"sm_{arch}", **_usage(_varlen_group, signature, constants, arch, 4, stages)})
     return rows
-
-
-def _cubin_usage(kernel) -> dict[str, int]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        out = subprocess.run([str(_cuobjdump()), "-res-usage", str(cubin)], capture_output=True, text=True,
-                             check=True).stdout
-    return parse_usage(out)
 
 
 def _compile_gemv(jobs: list[list], arch: int) -> list[dict]:
     """In the child: compile the fp8 decode GEMV for each (projection, n, k, rows, num_warps), at
     `step_config(n, k, rows, element_size=1)`'s tiles and stages, as `fp8_linear` launches it (bf16
     rows, "mma_f16", scaled, programmatic dependent), and read each binary's resource usage."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from nanolab.kernels.gemv import _gemv, block_rows, step_config
 
     rows = []
@@ -127,14 +125,10 @@ def _compile_gemv(jobs: list[list], arch: int) -> list[dict]:
         signature.update(dict.fromkeys(constants, "constexpr"))
         signature.update(s_ptr="*fp32", SCALED="constexpr", DOT="constexpr")
         constants.update(SCALED=True, DOT="mma_f16")
-        names = list(signature)
-        source = ASTSource(fn=_gemv, signature=signature,
-                           constexprs={(names.index(c),): v for c, v in constants.items()})
-        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                options=dict(num_warps=warps, num_stages=cfg.num_stages))
         rows.append({"kernel": "_gemv", "projection": name, "n": n, "k": k, "rows": m, "block_n": cfg.block_n,
                      "block_k": cfg.block_k, "split_k": cfg.split_k, "num_stages": cfg.num_stages,
-                     "num_warps": warps, "arch": f"sm_{arch}", **_cubin_usage(kernel)})
+                     "num_warps": warps, "arch": f"sm_{arch}",
+                     **_usage(_gemv, signature, constants, arch, warps, cfg.num_stages)})
     return rows
 
 

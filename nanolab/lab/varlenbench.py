@@ -191,6 +191,7 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
     ref = varlen_reference(**args).float()
     sms = sms or torch.cuda.get_device_properties(args["q"].device).multi_processor_count
     kv_bytes = 2 * sum(h + q for h, q in case.segments) * kv_heads * d * args["k_pool"].element_size()
+    fits = narrow_fits(args["k_pool"], args["v_pool"])  # the engine's narrow (config narrow None)
     rows = []
     for c in configs:
         group = heads // kv_heads
@@ -205,9 +206,8 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
-               "narrow": narrow_fits(args["k_pool"], args["v_pool"]) if c.narrow is None else c.narrow,
-               "engine_default": c._replace(narrow=None) == DEFAULT and c.narrow in (None, narrow_fits(
-                   args["k_pool"], args["v_pool"]))}
+               "narrow": fits if c.narrow is None else c.narrow,
+               "engine_default": c._replace(narrow=None) == DEFAULT and c.narrow in (None, fits)}
         try:
             err = float((run().float() - ref).abs().max())
             us = time_us(run, args["q"].device, repeats)
