@@ -31,6 +31,7 @@ import torch
 import nanolab.lab as lab
 from nanolab.engine.graphs import capture_sizes
 from nanolab.kernels.varlen_attention import choose_varlen_splits, varlen_attention, varlen_reference
+from nanolab.lab.varlenbench import CASES
 
 H100 = "h100-80gb-hbm3"
 COMMAND = 'VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" scripts/gpu_run.sh varlen'
@@ -50,7 +51,8 @@ sweep = lab.measured_table("day64c_varlen_sweep", COMMAND, slug=H100)
 resources = lab.varlen_resources()
 lab.save_table(resources, "day64c_kernel_resources", lab.resources_label())
 lab.show(resources.drop(columns=["kernel", "arch"]))
-wide, narrow = (resources[resources.narrow == n].set_index("splits") for n in (False, True))
+launched = resources[~resources.persistent]  # the engine's launches; the persistent ones come later
+wide, narrow = (launched[launched.narrow == n].set_index("splits") for n in (False, True))
 print(f"wide: {wide.registers.max()} registers a thread and {wide.stack_bytes.max()} bytes spilled; narrow: "
       f"{narrow.registers.max()} registers and {narrow.stack_bytes.max()} bytes")
 
@@ -152,6 +154,81 @@ if sweep is not None:
 # timed in a step's layout, but it saves the prompt step almost nothing: under 1% of a read that
 # is a fifth of the step.
 #
+# ## The read inside a captured step
+#
+# The same day the H100 ran the whole sweep again with narrow offsets in the engine
+# (`VARLEN_ARGS="--prefix day64d" scripts/gpu_run.sh varlen`), every case alone and the engine's
+# launch in each layout a step hands it. Here is the engine's launch alone and in a step's
+# layout, beside the best the sweep found alone:
+
+# %%
+STEP_COMMAND = 'VARLEN_ARGS="--prefix day64d" scripts/gpu_run.sh varlen'
+SEGMENTS = {case.name: case.segments for case in CASES}  # (cached, new) tokens a segment
+full = lab.measured_table("day64d_varlen_sweep", STEP_COMMAND, slug=H100)
+if full is not None:
+    reads = full[full.read == "varlen"]
+    engine = reads[reads.engine_default].pivot_table(index="case", columns="layout", values=["us", "splits"],
+                                                     sort=False)
+    same_shares = reads[(reads.layout == "alone") & (reads.block_m == 64) & (reads.num_warps == 4)
+                        & (reads.num_stages == 0) & (reads.share_tiles == 4)].groupby(["case", "splits"]).us.min()
+    rows = []
+    for case in engine.index:
+        shares = int(engine.loc[case, ("splits", "step")])
+        grid = reads[(reads.case == case) & (reads.layout == "step")].iloc[0]
+        tiles = sum(-(-q // 16) for _, q in SEGMENTS[case])  # 16 tokens a tile: 64 rows of 4 heads
+        cut = int(grid.grid_tokens) // 16 + min(int(grid.table_segments), int(grid.grid_tokens))
+        rows.append({"case": case, "alone us": engine.loc[case, ("us", "alone")],
+                     "step us": engine.loc[case, ("us", "step")], "step shares": shares,
+                     "alone us at the step's shares": same_shares.get((case, shares), float("nan")),
+                     "best alone us": reads[(reads.case == case) & (reads.layout == "alone")].us.min(),
+                     "programs launched": cut * 8 * shares, "programs with a tile": tiles * 8 * shares})
+    in_step = pd.DataFrame(rows).set_index("case")
+    lab.show(in_step.round(1))
+
+# %% [markdown]
+# *The engine's launch alone and in a captured step's layout (a table row for each of its 64
+# rows, q inside the fused projection's output), µs a layer on the H100; the same read alone at
+# the shares the step takes; the fastest alone; and the programs the step's grid launches against
+# those that find a query tile (8 KV heads, each tile 16 tokens of 4 query heads).*
+#
+# Where most of a step's launch finds no tile, the read is slower inside the step than alone at
+# the same shares: by 15.9 µs for 50 tokens after 2,048 (3,520 of its 3,776 programs exit at
+# once), 7.5 µs for the verify step (2,176 of 2,688) and 5.2 µs for 64 tokens after 4,128 (2,048
+# of 2,176). The 512-token reads, whose live programs run longest, lose nothing to their 512
+# exiting ones. A captured step's flat grid cannot know how many of its 64 rows hold tokens, so it
+# is cut for the most query tiles any of its token counts could fill: for 56 tokens, 56 // 16 + 56
+# = 59 a KV head and share. Each program that exits must still be scheduled onto an SM first, and
+# at 232 to 255 registers a thread an SM holds two of them at a time. That is the likely cost; the
+# persistent grid below is the test of it.
+#
+# Over a layer's 16 reads that is about 0.25 ms of the 50-token prompt step, which `prefixsteps`
+# timed at 2.70 ms on the same H100, and whose kernels it profiled:
+
+# %%
+steps_h100 = lab.measured_table("day64_prefix_steps", "scripts/gpu_run.sh prefixsteps", slug=H100)
+kernels_h100 = lab.measured_table("day64_prefix_kernels", "scripts/gpu_run.sh prefixsteps", slug=H100)
+if kernels_h100 is not None:
+    hit = kernels_h100[kernels_h100.arm == "prefix hit + 50"]
+    by_class = hit.groupby("class").us_per_step.sum().sort_values(ascending=False)
+    lab.show(by_class.round(1).to_frame("us a step"))
+    print(f"the attention read: {by_class['attention read']:.0f} of {by_class.sum():.0f} us of kernels a step "
+          f"({by_class['attention read'] / by_class.sum():.0%})")
+
+# %% [markdown]
+# A grid that does not grow with the rows it might hold removes the exiting programs. With
+# `programs`, `varlen_attention` launches a fixed number of programs a KV head and share
+# (`persistent_programs`: enough to fill every SM's two slots once), and each reads every so many
+# of the step's query tiles in turn (`_varlen_group`'s PERSISTENT). For the 50-token step that is
+# 5 programs a KV head and share, 320 in all, against 3,776. The default launch compiles to the
+# same multiset of instructions as before (in another order: the wide kernel, which only pools
+# too large for int32 offsets take, now spills 64 bytes unsplit instead of 72). The persistent
+# one holds 255 registers and spills nothing at 8 shares and 40 bytes unsplit (the table at the
+# top). The interpreter checks that it reads
+# what the reference reads (`tests/test_varlen_attention.py`). No GPU has timed it yet:
+# `VARLEN_ARGS="--persistent-only --prefix day64e" scripts/gpu_run.sh varlen` does, and the
+# engine keeps its launch until it has. The prediction is about 27 µs a layer for the 50-token
+# read in a step, about 0.25 ms off its prompt step, and about 0.12 ms off a verify step.
+#
 # ## The gates
 #
 # Every read the bench timed matched the reference to bf16's rounding, narrow or wide, except the
@@ -191,6 +268,10 @@ print("wide and narrow offsets, two shares: the reference's output")
 #   K and V through one tensor of int32 offsets it spills none. The engine now takes those offsets
 #   wherever its pools allow. On an H100 they were 1.4% to 9.5% faster alone in 23 of 24 timings,
 #   and within 1% in a captured step's layout.
+# - Inside a captured step the read of a few tokens is slower than alone, by 16 µs a layer for 50
+#   tokens after 2,048 on the H100: its flat grid launches a program for every tile its 64 rows
+#   could fill, and 3,500 of them exit at once. Persistent programs, a fixed grid looping over the
+#   step's tiles, are built and checked in the interpreter, and wait for a GPU to time them.
 # - Shares mattered more: 8 read 64 tokens after 4,128 in 40.1 us where the engine's 4 took 59.9.
 #   The rule that would choose 8 there doubles shares at most capture sizes, and twice the shares
 #   cost 4% to 16% on short walks in Day 64's sweeps, so the engine keeps its rule until a sweep

@@ -287,9 +287,53 @@ if resources is not None:
 # At the engine's 4 warps, the qkv, o and gate/up GEMVs hold 255 registers a thread, the most a
 # thread may have, and spill 32 to 56 bytes to the stack; `down`, in four shares of narrower
 # tiles, does not. At 8 warps each thread holds half the tile and none spills. Day 65's sweep of
-# the fp8 tiles (`day65_fp8_tiles_h200`) ran every tile at 4 warps. `fp8bench --parts dots` now
-# also times the engine's tiles at 8 warps; until a GPU runs it, whether the spill costs time is
-# not known.
+# the fp8 tiles (`day65_fp8_tiles_h200`) ran every tile at 4 warps.
+#
+# An H100 timed both on 2026-12-06: each projection alone at the engine's tiles at 4 and 8
+# warps (`FP8_ARGS="--parts dots --prefix day65f" scripts/gpu_run.sh fp8`), then the whole step
+# twice, in two processes, each beside its own bf16 arm: once as the engine runs it, once with
+# `step_config` giving one-byte weights 8 warps (a one-line patch, applied on the GPU machine and
+# not kept).
+
+# %%
+warps = lab.measured_table("day65f_fp8_dots", 'FP8_ARGS="--parts dots --prefix day65f" scripts/gpu_run.sh fp8',
+                           slug="h100-80gb-hbm3")
+engine_tiles = warps[warps.arm.str.contains(r"\(step_config\)|warps 8")].assign(
+    dot=lambda t: t.arm.str.extract(r"(mma_f16|fma)", expand=False).fillna("mma"),
+    warps=lambda t: t.arm.str.contains("warps 8").map({True: 8, False: 4}))
+engine_tiles = engine_tiles[engine_tiles.arm.str.startswith("fp8")]
+by_warps = engine_tiles.pivot_table(index=["rows", "projection"], columns=["dot", "warps"], values="us", sort=False)
+lab.show(by_warps.round(2))
+f16 = by_warps["mma_f16"]
+print(f"the engine's dot (mma_f16): 8 warps take {(f16[8] / f16[4]).min():.2f}x to {(f16[8] / f16[4]).max():.2f}x "
+      "the time of 4, projection by projection")
+step_runs = {}
+for w, stem in ((4, "day65f_fp8_steps"), (8, "day65f8w_fp8_steps")):
+    t = lab.measured_table(stem, "scripts/gpu_run.sh fp8 (8 warps: step_config patched on the GPU machine)",
+                           slug="h100-80gb-hbm3")
+    step_runs[w] = t.pivot_table(index="batch", columns="arm", values="ms_per_step")
+warp_steps = pd.concat(step_runs, axis=1, names=["fp8 warps"])
+lab.show(warp_steps.round(3))
+for batch in (1, 8):
+    four, eight = step_runs[4].loc[batch], step_runs[8].loc[batch]
+    print(f"batch {batch}: fp8 at 8 warps {eight.fp8:.3f} ms against {four.fp8:.3f} at 4 "
+          f"({eight.fp8 / four.fp8:.2f}x); at 4, fp8 is {four.bf16 / four.fp8:.2f}x bf16 in its process")
+
+# %% [markdown]
+# *`us` a launch of each layer projection at the engine's tiles, on the H100, by dot and warps
+# (`fma` only at one row), then ms a step with bf16 and fp8 weights, a column pair for each of
+# the two processes.*
+#
+# The spill does not cost what the extra warps do. On the engine's fp16 dot, 8 warps are slower
+# for every projection at both batch sizes, most of all for `down`, which did not spill at 4. The
+# whole step at batch 1 went from 1.08 to 1.23 ms. Only `fma` at one row gained from 8 warps,
+# and it still lost to the fp16 dot at 4. So the engine keeps 4 warps: the 32 to 56 spilled
+# bytes are not what holds the GEMV back.
+#
+# The same run also timed the step on the H100 as the engine now runs it, fp16 dot included.
+# There fp8 is 1.07x bf16 at batch 1 and 1.19x at batch 8, against aims of 1.7x and 1.5x on the
+# H200. These H100 numbers are not comparable with the H200 table at the top of this chapter, and
+# no H200 has yet run the step with today's code.
 #
 # %% [markdown]
 # ## Summary
@@ -307,7 +351,9 @@ if resources is not None:
 # - An fp8 prompt step widens every layer's weight before its matmul, about 7.5 ms at 128 tokens
 #   on the H200, paid again by every chunk.
 # - Compiled for sm_90 without a GPU (2026-12-06), the fp8 GEMV spills at the engine's 4 warps for
-#   qkv, o and gate/up, and not at 8; the next GPU run times 8 warps (`fp8bench --parts dots`).
+#   qkv, o and gate/up, and not at 8. Timed on an H100 the same day, 8 warps were slower for every
+#   projection, and the step at batch 1 slowed from 1.08 to 1.23 ms, so the engine keeps 4. On that
+#   H100 the step with fp8 weights was 1.07x bf16 at batch 1 and 1.19x at batch 8.
 # - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show. A prompt
 #   step that reads the e4m3 bytes itself was written the same day as a lab candidate;
 #   {doc}`Day 65d <65d_prompt_bytes>` timed it on a GPU and moved it into the engine.

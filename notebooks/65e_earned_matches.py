@@ -142,6 +142,41 @@ lab.show(live_table)
 # before anything had been kept, and the old rule's verify step kept nothing from it. The kept drafts
 # are the same under both rules.
 #
+# ## Under load, on an H100 (2026-12-06)
+#
+# The three servers then ran on one H100, four rounds at 32 requests a second, each round one
+# Poisson stream sent to each server in turn (`SPECLOAD_ARGS="--arms fullgraphs,fullgraphs+ngram,`
+# `fullgraphs+ngram:prompt_lookup_min_until_kept=1 --prefix day65e" SPECROUNDS=4 scripts/gpu_run.sh
+# specrounds`).
+
+# %%
+under_load = lab.measured_table("day65e_rounds", "SPECROUNDS=4 scripts/gpu_run.sh specrounds (three arms)",
+                                slug=SLUG)
+fig = lab.plot_round_ratios(under_load)
+if not lab.figure_path("day65e_rounds", SLUG).exists():
+    lab.save_figure(fig, "day65e_rounds", lab.table_label(under_load))
+lab.show(fig)
+load_ratios = lab.round_ratios(under_load)
+lab.show(load_ratios[["ratio", "arm", "rounds", "value", "lo", "hi", "detail"]].round(3))
+lab.show(under_load.pivot_table(index="round", columns="arm", values=["verify_steps", "place"]))
+
+# %% [markdown]
+# *Each speculating server's ITL p50 and TPOT p50 over the plain server's on the same stream, a
+# dot a round and the median a bar; then the medians with 95% bootstrap intervals, and each
+# round's verify steps and the place each server took in its round.*
+#
+# Under the new rule the speculating server ran 0 to 2 verify steps a round, against 217 to 310
+# under the old one: on text that never repeats, two-token matches almost never occur. Its ITL
+# p50 was 1.008x the plain server's (interval 0.993 to 1.027), and the old rule's 1.004x (0.987
+# to 1.007). Neither median is at or below 1, so the aim is still not shown met, but what is left
+# is not the verify steps. A server with almost none of them should match the plain one, and it
+# differs by less than the rounds differ from each other.
+#
+# The rounds had a flaw. graphbench reversed the order of the arms on odd rounds (AB, BA), which
+# with three arms keeps the middle one in the middle, and the new rule's server was in the middle
+# every time. graphbench now turns the order by one place a round (ABC, BCA, CAB), so that over
+# three rounds each arm takes each place once.
+#
 # ## The gates
 #
 # The gates check the replay against the engine, require the same tokens, and require that the new
@@ -163,6 +198,8 @@ print("the engine's steps are the replay's under both rules; the new rule never 
 #   kept (`prompt_lookup_min_until_kept`, default two; 1 restores the old rule).
 # - Replayed on SmolLM2's outputs at H100 step times, without pauses, it stays within 1% of the
 #   old rule on both prompt sets at k = 4, 8 and 31, and never takes more verify steps.
-# - Under load, where almost no draft is kept, every lookup runs under the stricter rule. Whether
-#   that brings ITL p50 to 1x is for the next rounds on a GPU to measure. Until then the load
-#   target stays at 1.016x.
+# - Under load on an H100, the new rule cut verify steps from 217 to 310 a round to 0 to 2. ITL
+#   p50 was 1.008x plain decoding's (interval 0.993 to 1.027, four rounds), against 1.004x under
+#   the old rule, so the aim of at most 1x is not shown met; the small gap left is not verify
+#   steps. graphbench now turns the order of the arms each round, so that no arm always runs in
+#   the same place.

@@ -47,6 +47,9 @@
 # VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" times the read with K and V addressed through one
 # tensor of int32 offsets (`varlen_attention`'s narrow) against the engine's, for 50 and 64 tokens after a
 # cached 2,048 and 4,128 (the two cases whose names hold "tokens").
+# VARLEN_ARGS="--persistent-only --prefix day64e" times the engine's launch against persistent programs (a fixed
+# grid looping over the step's query tiles, `varlen_attention`'s programs) at its shares and at 4, 8 and 16, alone and
+# in every layout a step hands the read.
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),

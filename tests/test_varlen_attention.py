@@ -23,6 +23,7 @@ from nanolab.kernels import varlen_attention as varlen_attention_module
 from nanolab.kernels.varlen_attention import (
     choose_varlen_splits,
     narrow_fits,
+    persistent_programs,
     prompt_attention,
     varlen_attention,
     varlen_attention_op,
@@ -247,6 +248,38 @@ def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, mo
     assert not m[:n].isnan().any() and m[n:].isnan().all()
 
 
+@pytest.mark.parametrize("programs, splits", [(1, 1), (3, 2)])
+def test_persistent_programs_read_every_tile_of_a_flat_grid(programs, splits, monkeypatch):
+    """`programs`: a flat grid of that many programs a KV head and share, each reading every
+    programs-th query tile of the step (9 tiles here, so each program reads several), over padding
+    and in shares: what the reference reads, every real token's partials written, the padding's
+    output and partials left alone."""
+    made = poison_partials(monkeypatch)
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    kernel = varlen_attention_module._varlen_group
+    monkeypatch.setattr(varlen_attention_module, "_varlen_group", Recorder())
+    case, _ = varlen_case(MIXED, 4, 2, 24, seed=11)
+    n = case["q"].shape[0]
+    step = padded(case, extra_tokens=13, extra_segments=5)
+    got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 13, splits=splits, share_tiles=1,
+                           programs=programs, **TILES)
+    torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
+    assert not got[n:].any(), "a padding token was attended"
+    assert grids == [(programs, 1, 2 * splits)]
+    if splits > 1:
+        (_, m, _), = made
+        assert not m[:n].isnan().any() and m[n:].isnan().all()
+    for bad in ({"programs": 0, "grid_tokens": n}, {"programs": 2}):
+        with pytest.raises(ValueError, match="programs"):
+            varlen_attention(**case, max_query_len=18, **bad, **TILES)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_narrow_offsets_read_what_the_reference_reads(splits, monkeypatch):
     """`narrow`: K and V addressed through one tensor of int32 offsets. Whole walks and shares, in a
@@ -332,6 +365,13 @@ def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
     torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
     assert not got[n:].any(), "a padding token was attended"
     assert len(made) == (num_sms == 132), "the split read runs where the SMs want more programs"
+
+
+def test_persistent_programs_fill_the_sms_once():
+    """Two programs an SM: 264 on 132 SMs, shared among the KV heads and shares, at least one."""
+    assert persistent_programs(8, 8) == 5  # 320 programs: 4 query tiles after a cached prefix read in one pass
+    assert persistent_programs(8, 1) == 33 and persistent_programs(8, 1, num_sms=4) == 1
+    assert persistent_programs(64, 16) == 1
 
 
 def test_choose_varlen_splits():

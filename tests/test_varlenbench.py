@@ -16,6 +16,7 @@ from nanolab.lab.varlenbench import (
     capture_tokens,
     case_inputs,
     narrow_configs,
+    persistent_configs,
     sweep_configs,
     time_case,
     time_decode_read,
@@ -44,6 +45,8 @@ def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     assert all(c.narrow is None for c in configs) and DEFAULT._replace(narrow=False) in narrowed
     assert len(set(narrowed)) == 24
     assert {c._replace(narrow=False) for c in narrowed if c.narrow} == {c for c in narrowed if not c.narrow}
+    persistent = persistent_configs()
+    assert DEFAULT in persistent and DEFAULT._replace(persistent=True) in persistent and len(set(persistent)) == 8
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
 
 
@@ -61,11 +64,13 @@ def test_the_steps_layouts_read_what_the_reference_reads(tiny_path, one_thread):
     assert args["query_start_loc"].tolist() == [0, 9, 10, 10, 10, 10, 10]
     assert args["q"].shape == (10, heads, d) and args["q"].stride(0) == (heads + 2 * kv_heads) * d
     assert args["k_pool"].shape[0] > 4 * (4 + 2) * 16, "the blocks were not scattered over a larger pool"
+    launches = [VarlenConfig(32, 32, 4, None, None), VarlenConfig(32, 32, 4, None, None, persistent=True)]
     for layout in (Layout("step", 6, True), big):
-        (row,) = time_case(case, config, [VarlenConfig(32, 32, 4, None, None)], repeats=1, sms=4, device="cpu",
-                           dtype=torch.float32, layout=layout)
-        assert row["error"] == "" and row["max_err"] < 1e-4, row
-        assert (row["layout"], row["table_segments"], row["grid_tokens"]) == (layout.name, 6, 16)
+        for row, persistent in zip(time_case(case, config, launches, repeats=1, sms=4, device="cpu",
+                                             dtype=torch.float32, layout=layout), (False, True), strict=True):
+            assert row["error"] == "" and row["max_err"] < 1e-4, row
+            assert (row["layout"], row["table_segments"], row["grid_tokens"], row["persistent"]) == (
+                layout.name, 6, 16, persistent)
 
 
 @pytest.mark.skipif(not INTERPRETED or torch.cuda.is_available(), reason="the kernel in Triton's interpreter: CPU only")

@@ -60,20 +60,30 @@ BLOCK_N = 64  # keys per tile
 UNSPLIT_STAGES = 2
 # `narrow` offsets are int32: every element of a pool must be reachable by one.
 NARROW_LIMIT = 2**31
+# Programs of the read an SM holds at once: 4 warps of 232 to 255 registers a thread take half an
+# SM's 64K registers each (`python -m nanolab kernelres`).
+RESIDENT = 2
+
+
+@triton.jit
+def _segment_tiles(starts_ptr, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
+    """[SEG] lanes and each segment's query tiles (0 past `segments`), from one vector load of the
+    segments' starts."""
+    seg = tl.arange(0, SEG)
+    real = seg < segments
+    first_tok = tl.load(starts_ptr + seg, mask=real, other=0)
+    return seg, tl.where(real, tl.cdiv(tl.load(starts_ptr + seg + 1, mask=real, other=0) - first_tok, BLOCK_Q), 0)
 
 
 @triton.jit
 def _tile_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
     """Query tile j of a flat grid, numbered across segments with no gaps: (segment, its tile, live).
-    One vector load of the segments' starts gives each segment's tile count and, by a prefix sum,
-    its first tile's number; j is live while below their total, and then belongs to the last
-    segment whose first number is at most j (an empty segment's first number is the next one's,
-    so the last is never empty). A program past the total (the grid is cut for the most tiles
-    any lengths could need) finds that in this one load and exits."""
-    seg = tl.arange(0, SEG)
-    real = seg < segments
-    first_tok = tl.load(starts_ptr + seg, mask=real, other=0)
-    tiles = tl.where(real, tl.cdiv(tl.load(starts_ptr + seg + 1, mask=real, other=0) - first_tok, BLOCK_Q), 0)
+    Each segment's tile count gives, by a prefix sum, its first tile's number; j is live while
+    below their total, and then belongs to the last segment whose first number is at most j (an
+    empty segment's first number is the next one's, so the last is never empty). A program past
+    the total (the grid is cut for the most tiles any lengths could need) finds that in this one
+    load and exits."""
+    seg, tiles = _segment_tiles(starts_ptr, segments, BLOCK_Q, SEG)
     first = tl.cumsum(tiles, 0) - tiles  # [SEG]: the number of each segment's first tile
     s = tl.max(tl.where(first <= j, seg, -1), 0)
     return s, j - tl.sum(tl.where(seg == s, first, 0), 0), j < tl.sum(tiles, 0)
@@ -87,27 +97,53 @@ def _varlen_group(
     GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, DOT: tl.constexpr, FLAT: tl.constexpr, SPLITS: tl.constexpr = 1,
     SHARE_TILES: tl.constexpr = 1, SEG: tl.constexpr = 1, NARROW: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
 ):
     """One program: segment s, query tile qb, KV head kv, share sp of the walk. Row i of the
     [BLOCK_Q * G, D] query tile is token qb * BLOCK_Q + i // G of the segment and query head
     kv * GROUP + i % G. On a FLAT grid axis 0 numbers query tiles across all segments (`_tile_of`,
-    over SEG >= segments lanes), and a program past the step's tiles exits. With SPLITS == 1 the
-    program walks every tile its queries can see and writes the output normalised. Otherwise
-    axis 2 is kv * SPLITS + sp: share sp walks its contiguous part of those tiles
-    (`_tiles_per_share`) and writes its un-normalised acc with its m and l for every live row, an
-    empty share m = -inf and l = acc = 0; `_varlen_fold` folds them. With NARROW a key tile's K
-    and V are read through one [BLOCK_N, D] tensor of int32 offsets, which K and V share (their
-    pools are contiguous, of one shape, and of fewer than 2**31 elements, as the host checks),
-    instead of two of 64-bit pointers."""
-    if FLAT:
-        s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
-        if not live_tile:
-            return
-    else:
-        s = tl.program_id(0)
-        qb = tl.program_id(1)
+    over SEG >= segments lanes), and a program past the step's tiles exits; a PERSISTENT flat
+    program j instead reads tiles j, j + P, j + 2P, ... of the step's (P the grid's axis 0), so a
+    grid of few programs covers any lengths. With SPLITS == 1 the program walks every tile its
+    queries can see and writes the output normalised. Otherwise axis 2 is kv * SPLITS + sp: share
+    sp walks its contiguous part of those tiles (`_tiles_per_share`) and writes its un-normalised
+    acc with its m and l for every live row, an empty share m = -inf and l = acc = 0;
+    `_varlen_fold` folds them. With NARROW a key tile's K and V are read through one [BLOCK_N, D]
+    tensor of int32 offsets, which K and V share (their pools are contiguous, of one shape, and of
+    fewer than 2**31 elements, as the host checks), instead of two of 64-bit pointers."""
     kv = tl.program_id(2) // SPLITS
     sp = tl.program_id(2) % SPLITS
+    if PERSISTENT:
+        total = tl.sum(_segment_tiles(starts_ptr, segments, BLOCK_Q, SEG)[1], 0)
+        for j in range(tl.program_id(0), total, tl.num_programs(0)):
+            s, qb, _ = _tile_of(starts_ptr, j, segments, BLOCK_Q, SEG)
+            _read_tile(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr,
+                       m_ptr, l_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+                       stride_ot, stride_oh, scale, head_dim, s, qb, kv, sp, GROUP, G, BLOCK_Q, BLOCK_N, D, PAGE,
+                       DOT, SPLITS, SHARE_TILES, NARROW)
+    else:
+        if FLAT:
+            s, qb, live_tile = _tile_of(starts_ptr, tl.program_id(0), segments, BLOCK_Q, SEG)
+            if not live_tile:
+                return
+        else:
+            s = tl.program_id(0)
+            qb = tl.program_id(1)
+        _read_tile(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr,
+                   m_ptr, l_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+                   stride_ot, stride_oh, scale, head_dim, s, qb, kv, sp, GROUP, G, BLOCK_Q, BLOCK_N, D, PAGE, DOT,
+                   SPLITS, SHARE_TILES, NARROW)
+
+
+@triton.jit
+def _read_tile(
+    q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_ot, stride_oh,
+    scale, head_dim, s, qb, kv, sp,
+    GROUP: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, DOT: tl.constexpr, SPLITS: tl.constexpr, SHARE_TILES: tl.constexpr, NARROW: tl.constexpr,
+):
+    """`_varlen_group`'s work for one query tile: segment s, its tile qb, KV head kv, share sp."""
     start = tl.load(starts_ptr + s)
     q_len = tl.load(starts_ptr + s + 1) - start
     i = tl.arange(0, BLOCK_Q * G)
@@ -220,6 +256,7 @@ def varlen_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     narrow: bool | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every segment's queries over its row of the paged pool, in Triton.
 
@@ -245,7 +282,10 @@ def varlen_attention(
     choice, `UNSPLIT_STAGES` for an unsplit walk and Triton's default for a split one. `narrow`
     addresses K and V through one tensor of int32 offsets (`_varlen_group`'s NARROW), which needs
     contiguous pools of one shape and fewer than `NARROW_LIMIT` elements (`narrow_fits`); None,
-    the engine's choice, takes it wherever the pools allow.
+    the engine's choice, takes it wherever the pools allow. `programs`, with `grid_tokens`, cuts
+    the flat grid to that many programs a KV head and share, each reading every `programs`-th of
+    the step's query tiles (`_varlen_group`'s PERSISTENT); None cuts one program for each tile the
+    grid could need, and those past the step's tiles exit.
     """
     _check_inputs(q, k_pool, v_pool, table_rows, query_start_loc, context_lens, positions)
     if block_table.dim() != 2 or block_table.stride(1) != 1:
@@ -268,6 +308,9 @@ def varlen_attention(
                          f"{k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
+    if programs is not None and (grid_tokens is None or programs < 1):
+        raise ValueError(f"programs must be a positive int, and only with grid_tokens; got programs={programs} "
+                         f"and grid_tokens={grid_tokens}")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
         raise ValueError("table_rows, query_start_loc, context_lens and positions must be contiguous")
     assert k_pool.stride(2) == 1 and v_pool.stride(2) == 1 and q.stride(2) == 1
@@ -290,7 +333,8 @@ def varlen_attention(
         segments = min(segments, grid_tokens)
         # the most tiles any lengths of grid_tokens tokens in `segments` segments need (each segment
         # wastes less than a tile); a program past the step's own tiles exits (`_tile_of`)
-        grid = (grid_tokens // block_q + segments, 1, kv_heads * splits)
+        tiles = grid_tokens // block_q + segments
+        grid = (min(programs, tiles) if programs else tiles, 1, kv_heads * splits)
     D = _pow2(d, 16)
     # out stands in for the partials when there are none (splits == 1 never touches them)
     acc, m, l = _partials(n, heads, splits, D, q.device) if splits > 1 else (out, out, out)
@@ -300,7 +344,8 @@ def varlen_attention(
         block_table.stride(0), out.stride(0), out.stride(1), 1.0 / math.sqrt(d), d, segments,
         GROUP=group, G=G, BLOCK_Q=block_q, BLOCK_N=block_n, D=D, PAGE=block_size,
         DOT=_dot_mode(k_pool.dtype), FLAT=grid_tokens is not None, SPLITS=splits, SHARE_TILES=share_tiles,
-        SEG=_pow2(segments) if grid_tokens is not None else 1, NARROW=bool(narrow), num_warps=num_warps,
+        SEG=_pow2(segments) if grid_tokens is not None else 1, NARROW=bool(narrow), PERSISTENT=programs is not None,
+        num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else
            {"num_stages": UNSPLIT_STAGES} if splits == 1 else {}))
     if splits > 1:  # one program a token, whatever the segments: a captured step's grid holds
@@ -315,6 +360,13 @@ def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor, limit: int = NARROW_
     count), with fewer than `limit` elements."""
     return (k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape == v_pool.shape
             and k_pool.numel() < limit)
+
+
+def persistent_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int:
+    """`varlen_attention`'s `programs` for a persistent flat grid: as many programs a KV head and
+    share as fill every SM's `RESIDENT` slots at once, each then reading every so many of the
+    step's query tiles (`varlen_attention` cuts it to the tiles the grid could need)."""
+    return max(1, -(-RESIDENT * num_sms // (kv_heads * splits)))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -238,8 +238,9 @@ def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, ra
                command: Callable[..., list[str]] = serve_command) -> pd.DataFrame:
     """Every arm's server up at once (started one after another, each warmed up), then `rounds`
     rounds at each rate: round r sends the Poisson stream seeded seed + r to every arm in turn,
-    in the arms' order on even rounds and reversed on odd ones (AB, BA, ...), so that drift over
-    the run falls on each arm alike and each round pairs the arms on one stream. A server waits
+    the arms' order turned by r places (AB, BA, ... for two arms; ABC, BCA, CAB, ... for three),
+    so that over any n rounds of n arms each arm takes each place once, drift over the run falls
+    on each arm alike, and each round pairs the arms on one stream. A server waits
     idle while another is measured. One row per (round, rate, arm): `send_rate`'s metrics, the
     round, the arm's place in its round, and its server's exit code on SIGTERM."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -253,7 +254,7 @@ def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, ra
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, command=command))
             for arm in arms}
         for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            order = [*arms[r % len(arms):], *arms[:r % len(arms)]]
             for rate in rates:
                 for place, arm in enumerate(order):
                     server, served = servers[arm]

@@ -38,11 +38,14 @@ class VarlenLaunch(NamedTuple):
     narrow: bool
     splits: int
     num_stages: int  # the engine's: 2 for an unsplit walk, Triton's default (3) for a split one
+    persistent: bool = False  # programs that loop over the step's query tiles (`varlen_attention`'s programs)
 
 
 # The engine's launch of the read after a cached prefix (8 shares) and of an unsplit one, each with
-# 64-bit addresses for K and V apart and with shared int32 offsets.
-LAUNCHES = tuple(VarlenLaunch(narrow, splits, 3 if splits > 1 else 2) for splits in (8, 1) for narrow in (False, True))
+# 64-bit addresses for K and V apart and with shared int32 offsets, then the narrow ones as
+# persistent programs.
+LAUNCHES = (*(VarlenLaunch(narrow, splits, 3 if splits > 1 else 2) for splits in (8, 1) for narrow in (False, True)),
+            *(VarlenLaunch(True, splits, 3 if splits > 1 else 2, True) for splits in (8, 1)))
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -98,12 +101,13 @@ def _compile_varlen(launches: list[list], arch: int) -> list[dict]:
     ints = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_tr", "stride_ot",
             "stride_oh")
     rows = []
-    for narrow, splits, stages in launches:
+    for narrow, splits, stages, persistent in launches:
         constants = dict(GROUP=4, G=4, BLOCK_Q=BLOCK_M // 4, BLOCK_N=BLOCK_N, D=64, PAGE=16, DOT=2, FLAT=True,
-                         SPLITS=splits, SHARE_TILES=4, SEG=64, NARROW=narrow)
+                         SPLITS=splits, SHARE_TILES=4, SEG=64, NARROW=narrow, PERSISTENT=persistent)
         signature = {**pointers, **dict.fromkeys(ints, "i32"), "scale": "fp32", "head_dim": "i32", "segments": "i32",
                      **dict.fromkeys(constants, "constexpr")}
-        rows.append({"kernel": "_varlen_group", "narrow": narrow, "splits": splits, "num_stages": stages,
+        rows.append({"kernel": "_varlen_group", "narrow": narrow, "persistent": persistent, "splits": splits,
+                     "num_stages": stages,
                      "arch": f"sm_{arch}", **_usage(_varlen_group, signature, constants, arch, 4, stages)})
     return rows
 

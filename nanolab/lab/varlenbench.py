@@ -17,6 +17,10 @@ empty, after the real ones) and q as a view of the fused qkv projection's output
 pool of `--pool-gib` GiB a layer (K and V each), as a served pool of many rows holds them. Each
 row of the table names its layout.
 
+With `--persistent-only` the engine's launch is timed against persistent programs
+(`varlen_attention`'s `programs`, `persistent_programs` of them a KV head and share), whose grid
+does not grow with the rows a captured step might hold, in every layout.
+
 Cases whose segments are short (a verify step, a short prompt after a cached prefix) are also read
 by the engine's decode read, a decode row a token over the captured size's rows, in every layout
 (`read`): each token reads its keys again, but from L2 after the first, through the kernel a decode
@@ -44,6 +48,7 @@ from nanolab.kernels.varlen_attention import (
     BLOCK_N,
     choose_varlen_splits,
     narrow_fits,
+    persistent_programs,
     varlen_attention,
     varlen_reference,
 )
@@ -94,10 +99,12 @@ class VarlenConfig(NamedTuple):
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
     narrow: bool | None = None  # K and V through one int32 offset tensor; None: where the pools allow (the engine)
+    persistent: bool = False  # `persistent_programs` programs loop over the tiles of a flat grid
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
 NARROWED, WIDE = DEFAULT._replace(narrow=True), DEFAULT._replace(narrow=False)
+PERSISTENT = DEFAULT._replace(persistent=True)
 
 
 def sweep_configs() -> list[VarlenConfig]:
@@ -121,6 +128,13 @@ def narrow_configs() -> list[VarlenConfig]:
     and 16 of one tile or more, each at its default stages and at 1 and 3 (`--narrow-only`)."""
     return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, num_stages=st, narrow=n)
             for n in (False, True) for s in (None, 4, 8, 16) for st in (None, 1, 3)]
+
+
+def persistent_configs() -> list[VarlenConfig]:
+    """The engine's launch as it is and as persistent programs, at its share count and at 4, 8
+    and 16 of one tile or more (`--persistent-only`)."""
+    return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, persistent=p)
+            for p in (False, True) for s in (None, 4, 8, 16)]
 
 
 def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
@@ -201,12 +215,13 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
-            num_stages=c.num_stages, narrow=c.narrow)
+            num_stages=c.num_stages, narrow=c.narrow,
+            programs=persistent_programs(kv_heads, splits, sms) if c.persistent else None)
         row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
-               "narrow": fits if c.narrow is None else c.narrow,
+               "narrow": fits if c.narrow is None else c.narrow, "persistent": c.persistent,
                "engine_default": c._replace(narrow=None) == DEFAULT and c.narrow in (None, fits)}
         try:
             err = float((run().float() - ref).abs().max())
@@ -281,10 +296,13 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles, narrow {best['narrow']})")
         launches = [WIDE, NARROWED] if any(c.narrow is not None for c in configs) else [DEFAULT]
+        if any(c.persistent for c in configs):
+            launches += [c._replace(persistent=True) for c in launches]
         for layout in layouts[1:]:
             for r in time_case(case, config, launches, repeats, dtype=dtype, layout=layout):
                 rows.append(r)
-                log(f"  the engine's tiles, {'narrow' if r['narrow'] else 'wide'} offsets, {layout.name}: "
+                log(f"  the engine's tiles, {'narrow' if r['narrow'] else 'wide'} offsets"
+                    f"{', persistent' if r['persistent'] else ''}, {layout.name}: "
                     f"{r['us']:.1f} us ({r['splits']} shares, {r['table_segments']} table rows, grid for "
                     f"{r['grid_tokens']} tokens)")
         if max(q for _, q in case.segments) <= DECODE_READ_MAX_QUERY:
@@ -309,6 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time only the engine's launch (and the decode read), not the sweep of tiles")
     parser.add_argument("--narrow-only", action="store_true",
                         help="sweep only narrow offsets against the engine's (`narrow_configs`), not every tile")
+    parser.add_argument("--persistent-only", action="store_true",
+                        help="sweep only persistent programs against the engine's launch (`persistent_configs`), "
+                             "in every layout")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -327,7 +348,10 @@ def main(args: argparse.Namespace) -> int:
         cases = tuple(c for c in CASES if any(w in c.name for w in words))
         if not cases:
             raise ValueError(f"--cases {args.cases!r} names none of: {'; '.join(c.name for c in CASES)}")
-    configs = narrow_configs() if args.narrow_only else None if args.sweep else [DEFAULT]
+    if args.narrow_only and args.persistent_only:
+        raise ValueError("--narrow-only and --persistent-only: choose one")
+    configs = (narrow_configs() if args.narrow_only else persistent_configs() if args.persistent_only
+               else None if args.sweep else [DEFAULT])
     table = run_varlenbench(args.model, cases, configs, repeats=args.repeats, layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)

@@ -188,7 +188,7 @@ def plot_round_ratios(rounds: pd.DataFrame) -> Figure:
     ax.set_xlim(-0.6, 1.6)
     ax.set_ylabel("speculating over plain, same stream")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)  # below: never over a dot
     fig.tight_layout()
     return fig
 
