@@ -193,20 +193,29 @@ if full is not None:
 #
 # Where most of a step's launch finds no tile, the read is slower inside the step than alone at
 # the same shares: by 15.9 µs for 50 tokens after 2,048 (3,520 of its 3,776 programs exit at
-# once), 7.5 µs for the verify step (2,176 of 2,688) and 5.2 µs for 64 tokens after 4,128 (2,048
-# of 2,176). The 512-token reads, whose live programs run longest, lose nothing to their 512
-# exiting ones. A captured step's flat grid cannot know how many of its 64 rows hold tokens, so it
-# is cut for the most query tiles any of its token counts could fill: for 56 tokens, 56 // 16 + 56
-# = 59 a KV head and share. Each program that exits must still be scheduled onto an SM first, and
-# at 232 to 255 registers a thread an SM holds two of them at a time. That is the likely cost; the
-# persistent grid below is the test of it.
+# once), 7.5 µs for the verify case (2,176 of 2,688) and 5.2 µs for 64 tokens after 4,128 (2,048
+# of 2,176). The two 512-token chunks (512 of 768 programs exit) and the mixed step (40 of 776)
+# lose nothing measurable. A captured step's flat grid cannot know how many of its 64 rows hold
+# tokens, so it is cut for the most query tiles any of its token counts could fill: for 56
+# tokens, 56 // 16 + 56 = 59 a KV head and share. The layouts that change one thing at a time
+# point at the rows: for 50 tokens, a table row for each of 64 rows took 42.9 µs at 8 shares,
+# against 27.3 alone at 8, while q inside the fused projection's output took 36.3 at 4, against
+# 37.0 alone at 4. A program that exits must still be scheduled onto an
+# SM first, and at 232 to 255 registers a thread an SM holds two at a time. That is the likely
+# cost, not a measured one; the persistent grid below is the test of it.
 #
-# Over a layer's 16 reads that is about 0.25 ms of the 50-token prompt step, which `prefixsteps`
-# timed at 2.70 ms on the same H100, and whose kernels it profiled:
+# The engine reads a verify step of up to 64 tokens through its decode read, a row a token, so
+# the verify case costs it only in steps of more tokens than the cache has rows.
+#
+# Over the step's 16 layers, 15.9 µs a read is about 0.25 ms of the 50-token prompt step, which
+# `prefixsteps` timed on the same H100; it also profiled the step's kernels:
 
 # %%
 steps_h100 = lab.measured_table("day64_prefix_steps", "scripts/gpu_run.sh prefixsteps", slug=H100)
 kernels_h100 = lab.measured_table("day64_prefix_kernels", "scripts/gpu_run.sh prefixsteps", slug=H100)
+if steps_h100 is not None:
+    hit_steps = steps_h100[(steps_h100.case == "prefix hit") & (steps_h100.suffix == 50)]
+    print(f"the 50-token prompt step after 2,048: {hit_steps.ms.median():.2f} ms (median of {len(hit_steps)})")
 if kernels_h100 is not None:
     hit = kernels_h100[kernels_h100.arm == "prefix hit + 50"]
     by_class = hit.groupby("class").us_per_step.sum().sort_values(ascending=False)
@@ -217,17 +226,17 @@ if kernels_h100 is not None:
 # %% [markdown]
 # A grid that does not grow with the rows it might hold removes the exiting programs. With
 # `programs`, `varlen_attention` launches a fixed number of programs a KV head and share
-# (`persistent_programs`: enough to fill every SM's two slots once), and each reads every so many
-# of the step's query tiles in turn (`_varlen_group`'s PERSISTENT). For the 50-token step that is
-# 5 programs a KV head and share, 320 in all, against 3,776. The default launch compiles to the
-# same multiset of instructions as before (in another order: the wide kernel, which only pools
-# too large for int32 offsets take, now spills 64 bytes unsplit instead of 72). The persistent
-# one holds 255 registers and spills nothing at 8 shares and 40 bytes unsplit (the table at the
-# top). The interpreter checks that it reads
-# what the reference reads (`tests/test_varlen_attention.py`). No GPU has timed it yet:
+# (`persistent_programs`: as many as every SM's two slots hold at once), and each reads every so
+# many of the step's query tiles in turn (`_varlen_group`'s PERSISTENT). For the 50-token step
+# that is 4 programs a KV head and share, 256 in all, against 3,776. The default launch compiles
+# to the same PTX instructions, counted by opcode, as before; ptxas now gives the wide unsplit
+# kernel, which only pools too large for int32 offsets take, 64 bytes of stack instead of 72. The
+# persistent kernel holds 235 registers and spills nothing at 8 shares, and spills 40 bytes
+# unsplit (the table at the top). The interpreter checks that it reads what the reference reads
+# (`tests/test_varlen_attention.py`). No GPU has timed it yet:
 # `VARLEN_ARGS="--persistent-only --prefix day64e" scripts/gpu_run.sh varlen` does, and the
-# engine keeps its launch until it has. The prediction is about 27 µs a layer for the 50-token
-# read in a step, about 0.25 ms off its prompt step, and about 0.12 ms off a verify step.
+# engine keeps its launch until it has. If the exiting programs are the cost, the 50-token read
+# in a step should take about the 27 µs it takes alone.
 #
 # ## The gates
 #
@@ -268,10 +277,11 @@ print("wide and narrow offsets, two shares: the reference's output")
 #   K and V through one tensor of int32 offsets it spills none. The engine now takes those offsets
 #   wherever its pools allow. On an H100 they were 1.4% to 9.5% faster alone in 23 of 24 timings,
 #   and within 1% in a captured step's layout.
-# - Inside a captured step the read of a few tokens is slower than alone, by 16 µs a layer for 50
-#   tokens after 2,048 on the H100: its flat grid launches a program for every tile its 64 rows
-#   could fill, and 3,500 of them exit at once. Persistent programs, a fixed grid looping over the
-#   step's tiles, are built and checked in the interpreter, and wait for a GPU to time them.
+# - Inside a captured step the read of a few tokens is slower than alone, by 15.9 µs a layer for
+#   50 tokens after 2,048 on the H100. Its flat grid launches a program for every tile its 64 rows
+#   could fill, and 3,520 of 3,776 exit at once, the likely cost. Persistent programs, a fixed grid
+#   looping over the step's tiles, are built and checked in the interpreter, and wait for a GPU to
+#   time them.
 # - Shares mattered more: 8 read 64 tokens after 4,128 in 40.1 us where the engine's 4 took 59.9.
 #   The rule that would choose 8 there doubles shares at most capture sizes, and twice the shares
 #   cost 4% to 16% on short walks in Day 64's sweeps, so the engine keeps its rule until a sweep

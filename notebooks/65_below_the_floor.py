@@ -292,8 +292,8 @@ if resources is not None:
 # An H100 timed both on 2026-12-06: each projection alone at the engine's tiles at 4 and 8
 # warps (`FP8_ARGS="--parts dots --prefix day65f" scripts/gpu_run.sh fp8`), then the whole step
 # twice, in two processes, each beside its own bf16 arm: once as the engine runs it, once with
-# `step_config` giving one-byte weights 8 warps (a one-line patch, applied on the GPU machine and
-# not kept).
+# `step_config` returning `num_warps=8` when `element_size == 1` (a one-line change, applied on
+# the GPU machine for that run and not kept).
 
 # %%
 warps = lab.measured_table("day65f_fp8_dots", 'FP8_ARGS="--parts dots --prefix day65f" scripts/gpu_run.sh fp8',
@@ -324,11 +324,11 @@ for batch in (1, 8):
 # (`fma` only at one row), then ms a step with bf16 and fp8 weights, a column pair for each of
 # the two processes.*
 #
-# The spill does not cost what the extra warps do. On the engine's fp16 dot, 8 warps are slower
-# for every projection at both batch sizes, most of all for `down`, which did not spill at 4. The
-# whole step at batch 1 went from 1.08 to 1.23 ms. Only `fma` at one row gained from 8 warps,
-# and it still lost to the fp16 dot at 4. So the engine keeps 4 warps: the 32 to 56 spilled
-# bytes are not what holds the GEMV back.
+# Whatever the spill costs, 8 warps cost more. On the engine's fp16 dot, 8 warps are slower for
+# every projection at both batch sizes, most of all for `down`, which did not spill at 4. The
+# whole step went from 1.08 to 1.23 ms at batch 1 and from 1.12 to 1.27 ms at batch 8. Only
+# `fma` at one row gained from 8 warps, and it still lost to the fp16 dot at 4. So the engine
+# keeps 4 warps.
 #
 # The same run also timed the step on the H100 as the engine now runs it, fp16 dot included.
 # There fp8 is 1.07x bf16 at batch 1 and 1.19x at batch 8, against aims of 1.7x and 1.5x on the
@@ -352,7 +352,7 @@ for batch in (1, 8):
 #   on the H200, paid again by every chunk.
 # - Compiled for sm_90 without a GPU (2026-12-06), the fp8 GEMV spills at the engine's 4 warps for
 #   qkv, o and gate/up, and not at 8. Timed on an H100 the same day, 8 warps were slower for every
-#   projection, and the step at batch 1 slowed from 1.08 to 1.23 ms, so the engine keeps 4. On that
+#   projection, and the step slowed from 1.08 to 1.23 ms at batch 1, so the engine keeps 4. On that
 #   H100 the step with fp8 weights was 1.07x bf16 at batch 1 and 1.19x at batch 8.
 # - Not yet built: a step of fewer, larger launches, where fp8's fewer bytes would show. A prompt
 #   step that reads the e4m3 bytes itself was written the same day as a lab candidate;

@@ -248,12 +248,13 @@ def test_a_flat_grid_of_split_walks_over_padding_equals_the_reference(splits, mo
     assert not m[:n].isnan().any() and m[n:].isnan().all()
 
 
-@pytest.mark.parametrize("programs, splits", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("programs, splits", [(1, 1), (4, 2), (40, 1)])
 def test_persistent_programs_read_every_tile_of_a_flat_grid(programs, splits, monkeypatch):
     """`programs`: a flat grid of that many programs a KV head and share, each reading every
-    programs-th query tile of the step (9 tiles here, so each program reads several), over padding
-    and in shares: what the reference reads, every real token's partials written, the padding's
-    output and partials left alone."""
+    programs-th query tile of the step (9 tiles here, one segment empty between others: one
+    program reads them all, or four read two or three each, or the grid is cut to the 18 tiles
+    it could need), over padding and in shares: what the reference reads, every real token's
+    partials written, the padding's output and partials left alone."""
     made = poison_partials(monkeypatch)
     grids = []
 
@@ -264,18 +265,19 @@ def test_persistent_programs_read_every_tile_of_a_flat_grid(programs, splits, mo
 
     kernel = varlen_attention_module._varlen_group
     monkeypatch.setattr(varlen_attention_module, "_varlen_group", Recorder())
-    case, _ = varlen_case(MIXED, 4, 2, 24, seed=11)
+    case, _ = varlen_case([*MIXED[:2], (6, 0), *MIXED[2:]], 4, 2, 24, seed=11)
     n = case["q"].shape[0]
     step = padded(case, extra_tokens=13, extra_segments=5)
     got = varlen_attention(**step, max_query_len=1, grid_tokens=n + 13, splits=splits, share_tiles=1,
                            programs=programs, **TILES)
     torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
     assert not got[n:].any(), "a padding token was attended"
-    assert grids == [(programs, 1, 2 * splits)]
+    block_q = TILES["block_m"] // 2  # a group of two query heads
+    assert grids == [(min(programs, (n + 13) // block_q + len(step["table_rows"])), 1, 2 * splits)]
     if splits > 1:
         (_, m, _), = made
         assert not m[:n].isnan().any() and m[n:].isnan().all()
-    for bad in ({"programs": 0, "grid_tokens": n}, {"programs": 2}):
+    for bad in ({"programs": 0, "grid_tokens": n}, {"programs": 2}, {"programs": 2.0, "grid_tokens": n}):
         with pytest.raises(ValueError, match="programs"):
             varlen_attention(**case, max_query_len=18, **bad, **TILES)
 
@@ -369,9 +371,12 @@ def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
 
 def test_persistent_programs_fill_the_sms_once():
     """Two programs an SM: 264 on 132 SMs, shared among the KV heads and shares, at least one."""
-    assert persistent_programs(8, 8) == 5  # 320 programs: 4 query tiles after a cached prefix read in one pass
+    assert persistent_programs(8, 8) == 4  # 256 programs: 4 query tiles after a cached prefix, one pass
     assert persistent_programs(8, 1) == 33 and persistent_programs(8, 1, num_sms=4) == 1
     assert persistent_programs(64, 16) == 1
+    for bad in ({"kv_heads": 0}, {"splits": True}, {"num_sms": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            persistent_programs(**{"kv_heads": 8, "splits": 8, **bad})
 
 
 def test_choose_varlen_splits():

@@ -66,27 +66,34 @@ RESIDENT = 2
 
 
 @triton.jit
-def _segment_tiles(starts_ptr, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
-    """[SEG] lanes and each segment's query tiles (0 past `segments`), from one vector load of the
-    segments' starts."""
+def _tile_map(starts_ptr, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
+    """A flat grid's query tiles, numbered across segments with no gaps, from one vector load of
+    the segments' starts: [SEG] lanes, each segment's first tile's number (a prefix sum of their
+    tile counts), and each segment's tiles (0 past `segments`)."""
     seg = tl.arange(0, SEG)
     real = seg < segments
     first_tok = tl.load(starts_ptr + seg, mask=real, other=0)
-    return seg, tl.where(real, tl.cdiv(tl.load(starts_ptr + seg + 1, mask=real, other=0) - first_tok, BLOCK_Q), 0)
+    tiles = tl.where(real, tl.cdiv(tl.load(starts_ptr + seg + 1, mask=real, other=0) - first_tok, BLOCK_Q), 0)
+    return seg, tl.cumsum(tiles, 0) - tiles, tiles
+
+
+@triton.jit
+def _locate(seg, first, j):
+    """Tile j of `_tile_map`'s numbering: (its segment, its tile there). It belongs to the last
+    segment whose first number is at most j (an empty segment's first number is the next one's,
+    so the last is never empty)."""
+    s = tl.max(tl.where(first <= j, seg, -1), 0)
+    return s, j - tl.sum(tl.where(seg == s, first, 0), 0)
 
 
 @triton.jit
 def _tile_of(starts_ptr, j, segments, BLOCK_Q: tl.constexpr, SEG: tl.constexpr):
-    """Query tile j of a flat grid, numbered across segments with no gaps: (segment, its tile, live).
-    Each segment's tile count gives, by a prefix sum, its first tile's number; j is live while
-    below their total, and then belongs to the last segment whose first number is at most j (an
-    empty segment's first number is the next one's, so the last is never empty). A program past
-    the total (the grid is cut for the most tiles any lengths could need) finds that in this one
-    load and exits."""
-    seg, tiles = _segment_tiles(starts_ptr, segments, BLOCK_Q, SEG)
-    first = tl.cumsum(tiles, 0) - tiles  # [SEG]: the number of each segment's first tile
-    s = tl.max(tl.where(first <= j, seg, -1), 0)
-    return s, j - tl.sum(tl.where(seg == s, first, 0), 0), j < tl.sum(tiles, 0)
+    """Query tile j of a flat grid: (segment, its tile, live). j is live while below the tiles'
+    total; a program past it (the grid is cut for the most tiles any lengths could need) finds
+    that in this one load and exits."""
+    seg, first, tiles = _tile_map(starts_ptr, segments, BLOCK_Q, SEG)
+    s, qb = _locate(seg, first, j)
+    return s, qb, j < tl.sum(tiles, 0)
 
 
 @triton.jit
@@ -114,9 +121,9 @@ def _varlen_group(
     kv = tl.program_id(2) // SPLITS
     sp = tl.program_id(2) % SPLITS
     if PERSISTENT:
-        total = tl.sum(_segment_tiles(starts_ptr, segments, BLOCK_Q, SEG)[1], 0)
-        for j in range(tl.program_id(0), total, tl.num_programs(0)):
-            s, qb, _ = _tile_of(starts_ptr, j, segments, BLOCK_Q, SEG)
+        seg, first, tiles = _tile_map(starts_ptr, segments, BLOCK_Q, SEG)
+        for j in range(tl.program_id(0), tl.sum(tiles, 0), tl.num_programs(0)):
+            s, qb = _locate(seg, first, j)
             _read_tile(q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, starts_ptr, lens_ptr, pos_ptr, out_ptr, acc_ptr,
                        m_ptr, l_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                        stride_ot, stride_oh, scale, head_dim, s, qb, kv, sp, GROUP, G, BLOCK_Q, BLOCK_N, D, PAGE,
@@ -308,7 +315,8 @@ def varlen_attention(
                          f"{k_pool.stride()} and {v_pool.stride()}, {k_pool.numel()} elements")
     if grid_tokens is not None and grid_tokens < q.shape[0]:
         raise ValueError(f"grid_tokens {grid_tokens} must cover the {q.shape[0]} tokens of q")
-    if programs is not None and (grid_tokens is None or programs < 1):
+    if programs is not None and (grid_tokens is None or isinstance(programs, bool) or not isinstance(programs, int)
+                                 or programs < 1):
         raise ValueError(f"programs must be a positive int, and only with grid_tokens; got programs={programs} "
                          f"and grid_tokens={grid_tokens}")
     if any(t.stride(0) != 1 for t in (table_rows, query_start_loc, context_lens, positions)):
@@ -364,9 +372,12 @@ def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor, limit: int = NARROW_
 
 def persistent_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int:
     """`varlen_attention`'s `programs` for a persistent flat grid: as many programs a KV head and
-    share as fill every SM's `RESIDENT` slots at once, each then reading every so many of the
-    step's query tiles (`varlen_attention` cuts it to the tiles the grid could need)."""
-    return max(1, -(-RESIDENT * num_sms // (kv_heads * splits)))
+    share as every SM's `RESIDENT` slots hold at once (at least one), each then reading every so
+    many of the step's query tiles (`varlen_attention` cuts it to the tiles the grid could need)."""
+    for name, value in (("kv_heads", kv_heads), ("splits", splits), ("num_sms", num_sms)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return max(1, RESIDENT * num_sms // (kv_heads * splits))
 
 
 @functools.lru_cache(maxsize=4096)

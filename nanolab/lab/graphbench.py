@@ -239,12 +239,18 @@ def run_rounds(arms: Sequence[str], model: str, device: str, vocab_size: int, ra
     """Every arm's server up at once (started one after another, each warmed up), then `rounds`
     rounds at each rate: round r sends the Poisson stream seeded seed + r to every arm in turn,
     the arms' order turned by r places (AB, BA, ... for two arms; ABC, BCA, CAB, ... for three),
-    so that over any n rounds of n arms each arm takes each place once, drift over the run falls
-    on each arm alike, and each round pairs the arms on one stream. A server waits
+    so that over any n rounds of n arms each arm takes each place once (a count of rounds that
+    is not a multiple of n leaves the places uneven, and is logged), drift over the run falls on
+    each arm alike, and each round pairs the arms on one stream. With three arms or more, an arm
+    that is not first always follows the same arm (C after B), so what one arm leaves the next is
+    not balanced. A server waits
     idle while another is measured. One row per (round, rate, arm): `send_rate`'s metrics, the
     round, the arm's place in its round, and its server's exit code on SIGTERM."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds={rounds!r}: must be a positive int")
+    if arms and rounds % len(arms):
+        log(f"{rounds} rounds of {len(arms)} arms: the arms take each place evenly only over a multiple of "
+            f"{len(arms)} rounds")
     workdir = Path(workdir or tempfile.mkdtemp(prefix="graphbench-"))
     rows, runs = [], {arm: ArmRun(arm) for arm in arms}
     with ExitStack() as stack:
