@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import multiprocessing
 import pickle
 import random
@@ -144,6 +143,17 @@ def _echo(inbox, outbox) -> None:
         outbox.send(message)
 
 
+MAX_GAP_MS = 10_000.0  # an idle gap longer than this measures nothing the engine's requests see
+
+
+def check_gaps(gaps_ms: Sequence[float], name: str = "gaps") -> list[float]:
+    """`gaps_ms` as a list, each from 0 to `MAX_GAP_MS` ms (NaN refused); `name` in the error."""
+    gaps = list(gaps_ms)
+    if not gaps or not all(0 <= g <= MAX_GAP_MS for g in gaps):
+        raise ValueError(f"{name}: {gaps} must be ms from 0 to {MAX_GAP_MS:,.0f}, at least one")
+    return gaps
+
+
 def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, prompt_len: int = 2048,
                seed: int = 0, timeout_s: float = 60.0) -> pd.DataFrame:
     """What the host's part of a request costs after it idled: for each gap, `samples` times
@@ -158,8 +168,7 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
     within `timeout_s`, is an error, not a wait."""
     if not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be a positive int, got {samples!r}")
-    if not gaps_ms or not all(0 <= g < math.inf for g in gaps_ms):
-        raise ValueError(f"gaps must be finite ms of at least 0, got {list(gaps_ms)}")
+    gaps_ms = check_gaps(gaps_ms)
     if prompt_len < 2 * BLOCK_SIZE:
         raise ValueError(f"prompt_len: {prompt_len} is shorter than two blocks of {BLOCK_SIZE}")
     stages = [fn for stage, arm, fn in stage_calls(prompt_len, seed) if arm != "before" and stage != "encode"]
@@ -252,9 +261,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         gaps = [float(g) for g in args.gaps.split(",")]
     except ValueError:
-        gaps = [-1.0]
-    if any(not 0 <= g < 10_000 for g in gaps):  # NaN too
-        raise ValueError(f"--gaps: {args.gaps!r} must be ms from 0 to 10,000, comma-separated")
+        raise ValueError(f"--gaps: {args.gaps!r} must be comma-separated ms") from None
+    gaps = check_gaps(gaps, "--gaps")  # before the stage table's minutes, not after
     costs = front_costs(lengths, repeats=positive_int(args.repeats, "--repeats"))
     label = front_label()
     path = save_table(costs, f"{args.prefix}_front", label)
