@@ -242,8 +242,8 @@ if kernels_h100 is not None:
 #
 # Every read the bench timed matched the reference to bf16's rounding, narrow or wide, except the
 # narrow read of the 4 GiB pool, which the read refuses by name. Here, on any machine, a small step
-# of both kinds reads what the reference reads: two segments after cached keys, in the interpreter
-# on a CPU.
+# of both kinds, and one persistent program, read what the reference reads: two segments after
+# cached keys, in the interpreter on a CPU.
 
 # %%
 if sweep is not None:
@@ -264,11 +264,13 @@ case = dict(q=torch.randn(sum(new), heads, d, generator=g), k_pool=k_pool, v_poo
             context_lens=torch.tensor(lens),
             positions=torch.tensor([p for n, c in zip(new, lens) for p in range(c - n, c)]))
 ref = varlen_reference(**case)
-for narrow in (False, True):
+for narrow, programs in ((False, None), (True, None), (True, 1)):
+    # programs=1: one persistent program a KV head and share reads every tile of a flat grid
+    flat = {} if programs is None else {"grid_tokens": sum(new), "programs": programs}
     got = varlen_attention(**case, max_query_len=max(new), splits=2, share_tiles=1, narrow=narrow, block_m=16,
-                           block_n=16)
+                           block_n=16, **flat)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-print("wide and narrow offsets, two shares: the reference's output")
+print("wide and narrow offsets, and one persistent program, two shares: the reference's output")
 
 # %% [markdown]
 # ## Summary
