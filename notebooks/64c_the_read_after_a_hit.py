@@ -197,7 +197,9 @@ if full is not None:
 # of 2,176). The two 512-token chunks (512 of 768 programs exit) and the mixed step (40 of 776)
 # lose nothing measurable. A captured step's flat grid cannot know how many of its 64 rows hold
 # tokens, so it is cut for the most query tiles any of its token counts could fill: for 56
-# tokens, 56 // 16 + 56 = 59 a KV head and share. The layouts that change one thing at a time
+# tokens, 56 // 16 + 56 = 59 a KV head and share. (vLLM's unified Triton attention,
+# `vllm/v1/attention/ops/triton_unified_attention.py`, bounds its grid the same way: tokens over
+# the query tile, plus one tile a sequence.) The layouts that change one thing at a time
 # point at the rows: for 50 tokens, a table row for each of 64 rows took 42.9 µs at 8 shares,
 # against 27.3 alone at 8, while q inside the fused projection's output took 36.3 at 4, against
 # 37.0 alone at 4. A program that exits must still be scheduled onto an
