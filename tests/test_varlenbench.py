@@ -4,6 +4,8 @@ launch it timed."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -13,8 +15,11 @@ from nanolab.lab.varlenbench import (
     Layout,
     VarlenCase,
     VarlenConfig,
+    capture_cases,
+    capture_configs,
     capture_tokens,
     case_inputs,
+    main,
     narrow_configs,
     persistent_configs,
     sweep_configs,
@@ -45,6 +50,10 @@ def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     assert all(c.narrow is None for c in configs) and DEFAULT._replace(narrow=False) in narrowed
     assert len(set(narrowed)) == 24
     assert {c._replace(narrow=False) for c in narrowed if c.narrow} == {c for c in narrowed if not c.narrow}
+    captured = capture_configs()
+    assert captured[0] == DEFAULT and DEFAULT._replace(persistent=True) in captured and len(set(captured)) == 10
+    assert [c.segments for c in capture_cases((64, 496), (256,))] == [((256, 64),), ((256, 496),)]
+    assert capture_cases()[-1].name == "496 tokens after 4,096"
     persistent = persistent_configs()
     assert DEFAULT in persistent and DEFAULT._replace(persistent=True) in persistent and len(set(persistent)) == 8
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
@@ -83,3 +92,13 @@ def test_the_decode_read_a_row_a_token_reads_what_the_reference_reads(tiny_path,
         row = time_decode_read(case, config, repeats=1, sms=4, device="cpu", dtype=torch.float32, layout=layout)
         assert row["error"] == "" and row["max_err"] < 1e-4, row
         assert (row["read"], row["tokens"], row["grid_tokens"]) == ("decode, a row a token", 13, 16)
+
+
+def test_the_command_line_refuses_what_it_cannot_run_by_name():
+    """Before looking for a GPU: one sweep at a time, and the capture sweep makes its own cases."""
+    base = dict(repeats=1, pool_gib=1.0, dtype="bfloat16", cases=None, sweep=True, narrow_only=False,
+                persistent_only=False, capture_sweep=False, model="tiny", prefix="never")
+    for bad, match in (({"narrow_only": True, "capture_sweep": True}, "choose one"),
+                       ({"capture_sweep": True, "cases": "verify"}, "--cases"), ({"repeats": 0}, "--repeats")):
+        with pytest.raises(ValueError, match=match):
+            main(argparse.Namespace(**{**base, **bad}))

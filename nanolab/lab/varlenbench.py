@@ -19,7 +19,9 @@ row of the table names its layout.
 
 With `--persistent-only` the engine's launch is timed against persistent programs
 (`varlen_attention`'s `programs`, `persistent_programs` of them a KV head and share), whose grid
-does not grow with the rows a captured step might hold, in every layout.
+does not grow with the rows a captured step might hold, in every layout. With `--capture-sweep`
+one segment of 64 to 496 tokens after a short and a long cached context (`capture_cases`) is read
+in a captured step's layout at 1 to 8 shares, as the engine launches and as persistent programs.
 
 Cases whose segments are short (a verify step, a short prompt after a cached prefix) are also read
 by the engine's decode read, a decode row a token over the captured size's rows, in every layout
@@ -75,6 +77,18 @@ CASES = (
     VarlenCase("verify: 8 rows of 5 over 256", tuple((256, 5) for _ in range(8))),
     VarlenCase("mixed: chunk 448 + 64 decode rows over 512", ((0, 448),) + tuple((512, 1) for _ in range(64))),
 )
+
+
+# The share rule's question: one segment of each of these capture sizes' tokens after a short and a
+# long cached context, read in a captured step (`--capture-sweep`).
+CAPTURE_TOKENS = (64, 128, 256, 496)
+CAPTURE_HISTORY = (256, 4096)
+
+
+def capture_cases(tokens: Sequence[int] = CAPTURE_TOKENS, history: Sequence[int] = CAPTURE_HISTORY
+                  ) -> tuple[VarlenCase, ...]:
+    """A case for each cached context and each token count: that many new tokens after it."""
+    return tuple(VarlenCase(f"{n} tokens after {h:,}", ((h, n),)) for h in history for n in tokens)
 
 
 class Layout(NamedTuple):
@@ -135,6 +149,12 @@ def persistent_configs() -> list[VarlenConfig]:
     and 16 of one tile or more (`--persistent-only`)."""
     return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, persistent=p)
             for p in (False, True) for s in (None, 4, 8, 16)]
+
+
+def capture_configs() -> list[VarlenConfig]:
+    """The engine's launch at its own share count and at 1, 2, 4 and 8 (its fewest tiles a share),
+    as it launches and as persistent programs (`--capture-sweep`)."""
+    return [DEFAULT._replace(splits=s, persistent=p) for p in (False, True) for s in (None, 1, 2, 4, 8)]
 
 
 def case_inputs(case: VarlenCase, heads: int, kv_heads: int, head_dim: int, block_size: int = 16,
@@ -330,12 +350,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--persistent-only", action="store_true",
                         help="sweep only persistent programs against the engine's launch (`persistent_configs`), "
                              "in every layout")
+    parser.add_argument("--capture-sweep", action="store_true",
+                        help="the share rule's sweep: 64 to 496 tokens after 256 and 4,096 cached (`capture_cases`), "
+                             "read in a captured step's layout at 1 to 8 shares, with and without persistent programs")
 
 
 def main(args: argparse.Namespace) -> int:
-    device = resolve_device(None)
-    if device.type != "cuda":
-        raise ValueError("varlenbench times the Triton kernel on a GPU: no CUDA device here")
     if args.repeats < 1:
         raise ValueError("--repeats must be positive")
     if args.pool_gib <= 0:
@@ -348,10 +368,18 @@ def main(args: argparse.Namespace) -> int:
         cases = tuple(c for c in CASES if any(w in c.name for w in words))
         if not cases:
             raise ValueError(f"--cases {args.cases!r} names none of: {'; '.join(c.name for c in CASES)}")
-    if args.narrow_only and args.persistent_only:
-        raise ValueError("--narrow-only and --persistent-only: choose one")
+    if args.narrow_only + args.persistent_only + args.capture_sweep > 1:
+        raise ValueError("--narrow-only, --persistent-only and --capture-sweep: choose one")
     configs = (narrow_configs() if args.narrow_only else persistent_configs() if args.persistent_only
                else None if args.sweep else [DEFAULT])
+    if args.capture_sweep:
+        if args.cases is not None:
+            raise ValueError("--capture-sweep makes its own cases: leave out --cases")
+        cases, configs = capture_cases(), capture_configs()
+        layouts = tuple(t for t in layouts if t.name == "step")  # every config where a captured step reads
+    device = resolve_device(None)
+    if device.type != "cuda":
+        raise ValueError("varlenbench times the Triton kernel on a GPU: no CUDA device here")
     table = run_varlenbench(args.model, cases, configs, repeats=args.repeats, layouts=layouts, dtype=dtype)
     label = run_label(device, args.model, dtype, weights=weights_kind(resolve_weights(args.model)))
     print(table.dropna(subset=["us"]).sort_values("us").groupby(["case", "layout", "read"]).head(3)
