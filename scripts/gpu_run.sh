@@ -40,7 +40,9 @@
 # after it idles (data/day64b_front_*, data/day64b_idle_*).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
-# 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*).
+# 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*),
+# $PREFIXSTEPS_ARGS added (PREFIXSTEPS_ARGS="--reads engine,persistent --prefix day64e": the engine's varlen read and
+# persistent programs, each on its own engine in one process, lab.readarms).
 # varlen sweeps the varlen read's tiles, warps, stages and splits alone on the steps that use it: a prompt chunk,
 # a short prompt after a cached prefix, a verify step, a mixed step, and the engine's launch also in the layouts a
 # step hands it (data/day64_varlen_sweep_*), $VARLEN_ARGS added (e.g. "--dtype float32 --prefix day65fp32").
@@ -158,7 +160,7 @@ for part in "${parts[@]}"; do
                 echo "smollm2: kept $(ls _build/smollm2 | grep -c part) of the GGUF's 2 pieces; carry the other next"
             fi ;;
         varlen) python3 -m nanolab varlenbench --model llama-3.2-1b ${VARLEN_ARGS:-} || status=1 ;;
-        prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b || status=1 ;;
+        prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b ${PREFIXSTEPS_ARGS:-} || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         specrounds) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 32 \

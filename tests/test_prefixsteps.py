@@ -12,6 +12,7 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
     steps, kernels = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23), repeats=2,
                                       decode_steps=3, log=lambda _: None)
     assert kernels is None  # the profiler's kernels are CUDA's
+    assert set(steps.read) == {"engine"}
     hits = steps[steps.case == "prefix hit"]
     assert set(hits.phase) == {"prefill"} and len(hits) == 4  # one prompt step a request, nothing decoded after
     assert (hits.tokens == hits.suffix).all()  # 64 cached tokens: four full blocks, none fed again
@@ -22,3 +23,6 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
 def test_sizes_are_checked_first():
     with pytest.raises(ValueError, match="must be positive"):
         run_prefix_steps("tiny", "cpu", suffixes=(0,))
+    for reads in ((), ("engine", "engine"), ("fast",)):
+        with pytest.raises(ValueError, match="reads"):
+            run_prefix_steps("tiny", "cpu", reads=reads)

@@ -96,7 +96,10 @@ class KVCache:
                              "nanolab is imported")
         self.read = read
         self._decode_reader = _streamed if read == "streamed" else _reference
-        self._varlen_reader = _varlen_streamed if read == "streamed" else _varlen_reference
+        # What a varlen step's layers read through: (view, layer, q, positions) -> the attention
+        # output. A runner may hand another read here before its graphs are captured (the lab's
+        # candidate launches, timed beside this one).
+        self.varlen_reader = _varlen_streamed if read == "streamed" else _varlen_reference
         # Zeroed, not empty: the reference read loads padding slots and masks them afterwards, and
         # 0 * NaN from uninitialised memory would still poison the row.
         shape = (blocks.num_blocks * self.block_size + 1, num_kv_heads, head_dim)
@@ -433,7 +436,7 @@ class KVCache:
         the block table as it goes."""
         if isinstance(plan, VarlenPlan):
             self.require_current_varlen(plan)
-            return CacheView(self, plan, self._varlen_reader)
+            return CacheView(self, plan, self.varlen_reader)
         self.require_current(plan)
         if self._decode_reader is _streamed:
             return CacheView(self, plan, _streamed)

@@ -11,6 +11,10 @@ step still reads the whole prefix's K/V. Two tables:
 - `<prefix>_prefix_kernels` (CUDA): the GPU kernels of those requests' steps under the profiler,
   by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
 
+With `reads` (`--reads engine,persistent`), each of `lab.readarms`' varlen reads runs the same
+requests on an engine of its own over the same model, one after another in one process; every
+row names its read.
+
     python -m nanolab prefixsteps --model llama-3.2-1b
 """
 
@@ -23,8 +27,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from nanolab import LLM, SamplingParams
+from nanolab import LLM, Engine, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
+from nanolab.lab.readarms import READ_ARMS
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
 from nanolab.model.weights import resolve_weights, weights_kind
@@ -38,9 +43,8 @@ def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(1, vocab, size=n).tolist()
 
 
-def run_request(llm: LLM, prompt: list[int], max_tokens: int = 1) -> list[dict]:
+def run_request(engine: Engine, prompt: list[int], max_tokens: int = 1) -> list[dict]:
     """One request alone, greedy, stepped to its end: a row per step that ran a forward."""
-    engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     rows = []
     while engine.has_unfinished_requests():
@@ -53,48 +57,66 @@ def run_request(llm: LLM, prompt: list[int], max_tokens: int = 1) -> list[dict]:
 
 def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suffixes: Sequence[int] = SUFFIXES,
                      repeats: int = 5, decode_steps: int = 32, profile: bool | None = None,
-                     log: Callable[[str], None] = print) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+                     reads: Sequence[str] = ("engine",), log: Callable[[str], None] = print
+                     ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """(steps, kernels): the tables above. Each suffix's requests follow two untimed ones (the
-    system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels."""
+    system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels.
+    Each of `reads` (`READ_ARMS`) runs them all on its own engine, the first on the LLM's."""
     if system_len < 1 or repeats < 1 or decode_steps < 1 or not suffixes or min(suffixes) < 1:
         raise ValueError("system_len, repeats, decode_steps and every suffix must be positive")
+    if not reads or any(r not in READ_ARMS for r in reads) or len(set(reads)) < len(reads):
+        raise ValueError(f"reads {list(reads)}: name each of {', '.join(READ_ARMS)} at most once")
     llm = LLM(model, device=device)
     if not llm.engine_config.enable_prefix_caching:
         raise ValueError("prefixsteps measures prefix caching: the engine has it off")
+    if set(reads) - {"engine"} and llm.engine.kv_cache.read != "streamed":
+        llm.close()
+        raise ValueError(f"reads {list(reads)}: a candidate read is a launch of the streamed read, and this engine "
+                         f"reads {llm.engine.kv_cache.read!r}")
     cuda = llm.device.type == "cuda"
     profile = cuda if profile is None else profile
-    rng = np.random.default_rng(0)
     vocab = llm.config.vocab_size
-    system = _ids(rng, system_len, vocab)
-    for _ in range(2):  # untimed: the prefix written, then a hit (first uses of its shapes)
-        run_request(llm, system + _ids(rng, max(suffixes), vocab))
-    rows = []
-    for suffix in suffixes:
-        run_request(llm, system + _ids(rng, suffix, vocab))  # untimed: this suffix's step shape
-        for i in range(repeats):
-            for j, step in enumerate(run_request(llm, system + _ids(rng, suffix, vocab))):
-                rows.append({"case": "prefix hit", "system_len": system_len, "suffix": suffix, "request": i,
-                             "step": j, **step})
-        done = [r for r in rows if r["suffix"] == suffix and r["phase"] != "decode"]
-        log(f"{suffix} tokens after a cached {system_len}: {statistics.median(r['ms'] for r in done):.3f} ms "
-            f"a prompt step ({sum(r['graph'] for r in done)} of {len(done)} graphed)")
-    decode = run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
-    decode_ms = [r["ms"] for r in decode if r["phase"] == "decode"]
-    rows += [{"case": "decode", "system_len": 0, "suffix": 0, "request": 0, "step": j, **r}
-             for j, r in enumerate(decode)]
-    log(f"decode at batch 1: {statistics.median(decode_ms):.3f} ms a step")
-    kernels = None
-    if profile:
-        hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
-        tables = [profiled_kernels(lambda: [run_request(llm, prompt) for prompt in hits], repeats,
-                                   f"prefix hit + {PROFILED_SUFFIX}"),
-                  profiled_kernels(lambda: run_request(llm, _ids(rng, 64, vocab), max_tokens=decode_steps + 1),
-                                   decode_steps, "decode")]
-        kernels = pd.concat(tables, ignore_index=True)
-        for arm, t in kernels.groupby("arm", sort=False):
-            log(f"{arm}: {class_line(t)}")
+    rows, tables = [], []
+    for read in reads:
+        engine = llm.engine if read == reads[0] and read == "engine" else Engine(
+            llm.model, llm.engine_config, runner=READ_ARMS[read])
+        rng = np.random.default_rng(0)  # every read: the same requests
+        system = _ids(rng, system_len, vocab)
+        for _ in range(2):  # untimed: the prefix written, then a hit (first uses of its shapes)
+            run_request(engine, system + _ids(rng, max(suffixes), vocab))
+        for suffix in suffixes:
+            run_request(engine, system + _ids(rng, suffix, vocab))  # untimed: this suffix's step shape
+            for i in range(repeats):
+                for j, step in enumerate(run_request(engine, system + _ids(rng, suffix, vocab))):
+                    rows.append({"read": read, "case": "prefix hit", "system_len": system_len, "suffix": suffix,
+                                 "request": i, "step": j, **step})
+            done = [r for r in rows if r["read"] == read and r["suffix"] == suffix and r["phase"] != "decode"]
+            log(f"{read}: {suffix} tokens after a cached {system_len}: "
+                f"{statistics.median(r['ms'] for r in done):.3f} ms a prompt step "
+                f"({sum(r['graph'] for r in done)} of {len(done)} graphed)")
+        decode = run_request(engine, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
+        decode_ms = [r["ms"] for r in decode if r["phase"] == "decode"]
+        rows += [{"read": read, "case": "decode", "system_len": 0, "suffix": 0, "request": 0, "step": j, **r}
+                 for j, r in enumerate(decode)]
+        log(f"{read}: decode at batch 1: {statistics.median(decode_ms):.3f} ms a step")
+        if profile:
+            hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
+
+            def hit_requests(e=engine, hits=hits):
+                return [run_request(e, prompt) for prompt in hits]
+
+            def decode_request(e=engine, rng=rng):
+                return run_request(e, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
+
+            part = pd.concat([profiled_kernels(hit_requests, repeats, f"prefix hit + {PROFILED_SUFFIX}"),
+                              profiled_kernels(decode_request, decode_steps, "decode")], ignore_index=True)
+            tables.append(part.assign(read=read))
+            for arm, t in part.groupby("arm", sort=False):
+                log(f"{read}, {arm}: {class_line(t)}")
+        if engine is not llm.engine:
+            engine.close()
     llm.close()
-    return pd.DataFrame(rows), kernels
+    return pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffixes", default=",".join(map(str, SUFFIXES)), help="new tokens a request feeds")
     parser.add_argument("--repeats", type=int, default=5, help="timed requests a suffix")
     parser.add_argument("--prefix", default="day64", help="tables go to data/<prefix>_prefix_steps_<device>.csv")
+    parser.add_argument("--reads", default="engine",
+                        help=f"comma-separated varlen reads, each on its own engine: {', '.join(READ_ARMS)} "
+                             "(default: the engine's)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -111,11 +136,13 @@ def main(args: argparse.Namespace) -> int:
         suffixes = [int(s) for s in args.suffixes.split(",")]
     except ValueError:
         raise ValueError(f"--suffixes {args.suffixes!r}: comma-separated token counts") from None
+    reads = [r.strip() for r in args.reads.split(",") if r.strip()]
     device = resolve_device(args.device)
-    steps, kernels = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats)
+    steps, kernels = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats,
+                                      reads=reads)
     label = run_label(device, args.model, resolve_dtype("auto", device),
                       weights=weights_kind(resolve_weights(args.model)))
-    print(steps.groupby(["case", "suffix", "phase"]).ms.median().round(3).to_string())
+    print(steps.groupby(["read", "case", "suffix", "phase"]).ms.median().round(3).to_string())
     print(f"{args.prefix}_prefix_steps: {save_table(steps, f'{args.prefix}_prefix_steps', label)}")
     if kernels is not None:
         print(kernels.groupby("arm", sort=False).head(12).round(1).to_string(index=False))
