@@ -53,7 +53,8 @@
 # grid looping over the step's query tiles, `varlen_attention`'s programs) at its shares and at 4, 8 and 16, alone and
 # in every layout a step hands the read. VARLEN_ARGS="--capture-sweep --prefix day64e" reads 64 to 496 tokens after 256
 # and 4,096 cached in a captured step's layout at the engine's shares and at 1, 2, 4 and 8, with and without
-# persistent programs: the sweep a share rule for captured steps waits for.
+# persistent programs (and the decode read, a row a token, for the 64-token cases): the sweep a share rule for
+# captured steps waits for.
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),

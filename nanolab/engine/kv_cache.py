@@ -96,10 +96,7 @@ class KVCache:
                              "nanolab is imported")
         self.read = read
         self._decode_reader = _streamed if read == "streamed" else _reference
-        # What a varlen step's layers read through: (view, layer, q, positions) -> the attention
-        # output. A runner may hand another read here before its graphs are captured (the lab's
-        # candidate launches, timed beside this one).
-        self.varlen_reader = _varlen_streamed if read == "streamed" else _varlen_reference
+        self._varlen_reader = _varlen_streamed if read == "streamed" else _varlen_reference
         # Zeroed, not empty: the reference read loads padding slots and masks them afterwards, and
         # 0 * NaN from uninitialised memory would still poison the row.
         shape = (blocks.num_blocks * self.block_size + 1, num_kv_heads, head_dim)
@@ -131,6 +128,24 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return self.blocks.num_blocks
+
+    @property
+    def varlen_reader(self) -> Callable[..., torch.Tensor]:
+        """What a varlen step's layers read through: (view, layer, q, positions) -> the attention
+        output (`_varlen_streamed` or `_varlen_reference`, as `read` chose)."""
+        return self._varlen_reader
+
+    @varlen_reader.setter
+    def varlen_reader(self, reader: Callable[..., torch.Tensor]) -> None:
+        """Another read for varlen steps (the lab's candidate launches, timed beside the engine's),
+        handed over before any varlen buffer is reserved: a graph captured on the old read would
+        go on replaying it."""
+        if not callable(reader):
+            raise ValueError(f"varlen_reader must be callable, got {type(reader).__name__}")
+        if self._varlen_capacity:
+            raise RuntimeError("varlen_reader: the varlen buffers are reserved, and graphs may already replay the "
+                               "read they were captured with; hand it over before")
+        self._varlen_reader = reader
 
     @property
     def max_rows(self) -> int:
@@ -436,7 +451,7 @@ class KVCache:
         the block table as it goes."""
         if isinstance(plan, VarlenPlan):
             self.require_current_varlen(plan)
-            return CacheView(self, plan, self.varlen_reader)
+            return CacheView(self, plan, self._varlen_reader)
         self.require_current(plan)
         if self._decode_reader is _streamed:
             return CacheView(self, plan, _streamed)

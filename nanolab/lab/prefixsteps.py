@@ -29,6 +29,7 @@ import pandas as pd
 
 from nanolab import LLM, Engine, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
+from nanolab.engine.kv_cache import default_read
 from nanolab.lab.readarms import READ_ARMS
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.stepparts import class_line, profiled_kernels
@@ -61,58 +62,87 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
                      ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """(steps, kernels): the tables above. Each suffix's requests follow two untimed ones (the
     system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels.
-    Each of `reads` (`READ_ARMS`) runs them all on its own engine, the first on the LLM's."""
+
+    Each of `reads` (`READ_ARMS`) has an engine of its own over the LLM's model ("engine" the
+    LLM's own), every one with the LLM's pool; they take the same requests in turn, request by
+    request. A read whose engine fails is logged, leaves a row with its error, and drops out; the
+    others go on."""
     if system_len < 1 or repeats < 1 or decode_steps < 1 or not suffixes or min(suffixes) < 1:
         raise ValueError("system_len, repeats, decode_steps and every suffix must be positive")
     if not reads or any(r not in READ_ARMS for r in reads) or len(set(reads)) < len(reads):
         raise ValueError(f"reads {list(reads)}: name each of {', '.join(READ_ARMS)} at most once")
+    if set(reads) - {"engine"} and default_read(resolve_device(device)) != "streamed":
+        raise ValueError(f"reads {list(reads)}: a candidate read is a launch of the streamed read, which this "
+                         "device does not run")
     llm = LLM(model, device=device)
     if not llm.engine_config.enable_prefix_caching:
-        raise ValueError("prefixsteps measures prefix caching: the engine has it off")
-    if set(reads) - {"engine"} and llm.engine.kv_cache.read != "streamed":
         llm.close()
-        raise ValueError(f"reads {list(reads)}: a candidate read is a launch of the streamed read, and this engine "
-                         f"reads {llm.engine.kv_cache.read!r}")
-    cuda = llm.device.type == "cuda"
-    profile = cuda if profile is None else profile
+        raise ValueError("prefixsteps measures prefix caching: the engine has it off")
+    profile = llm.device.type == "cuda" if profile is None else profile
     vocab = llm.config.vocab_size
-    rows, tables = [], []
+    rng = np.random.default_rng(0)  # every read takes these same requests
+    system = _ids(rng, system_len, vocab)
+    warm = [system + _ids(rng, max(suffixes), vocab) for _ in range(2)]
+    timed = {suffix: [system + _ids(rng, suffix, vocab) for _ in range(repeats + 1)] for suffix in suffixes}
+    decode_prompt = _ids(rng, 64, vocab)
+    hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
+    rows, tables, engines = [], [], {}
+
+    def attempt(read: str, work: Callable[[], object]) -> None:
+        """`work` for `read`; a failure ends that read: logged, a row, its engine closed."""
+        try:
+            work()
+        except Exception as e:  # one read's failure (its kernel, its capture) leaves the others' rows
+            log(f"{read}: failed, {type(e).__name__}: {e}")
+            rows.append({"read": read, "case": "failed", "error": f"{type(e).__name__}: {e}"[:300]})
+            engine = engines.pop(read, None)
+            if engine is not None and engine is not llm.engine:
+                engine.close()
+
+    pool = llm.engine_config.replace(num_blocks=llm.engine.num_blocks)  # every read's pool the LLM's
     for read in reads:
-        engine = llm.engine if read == reads[0] and read == "engine" else Engine(
-            llm.model, llm.engine_config, runner=READ_ARMS[read])
-        rng = np.random.default_rng(0)  # every read: the same requests
-        system = _ids(rng, system_len, vocab)
-        for _ in range(2):  # untimed: the prefix written, then a hit (first uses of its shapes)
-            run_request(engine, system + _ids(rng, max(suffixes), vocab))
-        for suffix in suffixes:
-            run_request(engine, system + _ids(rng, suffix, vocab))  # untimed: this suffix's step shape
-            for i in range(repeats):
-                for j, step in enumerate(run_request(engine, system + _ids(rng, suffix, vocab))):
-                    rows.append({"read": read, "case": "prefix hit", "system_len": system_len, "suffix": suffix,
-                                 "request": i, "step": j, **step})
-            done = [r for r in rows if r["read"] == read and r["suffix"] == suffix and r["phase"] != "decode"]
+        def build(read=read):
+            engines[read] = llm.engine if read == "engine" else Engine(llm.model, pool, runner=READ_ARMS[read])
+        attempt(read, build)
+    for prompt in warm:  # untimed: the prefix written, then a hit (first uses of its shapes)
+        for read, engine in list(engines.items()):
+            attempt(read, lambda e=engine, p=prompt: run_request(e, p))
+    for suffix, prompts in timed.items():
+        for read, engine in list(engines.items()):  # untimed: this suffix's step shape
+            attempt(read, lambda e=engine, p=prompts[0]: run_request(e, p))
+        for i, prompt in enumerate(prompts[1:]):
+            for read, engine in list(engines.items()):
+                def one(read=read, engine=engine, i=i, prompt=prompt, suffix=suffix):
+                    rows.extend({"read": read, "case": "prefix hit", "system_len": system_len, "suffix": suffix,
+                                 "request": i, "step": j, **step}
+                                for j, step in enumerate(run_request(engine, prompt)))
+                attempt(read, one)
+        for read in engines:
+            done = [r for r in rows if r["read"] == read and r.get("suffix") == suffix and r["phase"] != "decode"]
             log(f"{read}: {suffix} tokens after a cached {system_len}: "
                 f"{statistics.median(r['ms'] for r in done):.3f} ms a prompt step "
                 f"({sum(r['graph'] for r in done)} of {len(done)} graphed)")
-        decode = run_request(engine, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
-        decode_ms = [r["ms"] for r in decode if r["phase"] == "decode"]
-        rows += [{"read": read, "case": "decode", "system_len": 0, "suffix": 0, "request": 0, "step": j, **r}
-                 for j, r in enumerate(decode)]
-        log(f"{read}: decode at batch 1: {statistics.median(decode_ms):.3f} ms a step")
-        if profile:
-            hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
-
-            def hit_requests(e=engine, hits=hits):
-                return [run_request(e, prompt) for prompt in hits]
-
-            def decode_request(e=engine, rng=rng):
-                return run_request(e, _ids(rng, 64, vocab), max_tokens=decode_steps + 1)
-
-            part = pd.concat([profiled_kernels(hit_requests, repeats, f"prefix hit + {PROFILED_SUFFIX}"),
-                              profiled_kernels(decode_request, decode_steps, "decode")], ignore_index=True)
-            tables.append(part.assign(read=read))
-            for arm, t in part.groupby("arm", sort=False):
-                log(f"{read}, {arm}: {class_line(t)}")
+    for read, engine in list(engines.items()):
+        def decode(read=read, engine=engine):
+            steps = run_request(engine, decode_prompt, max_tokens=decode_steps + 1)
+            rows.extend({"read": read, "case": "decode", "system_len": 0, "suffix": 0, "request": 0, "step": j, **r}
+                        for j, r in enumerate(steps))
+            log(f"{read}: decode at batch 1: {statistics.median(r['ms'] for r in steps if r['phase'] == 'decode'):.3f}"
+                " ms a step")
+        attempt(read, decode)
+    if profile:
+        for read, engine in list(engines.items()):
+            def kernels(read=read, engine=engine):
+                part = pd.concat([
+                    profiled_kernels(lambda: [run_request(engine, prompt) for prompt in hits], repeats,
+                                     f"prefix hit + {PROFILED_SUFFIX}"),
+                    profiled_kernels(lambda: run_request(engine, decode_prompt, max_tokens=decode_steps + 1),
+                                     decode_steps, "decode")], ignore_index=True)
+                tables.append(part.assign(read=read))
+                for arm, t in part.groupby("arm", sort=False):
+                    log(f"{read}, {arm}: {class_line(t)}")
+            attempt(read, kernels)
+    for engine in engines.values():
         if engine is not llm.engine:
             engine.close()
     llm.close()
@@ -145,6 +175,6 @@ def main(args: argparse.Namespace) -> int:
     print(steps.groupby(["read", "case", "suffix", "phase"]).ms.median().round(3).to_string())
     print(f"{args.prefix}_prefix_steps: {save_table(steps, f'{args.prefix}_prefix_steps', label)}")
     if kernels is not None:
-        print(kernels.groupby("arm", sort=False).head(12).round(1).to_string(index=False))
+        print(kernels.groupby(["read", "arm"], sort=False).head(12).round(1).to_string(index=False))
         print(f"{args.prefix}_prefix_kernels: {save_table(kernels, f'{args.prefix}_prefix_kernels', label)}")
     return 0
