@@ -129,7 +129,9 @@ lab.show(pd.DataFrame(costs).round(3))
 # %% [markdown]
 # Twice the shares cost 4% to 16% on these reads, on both cards. A rule that reads the contexts
 # where the host knows them, or a capture that records them, needs timings across capture sizes
-# first; that is the next GPU session's sweep, and the engine keeps one program an SM until then.
+# first. `VARLEN_ARGS="--capture-sweep --prefix day64e" scripts/gpu_run.sh varlen` takes them:
+# 64 to 496 tokens after 256 and 4,096 cached, at 1 to 8 shares, in a captured step's layout,
+# with and without the persistent programs below. The engine keeps one program an SM until then.
 #
 # **Offsets.** Alone, narrow offsets were faster in 23 of the 24 pairs, by 1.4% to 9.5%; the one
 # slower pair, by 1.3%, is the engine's launch at 50 tokens (4 shares, fewest tiles 4). In the
