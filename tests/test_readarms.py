@@ -133,3 +133,33 @@ def test_the_runner_hands_its_cache_the_read_before_capturing_and_the_engine_dec
     with pytest.raises(ValueError, match="streamed read"):
         Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4, read="reference", enforce_eager=True),
                runner=PersistentReadRunner)
+
+
+@needs_interpreter
+def test_a_compiled_varlen_step_traces_the_persistent_read_into_one_graph(monkeypatch):
+    """What a captured step runs on a GPU: the varlen step compiled (`DecodeForward.varlen`) with
+    the persistent read in the cache. Dynamo traces through the runner's read into the lab's
+    operator, whose kernel gets persistent programs, and the logits are the eager step's."""
+    from nanolab import load_model
+    from nanolab.engine.runner import compile_decode
+    from nanolab.model.weights import resolve_weights
+
+    model = load_model(resolve_weights("tiny"), dtype=torch.float32)
+    kw = {**cache_kw(model), "num_blocks": 32, "max_rows": 8}
+    eager, compiled = make_cache(**kw), make_cache(**kw, read="streamed")
+    engine_read = compiled.varlen_reader
+    compiled.varlen_reader = lambda view, layer, q, positions: persistent_varlen_read(
+        view, layer, q, positions, engine_read=engine_read)
+    forward = compile_decode(model)
+    torch._dynamo.reset()
+    seen = spy_programs(monkeypatch)
+    ids = [5, 9, 12, 7, 3, 8, 22, 31, 4, 6, 17, 2, 11]
+    with torch.inference_mode():
+        logits = []
+        for cache, run in ((eager, model), (compiled, forward.varlen)):
+            cache.reserve_varlen(16)
+            rows = [cache.blocks.open_row() for _ in range(3)]
+            plan = cache.plan_varlen(rows, (1, 1, 11), [True, True, True], input_ids=ids, num_tokens=16)
+            logits.append(varlen_step(run, cache, plan)[:3])
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    assert len(seen) == model.config.num_hidden_layers and all(isinstance(p, int) for p in seen), seen
