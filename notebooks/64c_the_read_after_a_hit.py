@@ -186,12 +186,16 @@ if full is not None:
                      "programs launched": cut * 8 * shares, "programs with a tile": tiles * 8 * shares})
     in_step = pd.DataFrame(rows).set_index("case")
     lab.show(in_step.round(1))
+    fig = lab.plot_read_in_step(in_step)
+    lab.save_figure(fig, "day64c_read_in_step", lab.table_label(full))
+    lab.show(fig)
 
 # %% [markdown]
 # *The engine's launch alone and in a captured step's layout (a table row for each of its 64
 # rows, q inside the fused projection's output), µs a layer on the H100; the same read alone at
 # the shares the step takes; the fastest alone; and the programs the step's grid launches against
-# those that find a query tile (8 KV heads, each tile 16 tokens of 4 query heads).*
+# those that find a query tile (8 KV heads, each tile 16 tokens of 4 query heads). The figure
+# draws the first three, with the share of the step's programs that exit at once.*
 #
 # Where most of a step's launch finds no tile, the read is slower inside the step than alone at
 # the same shares: by 15.9 µs for 50 tokens after 2,048 (3,520 of its 3,776 programs exit at

@@ -178,3 +178,30 @@ def plot_read_shares(sweep: pd.DataFrame, chosen: dict[str, int]) -> Figure:
     fig.legend(handles, names, fontsize=8, loc="upper center", ncol=len(names))
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return fig
+
+
+def plot_read_in_step(in_step: pd.DataFrame) -> Figure:
+    """Chapter 64c's table of the read inside a captured step (index case; "alone us", "step us",
+    "alone us at the step's shares", "programs launched", "programs with a tile"): per case, a
+    bar each for the engine's launch alone, the same read alone at the step's shares, and the
+    engine's launch in the step's layout, with the share of the step's programs that exit at once
+    written over the last."""
+    bars = {"alone us": ("C7", "the engine's launch, alone"),
+            "alone us at the step's shares": ("C2", "alone, at the shares the step takes"),
+            "step us": ("C3", "the engine's launch in a captured step's layout")}
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.subplots()
+    x = np.arange(len(in_step))
+    width = 0.8 / len(bars)
+    for i, (column, (colour, name)) in enumerate(bars.items()):
+        ax.bar(x + (i - 1) * width, in_step[column].to_numpy(), width, color=colour, label=name)
+    exiting = 1 - in_step["programs with a tile"] / in_step["programs launched"]
+    for xi, (us, share) in enumerate(zip(in_step["step us"], exiting, strict=True)):
+        ax.annotate(f"{share:.0%} exit", (xi + width, us), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [c.replace(" + ", "\n+ ").replace(" after", "\nafter") for c in in_step.index], fontsize=7)
+    ax.set_ylabel("µs a read (one layer)")
+    ax.set_ylim(0, 1.12 * in_step[list(bars)].max().max())
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(bars))  # below: over no bar
+    fig.tight_layout()
+    return fig
