@@ -241,12 +241,11 @@ if kernels_h100 is not None:
 # kernel, which only pools too large for int32 offsets take, 64 bytes of stack instead of 72. The
 # persistent kernel holds 235 registers and spills nothing at 8 shares, and spills 40 bytes
 # unsplit (the table at the top). The interpreter checks that it reads what the reference reads
-# (`tests/test_varlen_attention.py`). No GPU has timed it yet. Two commands will:
-# `VARLEN_ARGS="--persistent-only --prefix day64e" scripts/gpu_run.sh varlen` times the read
-# alone and in each layout, and `PREFIXSTEPS_ARGS="--reads engine,persistent --prefix day64e"
-# scripts/gpu_run.sh prefixsteps` times the prompt step with each read on its own engine over
-# one model, in one process (`lab.readarms` hands the candidate to an engine as its runner). The
-# engine keeps its launch until then. If the exiting programs are the cost, the 50-token read in
+# (`tests/test_varlen_attention.py`). No GPU has timed it yet. `scripts/gpu_run.sh persistent`
+# will: `varlenbench --persistent-only` times the read alone and in each layout, and
+# `prefixsteps --reads engine,persistent` times the prompt step with each read on its own engine
+# over one model, in one process (`lab.readarms` hands the candidate to an engine as its runner).
+# The engine keeps its launch until then. If the exiting programs are the cost, the 50-token read in
 # a step should take about the 27 µs it takes alone.
 #
 # ## The gates

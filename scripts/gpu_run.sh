@@ -6,7 +6,7 @@
 #   scripts/gpu_run.sh [tests] [notebooks | notebooks/NAME.py ...] [bench] [capture] [stream] [tune] [tp]
 #                      [floor] [mixed] [loop] [mixedhost] [tail] [tailbench] [tailbudget] [tailmixed] [prefix]
 #                      [prefixsteps] [varlen] [fp8] [verify] [smollm2] [smolspec] [smolfp32] [smolquality]
-#                      [specload] [specrounds] [host]
+#                      [specload] [specrounds] [host] [persistent]
 #   (default: the first three)
 # Every run first installs the wheels in third_party/wheels, which the image lacks (carry third_party/wheels):
 # prometheus-client and orjson, which the server imports (`pip download --no-deps -d third_party/wheels
@@ -55,6 +55,9 @@
 # and 4,096 cached in a captured step's layout at the engine's shares and at 1, 2, 4 and 8, with and without
 # persistent programs (and the decode read, a row a token, for the 64-token cases): the sweep a share rule for
 # captured steps waits for.
+# persistent runs both measures of persistent programs in one part, into data/day64e_*: varlenbench --persistent-only
+# (the read alone and in each layout), then prefixsteps --reads engine,persistent (the prompt step after a cached
+# prefix with each read on its own engine, one process); about 5 minutes.
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),
@@ -162,6 +165,8 @@ for part in "${parts[@]}"; do
             fi ;;
         varlen) python3 -m nanolab varlenbench --model llama-3.2-1b ${VARLEN_ARGS:-} || status=1 ;;
         prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b ${PREFIXSTEPS_ARGS:-} || status=1 ;;
+        persistent) python3 -m nanolab varlenbench --model llama-3.2-1b --persistent-only --prefix day64e || status=1
+            python3 -m nanolab prefixsteps --model llama-3.2-1b --reads engine,persistent --prefix day64e || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         specrounds) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 32 \
