@@ -137,23 +137,26 @@ def test_a_flat_grid_over_padding_equals_the_reference(segments):
         varlen_attention(**step, max_query_len=1, grid_tokens=n, **TILES)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_a_captured_grid_counts_the_tokens_not_the_table_rows(splits, monkeypatch):
-    """A captured step's plan has a segment per table row, 64 here, and three decode rows of one
-    token each: the grid, the tile map and the fold look at the first grid_tokens segments alone
-    (every real one, since each holds a token), so the flat grid is 3 // tile + 3 programs a KV
-    head and share, not 3 // tile + 64, and the last real segment is still read."""
-    import nanolab.kernels.varlen_attention as va
-
-    grids = []
+def record_grids(monkeypatch) -> list[tuple[int, int, int]]:
+    """Every grid `_varlen_group` is launched on, in order; the launches still run."""
+    grids, kernel = [], varlen_attention_module._varlen_group
 
     class Recorder:
         def __getitem__(self, grid):
             grids.append(grid)
             return kernel[grid]
 
-    kernel = va._varlen_group
-    monkeypatch.setattr(va, "_varlen_group", Recorder())
+    monkeypatch.setattr(varlen_attention_module, "_varlen_group", Recorder())
+    return grids
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_captured_grid_counts_the_tokens_not_the_table_rows(splits, monkeypatch):
+    """A captured step's plan has a segment per table row, 64 here, and three decode rows of one
+    token each: the grid, the tile map and the fold look at the first grid_tokens segments alone
+    (every real one, since each holds a token), so the flat grid is 3 // tile + 3 programs a KV
+    head and share, not 3 // tile + 64, and the last real segment is still read."""
+    grids = record_grids(monkeypatch)
     case, _ = varlen_case([(7, 1), (0, 1), (21, 1)], 4, 2, 24, seed=7)
     n = case["q"].shape[0]
     step = padded(case, extra_tokens=0, extra_segments=61)
@@ -256,15 +259,7 @@ def test_persistent_programs_read_every_tile_of_a_flat_grid(programs, splits, mo
     it could need), over padding and in shares: what the reference reads, every real token's
     partials written, the padding's output and partials left alone."""
     made = poison_partials(monkeypatch)
-    grids = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    kernel = varlen_attention_module._varlen_group
-    monkeypatch.setattr(varlen_attention_module, "_varlen_group", Recorder())
+    grids = record_grids(monkeypatch)
     case, _ = varlen_case([*MIXED[:2], (6, 0), *MIXED[2:]], 4, 2, 24, seed=11)
     n = case["q"].shape[0]
     step = padded(case, extra_tokens=13, extra_segments=5)
