@@ -8,6 +8,9 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
 export HF_HUB_OFFLINE=1
+# pip keeps no copy of what it downloads: torch's wheel alone is hundreds of MB, and a CI host's disk
+# ran out during this install once (2026-12-06).
+export PIP_NO_CACHE_DIR=1
 
 if [[ ! -x .venv/bin/python ]]; then
     echo "setup: creating .venv"
