@@ -80,14 +80,17 @@ print(f"nanolab at batch 1: {ours.ms_per_step[1]:.3f} ms a step, "
 #   {doc}`against the peers, TTFT and chunked prefill <../notebooks/61c_against_the_peers>`; and
 #   {doc}`bf16 against fp32, and the CPU <../notebooks/61d_the_cpu>`.
 # - {doc}`Day 62 <../notebooks/62_two_gpus>`: tensor parallelism over two GPUs, checked against one
-#   process and measured on two H200s.
+#   process; measured so far on one H200, with what two would give worked out from it.
 # - {doc}`Day 63 <../notebooks/63_serving_tail>`: the serving tail, where the longest gaps between a
 #   stream's tokens come from, and every step in a graph.
-# - {doc}`Day 64 <../notebooks/64_prefix_caching>`: prefix caching, and the OpenAI surface real
-#   clients use.
-# - Day 65, in two chapters: {doc}`fp8 weights <../notebooks/65_below_the_floor>`, fewer bytes a
-#   step; and {doc}`speculative decoding <../notebooks/65b_speculative_decoding>`, fewer steps a
-#   token.
+# - Day 64, in three chapters: {doc}`prefix caching <../notebooks/64_prefix_caching>`, and the
+#   OpenAI surface real clients use; {doc}`what a warm hit pays the host <../notebooks/64b_the_host_path>`;
+#   and {doc}`the attention read after a cached prefix <../notebooks/64c_the_read_after_a_hit>`.
+# - Day 65, in five chapters: {doc}`fp8 weights <../notebooks/65_below_the_floor>`, fewer bytes a
+#   step; {doc}`speculative decoding <../notebooks/65b_speculative_decoding>`, fewer steps a
+#   token; {doc}`chained speculation, measured again <../notebooks/65c_chained_again>`;
+#   {doc}`an fp8 prompt step that reads its bytes <../notebooks/65d_prompt_bytes>`; and
+#   {doc}`one-token matches, after a draft has been kept <../notebooks/65e_earned_matches>`.
 #
 # ## Rerunning it
 #

@@ -26,6 +26,11 @@ for source in missing:
 # %% [markdown]
 # The model column says whether the weights were real or synthesized at the real shapes: a
 # synthesized model's speed is the real one's, its outputs are meaningless. Every row is the
-# H200's but two: Day 61's CPU target, measured on the 2-core CPU it names, and chained
-# speculation, measured on an H100 on a day no H200 could be started. Ratios read as the peer's
-# time over nanolab's, so above 1 means nanolab is faster.
+# H200's unless its device column names another machine: Day 61's CPU target, measured on the
+# 2-core CPU it names, and results measured on an H100 on days no H200 could be started (counted
+# below). Ratios read as the peer's time over nanolab's, so above 1 means nanolab is faster.
+
+# %%
+others = table[table.device != "NVIDIA H200"]
+print(f"{len(others)} of {len(table)} rows come from another machine: "
+      + "; ".join(f"{device} ({n})" for device, n in others.device.value_counts().items()))

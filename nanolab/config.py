@@ -1,6 +1,6 @@
 """`EngineConfig`: every choice a user makes about the engine, checked in one place.
 
-`LLM(**fields)`, `python -m nanolab serve` and the benches build one (`EngineConfig.add_cli_args`
+`LLM(**fields)`, `python -m nanolab serve`, `generate` and `bench` build one (`EngineConfig.add_cli_args`
 and `from_cli_args` give the command line's flags their names and defaults), and `Engine` takes
 it whole. The names are vLLM's `EngineArgs` where vLLM has one. A bad value raises ValueError
 naming its field when the config is made, before any weights are read.
@@ -317,7 +317,8 @@ class EngineConfig:
                                         "full_decode_only: decode steps alone"),
             "max_cudagraph_capture_size": dict(type=int, default=None,
                                                help="the largest varlen step captured, in tokens "
-                                                    "(default: --max-num-batched-tokens, at most 512)"),
+                                                    "(default: the step's token budget, --max-num-batched-tokens "
+                                                    "with chunked prefill and 512 without, at most 512)"),
             "read": dict(default="auto", choices=("auto", *READS), help="the paged read (default: streamed on CUDA)"),
             "quantization": dict(default=None, choices=[q for q in QUANTIZATIONS if q],
                                  help="fp8: the layers' weights as e4m3, a scale per output channel, quantized at "

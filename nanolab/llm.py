@@ -68,7 +68,8 @@ class LLM:
     """The engine behind vLLM's offline API. `LLM(model, **fields)` takes `EngineConfig`'s fields
     as keywords (`LLM.from_config` takes a config), checks them all before any weights are read (a
     bad one raises ValueError naming it), loads the weights where the config says, and builds the
-    `Engine`. On CUDA the decode buckets' graphs are captured here, with a progress bar.
+    `Engine`. On CUDA the decode buckets' graphs, and with `cudagraph_mode` "full" the varlen steps'
+    are captured here, with a progress bar.
     `tensor_parallel_size` > 1 shards the model over that many processes on this host
     (`engine.parallel`): this process is rank 0 and runs the engine, the others follow its steps.
     `close()`, or `with LLM(...) as llm:`, ends them."""

@@ -150,7 +150,7 @@ if measured_tp is not None:
 if two is None:
     print("data/day62_tp_h200x2.csv is not committed: TP=2 has not run on two GPUs yet.\n"
           "  `scripts/gpu_run.sh tp` on nvidia-h200-x2 makes it (the NCCL tests, then `python -m nanolab tpbench\n"
-          "  --models llama-3.2-1b,llama-3.1-8b`, with the NCCL path opted into by NANOLAB_NCCL_TP=1);\n"
+          "  --models llama-3.2-1b,llama-3.1-8b`, whose engines opt into the NCCL path with unverified_nccl=True);\n"
           "  the rows above are TP=1 on one H200.")
 else:
     lab.show(lab.speedups(two).round(3))

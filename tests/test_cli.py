@@ -155,7 +155,10 @@ def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> No
     assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
 
 
-def test_serve_refuses_a_port_in_use_before_building_the_engine() -> None:
+def test_serve_refuses_a_port_in_use_before_preparing_weights(tmp_path, monkeypatch) -> None:
+    # An empty cache: a preset's first use converts or synthesizes its weights, minutes for a large
+    # one, and a taken port must be refused before that starts.
+    monkeypatch.setenv("NANOLAB_CACHE", str(tmp_path))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -163,6 +166,7 @@ def test_serve_refuses_a_port_in_use_before_building_the_engine() -> None:
         result = nanolab("serve", "--model", "tiny", "--port", port)
     assert_refused(result, f"--port {port}", "cannot bind")
     assert "engine built" not in result.stderr, result.stderr
+    assert not any(tmp_path.iterdir()), "weights were prepared before the port was refused"
 
 
 def test_serve_binds_every_address_its_host_names() -> None:

@@ -33,7 +33,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pandas as pd
 import torch
@@ -361,7 +361,7 @@ def run_floorbench(llm: LLM, shapes: list[Shape], *, steps: int = STEPS, repeats
 
     device, config, vocab = llm.device, llm.config, llm.config.vocab_size
     arms = list(arms)
-    run = datetime.now(timezone.utc).isoformat(timespec="milliseconds")  # which rows shared this process
+    run = datetime.now(UTC).isoformat(timespec="milliseconds")  # which rows shared this process
     if bandwidth is None:
         bandwidth = copy_bandwidth(device, nbytes=1 << 30 if device.type == "cuda" else 1 << 26)
     roofline = roofline_table(config, shapes, steps, llm.dtype, bandwidth, targets=llm.device.type == "cuda")

@@ -126,7 +126,7 @@ async def send_request(session, url: str, model: str, req: PlannedRequest, start
                         usage = msg["usage"]
                 if not done:
                     error = error or "the stream ended without [DONE]"
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
         error = f"{type(e).__name__}: {e}"
     return RequestResult(req.index, len(req.prompt_token_ids), req.max_tokens, send, tuple(chunks),
                          usage.get("completion_tokens"), usage.get("prompt_tokens"), finish, error, "".join(texts),

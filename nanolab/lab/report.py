@@ -15,7 +15,7 @@ import platform
 import re
 import sys
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -121,7 +121,7 @@ def run_label(
         device_slug=device_slug(device),
         model=model,
         dtype=_dtype_name(dtype),
-        date=datetime.now(timezone.utc).date().isoformat(),
+        date=datetime.now(UTC).date().isoformat(),
         torch=torch.__version__,
         triton=_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
         transformers=_version("transformers"),

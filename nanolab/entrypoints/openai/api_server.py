@@ -415,9 +415,11 @@ async def serve(args: argparse.Namespace) -> int:
     """Run until SIGINT or SIGTERM; the exit code: 0, or 1 when the engine core died."""
     started = time.perf_counter()
     config = EngineConfig.from_cli_args(args)  # every flag checked before the core starts
-    tokenizer = Tokenizer.from_dir(resolve_weights(config.model))
+    # The port first: a port in use or a host that does not resolve is an error before a preset's
+    # weights are converted or synthesized, which can take minutes on first use.
     sockets = bind_sockets(args.host, args.port)
     try:
+        tokenizer = Tokenizer.from_dir(resolve_weights(config.model))
         return await _serve_on(args, config, tokenizer, sockets, started)
     finally:
         for sock in sockets:
