@@ -6,6 +6,7 @@ layer (no model), and the real `Engine` on the `tiny` preset. After every operat
 bookkeeping must add up; at the end every block is free and every row closed.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -270,6 +271,26 @@ def drain(engine: Engine) -> None:
     raise AssertionError(f"the engine did not finish within {MAX_STEPS} steps")
 
 
+@contextlib.contextmanager
+def corrupted_lookup(seed: int):
+    """Prompt lookup whose drafts are kept up to a random point and random tokens after it, so that
+    verify steps keep some drafts and reject the rest (the tiny model's own text rarely parts from
+    a repeated phrase's draft)."""
+    from unittest import mock
+
+    from nanolab.engine import llm_engine
+
+    rng, lookup = random.Random(seed), llm_engine.propose_ngram
+
+    def propose(tokens, k, *args):
+        drafts = lookup(tokens, k, *args)
+        cut = rng.randrange(len(drafts) + 1)
+        return drafts[:cut] + [rng.randrange(VOCAB) for _ in drafts[cut:]]
+
+    with mock.patch.object(llm_engine, "propose_ngram", propose):
+        yield
+
+
 def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
                 speculative: bool | int = False, overlapped: bool = False) -> Engine:
     # The model's whole context, longer than these pools: a request can ask for more than the pool
@@ -291,13 +312,13 @@ def make_engine(num_blocks: int, max_num_seqs: int, budget: int | None = None, c
        speculative=st.sampled_from([False, 1, 2, 8]), overlapped=st.booleans())
 def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, finish, budget, caching,
                                           speculative, overlapped) -> None:
-    """With speculation, drafts are kept and rejected at random (the tiny model's outputs repeat,
-    so prompt lookup proposes), and each rejected draft's slot must go back; `speculative` is the
-    most rows a step speculates at. `overlapped`: asynchronous scheduling, which with speculation
-    chains every step while the rows are greedy (the next step planned before the last is read
-    back, its tables grown as if every draft were kept, and cut back once read), and otherwise
-    switches between overlapped steps (more rows than that, or every request's drafts paused) and
-    synchronous ones."""
+    """With speculation, drafts are kept and rejected at random (prompts repeat a phrase, so prompt
+    lookup proposes, and its drafts are corrupted from a random point on, `corrupted_lookup`), and
+    each rejected draft's slot must go back; `speculative` is the most rows a step speculates at.
+    `overlapped`: asynchronous scheduling, which with speculation chains every step while the rows
+    are greedy (the next step planned before the last is read back, its tables grown as if every
+    draft were kept, and cut back once read), and otherwise switches between overlapped steps
+    (more rows than that, or every request's drafts paused) and synchronous ones."""
     engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative, overlapped)
     spec_steps, run_speculative = [0], engine._run_speculative
 
@@ -321,7 +342,8 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
         return launch_chained(*args)
 
     engine._launch_chained = chained_launch
-    seqs = run_ops(engine, ops, seed)
+    with corrupted_lookup(seed):
+        seqs = run_ops(engine, ops, seed)
     if finish == "abort":
         for seq in seqs:
             engine.abort_request(seq.request_id)
@@ -344,6 +366,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     if overlapped:
         event(f"engine: {'a step overlapped' if launches[0] else 'no step overlapped'}"
               f"{' beside speculation' if speculative and spec_steps[0] else ''}")
+    if speculative and not overlapped and spec_steps[0]:
+        lost = engine.spec_draft_tokens > engine.spec_accepted_tokens
+        event(f"engine: synchronous drafts {'lost' if lost else 'all kept'}")
     if overlapped and speculative:
         event(f"engine: {'speculation chained' if chained[0] else 'no chained step'}")
         event(f"engine: {'a plain link in the chain' if links[0] else 'no plain link'}")
@@ -352,17 +377,18 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
 
 
 def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
-                   chained: bool = False) -> tuple[list[list[int]], int]:
-    """Each request's greedy output and the preemptions, on an engine of that pool; `chained`:
-    with speculation under asynchronous scheduling (`check_engine` after every step, as `drain`
-    does), where every step chains, and its drafts must have been kept and lost."""
-    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative=chained, overlapped=chained)
+                   speculative: bool = False, chained: bool = False) -> tuple[list[list[int]], int]:
+    """Each request's greedy output and the preemptions, on an engine of that pool (`check_engine`
+    after every step, as `drain` does); `speculative`: with speculation, synchronous or, with
+    `chained`, under asynchronous scheduling, where every step chains."""
+    engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative=speculative, overlapped=chained)
     seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos))
             for prompt, n, ignore_eos in requests]
     drain(engine)
     check_drained(engine.kv_cache, engine.scheduler)
-    if chained:
-        event(f"chained: {'drafts kept' if engine.spec_accepted_tokens else 'no draft kept'}, "
+    if speculative:
+        event(f"{'chained' if chained else 'synchronous'}: "
+              f"{'drafts kept' if engine.spec_accepted_tokens else 'no draft kept'}, "
               f"{'drafts lost' if engine.spec_draft_tokens > engine.spec_accepted_tokens else 'no draft lost'}")
     return [s.output_token_ids for s in seqs], engine.scheduler.num_preemptions
 
@@ -389,38 +415,29 @@ def test_greedy_outputs_do_not_depend_on_preemption(requests, spare, max_num_seq
     event(f"greedy: {'preempted' if preemptions else 'no preemption'}")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=4), spare=st.integers(0, 3), max_num_seqs=st.integers(1, 4),
-       budget=BUDGET, caching=st.booleans(), repeats=st.integers(1, 4), seed=st.integers(0, 2**31))
-def test_chained_speculation_keeps_the_pool_and_greedy_outputs(requests, spare, max_num_seqs, budget, caching,
-                                                                repeats, seed) -> None:
-    """Greedy requests with speculation under asynchronous scheduling: each decode step is planned
-    before the one in flight is read back, its tables grown as if every draft in flight were kept
-    and cut back once read. Prompts repeat a phrase, so prompt lookup proposes, and the proposer's
-    drafts are corrupted at random from a random point on, so that verify steps keep some and lose
-    the rest. On a pool small enough to preempt, the pool's invariants hold after every step (a
-    row holds exactly its kept tokens and what the step in flight fed it), every block comes back,
-    and the outputs are plain greedy's on a pool that never preempts."""
-    from unittest import mock
-
-    from nanolab.engine import llm_engine
-
+       budget=BUDGET, caching=st.booleans(), repeats=st.integers(1, 4), seed=st.integers(0, 2**31),
+       chained=st.booleans())
+def test_speculation_keeps_the_pool_and_greedy_outputs(requests, spare, max_num_seqs, budget, caching,
+                                                       repeats, seed, chained) -> None:
+    """Greedy requests with speculation, synchronous or (`chained`) under asynchronous scheduling,
+    where each decode step is planned before the one in flight is read back, its tables grown as
+    if every draft in flight were kept and cut back once read. Prompts repeat a phrase, so prompt
+    lookup proposes, and its drafts are corrupted at random from a random point on
+    (`corrupted_lookup`), so that verify steps keep some and lose the rest. On a pool small enough
+    to preempt, the pool's invariants hold after every step (a row holds exactly its kept tokens
+    and what a step in flight fed it), every block comes back, and the outputs are plain greedy's
+    on a pool that never preempts."""
     requests = [((prompt * repeats)[:40], n, ignore_eos) for prompt, n, ignore_eos in requests]
     smallest = max(cdiv(len(prompt) + n, BLOCK) for prompt, n, _ in requests)
-    rng, lookup = random.Random(seed), llm_engine.propose_ngram
-
-    def propose(tokens, k, *args):
-        drafts = lookup(tokens, k, *args)
-        cut = rng.randrange(len(drafts) + 1)
-        return drafts[:cut] + [rng.randrange(VOCAB) for _ in drafts[cut:]]
-
-    with mock.patch.object(llm_engine, "propose_ngram", propose):
-        chained, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget, caching,
-                                              chained=True)
+    with corrupted_lookup(seed):
+        speculative, preemptions = greedy_outputs(requests, smallest + spare, max_num_seqs, budget, caching,
+                                                  speculative=True, chained=chained)
     plain, none = greedy_outputs(requests, 512, max_num_seqs)
     assert none == 0
-    assert chained == plain
-    event(f"chained: {'preempted' if preemptions else 'no preemption'}")
+    assert speculative == plain
+    event(f"{'chained' if chained else 'synchronous'}: {'preempted' if preemptions else 'no preemption'}")
 
 
 @pytest.mark.parametrize("budget", [None, 5])
