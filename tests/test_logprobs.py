@@ -150,6 +150,22 @@ def test_n_samples_share_the_prompt_and_differ_by_seed(sharp_gqa24):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("prompt_len,prompt_logprobs", [(18, 1), (BS, None)])
+def test_samples_that_would_share_nothing_start_together(sharp_gqa24, prompt_len, prompt_logprobs):
+    """With prefix caching, n=3 samples that could share no block do not wait for the first: ones
+    that want their prompt's logprobs (each computes every prompt token), and ones whose prompt
+    fills no block before its last token. All three run from the first step."""
+    engine = engine_for(sharp_gqa24, enable_prefix_caching=True, max_num_batched_tokens=64)
+    prompt = torch.randint(3, 320, (prompt_len,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=3, ignore_eos=True,
+                            prompt_logprobs=prompt_logprobs)
+    seqs = engine.add_requests([prompt], [params])
+    engine.step()
+    assert all(s.output_token_ids for s in seqs), "a sample waited for the first"
+    run_until_done(engine)
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
 def test_bad_logprobs_and_n_name_the_field():
     for field, value in (("logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", -1), ("n", 0), ("logprobs", True)):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}="):

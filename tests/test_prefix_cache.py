@@ -273,6 +273,30 @@ def test_cached_prefixes_give_the_reference_logits(sharp_gqa24):
     assert engine.block_manager.allocator.num_free == engine.num_blocks
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_request_on_a_running_prefix_is_admitted_for_what_it_adds(sharp_gqa24, chunked):
+    """Admission counts the blocks a request adds, not those it shares: on a pool of 16 blocks of
+    4, a request over the 40-token prompt of one still running (11 blocks promised) needs 2 more
+    beside the 9 it shares, and runs beside it instead of waiting for it to finish (each alone
+    would promise 11, 22 in all). Both keep the reference's logits, and every block comes back."""
+    sharp = sharp_gqa24
+    engine = engine_with_cache(sharp, num_blocks=16, enable_chunked_prefill=chunked,
+                               max_num_batched_tokens=64 if chunked else 2048)
+    prompt = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    logits, keep = logit_recorder()
+    first = engine.add_request(prompt, params)
+    while not first.output_token_ids:
+        keep(engine.step())
+    second = engine.add_request(prompt, params)
+    keep(engine.step())
+    assert second.row is not None and not first.finished, "the second request waited for the first"
+    assert engine.scheduler.prefix_cache_hits == 36
+    run_until_done(engine, on_step=keep)
+    assert_logits_match_reference(sharp, [first, second], logits)
+    assert engine.block_manager.allocator.num_free == 16
+
+
 def test_a_preempted_request_finds_its_outputs_blocks_again(sharp_gqa24):
     """A request preempted after its output filled blocks comes back to them: its lookup covers its
     output, not only the prompt its check packed (`Sequence.prompt_bytes`), and its logits stay the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 
 import pytest
@@ -96,6 +97,7 @@ BAD = [
     ({"prompt": "hi", "stop": ["s"] * 17}, 400, "stop"),
     ({"prompt": "hi", "stop": "s" * 257}, 400, "stop"),
     ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage"),
     # Fields that would change the output and are not implemented: refused, never ignored.
     ({"prompt": "hi", "min_tokens": 2}, 400, "min_tokens"),
     ({"prompt": "hi", "repetition_penalty": 1.1}, 400, "repetition_penalty"),
@@ -112,7 +114,7 @@ NOOPS = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalt
          "user": "someone", "metadata": {"k": "v"}, "store": False}
 
 
-def test_bad_requests_get_their_status_and_an_error_object(llm):
+def test_bad_requests_get_their_status_and_an_error_object(llm, caplog):
     async def body(client, _):
         results = []
         for request, status, param in BAD:
@@ -136,6 +138,16 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
             r = await client.post("/v1/chat/completions", json={"messages": messages})
             results.append((messages, 400, "messages", r.status, await r.json()))
             assert where in (await r.json())["error"]["message"]
+        # Both limits, disagreeing: neither is dropped silently. Agreeing, they are one limit.
+        one = {"messages": [{"role": "user", "content": "x"}], "temperature": 0}
+        r = await client.post("/v1/chat/completions", json={**one, "max_tokens": 5, "max_completion_tokens": 50})
+        results.append(("both limits", 400, "max_completion_tokens", r.status, await r.json()))
+        r = await client.post("/v1/chat/completions", json={**one, "max_tokens": 2, "max_completion_tokens": 2})
+        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] <= 2
+        # A null name is no name.
+        r = await client.post("/v1/chat/completions", json={**one, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "x", "name": None}]})
+        assert r.status == 200, await r.text()
         # The context's limit, named by the field that set it.
         for field in ("max_tokens", "max_completion_tokens"):
             r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
@@ -152,11 +164,14 @@ def test_bad_requests_get_their_status_and_an_error_object(llm):
         results.append(("bad gzip", 400, None, r.status, await r.json()))
         return results
 
-    for request, status, param, got, payload in run_with_client(llm, body):
+    with caplog.at_level(logging.ERROR):
+        answers = run_with_client(llm, body)
+    for request, status, param, got, payload in answers:
         assert got == status, (request, payload)
         error = payload["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], request
         assert error["param"] == param, (request, error)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a bad request logged an error"
 
 
 def test_token_ids_are_checked_once_where_the_vocabulary_is_known(llm):
@@ -435,6 +450,34 @@ def test_n_logprobs_and_echo_are_what_generate_gives(llm):
     for entry in content:
         assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
         assert entry["token"] == protocol.token_string(bytes(entry["bytes"]))
+
+
+def test_echo_offsets_index_a_prompt_that_spells_a_special_token(llm):
+    """A string prompt that spells a special token ("<|im_end|>") is echoed as sent, that token's
+    text included, so the offsets of the tokens after it count it; generated special tokens, which
+    the text leaves out, still add nothing. Whole and streamed give the same offsets."""
+    prompt = "ab<|im_end|>cd and more"
+    special = next(t for t in llm.tokenizer.encode(prompt) if llm.tokenizer.is_special(t))
+
+    async def body(client, _):
+        request = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 0, "echo": True,
+                   "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
+        return whole, streamed
+
+    whole, streamed = run_with_client(llm, body)
+    choice = whole["choices"][0]
+    ids = llm.tokenizer.encode(prompt)
+    assert special in ids and choice["text"].startswith(prompt)
+    lp = choice["logprobs"]
+    echoed = {key: values[:len(ids)] for key, values in lp.items()}
+    check_offsets(choice["text"], ids, echoed, llm.tokenizer)
+    at = lp["text_offset"][ids.index(special) + 1]
+    assert choice["text"][at:].startswith("cd"), (at, choice["text"])
+    offsets = [o for e in streamed[:-1] if e["choices"] and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
 
 
 def check_offsets(text: str, token_ids: list[int], logprobs: dict, tokenizer) -> None:

@@ -130,10 +130,13 @@ class Scheduler:
                 budget -= n
         while budget > 0 and self.blocks.free_row_count() > 0:
             seq = self._next_waiting()
-            if seq is None or not self._admits(seq):
+            if seq is None:
+                break
+            prefix = self._cached_prefix(seq)
+            if not self._admits(seq, prefix[0]):
                 break
             self.waiting.remove(seq)
-            self._open_row(seq)
+            self._open_row(seq, prefix)
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self.blocks.table(seq.row).blocks_needed(n)
@@ -143,15 +146,25 @@ class Scheduler:
             budget -= n
         return scheduled
 
-    def _admits(self, seq: Sequence) -> bool:
+    def _admits(self, seq: Sequence, prefix: list[int]) -> bool:
         """Whether the pool can promise `seq` all its tokens and one more while every running
-        sequence keeps the same promise: the sum of cdiv(num_tokens + 1, block_size) over the running
-        and `seq` fits the pool. Blocks are taken a chunk at a time, but a prompt is admitted only
-        when it can finish, and the step after an admission never has to preempt: each running
-        sequence then holds at most its promise."""
-        block = self.blocks.block_size
-        promised = sum(cdiv(s.num_tokens + 1, block) for s in self.running)
-        return promised + cdiv(seq.num_tokens + 1, block) <= self.blocks.num_blocks
+        sequence keeps the same promise, cdiv(num_tokens + 1, block_size) blocks each: the blocks
+        held now, what each running sequence's promise needs beyond the blocks it holds, and the
+        blocks `seq` needs beyond those of its cached `prefix` that are held already (shared, they
+        take nothing from the pool; a cached block no table holds is taken from the free ones) fit
+        the pool. Blocks are taken a chunk at a time, but a prompt is admitted only when it can
+        finish, and the step after an admission never has to preempt: each running sequence then
+        holds at most its promise."""
+        block, allocator = self.blocks.block_size, self.blocks.allocator
+        beyond = sum(max(0, cdiv(s.num_tokens + 1, block) - len(self.blocks.table(s.row).blocks))
+                     for s in self.running)
+        return allocator.num_used + beyond + self._new_blocks(seq, prefix) <= self.blocks.num_blocks
+
+    def _new_blocks(self, seq: Sequence, prefix: list[int]) -> int:
+        """Blocks the pool gives `seq` for all its tokens and one more, admitted with the cached
+        `prefix` (`_cached_prefix`): all but the prefix's blocks some table holds already."""
+        shared = sum(1 for b in prefix if self.blocks.allocator.refs(b))
+        return cdiv(seq.num_tokens + 1, self.blocks.block_size) - shared
 
     # Whole prompts (enable_chunked_prefill=False).
 
@@ -161,20 +174,20 @@ class Scheduler:
         whose table is full, so an admission never forces that step to preempt."""
         batch: list[Sequence] = []
         tokens = 0
-        block = self.blocks.block_size
         free = self.blocks.allocator.num_free
         spare = sum(self.blocks.table(s.row).blocks_needed(1) for s in self.running)
         while self.blocks.free_row_count() > 0:
             seq = self._next_waiting()
             if seq is None:
                 break
-            need = cdiv(seq.num_tokens, block) + (seq.num_tokens % block == 0)
             if batch and tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
+            prefix = self._cached_prefix(seq)
+            need = self._new_blocks(seq, prefix[0])  # the prompt and one more token, less what it shares
             if free - need < spare:
                 break
             self.waiting.remove(seq)
-            self._open_row(seq)
+            self._open_row(seq, prefix)
             free -= need
             tokens += seq.num_tokens
             batch.append(seq)
@@ -193,25 +206,36 @@ class Scheduler:
     def _next_waiting(self) -> Sequence | None:
         """The first waiting request not held back: with prefix caching, a request whose `parent`
         (another sample of the same prompt) has not yet run its prompt waits for it, so that the
-        prompt's blocks are computed once and shared; those behind it may go first."""
+        prompt's blocks are computed once and shared; those behind it may go first. A sample that
+        would share nothing goes at once: one that wants its prompt's logprobs (it computes every
+        prompt token), or one whose prompt fills no block before its last token."""
+        block = self.blocks.block_size
         for seq in self.waiting:
             parent = seq.parent
             if (parent is None or not self.blocks.enable_prefix_caching or parent.finished
-                    or parent.output_token_ids):
+                    or parent.output_token_ids or seq.params.prompt_logprobs is not None
+                    or (len(seq.prompt_token_ids) - 1) // block == 0):
                 return seq
         return None
 
-    def _open_row(self, seq: Sequence) -> None:
-        """Give an admitted request its row, starting after the cached full blocks of its prefix
-        (none without prefix caching, nor for a request that wants its prompt's logprobs, which
-        need the logits of every prompt token): those tokens count as computed."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """The cached full blocks (and their keys) `seq` would start after if admitted now: none
+        without prefix caching, nor for a request that wants its prompt's logprobs, which need the
+        logits of every prompt token. A request back from preemption may find its output's blocks
+        too; a new one has only its prompt."""
+        if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return [], []
+        return self.blocks.cached_prefix(
+            seq.prompt_bytes if seq.prompt_bytes is not None and not seq.output_token_ids else seq.token_ids)
+
+    def _open_row(self, seq: Sequence, prefix: tuple[list[int], list[bytes]]) -> None:
+        """Give an admitted request its row, starting after `prefix`, its `_cached_prefix` looked up
+        at admission, shared: those tokens count as computed."""
         seq.row = self.blocks.open_row()
         seq.status = SequenceStatus.RUNNING
         if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
-        # A request back from preemption may find its output's blocks too; a new one has only its prompt.
-        blocks, keys = self.blocks.cached_prefix(
-            seq.prompt_bytes if seq.prompt_bytes is not None and not seq.output_token_ids else seq.token_ids)
+        blocks, keys = prefix
         self.prefix_cache_queries += seq.num_tokens
         if blocks:
             self.blocks.share_prefix(seq.row, blocks, keys)

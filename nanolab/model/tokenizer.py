@@ -142,9 +142,10 @@ def normalize_messages(messages) -> list[dict]:
         role = message["role"]
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role: must be one of {', '.join(map(repr, CHAT_ROLES))}, got {role!r:.80}")
-        if "name" in message and not isinstance(message["name"], str):
+        if message.get("name") is not None and not isinstance(message["name"], str):
             raise ValueError(f"messages[{i}].name: must be a str, got {type(message['name']).__name__}")
-        out.append({**message, "content": message_text(message["content"], f"messages[{i}].content")})
+        kept = {k: v for k, v in message.items() if k != "name" or v is not None}  # a null name is no name
+        out.append({**kept, "content": message_text(message["content"], f"messages[{i}].content")})
     return out
 
 
@@ -269,6 +270,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str):
+        """`encode`'s tokens with where each came from in `text` (`tokenizers.Encoding`: `ids`, and
+        `offsets` as (start, end) characters; an added token, as BOS, spans nothing)."""
+        return self._tok.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (a synthesized model's vocab can be larger) decode to nothing.

@@ -224,21 +224,33 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(stream.prompt_token_ids)
 
     def _logprobs(self, req: CompletionRequest, token_ids: list[int], entries: list,
-                  offsets: protocol.TextOffsets) -> dict:
+                  offsets: protocol.TextOffsets, hidden=None) -> dict:
         """The logprobs object of `token_ids` scored by `entries` (None for a prompt's first token);
-        a completion's text offsets continue from `offsets`."""
+        a completion's text offsets continue from `offsets`, past the tokens its text leaves out
+        (`hidden`, by id; default: the special tokens, which decoding skips)."""
         if req.chat:
             return protocol.chat_logprobs(token_ids, entries, self.tokenizer.token_bytes)
-        return protocol.completion_logprobs(token_ids, entries, self.tokenizer.token_bytes, self.tokenizer.is_special,
-                                            offsets)
+        return protocol.completion_logprobs(token_ids, entries, self.tokenizer.token_bytes,
+                                            hidden or self.tokenizer.is_special, offsets)
 
-    def _echoed_logprobs(self, req: CompletionRequest, stream: RequestStream, token_ids: list[int], entries: list,
-                         offsets: protocol.TextOffsets) -> dict:
-        """With `echo`, the prompt's tokens (the first unscored) before `token_ids`'."""
-        if req.echo:
-            prompt_entries = stream.prompt_logprobs or [None] * (len(stream.prompt_token_ids) - 1)
-            token_ids, entries = stream.prompt_token_ids + token_ids, [None, *prompt_entries, *entries]
-        return self._logprobs(req, token_ids, entries, offsets)
+    def _echoed_logprobs(self, req: CompletionRequest, j: int, stream: RequestStream, token_ids: list[int],
+                         entries: list, offsets: protocol.TextOffsets) -> dict:
+        """With `echo`, choice j's prompt tokens (the first unscored) before `token_ids`'. The text
+        begins with the prompt as `_echo` gives it: a string as sent, special tokens it spells
+        included (an added one, as BOS, is not in it); ids decoded, special tokens skipped."""
+        if not req.echo:
+            return self._logprobs(req, token_ids, entries, offsets)
+        ids = stream.prompt_token_ids
+        hidden = None
+        prompt = req.prompts[j // req.params.n]
+        if isinstance(prompt, str):
+            encoding = self.tokenizer.encode_with_offsets(prompt)
+            spelled = {t for t, (a, b) in zip(encoding.ids, encoding.offsets) if b > a}
+            hidden = lambda t: self.tokenizer.is_special(t) and t not in spelled  # noqa: E731
+        echoed = self._logprobs(req, ids, [None, *(stream.prompt_logprobs or [None] * (len(ids) - 1))], offsets,
+                                hidden)
+        rest = self._logprobs(req, token_ids, entries, offsets)
+        return {key: echoed[key] + rest[key] for key in echoed}
 
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
         choices = []
@@ -252,7 +264,7 @@ class OpenAIServing:
             text = text if last is None else text[:last]
             logprobs = None
             if stream.output_logprobs is not None:
-                logprobs = self._echoed_logprobs(req, stream, stream.output_token_ids, stream.output_logprobs,
+                logprobs = self._echoed_logprobs(req, j, stream, stream.output_token_ids, stream.output_logprobs,
                                                  protocol.TextOffsets())
             choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason, logprobs))
         return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
@@ -276,7 +288,8 @@ class OpenAIServing:
             logprobs = None
             if stream.output_logprobs is not None and delta.token_id is not None:
                 if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
-                    logprobs = self._echoed_logprobs(req, stream, [delta.token_id], [delta.logprobs], offsets[index])
+                    logprobs = self._echoed_logprobs(req, index, stream, [delta.token_id], [delta.logprobs],
+                                                     offsets[index])
                 else:
                     logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
             if req.echo and first[index]:
@@ -331,7 +344,20 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, objec
             t.cancel()
 
 
+class _AnsweredBodies(logging.Filter):
+    """Drops aiohttp's "Unhandled exception" for a request body it could not decode: the handler
+    has answered it with a 400 already (`_body`), and aiohttp, reading the rest of the body to keep
+    the connection, fails on it again. A client sending such bodies cannot fill the log with
+    tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], RequestPayloadError))
+
+
 def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> web.Application:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _AnsweredBodies) for f in server_log.filters):
+        server_log.addFilter(_AnsweredBodies())
     app = web.Application(middlewares=[_errors_and_log, _auth(api_key)], client_max_size=max_body_bytes)
     app[SERVING] = serving
     app.router.add_get("/health", serving.health)

@@ -143,13 +143,15 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _field(body: dict, name: str, ok, what: str, default=None):
-    """body[name] when present and not null, checked by `ok`; a 400 naming the field otherwise."""
+def _field(body: dict, name: str, ok, what: str, default=None, within: str | None = None):
+    """body[name] when present and not null, checked by `ok`; a 400 naming the field otherwise
+    (`within.name` for a field of the object `within`)."""
     value = body.get(name)
     if value is None:
         return default
     if not ok(value):
-        raise APIError(400, f"'{name}' must be {what}, got {value!r}", param=name)
+        param = f"{within}.{name}" if within else name
+        raise APIError(400, f"'{param}' must be {what}, got {value!r}", param=param)
     return value
 
 
@@ -200,12 +202,17 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         unknown = set(options) - {"include_usage"}
         if unknown:
             raise APIError(400, f"'stream_options' has unknown keys {sorted(unknown)}", param="stream_options")
-        include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
+        include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False,
+                               within="stream_options")
 
     max_tokens = _field(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
     if chat:
-        max_tokens = _field(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1",
-                            max_tokens)
+        completion = _field(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        if completion is not None and max_tokens is not None and completion != max_tokens:
+            # Neither is dropped silently: which one a client meant is not ours to guess.
+            raise APIError(400, f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({completion}) disagree; "
+                           "send one", param="max_completion_tokens")
+        max_tokens = completion if completion is not None else max_tokens
     elif max_tokens is None and "max_tokens" not in body:
         max_tokens = 16  # OpenAI's completions default; chat runs to EOS or the context
     stop = _field(body, "stop", lambda v: isinstance(v, str) and v or isinstance(v, list) and all(
