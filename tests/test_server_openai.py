@@ -85,6 +85,15 @@ def chat(client, messages, stream: bool, max_tokens: int) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def joined_by_index(chunks, text) -> list[str]:
+    """A stream of n choices' chunks joined into each choice's text, by the index each chunk names."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (text(choice) or "")
+    return [texts[i] for i in sorted(texts)]
+
+
 def expected(read: str, max_tokens: int, prompts, chats, sampled: SamplingParams | None = None):
     """Greedy texts of `prompts` and `chats` from `LLM.generate`; with `sampled`, also the first
     prompt's `RequestOutput` under those params."""
@@ -131,6 +140,15 @@ def test_same_text_through_the_socket_reference_read():
         assert [c.text for c in reply.choices] == [o.text for o in want_samples.outputs]
         for choice, out in zip(reply.choices, want_samples.outputs):
             assert choice.logprobs.token_logprobs == pytest.approx([e[0] for e in out.logprobs], abs=1e-4)
+        # The same two samples streamed, each chunk naming its choice; and chat's two, whole and streamed.
+        streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0.8, seed=7,
+                                             n=2, stream=True)
+        assert joined_by_index(streamed, lambda c: c.text) == [c.text for c in reply.choices]
+        kw = dict(model=MODEL, messages=CHATS[1], max_tokens=6, temperature=0.8, seed=7, n=2)
+        whole_chat = client.chat.completions.create(**kw)
+        assert [c.index for c in whole_chat.choices] == [0, 1]
+        assert joined_by_index(client.chat.completions.create(**kw, stream=True), lambda c: c.delta.content) \
+            == [c.message.content for c in whole_chat.choices]
         # Chat's logprobs, streamed: an entry with its top 3 on every token's chunk.
         chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=12, temperature=0,
                                                      logprobs=True, top_logprobs=3, stream=True))
@@ -139,7 +157,7 @@ def test_same_text_through_the_socket_reference_read():
         assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in entries)
     finally:
         assert_clean_exit(server)
-    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 17  # one log line per request
+    assert len(re.findall(r"POST /v1/(chat/)?completions 200", server.log)) == 20  # one log line per request
 
 
 @needs_smollm2
