@@ -242,8 +242,10 @@ def run_ops(engine: Engine, ops, seed: int) -> list[Sequence]:
             if rng.random() < 0.4:  # a phrase repeated: prompt lookup finds drafts in it
                 prompt = (prompt[:3] * prompt_len)[:prompt_len]
             # Some requests want logprobs (their steps are read back at once) or their prompt's (no prefix hit).
+            # Unseeded sampling draws from torch's generator, seeded by the test: such rows speculate
+            # (a seeded sampled row does not), so rejection sampling keeps and rejects drafts too.
             params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=max_tokens,
-                                    ignore_eos=ignore_eos, seed=rng.randrange(1000), n=n,
+                                    ignore_eos=ignore_eos, seed=rng.choice([None, rng.randrange(1000)]), n=n,
                                     logprobs=rng.choice([None, None, 2]), prompt_logprobs=rng.choice([None, None, 1]))
             if fits(prompt_len, max_tokens, engine.kv_cache.num_blocks):
                 seqs += engine.add_requests([prompt] * n, params.samples())
@@ -319,7 +321,9 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
     are greedy (the next step planned before the last is read back, its tables grown as if every
     draft were kept, and cut back once read), and otherwise switches between overlapped steps
     (more rows than that, or every request's drafts paused) and synchronous ones."""
+    torch.manual_seed(seed)
     engine = make_engine(num_blocks, max_num_seqs, budget, caching, speculative, overlapped)
+
     spec_steps, run_speculative = [0], engine._run_speculative
 
     def counted(out, drafts):
@@ -374,6 +378,36 @@ def test_engine_keeps_the_pool_consistent(ops, num_blocks, max_num_seqs, seed, f
         event(f"engine: {'a plain link in the chain' if links[0] else 'no plain link'}")
         if chained[0] and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0:
             event("engine: chained drafts kept and lost")
+
+
+def test_sampled_rows_keep_the_pool_through_rejection_sampling() -> None:
+    """Unseeded sampled rows (temperature 1 over each step's two likeliest tokens), each step fed
+    drafts (its last token, repeated, which the tiny model's text often repeats): rejection sampling
+    keeps some drafts and rejects others, every rejected draft's slot goes back (the pool's
+    invariants after every step), and every block comes back at the end."""
+    from unittest import mock
+
+    from nanolab.engine import llm_engine
+
+    torch.manual_seed(0)
+    engine = make_engine(num_blocks=32, max_num_seqs=4, speculative=True)
+    sampled, reject = [0], llm_engine.rejection_sample
+
+    def rejection_sample(probs, drafts, *args):
+        sampled[0] += len(drafts)
+        return reject(probs, drafts, *args)
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 9, 13)]
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=24, ignore_eos=True)
+    with mock.patch.object(llm_engine, "propose_ngram", lambda tokens, k, *args: [tokens[-1]] * k), \
+            mock.patch.object(llm_engine, "rejection_sample", rejection_sample):
+        seqs = engine.add_requests(prompts, [params] * len(prompts))
+        drain(engine)
+    assert sampled[0] and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0, \
+        (sampled[0], engine.spec_draft_tokens, engine.spec_accepted_tokens)
+    assert all(len(s.output_token_ids) == 24 for s in seqs)
+    check_drained(engine.kv_cache, engine.scheduler)
 
 
 def greedy_outputs(requests, num_blocks: int, max_num_seqs: int, budget: int | None = None, caching: bool = False,
