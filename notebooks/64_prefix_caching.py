@@ -36,7 +36,8 @@
 # - **Shared by reference count.** An admitted request looks up its prompt's keys and starts
 #   after the longest run of cached full blocks. Those blocks join its table, and their count of
 #   holders goes up. It always leaves at least one prompt token to compute, and a partial block is
-#   never shared.
+#   never shared. Admission counts only the blocks a request adds: the shared ones that a running
+#   request holds already take nothing more from the pool.
 # - **Kept until needed.** A keyed block that no table holds stays findable, in least recently
 #   released order. It is evicted only when a block is needed and no unkeyed one is free.
 #
