@@ -452,32 +452,44 @@ def test_n_logprobs_and_echo_are_what_generate_gives(llm):
         assert entry["token"] == protocol.token_string(bytes(entry["bytes"]))
 
 
-def test_echo_offsets_index_a_prompt_that_spells_a_special_token(llm):
-    """A string prompt that spells a special token ("<|im_end|>") is echoed as sent, that token's
-    text included, so the offsets of the tokens after it count it; generated special tokens, which
-    the text leaves out, still add nothing. Whole and streamed give the same offsets."""
-    prompt = "ab<|im_end|>cd and more"
-    special = next(t for t in llm.tokenizer.encode(prompt) if llm.tokenizer.is_special(t))
+@pytest.mark.parametrize("bos", [False, True])
+def test_echo_offsets_index_a_prompt_that_spells_a_special_token(llm, bos):
+    """A string prompt that spells special tokens is echoed as sent, their text included, so the
+    offsets of the tokens after them count it; with a tokenizer that adds BOS, the added one (the
+    same token the prompt spells first) is not in the text and adds nothing, told apart by its
+    place. Generated special tokens add nothing. Whole and streamed give the same offsets, for
+    both of n = 2 choices."""
+    from tokenizers import processors
+
+    prompt = "<|im_start|>ab<|im_end|>cd and more"
+    hf = llm.tokenizer._tok
+    kept = hf.post_processor
+    if bos:  # BOS as Llama 3's tokenizer adds it: a special token the text does not spell
+        hf.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                          special_tokens=[("<|im_start|>", 1)])
 
     async def body(client, _):
         request = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 0, "echo": True,
-                   "ignore_eos": True}
+                   "ignore_eos": True, "n": 2}
         whole = await (await client.post("/v1/completions", json=request)).json()
         streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
         return whole, streamed
 
-    whole, streamed = run_with_client(llm, body)
-    choice = whole["choices"][0]
-    ids = llm.tokenizer.encode(prompt)
-    assert special in ids and choice["text"].startswith(prompt)
-    lp = choice["logprobs"]
-    echoed = {key: values[:len(ids)] for key, values in lp.items()}
-    check_offsets(choice["text"], ids, echoed, llm.tokenizer)
-    at = lp["text_offset"][ids.index(special) + 1]
-    assert choice["text"][at:].startswith("cd"), (at, choice["text"])
-    offsets = [o for e in streamed[:-1] if e["choices"] and e["choices"][0]["logprobs"]
-               for o in e["choices"][0]["logprobs"]["text_offset"]]
-    assert offsets == lp["text_offset"]
+    try:
+        whole, streamed = run_with_client(llm, body)
+        ids = llm.tokenizer.encode(prompt)
+    finally:
+        hf.post_processor = kept
+    assert ids[0] == 1 and (ids[1] == 1) == bos  # <|im_start|>: added, then spelled; or spelled alone
+    for choice in whole["choices"]:
+        assert choice["text"].startswith(prompt)
+        lp = choice["logprobs"]
+        assert lp["text_offset"][:2] == ([0, 0] if bos else [0, 12])
+        after = [i for i, t in enumerate(ids) if llm.tokenizer.is_special(t)][-1] + 1  # the token after <|im_end|>
+        assert choice["text"][lp["text_offset"][after]:].startswith("cd"), (lp["text_offset"], choice["text"])
+        offsets = [o for e in streamed[:-1] if e["choices"] and e["choices"][0]["index"] == choice["index"]
+                   and e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+        assert offsets == lp["text_offset"]
 
 
 def check_offsets(text: str, token_ids: list[int], logprobs: dict, tokenizer) -> None:
@@ -506,14 +518,16 @@ def test_logprobs_name_tokens_by_their_bytes_and_offsets_index_the_text(llm):
     partial = [t for t in range(3, 259) if tok.token_bytes(t)[:1] >= b"\x80" and t not in ids][:5]
     assert len(partial) == 5 and {tok.decode([t]) for t in partial} == {"\ufffd"}
     entries = [(-0.5 - j, [(p, -1.0 - k) for k, p in enumerate(partial)]) for j in range(len(ids))]
-    lp = protocol.completion_logprobs(ids, entries, tok.token_bytes, tok.is_special, protocol.TextOffsets())
+    lp = protocol.completion_logprobs(ids, entries, tok.token_bytes, [tok.is_special(t) for t in ids],
+                                    protocol.TextOffsets())
     assert any(name.startswith("bytes:") for name in lp["tokens"])
     for token, entry, top in zip(lp["tokens"], entries, lp["top_logprobs"]):
         assert list(top.values()) == [v for _, v in entry[1]] + [entry[0]] and top[token] == entry[0]
     check_offsets(text, ids, lp, tok)
     one_by_one, offsets = [], protocol.TextOffsets()
     for t, e in zip(ids, entries):
-        one_by_one += protocol.completion_logprobs([t], [e], tok.token_bytes, tok.is_special, offsets)["text_offset"]
+        one = protocol.completion_logprobs([t], [e], tok.token_bytes, [tok.is_special(t)], offsets)
+        one_by_one += one["text_offset"]
     assert one_by_one == lp["text_offset"]
     chat = protocol.chat_logprobs(ids, entries, tok.token_bytes)["content"]
     assert b"".join(bytes(e["bytes"]) for e in chat).decode() == text

@@ -115,6 +115,9 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}  # key -> block
         self._key_of: dict[int, bytes] = {}  # block -> key
         self.evictions = 0
+        # Counts every change to which keys are cached where (a key added, a key evicted): a lookup
+        # made at one epoch finds the same blocks at the same epoch.
+        self.key_epoch = 0
 
     @property
     def num_free(self) -> int:
@@ -148,6 +151,7 @@ class BlockAllocator:
             block, _ = self._cached.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
             self.evictions += 1
+            self.key_epoch += 1
         else:
             raise CacheFull(f"all {self.num_blocks} blocks of the KV pool are in use")
         self._refs[block] = 1
@@ -189,6 +193,7 @@ class BlockAllocator:
             return False
         self._block_of[key] = block
         self._key_of[block] = key
+        self.key_epoch += 1
         return True
 
 

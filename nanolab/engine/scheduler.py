@@ -14,8 +14,8 @@ preempted: its row and blocks go back to the pool and it waits at the front of t
 recomputed from its tokens so far (vLLM's recompute preemption).
 
 With prefix caching (the block manager's), an admitted request starts after the cached full blocks
-of its prefix, shared with whoever else holds them; the admission promise still counts every
-block a request could hold as its own, so sharing only ever leaves more room.
+of its prefix, shared with whoever else holds them; admission counts only the blocks it adds, the
+shared blocks a running request holds already taking nothing more from the pool.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache at admission, and those found (vLLM's counters).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The last `_cached_prefix`: (request, (the allocator's key epoch, its tokens), what it found).
+        self._prefix_memo: tuple | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -225,8 +227,16 @@ class Scheduler:
         too; a new one has only its prompt."""
         if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], []
-        return self.blocks.cached_prefix(
+        # A request left waiting (the pool full) is looked up again at every step; its blocks and
+        # keys change only when a key is added or evicted, so one lookup serves until then.
+        epoch = self.blocks.allocator.key_epoch
+        memo = self._prefix_memo
+        if memo is not None and memo[0] is seq and memo[1] == (epoch, seq.num_tokens):
+            return memo[2]
+        found = self.blocks.cached_prefix(
             seq.prompt_bytes if seq.prompt_bytes is not None and not seq.output_token_ids else seq.token_ids)
+        self._prefix_memo = (seq, (epoch, seq.num_tokens), found)
+        return found
 
     def _open_row(self, seq: Sequence, prefix: tuple[list[int], list[bytes]]) -> None:
         """Give an admitted request its row, starting after `prefix`, its `_cached_prefix` looked up
@@ -236,6 +246,7 @@ class Scheduler:
         if not self.blocks.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         blocks, keys = prefix
+        self._prefix_memo = None
         self.prefix_cache_queries += seq.num_tokens
         if blocks:
             self.blocks.share_prefix(seq.row, blocks, keys)

@@ -224,36 +224,49 @@ class OpenAIServing:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(stream.prompt_token_ids)
 
     def _logprobs(self, req: CompletionRequest, token_ids: list[int], entries: list,
-                  offsets: protocol.TextOffsets, hidden=None) -> dict:
+                  offsets: protocol.TextOffsets, hidden: list[bool] | None = None) -> dict:
         """The logprobs object of `token_ids` scored by `entries` (None for a prompt's first token);
         a completion's text offsets continue from `offsets`, past the tokens its text leaves out
-        (`hidden`, by id; default: the special tokens, which decoding skips)."""
+        (`hidden`, one flag a token; default: the special tokens, which decoding skips)."""
         if req.chat:
             return protocol.chat_logprobs(token_ids, entries, self.tokenizer.token_bytes)
-        return protocol.completion_logprobs(token_ids, entries, self.tokenizer.token_bytes,
-                                            hidden or self.tokenizer.is_special, offsets)
+        if hidden is None:
+            hidden = [self.tokenizer.is_special(t) for t in token_ids]
+        return protocol.completion_logprobs(token_ids, entries, self.tokenizer.token_bytes, hidden, offsets)
 
     def _echoed_logprobs(self, req: CompletionRequest, j: int, stream: RequestStream, token_ids: list[int],
-                         entries: list, offsets: protocol.TextOffsets) -> dict:
+                         entries: list, offsets: protocol.TextOffsets, shown: dict) -> dict:
         """With `echo`, choice j's prompt tokens (the first unscored) before `token_ids`'. The text
-        begins with the prompt as `_echo` gives it: a string as sent, special tokens it spells
-        included (an added one, as BOS, is not in it); ids decoded, special tokens skipped."""
+        begins with the prompt as `_echo` gives it: ids decoded, special tokens skipped; a string as
+        sent, so a special token it spells is in the text, and one the tokenizer added (BOS) is not,
+        told apart by position (`_spelled`). `shown` keeps each prompt's flags for its other
+        choices."""
         if not req.echo:
             return self._logprobs(req, token_ids, entries, offsets)
         ids = stream.prompt_token_ids
-        hidden = None
         prompt = req.prompts[j // req.params.n]
+        hidden = None
         if isinstance(prompt, str):
-            encoding = self.tokenizer.encode_with_offsets(prompt)
-            spelled = {t for t, (a, b) in zip(encoding.ids, encoding.offsets) if b > a}
-            hidden = lambda t: self.tokenizer.is_special(t) and t not in spelled  # noqa: E731
+            if j // req.params.n not in shown:
+                shown[j // req.params.n] = self._spelled(prompt, ids)
+            hidden = [self.tokenizer.is_special(t) and not spelled
+                      for t, spelled in zip(ids, shown[j // req.params.n], strict=True)]
         echoed = self._logprobs(req, ids, [None, *(stream.prompt_logprobs or [None] * (len(ids) - 1))], offsets,
                                 hidden)
         rest = self._logprobs(req, token_ids, entries, offsets)
         return {key: echoed[key] + rest[key] for key in echoed}
 
+    def _spelled(self, prompt: str, ids: list[int]) -> list[bool]:
+        """Per token of `prompt`'s `ids`, whether the string spells it (an added token spans none of
+        it); every token spelled where the string no longer encodes to those ids."""
+        encoding = self.tokenizer.encode_with_offsets(prompt)
+        if encoding.ids != ids:
+            return [True] * len(ids)
+        return [b > a for a, b in encoding.offsets]
+
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
         choices = []
+        shown: dict = {}  # each echoed prompt's flags (`_echoed_logprobs`), for its n choices
         for j, stream in enumerate(streams):
             async for _ in stream:
                 pass
@@ -265,7 +278,7 @@ class OpenAIServing:
             logprobs = None
             if stream.output_logprobs is not None:
                 logprobs = self._echoed_logprobs(req, j, stream, stream.output_token_ids, stream.output_logprobs,
-                                                 protocol.TextOffsets())
+                                                 protocol.TextOffsets(), shown)
             choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason, logprobs))
         return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
                                                      _usage(streams, req.params.n)))
@@ -278,6 +291,7 @@ class OpenAIServing:
         chunks = protocol.ChunkEncoder(rid, self.model_name, req.chat, created, req.include_usage)
         first = [True] * len(streams)
         offsets = [protocol.TextOffsets() for _ in streams]  # each choice's text so far, for completions' logprobs
+        shown: dict = {}  # each echoed prompt's flags (`_echoed_logprobs`), for its n choices
         async for index, delta in _merge(streams):
             if delta.finish_reason == "error":
                 err = error_body(f"the request failed: {delta.error}", "internal_error")
@@ -289,7 +303,7 @@ class OpenAIServing:
             if stream.output_logprobs is not None and delta.token_id is not None:
                 if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
                     logprobs = self._echoed_logprobs(req, index, stream, [delta.token_id], [delta.logprobs],
-                                                     offsets[index])
+                                                     offsets[index], shown)
                 else:
                     logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
             if req.echo and first[index]:

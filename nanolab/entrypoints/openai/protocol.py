@@ -13,7 +13,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nanolab.sampling import MAX_LOGPROBS, MAX_N, PositionLogprobs, SamplingParams
@@ -315,12 +315,13 @@ class TextOffsets:
 
 
 def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | None],
-                        token_bytes: Callable[[int], bytes], is_special: Callable[[int], bool],
+                        token_bytes: Callable[[int], bytes], hidden: Sequence[bool],
                         offsets: TextOffsets) -> dict:
     """Completions' (legacy) logprobs object: per token its name (`token_string`), its
     log-probability, its top alternatives as {name: logprob}, most likely first, with the token
-    itself among them (vLLM's), and where its text starts (`offsets`, advanced past it; a special
-    token is not in the text). An entry None (a prompt's first token) is scored null."""
+    itself among them (vLLM's), and where its text starts (`offsets`, advanced past it; a token
+    `hidden` marks, as a special token decoding skips, is not in the text). An entry None (a
+    prompt's first token) is scored null."""
     tokens = [token_string(token_bytes(t)) for t in token_ids]
     top = []
     for token, entry in zip(tokens, entries):
@@ -333,7 +334,8 @@ def completion_logprobs(token_ids: list[int], entries: list[PositionLogprobs | N
         alternatives.setdefault(token, entry[0])
         top.append(alternatives)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": top,
-            "text_offset": [offsets.advance(b"" if is_special(t) else token_bytes(t)) for t in token_ids]}
+            "text_offset": [offsets.advance(b"" if h else token_bytes(t)) for t, h in zip(token_ids, hidden,
+                                                                                          strict=True)]}
 
 
 def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], token_bytes: Callable[[int], bytes]
