@@ -107,6 +107,7 @@ class FakeForward:
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.seqs: list[Sequence] = []
+        self.admitted_last = False
         # Blocks a, b, c, d: b follows both a and c, so a key that forgot its parent would share it.
         a, b, c, d = ([self.rng.randrange(VOCAB) for _ in range(BLOCK)] for _ in range(4))
         self.prefixes = [a + b + [1], c + b + [2], a + b + d] if prefix_caching else []
@@ -132,7 +133,13 @@ class FakeForward:
             self.scheduler.abort(self.seqs[pick % len(self.seqs)])
 
     def step(self) -> None:
+        before, waiting = self.scheduler.num_preemptions, {id(s) for s in self.scheduler.waiting}
         out = self.scheduler.schedule()
+        # Admission keeps back what the next step needs, shared prefixes counted once: that step
+        # never preempts.
+        assert not (self.admitted_last and self.scheduler.num_preemptions > before), \
+            "the step after an admission had to preempt"
+        self.admitted_last = any(id(s) in waiting for s in out.seqs)
         if not out.seqs:
             return
         rows = tuple(s.row for s in out.seqs)
