@@ -243,6 +243,73 @@ def test_a_failing_row_does_not_take_its_batch_down(sharp_gqa24, async_schedulin
     check_drained(engine.kv_cache, engine.scheduler)
 
 
+HOST_FAULTS = {  # what fails -> the words its request's error names
+    "stop strings": "its output's handling failed",
+    "logprobs": "its logprobs failed",
+    "prompt logprobs": "its prompt's logprobs failed",
+    "block keys": "keying its blocks failed",
+    "drafts": "its draft lookup failed",
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", list(HOST_FAULTS))
+def test_a_request_whose_host_work_fails_ends_alone(sharp_gqa24, fault, async_scheduling):
+    """One request's own host work raises after its forward: decoding its text for its stop
+    strings, its tokens' or its prompt's logprobs, keying its blocks for the prefix cache, looking
+    up its drafts. It alone ends, with an error naming what failed; the others finish with the
+    tokens they produce alone, a request added after is served, and every block comes back."""
+    model = sharp_gqa24.model
+    _MODELS[id(model)] = model
+    target = [8, 9, 10, 11, 12, 8, 9, 10]  # it repeats, so prompt lookup proposes drafts for it
+    prompts = [[5, 6, 7], target, [13, 14]]
+    kw = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    params = [SamplingParams(**kw) for _ in prompts]
+    params[1] = SamplingParams(**kw, stop=["zzz"] if fault == "stop strings" else None,
+                               logprobs=2 if fault == "logprobs" else None,
+                               prompt_logprobs=1 if fault == "prompt logprobs" else None)
+    config = dict(num_blocks=64, block_size=BLOCK, async_scheduling=async_scheduling,
+                  enable_prefix_caching=fault == "block keys",
+                  speculative_config={"num_speculative_tokens": 2} if fault == "drafts" else None)
+
+    def poisoned(*args):
+        raise Poisoned(f"injected {fault} failure")
+
+    engine = Engine(model, EngineConfig(**config), detokenize=poisoned if fault == "stop strings" else None)
+    key_blocks, propose = engine.block_manager._key_full_blocks, llm_engine.propose_ngram
+
+    def key_full_blocks(table, prompt, output):
+        if list(prompt) == target:
+            poisoned()
+        return key_blocks(table, prompt, output)
+
+    def propose_ngram(tokens, *args):
+        if list(tokens[:len(target)]) == target:
+            poisoned()
+        return propose(tokens, *args)
+
+    with contextlib.ExitStack() as patches:
+        if fault in ("logprobs", "prompt logprobs"):
+            patches.enter_context(mock.patch.object(llm_engine, "compute_logprobs", poisoned))
+        if fault == "block keys":
+            patches.enter_context(mock.patch.object(engine.block_manager, "_key_full_blocks", key_full_blocks))
+        if fault == "drafts":
+            patches.enter_context(mock.patch.object(llm_engine, "propose_ngram", propose_ngram))
+        seqs = engine.add_requests(prompts, params)
+        for _ in bounded(engine.has_unfinished_requests):
+            engine.step()
+        assert seqs[1].finish_reason == "error" and HOST_FAULTS[fault] in seqs[1].error, seqs[1].error
+        assert f"injected {fault} failure" in seqs[1].error
+        for i in (0, 2):
+            assert seqs[i].finish_reason == "length"
+            assert seqs[i].output_token_ids == alone(id(model), tuple(prompts[i]), 6)
+        after = engine.add_request([15, 16, 17], SamplingParams(**kw))
+        for _ in bounded(engine.has_unfinished_requests):
+            engine.step()
+        assert after.output_token_ids == alone(id(model), (15, 16, 17), 6)
+    check_drained(engine.kv_cache, engine.scheduler)
+
+
 def test_adding_a_batch_is_all_or_nothing(tiny_model):
     engine = Engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
     good = SamplingParams(temperature=0, max_tokens=4)

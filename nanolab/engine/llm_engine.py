@@ -328,6 +328,9 @@ class Engine:
         self.sampler = sampler
         self.async_scheduling = config.overlapped(self.device)
         self._inflight: _InFlight | None = None  # the decode step launched and not yet read back
+        # Requests whose host work for this step failed where they could not be ended at once (their
+        # drafts, their prompt's logprobs), with why: each ends when the step does (`step`).
+        self._doomed: dict[Sequence, str] = {}
         self._readback: torch.cuda.Stream | None = None  # where an in-flight step's tokens are read back
         self._zero_shift: torch.Tensor | None = None  # a plain link's shift, sliced (`_no_shift`)
         self.eos_token_ids = frozenset(self.model_config.eos_token_id)
@@ -476,7 +479,22 @@ class Engine:
         decode step is launched before the one in flight is read back, so what a call returns is
         the previous decode step's tokens (`_step_async`), verify steps over greedy rows included
         (`_step_chained`). A step with a sampled row that may carry drafts runs synchronously: the
-        in-flight step is read back first, in a call of its own."""
+        in-flight step is read back first, in a call of its own.
+
+        A request whose own host work fails (keying its blocks, its logprobs, its stop strings, its
+        drafts) ends with that error in this step's outputs; the others go on."""
+        outputs = self._step()
+        for seq, message in self._doomed.items():
+            if not seq.finished:
+                outputs.append(self._fail(seq, message))
+        self._doomed.clear()
+        return outputs
+
+    def _doom(self, seq: Sequence, what: str, e: Exception) -> None:
+        """End `seq` when this step ends: its `what` raised `e` where the step still holds its row."""
+        self._doomed.setdefault(seq, f"{what} failed: {type(e).__name__}: {e}")
+
+    def _step(self) -> list[StepOutput]:
         self.last_step = None
         chained = self._chains()
         if self._inflight is not None and self._inflight.chained != chained:
@@ -514,10 +532,10 @@ class Engine:
                 extra = {"all_logits": every} if any(every) else {}
                 logits = self.runner.run_varlen(seqs, out.num_scheduled_tokens, out.num_computed_tokens, out.sampled,
                                                 **extra)
-                if any(every):
-                    logits = self._record_prompt_logprobs(out, every, logits)
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
+        if any(every):
+            logits = self._record_prompt_logprobs(out, every, logits)
         self._commit(seqs)
         sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
         tokens = self._sample(logits, sampled) if sampled else []
@@ -596,6 +614,9 @@ class Engine:
         tokens.extend(tail or ())  # for this lookup only
         try:
             return propose_ngram(tokens, k, spec.prompt_lookup_max, min_n, index, covered)
+        except Exception as e:  # no drafts; the request ends when the step does
+            self._doom(seq, "its draft lookup", e)
+            return []
         finally:
             del tokens[covered:]
 
@@ -695,9 +716,12 @@ class Engine:
                 continue
             prompt = seq.prompt_token_ids
             first, last = len(seq.prompt_logprobs) + 1, min(a + n, len(prompt) - 1)  # prompt tokens to score
-            if a + 1 <= first <= last:
-                seq.prompt_logprobs += compute_logprobs(logits[at + first - 1 - a: at + last - a],
-                                                        prompt[first: last + 1], seq.params.prompt_logprobs)
+            if a + 1 <= first <= last and seq not in self._doomed:
+                try:
+                    seq.prompt_logprobs += compute_logprobs(logits[at + first - 1 - a: at + last - a],
+                                                            prompt[first: last + 1], seq.params.prompt_logprobs)
+                except Exception as e:  # this request alone ends with it
+                    self._doom(seq, "its prompt's logprobs", e)
             if due:
                 sampled_rows.append(at + n - 1)
             at += n
@@ -715,10 +739,20 @@ class Engine:
             if isinstance(token, Exception):
                 outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
                 continue
-            seq.output_token_ids.append(token)
-            if seq.output_logprobs is not None:
-                seq.output_logprobs.append(logprobs[i])
-            reason = self._finish_reason(seq, token)
+            if seq in self._doomed:  # its host work failed earlier in the step: no token of it goes out
+                outputs.append(self._fail(seq, self._doomed.pop(seq)))
+                continue
+            if isinstance(logprobs.get(i), Exception):
+                outputs.append(self._fail(seq, f"its logprobs failed: {type(logprobs[i]).__name__}: {logprobs[i]}"))
+                continue
+            try:
+                seq.output_token_ids.append(token)
+                if seq.output_logprobs is not None:
+                    seq.output_logprobs.append(logprobs[i])
+                reason = self._finish_reason(seq, token)
+            except Exception as e:  # this request alone ends with it (a stop string's decoding, say)
+                outputs.append(self._fail(seq, f"its output's handling failed: {type(e).__name__}: {e}"))
+                continue
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
@@ -727,22 +761,41 @@ class Engine:
         return outputs
 
     @staticmethod
-    def _logprobs(seqs: list[Sequence], tokens: list, logits: torch.Tensor | None) -> dict[int, PositionLogprobs]:
+    def _logprobs(seqs: list[Sequence], tokens: list, logits: torch.Tensor | None
+                  ) -> dict[int, PositionLogprobs | Exception]:
         """Row -> its token's logprobs, for the rows that ask for them, all computed at once from
         the logits the tokens were sampled from (a step with such rows is never left in flight, so
-        those logits are here)."""
+        those logits are here). Where that raises, row by row: a row that raises alone gets its
+        exception."""
         rows = [i for i, (s, t) in enumerate(zip(seqs, tokens, strict=True))
                 if s.output_logprobs is not None and not s.finished and not isinstance(t, Exception)]
         if not rows:
             return {}
-        top = compute_logprobs(logits[rows], [tokens[i] for i in rows], max(seqs[i].params.logprobs for i in rows))
+        try:
+            top = compute_logprobs(logits[rows], [tokens[i] for i in rows], max(seqs[i].params.logprobs for i in rows))
+        except Exception:  # find the culprits
+            found: dict[int, PositionLogprobs | Exception] = {}
+            for i in rows:
+                try:
+                    (lp, alts), = compute_logprobs(logits[i: i + 1], [tokens[i]], seqs[i].params.logprobs)
+                    found[i] = (lp, alts)
+                except Exception as e:
+                    found[i] = e
+            return found
         return {i: (lp, alts[: seqs[i].params.logprobs]) for i, (lp, alts) in zip(rows, top)}
 
     def _commit(self, seqs: list[Sequence]) -> None:
         """Key the blocks a forward just filled, for prefix caching: only after the forward was
         launched without error, so a failed step leaves no block findable whose K/V was never
-        written."""
-        self.block_manager.commit_rows(seqs)
+        written. A row whose keying raises ends when the step does; the others are keyed."""
+        try:
+            self.block_manager.commit_rows(seqs)
+        except Exception:
+            for seq in seqs:
+                try:
+                    self.block_manager.commit_rows([seq])
+                except Exception as e:
+                    self._doom(seq, "keying its blocks", e)
 
     def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         # A forward's failure cannot be pinned on one row: every request of the step ends with it.
