@@ -159,6 +159,9 @@ class LLM:
     def _add_all(self, prompts: list, params) -> list[list[Sequence]]:
         """Queue every prompt, or none: each is encoded and validated first, and an error names the
         prompt ("prompt 2: ..."). Returns each prompt's requests: its n samples, in order."""
+        if params is not None and not isinstance(params, (SamplingParams, list, tuple)):
+            raise TypeError(f"sampling_params must be SamplingParams, a list of them, or None; got "
+                            f"{type(params).__name__}")
         params = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
@@ -205,6 +208,8 @@ class LLM:
         finish_reason "error" and its `error`. If the loop itself is interrupted (KeyboardInterrupt
         or any exception), every request this call added is aborted, returning its blocks, and the
         exception propagates."""
+        if not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm={use_tqdm!r}: must be a bool")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)):

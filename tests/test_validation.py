@@ -4,6 +4,7 @@ interrupted `generate`, and a request that fails while running."""
 
 import argparse
 import dataclasses
+import re
 from functools import cache
 
 import pytest
@@ -297,7 +298,10 @@ def assert_idle(llm: LLM) -> None:
     (["fine", 7], GREEDY, TypeError, r"^prompt 1: a prompt is a str"),
     (["fine", "also fine"], [GREEDY, {"temperature": 0}], TypeError, r"^prompt 1: params must be SamplingParams"),
     (["fine", "also fine"], [GREEDY], ValueError, "2 prompts but 1 SamplingParams"),
-], ids=["empty", "bool id", "id range", "ids a str", "unknown key", "not a prompt", "bad params", "count"])
+    (["fine", "also fine"], {}, TypeError, r"^sampling_params must be SamplingParams, a list of them, or None"),
+    (["fine", "also fine"], 0, TypeError, r"^sampling_params must be SamplingParams, a list of them, or None"),
+], ids=["empty", "bool id", "id range", "ids a str", "unknown key", "not a prompt", "bad params", "count",
+        "params a dict", "params falsy"])
 def test_a_batch_with_one_bad_request_adds_nothing(llm, batch, params, error, match) -> None:
     with pytest.raises(error, match=match):
         llm.generate(batch, params, use_tqdm=False)
@@ -313,6 +317,33 @@ def test_stream_refuses_params_of_the_wrong_type(llm) -> None:
 def test_prompts_of_the_wrong_type_are_refused(llm) -> None:
     with pytest.raises(TypeError, match="prompts must be"):
         llm.generate(5, GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="^use_tqdm='no': must be a bool"):
+        llm.generate("hi", GREEDY, use_tqdm="no")
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("prompt", [{1: 2}, {3, 1, 2}, None, 5, "12"], ids=repr)
+def test_the_engine_takes_a_prompt_only_as_a_list_of_ids(llm, prompt) -> None:
+    with pytest.raises(TypeError, match="^the prompt must be a list of token ids"):
+        llm.engine.add_request(prompt, GREEDY)
+    with pytest.raises(TypeError, match="^request 1: the prompt must be a list of token ids"):
+        llm.engine.add_requests([[5, 6], prompt], [GREEDY, GREEDY])
+    with pytest.raises(TypeError, match="^add_requests takes a list of prompts and a list of SamplingParams"):
+        llm.engine.add_requests([[5, 6]], GREEDY)
+    assert_idle(llm)
+
+
+def test_abort_takes_a_request_id(llm) -> None:
+    for bad in (True, 6.0, "x", None, [1]):
+        with pytest.raises(TypeError, match=f"^request_id={re.escape(repr(bad))}: must be an int"):
+            llm.engine.abort_request(bad)
+    llm.engine.abort_request(10**9)  # no live request has it: nothing changes
+    assert_idle(llm)
+
+
+def test_a_block_the_default_budget_cannot_hold_names_block_size(tiny_path) -> None:
+    with pytest.raises(ValueError, match=r"^block_size=\d+: one block is \d+ bytes"):
+        LLM("tiny", device="cpu", block_size=2**40)
 
 
 def test_interrupted_generate_aborts_its_requests(llm, expected, monkeypatch) -> None:

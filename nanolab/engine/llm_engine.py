@@ -91,6 +91,8 @@ class RequestLimits:
         process as one run of bytes."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, (list, tuple, array.array)):
+            raise TypeError(f"the prompt must be a list of token ids, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("the prompt is empty: there is nothing to continue")
         vocab = self.vocab_size
@@ -229,7 +231,11 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
         if budget is not None and budget < per_block:
             raise ValueError(f"kv_cache_bytes={budget}: holds no block; one block of {config.block_size} tokens "
                              f"is {per_block} bytes for this model")
-        num_blocks = max(1, (budget or default_kv_cache_bytes(device)) // per_block)
+        default = default_kv_cache_bytes(device)
+        if budget is None and default < per_block:
+            raise ValueError(f"block_size={config.block_size}: one block is {per_block} bytes for this model, more "
+                             f"than the default KV budget of {default} bytes; lower block_size or set kv_cache_bytes")
+        num_blocks = max(1, (budget or default) // per_block)
     memory, held = device_memory_bytes(device), num_blocks * per_block // config.tensor_parallel_size  # a rank's share
     if memory is not None and held > memory:
         field = "num_blocks" if config.num_blocks is not None else "kv_cache_bytes"
@@ -400,7 +406,7 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request of one sample (`params.n` 1; `add_requests` takes more). Bad input raises
         ValueError (TypeError for a wrong type) and changes nothing."""
-        packed = self.limits.check(list(prompt_token_ids), params)
+        packed = self.limits.check(prompt_token_ids, params)
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: add_request queues one sample; add_requests "
                              "queues a request's n samples")
@@ -413,7 +419,10 @@ class Engine:
         samples is n sequences, in order (`SamplingParams.samples`). Sequences of one call with the
         same prompt compute it once: with prefix caching, each after the first waits until the
         first has run its prompt, then shares its cached blocks."""
-        packed = self.limits.check_all([list(p) for p in prompts], params, name)
+        if not isinstance(prompts, (list, tuple)) or not isinstance(params, (list, tuple)):
+            raise TypeError(f"add_requests takes a list of prompts and a list of SamplingParams, got "
+                            f"{type(prompts).__name__} and {type(params).__name__}")
+        packed = self.limits.check_all(prompts, params, name)
         samples = [(prompt, s) for prompt, p in zip(packed, params) for s in p.samples()]
         return self.add_checked_requests([prompt for prompt, _ in samples], [s for _, s in samples])
 
@@ -453,6 +462,10 @@ class Engine:
         self.runner.close()
 
     def abort_request(self, request_id: int) -> None:
+        """End a request wherever it is, its blocks back to the pool; an id no live request has
+        (finished, or never added) changes nothing."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise TypeError(f"request_id={request_id!r}: must be an int, a request's id")
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
