@@ -300,6 +300,8 @@ def test_a_request_whose_host_work_fails_ends_alone(sharp_gqa24, fault, async_sc
             engine.step()
         assert seqs[1].finish_reason == "error" and HOST_FAULTS[fault] in seqs[1].error, seqs[1].error
         assert f"injected {fault} failure" in seqs[1].error
+        if fault == "stop strings":  # its first token's text failed: that token went out to nobody, and is gone
+            assert seqs[1].output_token_ids == []
         for i in (0, 2):
             assert seqs[i].finish_reason == "length"
             assert seqs[i].output_token_ids == alone(id(model), tuple(prompts[i]), 6)
@@ -308,6 +310,42 @@ def test_a_request_whose_host_work_fails_ends_alone(sharp_gqa24, fault, async_sc
             engine.step()
         assert after.output_token_ids == alone(id(model), (15, 16, 17), 6)
     check_drained(engine.kv_cache, engine.scheduler)
+
+
+def test_a_request_failed_after_its_preemption_stays_ended(tiny_model):
+    """Under asynchronous scheduling with speculation, a sampled row's draft lookup runs before the
+    step is scheduled; when it raises and the step then preempts that request, it ends from the
+    queue it went back to, once: no token of it goes out after its error, and it is never
+    admitted again. Whichever lookup fails, the other requests keep their tokens and every block
+    comes back."""
+    prompts = [[13] * 7, [22] * 7, [32] * 7, [45] * 5]
+    params = [SamplingParams(temperature=t, max_tokens=30, ignore_eos=True) for t in (0, 0.8, 0, 0)]
+    def run(fail_at: int):
+        engine = Engine(tiny_model, EngineConfig(num_blocks=14, block_size=BLOCK, async_scheduling=True,
+                                                 speculative_config={"num_speculative_tokens": 2,
+                                                                     "max_draft_backoff": 0}))
+        seqs = engine.add_requests(prompts, params)
+        calls, after_error = [0], []
+
+        def lookup(tokens, k, *args):  # every other length proposes; request 2's fail_at-th lookup raises
+            if list(tokens[:7]) == prompts[2]:
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise Poisoned("injected lookup failure")
+            return [tokens[-1]] * k if len(tokens) % 2 == 0 else []
+
+        with mock.patch.object(llm_engine, "propose_ngram", lookup):
+            for _ in bounded(engine.has_unfinished_requests):
+                after_error += [o for o in engine.step() if o.seq is seqs[2] and seqs[2].error and o.error is None]
+        check_drained(engine.kv_cache, engine.scheduler)
+        return seqs, after_error, calls[0]
+
+    clean, _, lookups = run(0)
+    for fail_at in range(1, lookups + 1):
+        seqs, after_error, _ = run(fail_at)
+        assert seqs[2].finish_reason == "error" and not after_error, (fail_at, seqs[2].finish_reason)
+        for i in (0, 3):
+            assert seqs[i].output_token_ids == clean[i].output_token_ids, fail_at
 
 
 def test_adding_a_batch_is_all_or_nothing(tiny_model):

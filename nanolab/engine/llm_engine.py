@@ -231,11 +231,13 @@ def pool_size(config: EngineConfig, model_config, device: torch.device, dtype: t
         if budget is not None and budget < per_block:
             raise ValueError(f"kv_cache_bytes={budget}: holds no block; one block of {config.block_size} tokens "
                              f"is {per_block} bytes for this model")
-        default = default_kv_cache_bytes(device)
-        if budget is None and default < per_block:
-            raise ValueError(f"block_size={config.block_size}: one block is {per_block} bytes for this model, more "
-                             f"than the default KV budget of {default} bytes; lower block_size or set kv_cache_bytes")
-        num_blocks = max(1, (budget or default) // per_block)
+        if budget is None:
+            budget = default_kv_cache_bytes(device)
+            if budget < per_block:
+                raise ValueError(f"block_size={config.block_size}: one block is {per_block} bytes for this model, "
+                                 f"more than the default KV budget of {budget} bytes; lower block_size or set "
+                                 "kv_cache_bytes")
+        num_blocks = max(1, budget // per_block)
     memory, held = device_memory_bytes(device), num_blocks * per_block // config.tensor_parallel_size  # a rank's share
     if memory is not None and held > memory:
         field = "num_blocks" if config.num_blocks is not None else "kv_cache_bytes"
@@ -496,11 +498,13 @@ class Engine:
 
         A request whose own host work fails (keying its blocks, its logprobs, its stop strings, its
         drafts) ends with that error in this step's outputs; the others go on."""
-        outputs = self._step()
-        for seq, message in self._doomed.items():
-            if not seq.finished:
-                outputs.append(self._fail(seq, message))
-        self._doomed.clear()
+        try:
+            outputs = self._step()
+            for seq, message in self._doomed.items():
+                if not seq.finished:  # running, or preempted back into the queue by this step
+                    outputs.append(self._fail(seq, message))
+        finally:
+            self._doomed.clear()
         return outputs
 
     def _doom(self, seq: Sequence, what: str, e: Exception) -> None:
@@ -548,7 +552,10 @@ class Engine:
         except Exception as e:  # contained: the step's requests end, the engine goes on
             return self._fail_forward(seqs, e)
         if any(every):
-            logits = self._record_prompt_logprobs(out, every, logits)
+            try:  # a row's own failure dooms that row alone (`_record_prompt_logprobs`)
+                logits = self._record_prompt_logprobs(out, every, logits)
+            except Exception as e:  # the step's logits cannot be told apart: as a failed forward
+                return self._fail_forward(seqs, e)
         self._commit(seqs)
         sampled = [seq for seq, due in zip(seqs, out.sampled, strict=True) if due]
         tokens = self._sample(logits, sampled) if sampled else []
@@ -758,12 +765,16 @@ class Engine:
             if isinstance(logprobs.get(i), Exception):
                 outputs.append(self._fail(seq, f"its logprobs failed: {type(logprobs[i]).__name__}: {logprobs[i]}"))
                 continue
+            kept = len(seq.output_token_ids)
             try:
                 seq.output_token_ids.append(token)
                 if seq.output_logprobs is not None:
                     seq.output_logprobs.append(logprobs[i])
                 reason = self._finish_reason(seq, token)
             except Exception as e:  # this request alone ends with it (a stop string's decoding, say)
+                del seq.output_token_ids[kept:]  # the token no output carried
+                if seq.output_logprobs is not None:
+                    del seq.output_logprobs[kept:]
                 outputs.append(self._fail(seq, f"its output's handling failed: {type(e).__name__}: {e}"))
                 continue
             if reason is not None:

@@ -264,17 +264,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` wherever it is (running, or back in the queue after a preemption); its row and
+        blocks return to the pool."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
     def abort(self, seq: Sequence) -> None:
         """End a request wherever it is; its blocks return to the pool."""
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
-        elif seq.status is SequenceStatus.RUNNING:
+        if seq.status is not SequenceStatus.FINISHED:
             self.finish(seq, "abort")
 
     def _release(self, seq: Sequence) -> None:
