@@ -108,6 +108,42 @@ def test_an_abort_leaves_the_gauges_at_zero(llm):
     during, after = run_with_client(llm, body)
     assert during["nanolab:num_requests_running"] == 1 and during["nanolab:kv_blocks_used"] > 0
     assert after["nanolab:num_requests_running"] == 0 and after["nanolab:kv_blocks_used"] == 0
+    # The client's departure is counted as an abort, with its end-to-end latency.
+    aborted = after["nanolab:request_success_total{abort}"] - during.get("nanolab:request_success_total{abort}", 0)
+    assert aborted == 1
+    assert after["nanolab:e2e_request_latency_seconds_count"] == during["nanolab:e2e_request_latency_seconds_count"] + 1
+
+
+def test_a_dead_core_leaves_the_gauges_at_zero_and_counts_its_requests(llm, monkeypatch):
+    """When the engine core dies with requests running, each ends with the error and is counted as
+    one, and the gauges say what is left: no request running or waiting, no block held."""
+
+    async def body(client, async_llm):
+        streams = [asyncio.ensure_future(client.post("/v1/completions", json={
+            "prompt": [5, 6, 7 + i], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}))
+            for i in range(2)]
+        responses = await asyncio.gather(*streams)
+        for r in responses:
+            await r.content.readline()
+        before = await scrape(client)
+        real_step = llm.engine.step
+
+        def dying():
+            llm.engine.step = real_step
+            raise RuntimeError("injected core failure")
+
+        monkeypatch.setattr(llm.engine, "step", dying)
+        ends = [await sse(r) for r in responses]
+        return before, ends, await scrape(client)
+
+    before, ends, after = run_with_client(llm, body)
+    assert before["nanolab:num_requests_running"] == 2 and before["nanolab:kv_blocks_used"] > 0
+    for events in ends:
+        assert "injected core failure" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    assert after["nanolab:num_requests_running"] == after["nanolab:num_requests_waiting"] == 0
+    assert after["nanolab:kv_blocks_used"] == 0 and after["nanolab:kv_blocks_free"] == NUM_BLOCKS
+    errors = after["nanolab:request_success_total{error}"] - before.get("nanolab:request_success_total{error}", 0)
+    assert errors == 2
 
 
 def test_speculative_counters_read_the_engine():

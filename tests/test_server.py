@@ -492,6 +492,49 @@ def test_echo_offsets_index_a_prompt_that_spells_a_special_token(llm, bos):
         assert offsets == lp["text_offset"]
 
 
+def test_a_response_that_cannot_be_built_ends_alone(llm, monkeypatch, caplog):
+    """The server's own work on one request raises after the engine's tokens came back: its text's
+    stop-string check while it streams, its logprobs' rendering when whole. The stream, already
+    begun, ends with an error event naming the failure and then [DONE]; the whole response is a
+    500 naming it. A stream beside it finishes, and the engine is left with every block free."""
+    from nanolab.entrypoints.openai import api_server
+
+    class Failing(api_server.TextDeltas):
+        def __init__(self, decode, stop_strings=()):
+            super().__init__(decode, stop_strings)
+            self.poisoned = "ZZQ" in stop_strings
+
+        def push(self, *args, **kwargs):
+            if self.poisoned and self.ids:  # its second token: the stream has begun
+                raise RuntimeError("injected text failure")
+            return super().push(*args, **kwargs)
+
+    monkeypatch.setattr(api_server, "TextDeltas", Failing)
+    real = protocol.completion_logprobs
+
+    def logprobs(token_ids, entries, *args):
+        if 7 in token_ids:  # the poisoned request echoes its prompt, which holds id 7
+            raise RuntimeError("injected logprobs failure")
+        return real(token_ids, entries, *args)
+
+    monkeypatch.setattr(protocol, "completion_logprobs", logprobs)
+
+    async def body(client, _):
+        base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+        bad, good = await asyncio.gather(
+            client.post("/v1/completions", json={**base, "prompt": [5, 6], "stop": "ZZQ"}),
+            client.post("/v1/completions", json={**base, "prompt": [5, 6, 8]}))
+        whole = await client.post("/v1/completions", json={"prompt": [7, 8], "max_tokens": 2, "logprobs": 1,
+                                                              "echo": True})
+        return await sse(bad), await sse(good), whole.status, await whole.json()
+
+    with caplog.at_level(logging.ERROR):
+        bad, good, status, whole = run_with_client(llm, body)
+    assert bad[-1] == "[DONE]" and "injected text failure" in bad[-2]["error"]["message"], bad[-3:]
+    assert good[-1] == "[DONE]" and sum(len(e["choices"][0]["text"]) > 0 for e in good[:-1]) >= 1
+    assert status == 500 and "could not be built: RuntimeError: injected logprobs failure" in whole["error"]["message"]
+
+
 def check_offsets(text: str, token_ids: list[int], logprobs: dict, tokenizer) -> None:
     """`text_offset` indexes the choice's text: a token that spells whole characters is found at its
     offset, one inside a character starts where that character does, special tokens add nothing, and

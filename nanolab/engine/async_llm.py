@@ -239,8 +239,14 @@ class EngineCore:
             self.close()
         except Exception as e:  # the engine itself failed: no request can go on
             log.exception("the engine core died")
-            self.fail_all()
-            send(("dead", f"the engine failed: {type(e).__name__}: {e}", self.close()))
+            why, freed = f"the engine failed: {type(e).__name__}: {e}", None
+            try:  # its cleanup may fail too: the client still hears that the core died
+                self.fail_all()
+                freed = self.close()
+            except Exception as cleanup:
+                log.exception("the engine core's cleanup failed")
+                why += f" (and its cleanup: {type(cleanup).__name__}: {cleanup})"
+            send(("dead", why, freed))
 
 
 def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> None:
@@ -522,12 +528,23 @@ class AsyncLLM:
         return streams
 
     def abort(self, stream: RequestStream) -> None:
-        """End a request now; the core frees its blocks before its next step."""
+        """End a request now, counted as aborted by the stat loggers; the core frees its blocks
+        before its next step."""
         if stream.finished:
             return
-        self._deliver(stream, TokenDelta(None, "abort"))
+        self._end_here([stream], "abort")
         if self.dead is None and self.stopped is None:
             self._post(("abort", stream.rid))
+
+    def _end_here(self, streams: list[RequestStream], reason: str, error: str | None = None) -> None:
+        """End `streams` on this side, with no message of the core's (an abort, the core's death),
+        and count their ends as any other (`IterationStats`)."""
+        stats = IterationStats(time.monotonic())
+        for stream in streams:
+            stats.update_from_output(stream.stats, len(stream.prompt_token_ids), None, reason)
+            self._deliver(stream, TokenDelta(None, reason, error=error))
+        for logger in self._stat_loggers:
+            logger.record(stats)
 
     def _deliver(self, stream: RequestStream, delta: TokenDelta) -> None:
         if not stream.output_token_ids and (delta.token_id is not None or delta.finish_reason is not None):
@@ -561,8 +578,11 @@ class AsyncLLM:
     def _died(self, why: str) -> None:
         self.dead = why
         log.error("engine: %s", why)
-        for stream in list(self._streams.values()):
-            self._deliver(stream, TokenDelta(None, "error", error=why))
+        self._end_here(list(self._streams.values()), "error", why)
+        # No request runs or waits any more, and no block is held: the pool went with the core.
+        if self._scheduler_stats is not None:
+            running, waiting, used, free, *counts = self._scheduler_stats
+            self._scheduler_stats = (0, 0, 0, used + free, *counts)
 
     async def drain(self, timeout: float, force: asyncio.Event | None = None) -> int:
         """Wait up to `timeout` seconds (or until `force` is set) for the unfinished requests to

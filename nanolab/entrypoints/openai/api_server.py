@@ -161,6 +161,9 @@ class OpenAIServing:
                 return [self.tokenizer.encode_chat(messages)]
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="messages") from None
+            except Exception as e:  # the template itself is broken, whatever the messages
+                raise APIError(500, f"the chat template failed: {type(e).__name__}: {e}", type="internal_error",
+                               param="messages") from None
         if any(isinstance(p, str) and len(p) > limit for p in req.prompts):
             raise APIError(400, f"the prompt is longer than the model's context ({limit} characters is the most "
                                 "the server encodes)", param="prompt")
@@ -272,14 +275,20 @@ class OpenAIServing:
                 pass
             if stream.finish_reason == "error":
                 raise APIError(500, f"the request failed: {stream.error}", type="internal_error")
-            text = self.tokenizer.decode(stream.output_token_ids)
-            last = stream.stop_text_index
-            text = text if last is None else text[:last]
-            logprobs = None
-            if stream.output_logprobs is not None:
-                logprobs = self._echoed_logprobs(req, j, stream, stream.output_token_ids, stream.output_logprobs,
-                                                 protocol.TextOffsets(), shown)
-            choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason, logprobs))
+            try:
+                text = self.tokenizer.decode(stream.output_token_ids)
+                last = stream.stop_text_index
+                text = text if last is None else text[:last]
+                logprobs = None
+                if stream.output_logprobs is not None:
+                    logprobs = self._echoed_logprobs(req, j, stream, stream.output_token_ids, stream.output_logprobs,
+                                                     protocol.TextOffsets(), shown)
+                choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason,
+                                logprobs))
+            except Exception as e:  # the engine's tokens came back; rendering them did not
+                log.exception("request %s: its response could not be built", rid)
+                raise APIError(500, f"the response could not be built: {type(e).__name__}: {e}",
+                               type="internal_error") from None
         return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
                                                      _usage(streams, req.params.n)))
 
@@ -298,20 +307,27 @@ class OpenAIServing:
                 await response.write(_sse(err))
                 break
             stream = streams[index]
-            text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
-            logprobs = None
-            if stream.output_logprobs is not None and delta.token_id is not None:
-                if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
-                    logprobs = self._echoed_logprobs(req, index, stream, [delta.token_id], [delta.logprobs],
-                                                     offsets[index], shown)
-                else:
-                    logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
-            if req.echo and first[index]:
-                text = self._echo(req, index, stream) + text
-            # One chunk per token, its text possibly "" (an incomplete character, or text that may
-            # start a stop string, is held back): a client timing chunks times tokens.
-            await response.write(chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index],
-                                               logprobs=logprobs))
+            try:
+                text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
+                logprobs = None
+                if stream.output_logprobs is not None and delta.token_id is not None:
+                    if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
+                        logprobs = self._echoed_logprobs(req, index, stream, [delta.token_id], [delta.logprobs],
+                                                         offsets[index], shown)
+                    else:
+                        logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
+                if req.echo and first[index]:
+                    text = self._echo(req, index, stream) + text
+                # One chunk per token, its text possibly "" (an incomplete character, or text that may
+                # start a stop string, is held back): a client timing chunks times tokens.
+                chunk = chunks.encode(index, text, delta.finish_reason, role=req.chat and first[index],
+                                      logprobs=logprobs)
+            except Exception as e:  # the stream has begun: the error is its last event (`_serve` aborts the rest)
+                log.exception("request %s: its stream could not be built", rid)
+                await response.write(_sse(error_body(f"the response could not be built: {type(e).__name__}: {e}",
+                                                     "internal_error")))
+                break
+            await response.write(chunk)
             first[index] = False
         if req.include_usage:
             await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created,

@@ -36,8 +36,8 @@ E2E_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 
 # The engine's state, read from `SchedulerStats` at each scrape: (kind, name after "nanolab:", the
 # field it reads, help text).
-# How a request the engine ran can end (`Sequence.finish_reason`); a request aborted on the event
-# loop (its client left) never reaches the engine's messages, and is not counted.
+# How a request can end (`Sequence.finish_reason`): a request aborted on the event loop (its client
+# left) and the requests a dead core leaves are counted there (`AsyncLLM._end_here`).
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 ENGINE_SERIES = (
