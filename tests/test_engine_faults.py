@@ -457,27 +457,37 @@ def seq_free(engine) -> bool:
     return not engine.requests
 
 
-def test_online_engine_reports_a_dead_loop(tiny_model):
+@pytest.mark.parametrize("cleanup", ["works", "fails"])
+def test_online_engine_reports_a_dead_loop(tiny_model, cleanup):
     """A failure the engine cannot pin on a request (here, in the scheduler) ends every open
-    stream with the error and marks the engine dead; nothing is left holding blocks."""
+    stream with the error and marks the engine dead; nothing is left holding blocks. When the
+    core's cleanup fails as well, the streams still end and the death is still reported, with both
+    errors."""
     engine = Engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
 
     def broken():
         raise RuntimeError("scheduler bug")
 
     engine.scheduler.schedule = broken
+    if cleanup == "fails":
+        engine.close = lambda: (_ for _ in ()).throw(RuntimeError("close bug"))
 
     async def main():
         llm = AsyncLLM(engine)
         llm.start()
         stream = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
-        deltas = [d async for d in stream]
+
+        async def collect():
+            return [d async for d in stream]
+
+        deltas = await asyncio.wait_for(collect(), 30)  # a core that died silently would leave it hanging
         await llm.shutdown()
         return llm, stream, deltas
 
     llm, stream, deltas = asyncio.run(main())
     assert stream.finish_reason == "error" and "scheduler bug" in stream.error
     assert llm.dead is not None and "scheduler bug" in llm.dead
+    assert ("close bug" in llm.dead) == (cleanup == "fails")
     assert engine.block_manager.allocator.num_free == 16
     with pytest.raises(RuntimeError, match="not running"):
         llm.add_request([5], SamplingParams())
