@@ -68,6 +68,21 @@ def _error(message: object, code: int = 2) -> int:
     return code
 
 
+class _Refused(Exception):
+    """What argparse refused, as `main` prints it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its own refusals (a value of the wrong type, an unknown choice or flag)
+    printed as every other refusal is (`main`): one `error:` line naming the command and the flag,
+    exit 2."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("python -m nanolab").strip()
+        raise _Refused(f"{command or 'nanolab'}: {message} (see python -m nanolab{' ' + command if command else ''} "
+                       "--help)")
+
+
 def _generate(args: argparse.Namespace) -> int:
     from nanolab.llm import LLM
     from nanolab.sampling import SamplingParams
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m nanolab", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m nanolab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
@@ -167,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub.choices[command])
         sub.choices[command].set_defaults(run=module.main)
 
-    return _run(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except _Refused as e:
+        return _error(e)
+    return _run(args)
 
 
 if __name__ == "__main__":

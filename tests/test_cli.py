@@ -95,7 +95,11 @@ def assert_refused_in_process(capsys, argv: list[str], *needles: str) -> None:
                                                ("--temperature", "nan", "temperature"),
                                                ("--seed", str(2**64), "SamplingParams.seed"),
                                                ("--top-k", "-5", "top_k"),
-                                               ("--dtype", "float8", "dtype")])
+                                               ("--dtype", "float8", "dtype"),
+                                               # argparse's own refusals, in the same one line
+                                               ("--max-tokens", "x", "generate: argument --max-tokens: invalid int"),
+                                               ("--read", "nope", "argument --read: invalid choice: 'nope'"),
+                                               ("--no-such-flag", "1", "unrecognized arguments: --no-such-flag")])
 def test_generate_refuses_bad_input_in_one_line(capsys, flag: str, value: str, needle: str) -> None:
     assert_refused_in_process(capsys, ["generate", "hello", "--model", "tiny", flag, value], needle)
 
@@ -155,6 +159,17 @@ def test_serve_refuses_bad_input_in_one_line(args: list[str], needle: str) -> No
     assert_refused(nanolab("serve", "--model", "tiny", *args), needle)
 
 
+def test_serve_never_writes_its_step_log_over_a_file(tmp_path) -> None:
+    """A step log that names a file already there (or a folder) is refused before anything starts,
+    and the file is left as it was."""
+    kept = tmp_path / "kept.txt"
+    kept.write_text("do not lose me")
+    for path in (kept, tmp_path):
+        result = nanolab("serve", "--model", "tiny", "--step-log", str(path))
+        assert_refused(result, "--step-log", "must name a new file")
+    assert kept.read_text() == "do not lose me"
+
+
 def test_serve_refuses_a_port_in_use_before_preparing_weights(tmp_path, monkeypatch) -> None:
     # An empty cache: a preset's first use converts or synthesizes its weights, minutes for a large
     # one, and a taken port must be refused before that starts.
@@ -211,3 +226,18 @@ def test_bench_flags_are_checked_before_anything_runs(capsys, argv: list[str], n
     """Rates, sizes and times that would loop, divide by zero or lose requests: one error line naming
     the flag, before a model is loaded or a server started."""
     assert_refused_in_process(capsys, [*argv, "--model", "tiny", "--device", "cpu"], needle)
+
+
+@pytest.mark.parametrize("text,needle", [("1,,2", "an empty entry"), ("1,1", "names a value twice"),
+                                         ("", "holds no value"), ("1,x", "'x' is not an integer"),
+                                         ("0", "must be at least 1")])
+def test_bench_lists_refuse_what_they_would_drop_or_repeat(text: str, needle: str) -> None:
+    from nanolab.lab.cliargs import float_list, int_list
+
+    with pytest.raises(ValueError, match=f"^--batches: .*{needle}"):
+        int_list(text, "--batches")
+    if needle != "'x' is not an integer" and text != "0":
+        with pytest.raises(ValueError, match=f"^--rates: .*{needle}"):
+            float_list(text, "--rates")
+    with pytest.raises(ValueError, match="^--rates: 'nan' must be a finite number above 0"):
+        float_list("1,nan", "--rates")

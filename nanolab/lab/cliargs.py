@@ -20,12 +20,25 @@ def positive_int(text: str | int, flag: str, minimum: int = 1) -> int:
     return value
 
 
-def int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
-    """"1,8,32" -> [1, 8, 32], each at least `minimum`; an empty list is an error."""
-    values = [positive_int(part.strip(), flag, minimum) for part in text.split(",") if part.strip()]
-    if not values:
-        raise ValueError(f"{flag}: {text!r} holds no value (comma-separated integers)")
+def _parts(text: str, flag: str, what: str) -> list[str]:
+    """The comma-separated entries of `text`, stripped: none empty ("1,,2"), none twice."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ValueError(f"{flag}: {text!r} holds no value (comma-separated {what})")
+    if not all(parts):
+        raise ValueError(f"{flag}: {text!r} has an empty entry")
+    return parts
+
+
+def _unique(values: list, text: str, flag: str) -> list:
+    if len(set(values)) != len(values):
+        raise ValueError(f"{flag}: {text!r} names a value twice")
     return values
+
+
+def int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """"1,8,32" -> [1, 8, 32], each at least `minimum`, none twice; an empty list or entry is an error."""
+    return _unique([positive_int(part, flag, minimum) for part in _parts(text, flag, "integers")], text, flag)
 
 
 def int_pair(text: str, flag: str) -> tuple[int, int]:
@@ -59,8 +72,5 @@ def positive_float(value: str | float, flag: str) -> float:
 
 
 def float_list(text: str, flag: str) -> list[float]:
-    """"1,2.5" -> [1.0, 2.5], each finite and above 0; an empty list is an error."""
-    values = [positive_float(part.strip(), flag) for part in text.split(",") if part.strip()]
-    if not values:
-        raise ValueError(f"{flag}: {text!r} holds no value (comma-separated numbers)")
-    return values
+    """"1,2.5" -> [1.0, 2.5], each finite and above 0, none twice; an empty list or entry is an error."""
+    return _unique([positive_float(part, flag) for part in _parts(text, flag, "numbers")], text, flag)

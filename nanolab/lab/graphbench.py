@@ -153,6 +153,7 @@ def started_arm(arm: str, model: str, device: str, vocab_size: int, workload: Wo
     block: (the server, the model id it serves). Its start's seconds and log lines are recorded in
     `out`; after the block it is stopped, and a nonzero exit is logged with its log's end."""
     port = free_port()
+    (workdir / f"steps_{arm}.jsonl").unlink(missing_ok=True)  # an earlier round's: the server writes a new one
     argv = arm_command(arm, model, port, device, workdir / f"steps_{arm}.jsonl",
                        max_waiting=max(1024, workload.max_requests + warmup), **server)
     with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as proc:

@@ -377,6 +377,7 @@ def run_server_arm(arm: str, model: str, device: str, vocab: int, tokenizer: Tok
     workdir = Path(workdir or tempfile.mkdtemp(prefix="prefixbench-"))
     port = free_port()
     step_log = workdir / f"steps_{arm}.jsonl"
+    step_log.unlink(missing_ok=True)  # an earlier run's in this folder: the server writes a new one
     argv = command(model, port, device=device, eager=eager, step_log=step_log, dtype=dtype,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    max_waiting=1024, prefix_caching=ARMS[arm])

@@ -409,7 +409,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"require 'Authorization: Bearer KEY' on the /v1 routes (or ${API_KEY_ENV})")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
-    parser.add_argument("--step-log", default=None, help="write one JSON line per engine step to this file")
+    parser.add_argument("--step-log", default=None,
+                        help="write one JSON line per engine step to this new file (one that exists is refused)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -419,8 +420,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting {args.max_waiting}: must be >= 1")
     if not 0 <= args.shutdown_timeout < float("inf"):  # NaN fails too
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: must be a finite number of seconds >= 0")
-    if args.step_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.step_log))):
-        raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
+    if args.step_log is not None:
+        folder = os.path.dirname(os.path.abspath(args.step_log))
+        if not args.step_log or os.path.lexists(args.step_log):
+            # Never over a file that is there: a log flag must not empty what a mistyped path names.
+            raise ValueError(f"--step-log {args.step_log!r}: must name a new file (this one exists, or names nothing)")
+        if not os.path.isdir(folder):
+            raise ValueError(f"--step-log {args.step_log}: its folder does not exist")
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"--step-log {args.step_log}: its folder is not writable")
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
