@@ -241,3 +241,25 @@ def test_bench_lists_refuse_what_they_would_drop_or_repeat(text: str, needle: st
             float_list(text, "--rates")
     with pytest.raises(ValueError, match="^--rates: 'nan' must be a finite number above 0"):
         float_list("1,nan", "--rates")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["specbench", "--parts", "latency,batches", "--batches", "x"], "--batches: 'x' is not an integer"),
+    (["specbench", "--sets", "bogus"], "--sets 'bogus'"),
+    (["fp8bench", "--parts", "steps,tiles", "--model", "tiny"], "--parts tiles runs on CUDA only"),
+    (["graphbench", "--seed", "-1"], "--seed: -1 must be at least 0"),
+    (["graphbench", "--arms", "eager,eager"], "--arms: 'eager,eager' names an arm twice"),
+    (["prefixbench", "--parts", "hitrate", "--hit-rate", "inf"], "--hit-rate: inf must be a finite number"),
+], ids=["specbench batches", "specbench sets", "fp8bench cuda part", "graphbench seed", "graphbench arms",
+        "prefixbench rate"])
+def test_benches_refuse_every_part_s_flags_before_any_part_runs(capsys, monkeypatch, tmp_path, argv, needle):
+    """A bench refuses a bad value for any of its parts before the first part runs: nothing is
+    measured, and no table is written."""
+    import importlib
+
+    bench = importlib.import_module(f"nanolab.lab.{argv[0]}")
+    if hasattr(bench, "save_table"):
+        monkeypatch.setattr(bench, "save_table", lambda *a, **k: pytest.fail("a table was written before the refusal"))
+    if torch.cuda.is_available() and argv[0] == "fp8bench":
+        pytest.skip("this machine has CUDA")
+    assert_refused_in_process(capsys, argv, needle)

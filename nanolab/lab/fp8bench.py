@@ -297,9 +297,10 @@ def main(args: argparse.Namespace) -> int:
     kind = weights_kind(resolve_weights(args.model))
     if "quality" in parts and kind != "real":
         raise ValueError(f"--parts quality needs real weights; {args.model} has {kind} weights")
+    cuda_only = [p for p in parts if p in ("tiles", "dots", "profile", "prefill")]
+    if cuda_only and device.type != "cuda":  # refused before any part runs and writes its table
+        raise ValueError(f"--parts {','.join(cuda_only)} runs on CUDA only")
     for part in parts:
-        if part in ("tiles", "dots", "profile", "prefill") and device.type != "cuda":
-            raise ValueError(f"--parts {part} runs on CUDA only")
         if part in ("tiles", "dots"):
             from nanolab.model.config import ModelConfig
             shapes = ModelConfig.from_dir(resolve_weights(args.model))

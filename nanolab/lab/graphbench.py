@@ -533,6 +533,12 @@ def main(args: argparse.Namespace) -> int:
         positive_int(args.offline_steps, "--offline-steps")
         positive_int(args.offline_repeats, "--offline-repeats")
         positive_int(args.rounds, "--rounds", minimum=0)
+        positive_int(args.seed, "--seed", minimum=0)
+        positive_float(args.start_timeout, "--start-timeout")
+        if args.arms is not None and not all(a.strip() for a in args.arms.split(",")):
+            raise ValueError(f"--arms: {args.arms!r} has an empty entry")
+        if len(set(arms)) != len(arms):
+            raise ValueError(f"--arms: {args.arms!r} names an arm twice")
         workload = Workload(
             args.prompt_len or base.prompt_len, args.output_len or base.output_len,
             base.duration_s if args.duration is None else positive_float(args.duration, "--duration"),

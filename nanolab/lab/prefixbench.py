@@ -49,7 +49,7 @@ import torch
 from nanolab import LLM, SamplingParams
 from nanolab.config import EngineConfig, resolve_device, resolve_dtype
 from nanolab.gates import Gate
-from nanolab.lab.cliargs import int_pair_arg
+from nanolab.lab.cliargs import int_pair_arg, positive_float, positive_int
 from nanolab.lab.compaction import read_step_events, read_step_log
 from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import KeepAliveClient, run_plan
@@ -701,6 +701,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         device = str(resolve_device(args.device))
         kind = "cuda" if device.startswith("cuda") else "cpu"
+        positive_int(args.seed, "--seed", minimum=0)
+        positive_float(args.start_timeout, "--start-timeout")
+        for flag, name, kind_of, _ in SIZE_FLAGS:  # finite and positive, before a server starts
+            if kind_of is float and getattr(args, name, None) is not None:
+                positive_float(getattr(args, name), flag)
         sizes = sizes_from_args(args, kind)
         base = WORKLOADS[kind]
         workload = replace(base, prompt_len=args.prompt_len or base.prompt_len,

@@ -572,15 +572,21 @@ def main(args: argparse.Namespace) -> int:
     if args.k < 1 or args.max_tokens < 1:
         raise ValueError("--k and --max-tokens must be positive")
     lookups = None if args.lookups is None else parse_lookups(args.lookups)
+    # Every part's values, checked before the first part runs and writes its table.
+    repeats = positive_int(args.repeats, "--repeats")
+    batches = {"batches": _parse_batches(args.batches, BATCHES), "verify": _parse_batches(args.batches, VERIFY_BATCHES)}
+    sets = [s.strip() for s in args.sets.split(",")]
+    available = sorted(path.stem for path in SETS_DIR.glob("*.jsonl"))
+    if any(s not in available for s in sets) or len(set(sets)) != len(sets):
+        raise ValueError(f"--sets {args.sets!r}: comma-separated, each once, from {', '.join(available)}")
     device = resolve_device(args.device)
     label = run_label(device, args.model, resolve_dtype(args.dtype, device),
                       weights=weights_kind(resolve_weights(args.model)))
-    sets = args.sets.split(",")
     status = 0
     for part in parts:
         if part == "latency":
             table = run_specbench(args.model, str(device), sets, args.k, args.max_tokens, dtype=args.dtype,
-                                  lookups=lookups, repeats=positive_int(args.repeats, "--repeats"))
+                                  lookups=lookups, repeats=repeats)
             summary = spec_summary(table)
             print(summary.round(3).to_string(index=False))
             for stem, df in ((f"{args.prefix}_spec", table.assign(token_ids=table.token_ids.map(json.dumps))),
@@ -588,7 +594,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{stem}: {save_table(df, stem, label)}")
             status |= 0 if summary.outputs_equal_off.all() else 1
         elif part == "batches":
-            table = run_batches(args.model, str(device), sets, _parse_batches(args.batches, BATCHES), args.k,
+            table = run_batches(args.model, str(device), sets, batches["batches"], args.k,
                                 args.max_tokens, dtype=args.dtype)
             print(table.round(3).to_string(index=False))
             where = switch_off_batch(table)
@@ -596,7 +602,7 @@ def main(args: argparse.Namespace) -> int:
                   else f"speculation is no faster from batch {where}")
             print(f"{args.prefix}_spec_batches: {save_table(table, f'{args.prefix}_spec_batches', label)}")
         else:
-            table, kernels = run_verify_cost(args.model, str(device), _parse_batches(args.batches, VERIFY_BATCHES),
+            table, kernels = run_verify_cost(args.model, str(device), batches["verify"],
                                              args.k, dtype=args.dtype)
             print(table.round(3).to_string(index=False))
             print(f"{args.prefix}_spec_verify: {save_table(table, f'{args.prefix}_spec_verify', label)}")

@@ -54,6 +54,7 @@ from nanolab.kernels.varlen_attention import (
     varlen_attention,
     varlen_reference,
 )
+from nanolab.lab.cliargs import positive_float
 from nanolab.lab.report import run_label, save_table
 from nanolab.lab.timing import time_us
 from nanolab.model.config import ModelConfig
@@ -358,8 +359,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats must be positive")
-    if args.pool_gib <= 0:
-        raise ValueError("--pool-gib must be positive")
+    positive_float(args.pool_gib, "--pool-gib")
     layouts = tuple(t._replace(pool_gib=args.pool_gib) if t.pool_gib else t for t in LAYOUTS)
     dtype = getattr(torch, args.dtype)
     cases = CASES
