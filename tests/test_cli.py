@@ -263,3 +263,23 @@ def test_benches_refuse_every_part_s_flags_before_any_part_runs(capsys, monkeypa
     if torch.cuda.is_available() and argv[0] == "fp8bench":
         pytest.skip("this machine has CUDA")
     assert_refused_in_process(capsys, argv, needle)
+
+
+def test_a_table_name_holds_no_folder() -> None:
+    """A bench's --prefix names tables in data/; one that holds a folder is refused, never written outside."""
+    from nanolab.lab.report import figure_path, table_path
+
+    for stem in ("../../tmp/x", "a/b", "", ".hidden"):
+        with pytest.raises(ValueError, match="a plain file name"):
+            table_path(stem, "cpu")
+        with pytest.raises(ValueError, match="a plain file name"):
+            figure_path(stem, "cpu")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bench", "--model", "tiny", "--device", "cpu", "--steps", "5000", "--batches", "1", "--prompt-len", "100"],
+     "--prompt-len 100 and --steps 5000"),
+    (["prefixsteps", "--model", "tiny", "--device", "cpu", "--system-len", "99999"], "(--system-len, --suffixes)"),
+])
+def test_benches_refuse_rows_longer_than_the_context(capsys, argv, needle):
+    assert_refused_in_process(capsys, argv, needle)

@@ -30,8 +30,11 @@ def test_narrow_offsets_compile_without_spilling():
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(ValueError, match="launches"):
         varlen_resources([])
-    with pytest.raises(ValueError, match="--arch"):
-        kernelres.main(argparse.Namespace(arch=9, kernels="varlen", prefix="never"))
+    for arch in (9, 99999):  # not an architecture, or none Triton compiles for: refused before compiling
+        with pytest.raises(ValueError, match="--arch"):
+            kernelres.main(argparse.Namespace(arch=arch, kernels="varlen", prefix="never"))
+    with pytest.raises(ValueError, match="--arch: 86 has no e4m3"):
+        kernelres.main(argparse.Namespace(arch=86, kernels="gemv", prefix="never"))
     with pytest.raises(ValueError, match="--kernels"):
         kernelres.main(argparse.Namespace(arch=90, kernels="varlen,paged", prefix="never"))
 

@@ -78,6 +78,11 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
     if not llm.engine_config.enable_prefix_caching:
         llm.close()
         raise ValueError("prefixsteps measures prefix caching: the engine has it off")
+    longest = system_len + max(max(suffixes), PROFILED_SUFFIX, decode_steps) + 1
+    if longest > llm.engine.max_model_len:
+        llm.close()
+        raise ValueError(f"system_len {system_len} and suffixes up to {max(suffixes)} need {longest} tokens; the "
+                         f"engine's context holds {llm.engine.max_model_len} (--system-len, --suffixes)")
     profile = llm.device.type == "cuda" if profile is None else profile
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)  # every read takes these same requests

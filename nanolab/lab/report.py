@@ -164,12 +164,19 @@ def chapter_run(cpu_model: str) -> ChapterRun:
     return ChapterRun(device, model, dtype, path, run_label(device, model, dtype, weights=weights_kind(path)))
 
 
+def _plain(stem: str) -> str:
+    """`stem` as a file name in data/ or figures/: no folder in it (a bench's --prefix), nothing empty."""
+    if not stem or "/" in stem or "\\" in stem or stem.startswith("."):
+        raise ValueError(f"{stem!r}: a table's or figure's name is a plain file name (a --prefix holds no folder)")
+    return stem
+
+
 def table_path(stem: str, slug: str) -> Path:
-    return DATA_DIR / f"{stem}_{slug}.csv"
+    return DATA_DIR / f"{_plain(stem)}_{slug}.csv"
 
 
 def figure_path(stem: str, slug: str) -> Path:
-    return FIGURES_DIR / f"{stem}_{slug}.png"
+    return FIGURES_DIR / f"{_plain(stem)}_{slug}.png"
 
 
 def save_table(df: pd.DataFrame, stem: str, label: RunLabel) -> Path:
