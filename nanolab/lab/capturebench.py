@@ -27,6 +27,7 @@ from nanolab import Engine, EngineConfig, load_model
 from nanolab.engine.block_manager import cdiv
 from nanolab.engine.buckets import DecodeBuckets
 from nanolab.engine.graphs import DecodeGraphs
+from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.costs import kv_read_bytes, weight_bytes
 from nanolab.lab.reference import engine_greedy, load_hf
 from nanolab.lab.timing import copy_bandwidth, drain, prefill, random_prompts, time_engine, time_hf
@@ -247,12 +248,12 @@ def main(args: argparse.Namespace) -> int:
     from nanolab.model.weights import resolve_weights, weights_kind
 
     if not torch.cuda.is_available():
-        print("error: the capture bench needs a CUDA device")
-        return 2
+        raise ValueError("the capture bench needs a CUDA device")
+    batches, contexts = int_list(args.batches, "--batches"), int_list(args.contexts, "--contexts")
+    steps, repeats = positive_int(args.steps, "--steps"), positive_int(args.repeats, "--repeats")
     path = resolve_weights(args.model)
     dtype = resolve_dtype(args.dtype, torch.device("cuda"))
-    bench = run_capturebench(path, dtype, [int(b) for b in args.batches.split(",")],
-                             [int(c) for c in args.contexts.split(",")], args.steps, args.repeats,
+    bench = run_capturebench(path, dtype, batches, contexts, steps, repeats,
                              compile=not args.no_compile, streamed=args.streamed)
     label = run_label(torch.device("cuda"), args.model, dtype, weights=weights_kind(path))
     day = "day60" if args.streamed else "day54"  # the streamed run is Day 60's; it leaves Day 54's tables be

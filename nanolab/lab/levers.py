@@ -84,7 +84,7 @@ def parse_arms(text: str | None, default: tuple) -> tuple:
 
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        raise ValueError("--device: the levers bench needs a CUDA device")
+        raise ValueError("the levers bench needs a CUDA device")
     if args.trials is not None and args.trials < 1:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
     path = resolve_weights(args.model)

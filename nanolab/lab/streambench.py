@@ -270,8 +270,7 @@ def main(args: argparse.Namespace) -> int:
     from nanolab.lab.report import run_label, save_table
 
     if not torch.cuda.is_available():
-        print("error: the streamed-read bench needs a CUDA device")
-        return 2
+        raise ValueError("the streamed-read bench needs a CUDA device")
     label = run_label(torch.device("cuda"), "decode read, 32/8 heads, head_dim 64", torch.bfloat16,
                       weights="synthesized random")
     if args.tune:
