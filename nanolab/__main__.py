@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.choices[command].set_defaults(run=module.main)
 
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # the command's own parser names them, and its help
+            sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
     except _Refused as e:
         return _error(e)
     return _run(args)

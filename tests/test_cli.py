@@ -279,6 +279,8 @@ def test_a_table_name_holds_no_folder() -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["bench", "--model", "tiny", "--device", "cpu", "--steps", "5000", "--batches", "1", "--prompt-len", "100"],
      "--prompt-len 100 and --steps 5000"),
+    (["bench", "--model", "tiny", "--device", "cpu", "--steps", "2000", "--batches", "1", "--prompt-len", "48"],
+     "make rows of 2049 tokens"),  # a timed run asks for steps + 1 tokens
     (["prefixsteps", "--model", "tiny", "--device", "cpu", "--system-len", "99999"], "(--system-len, --suffixes)"),
 ])
 def test_benches_refuse_rows_longer_than_the_context(capsys, argv, needle):

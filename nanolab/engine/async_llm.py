@@ -143,7 +143,8 @@ class EngineCore:
         self.engine = engine
         self._seqs: dict[int, Sequence] = {}  # client id -> sequence
         self._rids: dict[int, int] = {}  # engine request id -> client id
-        self._log = None if step_log is None else Path(step_log).open("w", buffering=1 << 16)
+        # "x": a step log never replaces a file (the server checked the path; this closes the gap after)
+        self._log = None if step_log is None else Path(step_log).open("x", buffering=1 << 16)
 
     def add(self, requests: list[tuple[int, array.array, SamplingParams]]) -> None:
         """Queue one client call's requests [(id, prompt, params)] together, so the samples of one
@@ -567,8 +568,8 @@ class AsyncLLM:
                 logger.record(stats)
         elif kind == "stopped":
             self.stopped = message[1]
-            for stream in list(self._streams.values()):  # none, unless one was posted after the stop
-                self._deliver(stream, TokenDelta(None, "error", error="the engine stopped before this request ended"))
+            # None, unless one was posted after the stop.
+            self._end_here(list(self._streams.values()), "error", "the engine stopped before this request ended")
             self._finished.set()
         elif kind == "dead":
             self.stopped = message[2]

@@ -63,9 +63,9 @@ def main(args: argparse.Namespace) -> int:
         positive_int(getattr(args, flag), "--" + flag.replace("_", "-"))
     config = EngineConfig.from_cli_args(args)
     llm = LLM.from_config(config.replace(max_num_seqs=max(config.max_num_seqs, *batches)))
-    if args.prompt_len + args.steps > llm.engine.max_model_len:
+    if args.prompt_len + args.steps + 1 > llm.engine.max_model_len:  # a timed run asks for steps + 1 tokens
         raise ValueError(f"--prompt-len {args.prompt_len} and --steps {args.steps} make rows of "
-                         f"{args.prompt_len + args.steps} tokens; the context holds {llm.engine.max_model_len}")
+                         f"{args.prompt_len + args.steps + 1} tokens; the context holds {llm.engine.max_model_len}")
     df = decode_table(llm, batches, args.prompt_len, args.steps, repeats=args.repeats)
     label = run_label(llm.device, args.model, llm.dtype, weights=llm.weights_kind)
     path = save_table(df, "decode_bench", label)

@@ -48,6 +48,7 @@ import torch
 
 from nanolab import LLM, SamplingParams
 from nanolab.kernels.gemv import MAX_ROWS
+from nanolab.lab.cliargs import int_list, positive_int
 from nanolab.lab.costs import kv_read_bytes
 from nanolab.lab.floorbench import nanolab_generate, nanolab_label
 from nanolab.lab.gemvbench import FP8_DOTS, dot_sweep, fp8_chain_table
@@ -285,21 +286,16 @@ def main(args: argparse.Namespace) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if not parts or any(p not in PARTS for p in parts):
         raise ValueError(f"--parts {args.parts!r}: choose from {', '.join(PARTS)}")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batches {args.batches!r}: comma-separated positive batch sizes")
-    if args.steps < 1 or args.repeats < 1:
-        raise ValueError("--steps and --repeats must be positive")
+    batches = int_list(args.batches, "--batches")
+    positive_int(args.steps, "--steps")
+    positive_int(args.repeats, "--repeats")
     device = resolve_device(args.device)
+    cuda_only = [p for p in parts if p in ("tiles", "dots", "profile", "prefill")]
+    if cuda_only and device.type != "cuda":  # refused before weights are prepared and any part runs
+        raise ValueError(f"--parts {','.join(cuda_only)} runs on CUDA only")
     kind = weights_kind(resolve_weights(args.model))
     if "quality" in parts and kind != "real":
         raise ValueError(f"--parts quality needs real weights; {args.model} has {kind} weights")
-    cuda_only = [p for p in parts if p in ("tiles", "dots", "profile", "prefill")]
-    if cuda_only and device.type != "cuda":  # refused before any part runs and writes its table
-        raise ValueError(f"--parts {','.join(cuda_only)} runs on CUDA only")
     for part in parts:
         if part in ("tiles", "dots"):
             from nanolab.model.config import ModelConfig

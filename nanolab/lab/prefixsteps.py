@@ -78,12 +78,14 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
     if not llm.engine_config.enable_prefix_caching:
         llm.close()
         raise ValueError("prefixsteps measures prefix caching: the engine has it off")
-    longest = system_len + max(max(suffixes), PROFILED_SUFFIX, decode_steps) + 1
-    if longest > llm.engine.max_model_len:
-        llm.close()
-        raise ValueError(f"system_len {system_len} and suffixes up to {max(suffixes)} need {longest} tokens; the "
-                         f"engine's context holds {llm.engine.max_model_len} (--system-len, --suffixes)")
     profile = llm.device.type == "cuda" if profile is None else profile
+    context = llm.engine.max_model_len
+    longest = system_len + max(max(suffixes), PROFILED_SUFFIX if profile else 0) + 1
+    if longest > context or 64 + decode_steps + 1 > context:
+        llm.close()
+        raise ValueError(f"system_len {system_len} and suffixes up to {max(suffixes)} need {longest} tokens, "
+                         f"and the decode case {65 + decode_steps}; the engine's context holds {context} "
+                         "(--system-len, --suffixes)")
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)  # every read takes these same requests
     system = _ids(rng, system_len, vocab)
