@@ -136,6 +136,11 @@ class RequestLimits:
         return packed
 
 
+def _failed(what: str, e: Exception) -> str:
+    """A request's error: what failed, and the exception it raised."""
+    return f"{what} failed: {type(e).__name__}: {e}"
+
+
 @dataclass(slots=True)
 class _InFlight:
     """A decode step launched under asynchronous scheduling whose tokens are still on their way:
@@ -509,7 +514,7 @@ class Engine:
 
     def _doom(self, seq: Sequence, what: str, e: Exception) -> None:
         """End `seq` when this step ends: its `what` raised `e` where the step still holds its row."""
-        self._doomed.setdefault(seq, f"{what} failed: {type(e).__name__}: {e}")
+        self._doomed.setdefault(seq, _failed(what, e))
 
     def _step(self) -> list[StepOutput]:
         self.last_step = None
@@ -757,13 +762,13 @@ class Engine:
             if seq.finished:
                 continue
             if isinstance(token, Exception):
-                outputs.append(self._fail(seq, f"sampling failed: {type(token).__name__}: {token}"))
+                outputs.append(self._fail(seq, _failed("sampling", token)))
                 continue
             if seq in self._doomed:  # its host work failed earlier in the step: no token of it goes out
                 outputs.append(self._fail(seq, self._doomed.pop(seq)))
                 continue
             if isinstance(logprobs.get(i), Exception):
-                outputs.append(self._fail(seq, f"its logprobs failed: {type(logprobs[i]).__name__}: {logprobs[i]}"))
+                outputs.append(self._fail(seq, _failed("its logprobs", logprobs[i])))
                 continue
             kept = len(seq.output_token_ids)
             try:
@@ -775,7 +780,7 @@ class Engine:
                 del seq.output_token_ids[kept:]  # the token no output carried
                 if seq.output_logprobs is not None:
                     del seq.output_logprobs[kept:]
-                outputs.append(self._fail(seq, f"its output's handling failed: {type(e).__name__}: {e}"))
+                outputs.append(self._fail(seq, _failed("its output's handling", e)))
                 continue
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -823,7 +828,7 @@ class Engine:
 
     def _fail_forward(self, seqs: list[Sequence], e: Exception) -> list[StepOutput]:
         # A forward's failure cannot be pinned on one row: every request of the step ends with it.
-        return [self._fail(seq, f"the forward failed: {type(e).__name__}: {e}") for seq in seqs if not seq.finished]
+        return [self._fail(seq, _failed("the forward", e)) for seq in seqs if not seq.finished]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """One token per row on the host, or the exception that row's sampling raised. The whole

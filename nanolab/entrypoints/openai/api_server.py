@@ -242,30 +242,26 @@ class OpenAIServing:
         """With `echo`, choice j's prompt tokens (the first unscored) before `token_ids`'. The text
         begins with the prompt as `_echo` gives it: ids decoded, special tokens skipped; a string as
         sent, so a special token it spells is in the text, and one the tokenizer added (BOS) is not,
-        told apart by position (`_spelled`). `shown` keeps each prompt's flags for its other
+        told apart by position (`_echo_hidden`). `shown` keeps each prompt's flags for its other
         choices."""
         if not req.echo:
             return self._logprobs(req, token_ids, entries, offsets)
-        ids = stream.prompt_token_ids
-        prompt = req.prompts[j // req.params.n]
-        hidden = None
-        if isinstance(prompt, str):
-            if j // req.params.n not in shown:
-                shown[j // req.params.n] = self._spelled(prompt, ids)
-            hidden = [self.tokenizer.is_special(t) and not spelled
-                      for t, spelled in zip(ids, shown[j // req.params.n], strict=True)]
+        ids, p = stream.prompt_token_ids, j // req.params.n
+        if isinstance(req.prompts[p], str) and p not in shown:
+            shown[p] = self._echo_hidden(req.prompts[p], ids)
         echoed = self._logprobs(req, ids, [None, *(stream.prompt_logprobs or [None] * (len(ids) - 1))], offsets,
-                                hidden)
+                                shown.get(p))
         rest = self._logprobs(req, token_ids, entries, offsets)
         return {key: echoed[key] + rest[key] for key in echoed}
 
-    def _spelled(self, prompt: str, ids: list[int]) -> list[bool]:
-        """Per token of `prompt`'s `ids`, whether the string spells it (an added token spans none of
-        it); every token spelled where the string no longer encodes to those ids."""
+    def _echo_hidden(self, prompt: str, ids: list[int]) -> list[bool]:
+        """Per token of `prompt`'s `ids`, whether the echoed string leaves it out: a special token
+        it does not spell (an added one spans none of it). None is left out where the string no
+        longer encodes to those ids."""
         encoding = self.tokenizer.encode_with_offsets(prompt)
         if encoding.ids != ids:
-            return [True] * len(ids)
-        return [b > a for a, b in encoding.offsets]
+            return [False] * len(ids)
+        return [self.tokenizer.is_special(t) and b == a for t, (a, b) in zip(ids, encoding.offsets, strict=True)]
 
     async def _whole(self, request, req: CompletionRequest, rid: str, streams) -> web.Response:
         choices = []
