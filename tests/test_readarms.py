@@ -1,6 +1,7 @@
-"""`lab.readarms`: the varlen read's candidate launches as engine backends. In Triton's
-interpreter on a CPU, a padded step read through persistent programs gives the reference read's
-logits, with programs actually passed to the kernel; a compiled step reaches the lab's operator;
+"""`lab.readarms`: the varlen read's other launches as engine backends. In Triton's interpreter on
+a CPU, a padded step read through persistent programs or the flat grid gives the reference read's
+logits, with the launch's programs actually passed to the kernel; a compiled step reaches the
+lab's operator;
 the runner hands its cache that read before its graphs could be captured; and the cache refuses a
 read handed over too late, or one that is not a function."""
 
@@ -16,7 +17,13 @@ from nanolab.engine.graphs import varlen_step
 from nanolab.engine.runner import ModelRunner
 from nanolab.kernels import INTERPRETED
 from nanolab.kernels.varlen_attention import varlen_reference
-from nanolab.lab.readarms import READ_ARMS, PersistentReadRunner, persistent_varlen_op, persistent_varlen_read
+from nanolab.lab.readarms import (
+    READ_ARMS,
+    FlatReadRunner,
+    PersistentReadRunner,
+    launched_varlen_op,
+    launched_varlen_read,
+)
 
 needs_interpreter = pytest.mark.skipif(not INTERPRETED or torch.cuda.is_available(),
                                        reason="the streamed read on a CPU: Triton's interpreter, CPU only")
@@ -50,15 +57,19 @@ def spy_programs(monkeypatch) -> list:
 
 
 @needs_interpreter
-def test_a_padded_step_through_persistent_programs_gives_the_reference_logits(tiny_model, monkeypatch):
+@pytest.mark.parametrize("launch", ["persistent", "flat"])
+def test_a_padded_step_through_a_launch_gives_the_reference_logits(tiny_model, monkeypatch, launch):
     seen = spy_programs(monkeypatch)
     persistent, reference = make_cache(**cache_kw(tiny_model), read="streamed"), make_cache(**cache_kw(tiny_model))
     engine_read = persistent.varlen_reader
-    persistent.varlen_reader = lambda view, layer, q, positions: persistent_varlen_read(
-        view, layer, q, positions, engine_read=engine_read)
+    persistent.varlen_reader = lambda view, layer, q, positions: launched_varlen_read(
+        view, layer, q, positions, launch=launch, engine_read=engine_read)
     torch.testing.assert_close(padded_logits(tiny_model, persistent), padded_logits(tiny_model, reference),
                                rtol=1e-4, atol=1e-4)
     layers = tiny_model.config.num_hidden_layers
+    if launch == "flat":
+        assert seen == [None] * layers, seen
+        return
     assert len(seen) == layers and all(isinstance(p, int) and p >= 1 for p in seen), seen
     with pytest.raises(RuntimeError, match="varlen_reader"):  # reserved: too late to hand another over
         persistent.varlen_reader = engine_read
@@ -79,10 +90,15 @@ def test_the_operator_reads_what_the_reference_reads():
                 table_rows=torch.arange(2), query_start_loc=torch.tensor([0, new[0], n]),
                 context_lens=torch.tensor(lens),
                 positions=torch.tensor([p for m, c in zip(new, lens) for p in range(c - m, c)]))
-    got = persistent_varlen_op(**args, block_size=page, num_sms=2)  # one program a KV head and share: it loops
-    torch.testing.assert_close(got, varlen_reference(**args, block_size=page), rtol=1e-5, atol=1e-5)
+    ref = varlen_reference(**args, block_size=page)
+    for launch in ("persistent", "flat"):  # persistent: one program a KV head and share on 2 SMs, looping
+        got = launched_varlen_op(**args, block_size=page, launch=launch, num_sms=2)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="launch 'wide'"):
+        launched_varlen_op(**args, block_size=page, launch="wide", num_sms=2)
     # what dynamo sees of it in a compiled step: its schema and its fake (the shape, without running it)
-    torch.library.opcheck(persistent_varlen_op, tuple(args.values()), {"block_size": page, "num_sms": 2},
+    torch.library.opcheck(launched_varlen_op, tuple(args.values()),
+                          {"block_size": page, "launch": "persistent", "num_sms": 2},
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -91,15 +107,15 @@ def test_a_compiled_step_reads_through_the_labs_operator(tiny_model, monkeypatch
     """Inside a compile (`torch.compiler.is_compiling`), every varlen plan goes to the operator,
     never to the engine's read."""
     calls = []
-    monkeypatch.setattr(readarms, "persistent_varlen_op", lambda q, *a, **k: calls.append(q.shape) or q.clone())
+    monkeypatch.setattr(readarms, "launched_varlen_op", lambda q, *a, **k: calls.append(q.shape) or q.clone())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     cache = make_cache(**cache_kw(tiny_model), read="streamed")
 
     def refuse(*_):
         raise AssertionError("the engine's read ran inside a compile")
 
-    cache.varlen_reader = lambda view, layer, q, positions: persistent_varlen_read(
-        view, layer, q, positions, engine_read=refuse)
+    cache.varlen_reader = lambda view, layer, q, positions: launched_varlen_read(
+        view, layer, q, positions, launch="persistent", engine_read=refuse)
     padded_logits(tiny_model, cache)
     assert len(calls) == tiny_model.config.num_hidden_layers and all(s[0] == 16 for s in calls)
 
@@ -117,6 +133,7 @@ def test_the_runner_hands_its_cache_the_read_before_capturing_and_the_engine_dec
     config = EngineConfig(num_blocks=32, block_size=4, read="streamed", enforce_eager=True)
     plain, candidate = Engine(tiny_model, config), Engine(tiny_model, config, runner=READ_ARMS["persistent"])
     assert READ_ARMS["engine"] is ModelRunner and type(candidate.runner) is PersistentReadRunner
+    assert READ_ARMS["flat"] is FlatReadRunner
     assert seen_at_init[0] is plain.kv_cache.varlen_reader  # the engine's, untouched
     assert seen_at_init[1] is candidate.kv_cache.varlen_reader is not plain.kv_cache.varlen_reader
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -148,8 +165,8 @@ def test_a_compiled_varlen_step_traces_the_persistent_read_into_one_graph(monkey
     kw = {**cache_kw(model), "num_blocks": 32, "max_rows": 8}
     eager, compiled = make_cache(**kw), make_cache(**kw, read="streamed")
     engine_read = compiled.varlen_reader
-    compiled.varlen_reader = lambda view, layer, q, positions: persistent_varlen_read(
-        view, layer, q, positions, engine_read=engine_read)
+    compiled.varlen_reader = lambda view, layer, q, positions: launched_varlen_read(
+        view, layer, q, positions, launch="persistent", engine_read=engine_read)
     forward = compile_decode(model)
     torch._dynamo.reset()
     seen = spy_programs(monkeypatch)

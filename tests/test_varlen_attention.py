@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from nanolab.engine.block_manager import cdiv
 from nanolab.kernels import varlen_attention as varlen_attention_module
 from nanolab.kernels.varlen_attention import (
+    captured_programs,
     choose_varlen_splits,
     narrow_fits,
     persistent_programs,
@@ -362,6 +363,14 @@ def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
     torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
     assert not got[n:].any(), "a padding token was attended"
     assert len(made) == (num_sms == 132), "the split read runs where the SMs want more programs"
+
+
+def test_a_flat_grid_launches_persistent_programs_only_where_its_walks_are_split():
+    """`captured_programs`: a split step's flat grid is mostly tiles its tokens do not fill, and
+    loops persistent programs over the ones they do; an unsplit one launches a program a tile."""
+    assert captured_programs(8, 8) == persistent_programs(8, 8) == 4
+    assert captured_programs(8, 2) == 16 and captured_programs(8, 4, num_sms=16) == 1
+    assert captured_programs(8, 1) is None
 
 
 def test_persistent_programs_fill_the_sms_once():

@@ -18,6 +18,7 @@ from nanolab import LLM, Engine, EngineConfig, SamplingParams
 from nanolab.engine.graphs import VarlenGraphs, capture_sizes, varlen_step
 from nanolab.engine.kv_cache import SINK
 from nanolab.kernels import INTERPRETED
+from nanolab.kernels.varlen_attention import captured_programs, persistent_programs
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -256,10 +257,20 @@ def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logit
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter")
-def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model):
+def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model, monkeypatch):
     """What a varlen graph captures and replays, through the Triton read (the interpreter here):
     the all-padding plan a graph is captured on runs and writes nothing but the sink, and a padded
-    step of real rows gives the reference read's logits."""
+    step of real rows gives the reference read's logits. Its walks are split (a 16-token step of
+    2 KV heads is far from filling 132 SMs), so every layer's read launches persistent programs."""
+    import nanolab.engine.kv_cache as kv_cache
+
+    launches, real = [], kv_cache.varlen_attention
+
+    def spy(*args, **kwargs):
+        launches.append((kwargs["splits"], kwargs["programs"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "varlen_attention", spy)
     config = tiny_model.config
     kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
               head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
@@ -276,6 +287,9 @@ def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model):
             plan = cache.plan_varlen(rows, (5, 3), input_ids=[4, 8, 15, 16, 23, 42, 7, 9], num_tokens=16)
             logits.append(varlen_step(tiny_model, cache, plan)[:2])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    kv_heads = config.num_key_value_heads
+    assert launches == [(8, captured_programs(kv_heads, 8))] * (2 * config.num_hidden_layers), launches
+    assert captured_programs(kv_heads, 8) == persistent_programs(kv_heads, 8)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter")

@@ -51,11 +51,13 @@ def test_the_sweep_holds_the_engines_launch_and_sizes_pad_as_captured():
     assert len(set(narrowed)) == 24
     assert {c._replace(narrow=False) for c in narrowed if c.narrow} == {c for c in narrowed if not c.narrow}
     captured = capture_configs()
-    assert captured[0] == DEFAULT and DEFAULT._replace(persistent=True) in captured and len(set(captured)) == 10
+    assert DEFAULT.persistent is None  # the engine's rule: persistent programs where the walks are split
+    flat = DEFAULT._replace(persistent=False)
+    assert captured[0] == flat and DEFAULT._replace(persistent=True) in captured and len(set(captured)) == 10
     assert [c.segments for c in capture_cases((64, 496), (256,))] == [((256, 64),), ((256, 496),)]
     assert capture_cases()[-1].name == "496 tokens after 4,096"
     persistent = persistent_configs()
-    assert DEFAULT in persistent and DEFAULT._replace(persistent=True) in persistent and len(set(persistent)) == 8
+    assert flat in persistent and DEFAULT._replace(persistent=True) in persistent and len(set(persistent)) == 8
     assert [capture_tokens(n) for n in (1, 8, 9, 50, 512)] == [8, 8, 16, 64, 512]
 
 
@@ -73,10 +75,11 @@ def test_the_steps_layouts_read_what_the_reference_reads(tiny_path, one_thread):
     assert args["query_start_loc"].tolist() == [0, 9, 10, 10, 10, 10, 10]
     assert args["q"].shape == (10, heads, d) and args["q"].stride(0) == (heads + 2 * kv_heads) * d
     assert args["k_pool"].shape[0] > 4 * (4 + 2) * 16, "the blocks were not scattered over a larger pool"
-    launches = [VarlenConfig(32, 32, 4, None, None), VarlenConfig(32, 32, 4, None, None, persistent=True)]
+    launches = [VarlenConfig(32, 32, 4, None, None, persistent=p) for p in (False, True, None)]
     for layout in (Layout("step", 6, True), big):
-        for row, persistent in zip(time_case(case, config, launches, repeats=1, sms=4, device="cpu",
-                                             dtype=torch.float32, layout=layout), (False, True), strict=True):
+        rows = time_case(case, config, launches, repeats=1, sms=4, device="cpu", dtype=torch.float32, layout=layout)
+        # None, the engine's rule: persistent programs where the walks are split
+        for row, persistent in zip(rows, (False, True, rows[2]["splits"] > 1), strict=True):
             assert row["error"] == "" and row["max_err"] < 1e-4, row
             assert (row["layout"], row["table_segments"], row["grid_tokens"], row["persistent"]) == (
                 layout.name, 6, 16, persistent)

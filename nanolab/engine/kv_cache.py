@@ -30,6 +30,7 @@ from nanolab.kernels.paged_attention import paged_attention, paged_attention_op,
 from nanolab.kernels.reference import attention_mask_bias, reference_read
 from nanolab.kernels.step_inputs import upload_step_inputs
 from nanolab.kernels.varlen_attention import (
+    captured_programs,
     choose_varlen_splits,
     prompt_attention,
     varlen_attention,
@@ -480,10 +481,13 @@ def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: to
     splits = choose_varlen_splits(plan.num_tokens, 1 if plan.padded else len(plan.query_lens), kv_heads,
                                   q.shape[2] // kv_heads, kv.num_sms,
                                   max_context=None if plan.padded else max(plan.planned_lens))
+    # A padded step's flat grid is cut for the most tiles its size could fill; where its walks are
+    # shared out, a fixed grid of persistent programs loops over the tiles it does fill instead.
     return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,
                             plan.block_size, plan.query_start_loc, plan.context_lens, positions[0],
                             plan.max_query_len, grid_tokens=plan.num_tokens if plan.padded else None,
-                            splits=splits)[None]
+                            splits=splits,
+                            programs=captured_programs(kv_heads, splits, kv.num_sms) if plan.padded else None)[None]
 
 
 def _varlen_reference(view: CacheView, layer: int, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

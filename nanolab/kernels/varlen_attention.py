@@ -380,6 +380,16 @@ def persistent_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int:
     return max(1, RESIDENT * num_sms // (kv_heads * splits))
 
 
+def captured_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int | None:
+    """`varlen_attention`'s `programs` for a flat grid (a captured or compiled step): persistent
+    programs (`persistent_programs`) where the step's walks are cut into shares, None (a program for
+    every tile the grid could need) where they are not. A split step is a short one over a long
+    context, cut for far more tiles than its few tokens fill, so most of a flat grid's programs
+    would exit at once; an unsplit step is a long chunk, whose tiles fill most of its grid and which
+    a loop over tiles only slows."""
+    return persistent_programs(kv_heads, splits, num_sms) if splits > 1 else None
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: int, num_sms: int = 132,
                          max_splits: int = 8, max_context: int | None = None) -> int:
@@ -409,13 +419,15 @@ def varlen_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     guard on, so one graph serves every mix of segments: segments past q's token count must be
     empty (a padded plan's padding). `splits` is `varlen_attention`'s; None chooses it here, at
     run time, for the token count on `num_sms` SMs (`choose_varlen_splits`, as a captured eager
-    step does for its size), which the graph then holds."""
+    step does for its size), which the graph then holds. A split read launches persistent programs
+    (`captured_programs`), as a captured eager step does."""
     n, heads = q.shape[0], q.shape[1]
     kv_heads = k_pool.shape[1]
     if splits is None:
         splits = choose_varlen_splits(n, 1, kv_heads, heads // kv_heads, num_sms)
     return varlen_attention(q, k_pool, v_pool, block_table, table_rows, block_size, query_start_loc, context_lens,
-                            positions, max(n, 1), grid_tokens=max(n, 1), splits=splits)
+                            positions, max(n, 1), grid_tokens=max(n, 1), splits=splits,
+                            programs=captured_programs(kv_heads, splits, num_sms))
 
 
 @varlen_attention_op.register_fake

@@ -17,11 +17,13 @@ empty, after the real ones) and q as a view of the fused qkv projection's output
 pool of `--pool-gib` GiB a layer (K and V each), as a served pool of many rows holds them. Each
 row of the table names its layout.
 
-With `--persistent-only` the engine's launch is timed against persistent programs
-(`varlen_attention`'s `programs`, `persistent_programs` of them a KV head and share), whose grid
-does not grow with the rows a captured step might hold, in every layout. With `--capture-sweep`
-one segment of 64 to 496 tokens after a short and a long cached context (`capture_cases`) is read
-in a captured step's layout at 1 to 8 shares, as the engine launches and as persistent programs.
+With `--persistent-only` the engine's tiles are timed as a program for every tile a captured
+step's flat grid could need against persistent programs (`varlen_attention`'s `programs`,
+`persistent_programs` of them a KV head and share), whose grid does not grow with the rows a
+captured step might hold, in every layout; the engine takes the second where the walks are split
+(`captured_programs`). With `--capture-sweep` one segment of 64 to 496 tokens after a short and a
+long cached context (`capture_cases`) is read in a captured step's layout at 1 to 8 shares, both
+ways.
 
 Cases whose segments are short (a verify step, a short prompt after a cached prefix) are also read
 by the engine's decode read, a decode row a token over the captured size's rows, in every layout
@@ -48,6 +50,7 @@ from nanolab.kernels.paged_attention import SHARE_TILES, paged_attention
 from nanolab.kernels.varlen_attention import (
     BLOCK_M,
     BLOCK_N,
+    captured_programs,
     choose_varlen_splits,
     narrow_fits,
     persistent_programs,
@@ -114,7 +117,9 @@ class VarlenConfig(NamedTuple):
     splits: int | None  # None: `choose_varlen_splits`'s count for the case
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
     narrow: bool | None = None  # K and V through one int32 offset tensor; None: where the pools allow (the engine)
-    persistent: bool = False  # `persistent_programs` programs loop over the tiles of a flat grid
+    # `persistent_programs` programs loop over the tiles of a flat grid; False: a program a tile;
+    # None: the engine's choice (`captured_programs`: persistent where the walks are split)
+    persistent: bool | None = None
 
 
 DEFAULT = VarlenConfig(BLOCK_M, BLOCK_N, 4, None, None)  # what the engine launches
@@ -146,15 +151,15 @@ def narrow_configs() -> list[VarlenConfig]:
 
 
 def persistent_configs() -> list[VarlenConfig]:
-    """The engine's launch as it is and as persistent programs, at its share count and at 4, 8
-    and 16 of one tile or more (`--persistent-only`)."""
+    """The engine's tiles as a program a tile and as persistent programs, at its share count and at
+    4, 8 and 16 of one tile or more (`--persistent-only`)."""
     return [DEFAULT._replace(splits=s, share_tiles=1 if s else SHARE_TILES, persistent=p)
             for p in (False, True) for s in (None, 4, 8, 16)]
 
 
 def capture_configs() -> list[VarlenConfig]:
-    """The engine's launch at its own share count and at 1, 2, 4 and 8 (its fewest tiles a share),
-    as it launches and as persistent programs (`--capture-sweep`)."""
+    """The engine's tiles at its own share count and at 1, 2, 4 and 8 (its fewest tiles a share), as
+    a program a tile and as persistent programs (`--capture-sweep`)."""
     return [DEFAULT._replace(splits=s, persistent=p) for p in (False, True) for s in (None, 1, 2, 4, 8)]
 
 
@@ -233,17 +238,19 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         splits = c.splits or (choose_varlen_splits(grid_tokens, 1, kv_heads, group, sms) if step else
                               choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
                                                    max_context=max(h + q for h, q in case.segments)))
-        run = lambda c=c, splits=splits: varlen_attention(  # noqa: E731
+        programs = (captured_programs(kv_heads, splits, sms) if c.persistent is None else
+                    persistent_programs(kv_heads, splits, sms) if c.persistent else None)
+        run = lambda splits=splits, c=c, programs=programs: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
             block_n=c.block_n, splits=splits, share_tiles=c.share_tiles, num_warps=c.num_warps,
-            num_stages=c.num_stages, narrow=c.narrow,
-            programs=persistent_programs(kv_heads, splits, sms) if c.persistent else None)
+            num_stages=c.num_stages, narrow=c.narrow, programs=programs)
         row = {"case": case.name, "layout": layout.name, "read": "varlen", "tokens": n, "grid_tokens": grid_tokens,
                "segments": len(case.segments), "table_segments": len(args["table_rows"]), "block_m": c.block_m,
                "block_n": c.block_n, "num_warps": c.num_warps, "num_stages": c.num_stages or 0, "splits": splits,
                "share_tiles": c.share_tiles,
-               "narrow": fits if c.narrow is None else c.narrow, "persistent": c.persistent,
-               "engine_default": c._replace(narrow=None) == DEFAULT and c.narrow in (None, fits)}
+               "narrow": fits if c.narrow is None else c.narrow, "persistent": programs is not None,
+               "engine_default": (c._replace(narrow=None, persistent=None) == DEFAULT and c.narrow in (None, fits)
+                                  and c.persistent in (None, splits > 1))}
         try:
             err = float((run().float() - ref).abs().max())
             us = time_us(run, args["q"].device, repeats)
@@ -317,8 +324,8 @@ def run_varlenbench(model: str, cases: Sequence[VarlenCase] = CASES, configs: Se
                 f"block_n {best['block_n']}, warps {best['num_warps']}, stages {best['num_stages']}, "
                 f"splits {best['splits']} of at least {best['share_tiles']} tiles, narrow {best['narrow']})")
         launches = [WIDE, NARROWED] if any(c.narrow is not None for c in configs) else [DEFAULT]
-        if any(c.persistent for c in configs):
-            launches += [c._replace(persistent=True) for c in launches]
+        if any(c.persistent is not None for c in configs):  # each launch a program a tile and persistent
+            launches = [c._replace(persistent=p) for c in launches for p in (False, True)]
         for layout in layouts[1:]:
             for r in time_case(case, config, launches, repeats, dtype=dtype, layout=layout):
                 rows.append(r)

@@ -205,3 +205,30 @@ def plot_read_in_step(in_step: pd.DataFrame) -> Figure:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(bars))  # below: over no bar
     fig.tight_layout()
     return fig
+
+
+def plot_read_launches(launches: pd.DataFrame) -> Figure:
+    """Chapter 64c's table of the read's two launches in a captured step's layout (index case;
+    "shares", "a program a tile us", "persistent us"): per case a bar for each launch, with
+    persistent over a program a tile written above the pair, and the case's shares under it."""
+    bars = {"a program a tile us": ("C7", "a program for every tile the grid could need"),
+            "persistent us": ("C0", "persistent programs, looping over the step's tiles")}
+    fig = Figure(figsize=(10, 4.2))
+    ax = fig.subplots()
+    x = np.arange(len(launches))
+    width = 0.38
+    for i, (column, (colour, name)) in enumerate(bars.items()):
+        ax.bar(x + (i - 0.5) * width, launches[column].to_numpy(), width, color=colour, label=name)
+    top = launches[list(bars)].max(axis=1)
+    ratio = launches["persistent us"] / launches["a program a tile us"]
+    for xi, (us, r) in enumerate(zip(top, ratio, strict=True)):
+        ax.annotate(f"{r:.2f}x", (xi, us), ha="center", va="bottom", fontsize=8)
+    labels = [f"{case}\n({int(s)} share{'s' if s > 1 else ''})".replace(" + ", "\n+ ").replace(" after", "\nafter")
+              for case, s in zip(launches.index, launches["shares"], strict=True)]
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("µs a read (one layer)")
+    ax.set_ylim(0, 1.15 * top.max())
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(bars))
+    fig.tight_layout()
+    return fig
