@@ -41,8 +41,8 @@
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
 # 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*),
-# $PREFIXSTEPS_ARGS added (PREFIXSTEPS_ARGS="--reads engine,persistent --prefix day64e": the engine's varlen read and
-# persistent programs, each on its own engine in one process, lab.readarms).
+# $PREFIXSTEPS_ARGS added (PREFIXSTEPS_ARGS="--reads engine,flat --prefix day64f": the engine's varlen read and the
+# flat grid it replaced for split steps, each on its own engine in one process, lab.readarms).
 # varlen sweeps the varlen read's tiles, warps, stages and splits alone on the steps that use it: a prompt chunk,
 # a short prompt after a cached prefix, a verify step, a mixed step, and the engine's launch also in the layouts a
 # step hands it (data/day64_varlen_sweep_*), $VARLEN_ARGS added (e.g. "--dtype float32 --prefix day65fp32").
@@ -56,8 +56,9 @@
 # persistent programs (and the decode read, a row a token, for the 64-token cases): the sweep a share rule for
 # captured steps waits for.
 # persistent runs both measures of persistent programs in one part, into data/day64e_*: varlenbench --persistent-only
-# (the read alone and in each layout), then prefixsteps --reads engine,persistent (the prompt step after a cached
-# prefix with each read on its own engine, one process); about 5 minutes.
+# (the read alone and in each layout, a program a tile against persistent programs), then prefixsteps --reads
+# engine,persistent (the prompt step after a cached prefix with each read on its own engine, one process; the
+# engine takes persistent programs where a captured step splits its walks, the arm everywhere); about 5 minutes.
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),

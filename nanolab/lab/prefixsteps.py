@@ -11,7 +11,7 @@ step still reads the whole prefix's K/V. Two tables:
 - `<prefix>_prefix_kernels` (CUDA): the GPU kernels of those requests' steps under the profiler,
   by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
 
-With `reads` (`--reads engine,persistent`), each of `lab.readarms`' varlen reads runs the same
+With `reads` (`--reads engine,flat`), each of `lab.readarms`' varlen reads runs the same
 requests on an engine of its own over the same model, one after another in one process; every
 row names its read.
 

@@ -224,6 +224,7 @@ def plot_read_launches(launches: pd.DataFrame) -> Figure:
     for xi, (us, r) in enumerate(zip(top, ratio, strict=True)):
         ax.annotate(f"{r:.2f}x", (xi, us), ha="center", va="bottom", fontsize=8)
     labels = [f"{case}\n({int(s)} share{'s' if s > 1 else ''})".replace(" + ", "\n+ ").replace(" after", "\nafter")
+              .replace(", nothing", ",\nnothing")
               for case, s in zip(launches.index, launches["shares"], strict=True)]
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("µs a read (one layer)")
