@@ -22,6 +22,7 @@ from nanolab.engine.block_manager import cdiv
 from nanolab.kernels import varlen_attention as varlen_attention_module
 from nanolab.kernels.varlen_attention import (
     captured_programs,
+    captured_splits,
     choose_varlen_splits,
     narrow_fits,
     persistent_programs,
@@ -348,11 +349,12 @@ def test_the_operator_passes_splits_through(monkeypatch):
     torch.library.opcheck(varlen_attention_op, args, {"splits": 2}, test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("num_sms", [132, 2])
+@pytest.mark.parametrize("num_sms", [132, 1])
 def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
     """The compiled step's operator over a captured step's plan (a segment per table row, padding
     tokens after the real ones): the flat grid cut for q's tokens reads what the reference reads,
-    the split count chosen inside for them (8 with 132 SMs to fill, 1 with 2)."""
+    the split count chosen inside for them (8 with 132 SMs to fill, 1 with one SM, whose two
+    programs the two KV heads fill unsplit)."""
     made = poison_partials(monkeypatch)
     case, _ = varlen_case([(300, 3), (2, 2), (40, 1)], 4, 2, 24, seed=8)
     n = case["q"].shape[0]
@@ -381,6 +383,17 @@ def test_persistent_programs_fill_the_sms_once():
     for bad in ({"kv_heads": 0}, {"splits": True}, {"num_sms": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             persistent_programs(**{"kv_heads": 8, "splits": 8, **bad})
+
+
+def test_a_captured_step_splits_as_finely_as_one_wave_of_persistent_programs_allows():
+    """`captured_splits`: the most shares (up to 8) that keep one segment's query tiles, each in
+    its shares, within two programs an SM (Llama-3.2-1B: 8 KV heads, 16 tokens a tile)."""
+    assert captured_splits(56, 8, 4) == 8  # 4 tiles x 8 heads x 8 shares = 256 of 264
+    assert captured_splits(64, 8, 4) == 8 and captured_splits(72, 8, 4) == 4  # 4 tiles, then 5
+    assert captured_splits(128, 8, 4) == 4 and captured_splits(136, 8, 4) == 2
+    assert captured_splits(256, 8, 4) == 2 and captured_splits(272, 8, 4) == 1
+    assert captured_splits(512, 8, 4) == 1 and captured_splits(1, 8, 4) == 8
+    assert captured_splits(64, 8, 4, num_sms=66) == 4 and captured_splits(64, 8, 4, max_splits=2) == 2
 
 
 def test_choose_varlen_splits():

@@ -31,6 +31,7 @@ from nanolab.kernels.reference import attention_mask_bias, reference_read
 from nanolab.kernels.step_inputs import upload_step_inputs
 from nanolab.kernels.varlen_attention import (
     captured_programs,
+    captured_splits,
     choose_varlen_splits,
     prompt_attention,
     varlen_attention,
@@ -478,9 +479,10 @@ def _varlen_streamed(view: CacheView, layer: int, q: torch.Tensor, positions: to
     kv_heads = kv.k_pools[layer].shape[1]
     # A short step over a long context cuts each walk into shares. A padded (captured) step's split
     # count is its size's: the graph holds it for whatever lengths it replays.
-    splits = choose_varlen_splits(plan.num_tokens, 1 if plan.padded else len(plan.query_lens), kv_heads,
-                                  q.shape[2] // kv_heads, kv.num_sms,
-                                  max_context=None if plan.padded else max(plan.planned_lens))
+    group = q.shape[2] // kv_heads
+    splits = (captured_splits(plan.num_tokens, kv_heads, group, kv.num_sms) if plan.padded else
+              choose_varlen_splits(plan.num_tokens, len(plan.query_lens), kv_heads, group, kv.num_sms,
+                                   max_context=max(plan.planned_lens)))
     # A padded step's flat grid is cut for the most tiles its size could fill; where its walks are
     # shared out, a fixed grid of persistent programs loops over the tiles it does fill instead.
     return varlen_attention(q[0], kv.k_pools[layer], kv.v_pools[layer], plan.block_table, plan.table_rows,

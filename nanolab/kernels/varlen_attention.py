@@ -380,6 +380,21 @@ def persistent_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int:
     return max(1, RESIDENT * num_sms // (kv_heads * splits))
 
 
+@functools.lru_cache(maxsize=4096)
+def captured_splits(num_tokens: int, kv_heads: int, group: int, num_sms: int = 132, max_splits: int = 8) -> int:
+    """Shares per program for a flat grid cut for `num_tokens` (a captured or compiled step, whose
+    rows' contexts the grid cannot know): the most, a power of two up to `max_splits`, that keep
+    every query tile of one segment of `num_tokens` tokens (a prompt after a cached prefix) in one
+    wave of `captured_programs`, each program then reading one tile's share; 1 where even one
+    share a tile overfills that wave, and then a program a tile (`captured_programs`). A segment's
+    walk, long or short, is then cut as finely as the wave allows, at no cost in waves."""
+    tiles = -(-num_tokens // max(1, BLOCK_M // _pow2(group)))  # [tiles] of one segment of num_tokens
+    splits = 1
+    while splits < max_splits and kv_heads * tiles * splits * 2 <= RESIDENT * num_sms:
+        splits *= 2
+    return splits
+
+
 def captured_programs(kv_heads: int, splits: int, num_sms: int = 132) -> int | None:
     """`varlen_attention`'s `programs` for a flat grid (a captured or compiled step): persistent
     programs (`persistent_programs`) where the step's walks are cut into shares, None (a program for
@@ -418,13 +433,13 @@ def varlen_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     in the graph) instead of the longest segment, a host value a compiled step would have to
     guard on, so one graph serves every mix of segments: segments past q's token count must be
     empty (a padded plan's padding). `splits` is `varlen_attention`'s; None chooses it here, at
-    run time, for the token count on `num_sms` SMs (`choose_varlen_splits`, as a captured eager
-    step does for its size), which the graph then holds. A split read launches persistent programs
+    run time, for the token count on `num_sms` SMs (`captured_splits`, as a captured eager step
+    does for its size), which the graph then holds. A split read launches persistent programs
     (`captured_programs`), as a captured eager step does."""
     n, heads = q.shape[0], q.shape[1]
     kv_heads = k_pool.shape[1]
     if splits is None:
-        splits = choose_varlen_splits(n, 1, kv_heads, heads // kv_heads, num_sms)
+        splits = captured_splits(max(n, 1), kv_heads, heads // kv_heads, num_sms)
     return varlen_attention(q, k_pool, v_pool, block_table, table_rows, block_size, query_start_loc, context_lens,
                             positions, max(n, 1), grid_tokens=max(n, 1), splits=splits,
                             programs=captured_programs(kv_heads, splits, num_sms))

@@ -51,6 +51,7 @@ from nanolab.kernels.varlen_attention import (
     BLOCK_M,
     BLOCK_N,
     captured_programs,
+    captured_splits,
     choose_varlen_splits,
     narrow_fits,
     persistent_programs,
@@ -114,7 +115,7 @@ class VarlenConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int | None
-    splits: int | None  # None: `choose_varlen_splits`'s count for the case
+    splits: int | None  # None: the engine's count for the case (`captured_splits` in a step's layout)
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
     narrow: bool | None = None  # K and V through one int32 offset tensor; None: where the pools allow (the engine)
     # `persistent_programs` programs loop over the tiles of a flat grid; False: a program a tile;
@@ -235,7 +236,7 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
     rows = []
     for c in configs:
         group = heads // kv_heads
-        splits = c.splits or (choose_varlen_splits(grid_tokens, 1, kv_heads, group, sms) if step else
+        splits = c.splits or (captured_splits(grid_tokens, kv_heads, group, sms) if step else
                               choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
                                                    max_context=max(h + q for h, q in case.segments)))
         programs = (captured_programs(kv_heads, splits, sms) if c.persistent is None else
