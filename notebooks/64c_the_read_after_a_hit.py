@@ -130,9 +130,10 @@ lab.show(pd.DataFrame(costs).round(3))
 # %% [markdown]
 # Twice the shares cost 4% to 16% on these reads, on both cards. A rule that reads the contexts
 # where the host knows them, or a capture that records them, needs timings across capture sizes
-# first. `VARLEN_ARGS="--capture-sweep --prefix day64e" scripts/gpu_run.sh varlen` takes them:
+# first. `VARLEN_ARGS="--capture-sweep --prefix day64g" scripts/gpu_run.sh varlen` takes them:
 # 64 to 496 tokens after 256 and 4,096 cached, at 1 to 8 shares, in a captured step's layout,
-# with and without the persistent programs below. The engine keeps one program an SM until then.
+# with and without the persistent programs below. The engine kept one program an SM until then;
+# the sweep, and the rule it gave, close this chapter.
 #
 # **Offsets.** Alone, narrow offsets were faster in 23 of the 24 pairs, by 1.4% to 9.5%; the one
 # slower pair, by 1.3%, is the engine's launch at 50 tokens (4 shares, fewest tiles 4). In the
@@ -352,6 +353,72 @@ if all(t is not None for t in idle.values()):
 # step is the engine's part of the request, and it is faster; a ratio taken across two machines'
 # hosts moves with the host as much as with the step.
 #
+# ## Shares, across capture sizes
+#
+# Persistent programs change what a share costs. A split step now launches one wave of programs
+# whatever its share count (`persistent_programs` divides the wave among the KV heads and shares),
+# so more shares no longer mean more programs, only shorter walks for each. The sweep the rule was
+# waiting for ran on the same H100, at the commit that made persistent programs the engine's
+# (`VARLEN_ARGS="--capture-sweep --prefix day64g" scripts/gpu_run.sh varlen`): one segment of 64
+# to 496 tokens after 256 and 4,096 cached, in a captured step's layout, at 1 to 8 shares, both
+# launches.
+
+# %%
+from nanolab.kernels.varlen_attention import captured_splits  # noqa: E402
+
+CAPTURE_COMMAND = 'VARLEN_ARGS="--capture-sweep --prefix day64g" scripts/gpu_run.sh varlen (at eca4d9b)'
+capture = lab.measured_table("day64g_varlen_sweep", CAPTURE_COMMAND, slug=H100)
+if capture is not None:
+    shares = capture[capture.read == "varlen"].copy()
+    shares["persistent"] = shares.persistent.astype(bool)
+    grid = shares.pivot_table(index="case", columns=["persistent", "splits"], values="us", aggfunc="min", sort=False)
+    lab.show(grid.round(1))
+    rule = {n: (choose_varlen_splits(n, 1, 8, 4), captured_splits(n, 8, 4)) for n in sorted(shares.tokens.unique())}
+    print("shares at each size, before and now:", {n: f"{a} -> {b}" for n, (a, b) in rule.items()})
+    fig = lab.plot_capture_sweep(shares, {n: b for n, (a, b) in rule.items()})
+    lab.save_figure(fig, "day64g_capture_sweep", lab.table_label(capture))
+    lab.show(fig)
+
+# %% [markdown]
+# *The read of one segment after a cached context, in a captured step's layout, by shares (H100,
+# Llama-3.2-1B's heads, bf16). Solid: persistent programs; dashed: a program a tile. A ring marks
+# the shares the engine now takes at each size.*
+#
+# After 4,096 cached tokens, more shares won by far with persistent programs: 64 tokens read in
+# 39.5 µs at 8 shares against 58.1 at the 4 the engine took, 128 in 59.5 at 4 against 93.8 at 2,
+# and 256 in 101.0 at 2 against 141.6 unsplit. After 256 cached, the same extra shares cost at
+# most 1.6 µs (128 tokens, 24.8 against 23.2) and saved 1.1 at 256 tokens. At 496 tokens the
+# unsplit, flat read was the fastest at both contexts, by 6.4 µs and 25.3 µs over 2 persistent
+# shares: its 32 tiles already fill one wave.
+#
+# The engine's rule for a captured step is now `captured_splits`: the most shares, up to 8, that
+# keep one segment's query tiles, each in all its shares, within one wave of two programs an SM
+# (264 on 132 SMs). Each persistent program then reads one tile's share, and a segment's walk is
+# cut as finely as the wave allows. Of the 51 capture sizes this changes three, the three the
+# sweep measured a gain at: 64 tokens from 4 shares to 8, 128 from 2 to 4, 256 from 1 to 2. An
+# unpadded step, whose contexts the host knows, keeps `choose_varlen_splits`.
+#
+# The last of the day's device time timed the prompt step after a cached 4,096-token prompt, the
+# engine against the flat arm, which launches a program a tile at the old share counts, the
+# engine as it was that morning
+# (`PREFIXSTEPS_ARGS="--reads engine,flat --system-len 4096 --suffixes 50,64,128,256 --prefix day64g"`):
+
+# %%
+LONG_COMMAND = ('PREFIXSTEPS_ARGS="--reads engine,flat --system-len 4096 --suffixes 50,64,128,256 '
+                '--prefix day64g" scripts/gpu_run.sh prefixsteps (at a367613)')
+long_steps = lab.measured_table("day64g_prefix_steps", LONG_COMMAND, slug=H100)
+if long_steps is not None:
+    hits = long_steps[long_steps.case == "prefix hit"]
+    long_table = hits.pivot_table(index="suffix", columns="read", values="ms", aggfunc="median")
+    long_table["engine / flat"] = long_table["engine"] / long_table["flat"]
+    lab.show(long_table.rename(columns={"engine": "engine ms", "flat": "flat ms"}).round(3))
+
+# %% [markdown]
+# Every suffix gained: 0.84x to 0.89x the flat launch's step, 0.32 ms at 64 tokens, the second
+# turn's suffix, and 0.65 ms at 256. No prefix bench has run with this rule yet: the second
+# turn's TTFT should fall by about the 0.3 ms its step lost, and the shared prefix's not at all
+# (its 56-token capture size already read in 8 shares).
+#
 # ## The gates
 #
 # Every read the bench timed matched the reference to bf16's rounding, narrow or wide, persistent
@@ -361,7 +428,7 @@ if all(t is not None for t in idle.values()):
 # the interpreter on a CPU.
 
 # %%
-for timed in (sweep, persistent):
+for timed in (sweep, persistent, capture):
     if timed is None:
         continue
     refused = timed[timed.error.fillna("") != ""]
@@ -372,7 +439,7 @@ for timed in (sweep, persistent):
     assert (ok.max_err < 2e-2).all(), "a timed read differs from the reference past bf16's rounding"
     print(f"{len(ok)} timed reads matched the reference (largest error {ok.max_err.max():.4f}); "
           f"{len(refused)} narrow reads of the 4 GiB pool were refused")
-for timed in (steps_e, steps_f):
+for timed in (steps_e, steps_f, long_steps):
     if timed is not None:
         assert timed[timed.phase != "decode"].graph.astype(bool).all(), "a timed prompt step ran eagerly"
 
@@ -410,7 +477,9 @@ print("wide and narrow offsets, and one persistent program, two shares: the refe
 # - At the prefix bench the shared prefix's prompt step fell from 2.91 to 2.66 ms, yet its TTFT
 #   ratio measured 3.34x (0.67 of the 5x aim), against 3.49x in Day 64b: that run's host added
 #   more around the step than the change took out of it. The second turn measured 5.11x.
-# - Shares mattered more: 8 read 64 tokens after 4,128 in 40.1 us where the engine's 4 took 59.9.
-#   The rule that would choose 8 there doubles shares at most capture sizes, and twice the shares
-#   cost 4% to 16% on short walks in Day 64's sweeps, so the engine keeps its rule until a sweep
-#   across capture sizes says where to change it. Measured alone, not in a step.
+# - Shares mattered more: 8 read 64 tokens after 4,128 in 40.1 us where the engine's 4 took 59.9,
+#   alone. With a program a tile, twice the shares cost 4% to 16% on short walks; with persistent
+#   programs, in a captured step's layout, they cost at most 1.6 µs after 256 cached tokens and
+#   saved up to 40.6 µs after 4,096. A captured step now takes the most shares that one wave of
+#   persistent programs holds for one segment's tiles (`captured_splits`: 64, 128 and 256 tokens
+#   take 8, 4 and 2), and the prompt step after a cached 4,096 took 0.84x to 0.89x the morning's.

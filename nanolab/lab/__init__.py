@@ -65,7 +65,7 @@ _EXPORTS = {
                                     "plot_spec_batches", "plot_specload_rules", "plot_verify_kernels"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.prefix": ["plot_front_costs", "plot_nohit_throughput", "plot_prefix_ttft", "plot_read_in_step",
-                                 "plot_read_launches",
+                                 "plot_capture_sweep", "plot_read_launches",
                                  "plot_read_shares", "plot_shared_blocks"],
     "nanolab.lab.frontcosts": ["front_costs", "front_label", "front_totals", "idle_costs"],
     "nanolab.lab.kernelres": ["resources_label", "varlen_resources"],

@@ -233,3 +233,35 @@ def plot_read_launches(launches: pd.DataFrame) -> Figure:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(bars))
     fig.tight_layout()
     return fig
+
+
+def plot_capture_sweep(sweep: pd.DataFrame, chosen: dict[int, int]) -> Figure:
+    """`varlenbench --capture-sweep`'s table (case "N tokens after H", tokens, splits, persistent,
+    us; the read's rows in a captured step's layout): a panel per cached context, us a read against
+    shares for each token count, solid with persistent programs and dashed with a program a tile,
+    and a ring on each count's line at the shares `chosen` (tokens -> shares) takes."""
+    sweep = sweep.assign(history=sweep.case.str.split(" after ").str[1])
+    histories = list(dict.fromkeys(sweep.history))
+    fig = Figure(figsize=(5.2 * len(histories), 4.2))
+    axes = fig.subplots(1, len(histories), squeeze=False)[0]
+    for ax, history in zip(axes, histories, strict=True):
+        rows = sweep[sweep.history == history]
+        for i, tokens in enumerate(sorted(rows.tokens.unique())):
+            for persistent, style in ((True, "-"), (False, "--")):
+                line = rows[(rows.tokens == tokens) & (rows.persistent == persistent)].groupby("splits").us.min()
+                ax.plot(line.index, line.to_numpy(), style, marker="o", ms=3, color=f"C{i}",
+                        label=f"{tokens} tokens" if persistent else None)
+            pick = chosen.get(int(tokens))
+            picked = rows[(rows.tokens == tokens) & (rows.splits == pick) & (rows.persistent == (pick > 1))]
+            if pick is not None and len(picked):
+                ax.plot([pick], [picked.us.min()], "o", ms=10, mfc="none", color=f"C{i}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.set_xlabel("shares a walk is cut into")
+        ax.set_ylabel("µs a read (one layer)")
+        ax.set_title(f"after {history} cached tokens", fontsize=10)
+        ax.set_ylim(0, None)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, title="solid: persistent programs; dashed: a program a tile", title_fontsize=7)
+    fig.tight_layout()
+    return fig
