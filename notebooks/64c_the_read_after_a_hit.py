@@ -82,8 +82,10 @@ if sweep is not None:
                                sort=False).round(1).rename(columns={False: "wide us", True: "narrow us"}))
     # a captured step cuts the read's grid for its capture size: the step layout's rows say which
     grids = sweep[sweep.layout == "step"].groupby("case").grid_tokens.first().astype(int)
+    # the rule a captured step took then; `captured_splits` replaced it (the end of this chapter)
     chosen = {case: choose_varlen_splits(grids[case], 1, 8, 4) for case in grids.index}
-    print("the engine's shares in a captured step:", {c: f"{chosen[c]} (grid for {grids[c]} tokens)" for c in chosen})
+    print("the engine's shares in a captured step then:",
+          {c: f"{chosen[c]} (grid for {grids[c]} tokens)" for c in chosen})
     fig = lab.plot_read_shares(alone[alone.share_tiles == 1], chosen)
     lab.save_figure(fig, "day64c_read_shares", lab.table_label(sweep))
     lab.show(fig)
@@ -91,7 +93,7 @@ if sweep is not None:
 # %% [markdown]
 # *The read after a cached prefix, alone, by shares (H100, Llama-3.2-1B's heads, bf16, the fewest
 # tiles a share one, default stages). Grey: 64-bit addresses for K and V apart; blue: int32
-# offsets they share. The dotted line is the share count the engine chooses in a captured step.*
+# offsets they share. The dotted line is the share count a captured step took at the time.*
 #
 # **Shares.** Eight were the fastest count for both cases, by far more than the offsets moved
 # anything: wide, at default stages, 50 tokens after 2,048 took 37.3 us at 4 shares and 28.1 at
