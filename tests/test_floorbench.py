@@ -21,6 +21,7 @@ from nanolab.lab.floorbench import (
     Arm,
     FloorBench,
     Shape,
+    check_context,
     cpu_target_line,
     decode_row,
     decode_shapes,
@@ -89,6 +90,12 @@ def test_shapes_decode_near_their_context():
     assert shapes[-1].kv_tokens(256) == 2048 and shapes[0].kv_tokens(256) == 256
     with pytest.raises(ValueError, match="too short"):
         decode_shapes([], 128, [(4, 100)], 256)
+    # a call past the model's context is refused before any arm runs, naming its flags
+    check_context(shapes, [(1, 2047)], 256, context=2048 + 128 + 2)  # the longest fits exactly
+    with pytest.raises(ValueError, match="--contexts/--prompt-len/--steps: a call at context 2048"):
+        check_context(shapes, [], 256, context=2048 + 128 + 1)
+    with pytest.raises(ValueError, match="--ttft 1x2048"):
+        check_context(shapes[:1], [(1, 2048)], 256, context=2048)
 
 
 def _bench(ms: dict[str, float], bandwidth: float = 4e12, targets: bool = True) -> FloorBench:

@@ -39,7 +39,8 @@ def test_every_arm_emits_its_tokens_and_speculation_keeps_every_draft():
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [({"k": 0}, "k"), ({"tokens": 0}, "tokens"), ({"repeats": -1}, "repeats"),
-                                               ({"prompt_len": CYCLE}, "prompt_len")])
+                                               ({"prompt_len": CYCLE}, "prompt_len"),
+                                               ({"tokens": 1952}, "tokens")])  # 96 + 1952 + 1 > 2,048
 def test_bad_settings_are_refused_by_name(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}="):
         run_hostbench("cpu", **kwargs)

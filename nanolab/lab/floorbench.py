@@ -84,6 +84,22 @@ def decode_shapes(batches: Iterable[int], prompt_len: int = PROMPT_LEN, contexts
     return shapes
 
 
+def check_context(shapes: Iterable[Shape], ttft: Iterable[tuple[int, int]], steps: int, context: int,
+                  longest_short: int = 2) -> None:
+    """Refuse, naming its flags, a shape whose timed call (its prompt, `steps` tokens and an arm's
+    short call, at most `longest_short`) or a TTFT prompt (and its one token) would not fit the
+    model's `context`: every arm would fail it, one row at a time."""
+    for s in shapes:
+        if s.prompt_len + steps + longest_short > context:
+            raise ValueError(f"--contexts/--prompt-len/--steps: a call at context {s.context} holds {s.prompt_len} "
+                             f"prompt tokens and {steps + longest_short} new ones, past the model's context of "
+                             f"{context}")
+    for batch, prompt_len in ttft:
+        if prompt_len + 1 > context:
+            raise ValueError(f"--ttft {batch}x{prompt_len}: the prompt and its token would pass the model's context "
+                             f"of {context}")
+
+
 def parse_batches(text: str, option: str = "--batches") -> list[int]:
     """"1,8,32" -> [1, 8, 32]; "" -> []."""
     return int_list(text, option) if text.replace(",", "").strip() else []
@@ -529,6 +545,7 @@ def main(args: argparse.Namespace) -> int:
     engine_args = dict(device=args.device, dtype=args.dtype, max_num_seqs=rows, enable_chunked_prefill=False,
                        enable_prefix_caching=False)
     llm = LLM(args.model, compile=compile, **engine_args)
+    check_context(shapes, ttft, steps, llm.engine.max_model_len)
     extra = []
     if args.eager_beside:
         eager = LLM(args.model, compile=False, enforce_eager=True, **engine_args)

@@ -112,6 +112,10 @@ def run_hostbench(device: str | None = None, k: int = 8, tokens: int = 512, prom
             raise ValueError(f"{name}={value!r}: must be a positive int")
     if prompt_len < CYCLE + 2:
         raise ValueError(f"prompt_len={prompt_len}: the prompt must hold the cycle of {CYCLE} and a match after it")
+    room = PRESETS["tiny"].max_position_embeddings - prompt_len - 1  # the prompt's step gives a token untimed
+    if tokens > room:
+        raise ValueError(f"tokens={tokens}: a timed request holds at most {room} new tokens after its "
+                         f"{prompt_len}-token prompt in the tiny model's context")
     if "chained, no match" in arms and prompt_len + 66 > LONG_CYCLE:
         raise ValueError(f"prompt_len={prompt_len}: the no-match arm's prompt and warm-up request must fit "
                          f"the cycle of {LONG_CYCLE}")
