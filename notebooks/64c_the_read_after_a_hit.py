@@ -299,7 +299,7 @@ if steps_e is not None:
 # %% [markdown]
 # Persistent programs took 0.23 ms off the 50-token step (2.47 to 2.23 ms, medians of five) and
 # added 0.31 ms to the 400-token one, whose capture size (400 tokens) is not split. So the engine
-# now takes persistent programs exactly where a captured step splits its walks
+# now takes persistent programs where a captured step splits its walks
 # (`captured_programs`), and a program a tile where it does not; the lab keeps the flat launch as
 # a read arm (`lab.readarms`, "flat"). A second run on the same machine, after the change, timed
 # the engine against that arm (`PREFIXSTEPS_ARGS="--reads engine,flat --prefix day64f"`) and

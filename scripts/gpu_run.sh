@@ -49,16 +49,18 @@
 # VARLEN_ARGS="--narrow-only --cases tokens --prefix day64c" times the read with K and V addressed through one
 # tensor of int32 offsets (`varlen_attention`'s narrow) against the engine's, for 50 and 64 tokens after a
 # cached 2,048 and 4,128 (the two cases whose names hold "tokens").
-# VARLEN_ARGS="--persistent-only --prefix day64e" times the engine's launch against persistent programs (a fixed
-# grid looping over the step's query tiles, `varlen_attention`'s programs) at its shares and at 4, 8 and 16, alone and
-# in every layout a step hands the read. VARLEN_ARGS="--capture-sweep --prefix day64e" reads 64 to 496 tokens after 256
+# VARLEN_ARGS="--persistent-only --prefix day64h" times a program a tile against persistent programs (a fixed
+# grid looping over the step's query tiles, `varlen_attention`'s programs) at the engine's shares and at 4, 8 and 16,
+# alone and in every layout a step hands the read. VARLEN_ARGS="--capture-sweep --prefix day64g" reads 64 to 496
+# tokens after 256
 # and 4,096 cached in a captured step's layout at the engine's shares and at 1, 2, 4 and 8, with and without
 # persistent programs (and the decode read, a row a token, for the 64-token cases): the sweep a share rule for
 # captured steps waits for.
-# persistent runs both measures of persistent programs in one part, into data/day64e_*: varlenbench --persistent-only
-# (the read alone and in each layout, a program a tile against persistent programs), then prefixsteps --reads
-# engine,persistent (the prompt step after a cached prefix with each read on its own engine, one process; the
-# engine takes persistent programs where a captured step splits its walks, the arm everywhere); about 5 minutes.
+# persistent runs both measures of persistent programs in one part, into data/day64h_* (data/day64e_* is its run
+# at fde463c, before the engine took them): varlenbench --persistent-only (the read alone and in each layout, a
+# program a tile against persistent programs), then prefixsteps --reads engine,flat,persistent (the prompt step
+# after a cached prefix with each read on its own engine, one process: the engine, persistent programs where a
+# captured step splits its walks; flat and persistent, the lab's arms at the old share rule); about 6 minutes.
 # Day 65: fp8 runs fp8bench's steps on Llama-3.2-1B shapes (bf16 and fp8 weights in one process,
 # data/day65_fp8_steps_*), $FP8_ARGS added (FP8_ARGS="--parts dots": the ways the fp8 GEMV can multiply a tile,
 # the engine's tiles at 4 and 8 warps among them (at 4 they spill: python -m nanolab kernelres --kernels gemv),
@@ -166,8 +168,9 @@ for part in "${parts[@]}"; do
             fi ;;
         varlen) python3 -m nanolab varlenbench --model llama-3.2-1b ${VARLEN_ARGS:-} || status=1 ;;
         prefixsteps) python3 -m nanolab prefixsteps --model llama-3.2-1b ${PREFIXSTEPS_ARGS:-} || status=1 ;;
-        persistent) python3 -m nanolab varlenbench --model llama-3.2-1b --persistent-only --prefix day64e || status=1
-            python3 -m nanolab prefixsteps --model llama-3.2-1b --reads engine,persistent --prefix day64e || status=1 ;;
+        persistent) python3 -m nanolab varlenbench --model llama-3.2-1b --persistent-only --prefix day64h || status=1
+            python3 -m nanolab prefixsteps --model llama-3.2-1b --reads engine,flat,persistent --prefix day64h \
+                || status=1 ;;
         specload) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 4,16,32 \
                       --max-rate 32 --no-offline --prefix day65specload ${SPECLOAD_ARGS:-} || status=1 ;;
         specrounds) python3 -m nanolab graphbench --model llama-3.2-1b --arms fullgraphs,fullgraphs+ngram --rates 32 \

@@ -349,22 +349,34 @@ def test_the_operator_passes_splits_through(monkeypatch):
     torch.library.opcheck(varlen_attention_op, args, {"splits": 2}, test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("num_sms", [132, 1])
+@pytest.mark.parametrize("num_sms", [132, 4, 1])
 def test_the_operator_over_a_padded_step(num_sms, monkeypatch):
     """The compiled step's operator over a captured step's plan (a segment per table row, padding
     tokens after the real ones): the flat grid cut for q's tokens reads what the reference reads,
-    the split count chosen inside for them (8 with 132 SMs to fill, 1 with one SM, whose two
-    programs the two KV heads fill unsplit)."""
+    the split count chosen inside for them (`captured_splits`: 8 with 132 SMs to fill, 4 with 4,
+    where the unpadded rule would take 2, and 1 with one SM, whose two programs the two KV heads
+    fill unsplit), its shares looped over by persistent programs."""
     made = poison_partials(monkeypatch)
+    launches, real = [], varlen_attention_module.varlen_attention
+
+    def spy(*a, **kw):
+        launches.append((kw["splits"], kw["programs"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(varlen_attention_module, "varlen_attention", spy)
     case, _ = varlen_case([(300, 3), (2, 2), (40, 1)], 4, 2, 24, seed=8)
     n = case["q"].shape[0]
     step = padded(case, extra_tokens=3, extra_segments=20)
     args = [step[k] for k in ("q", "k_pool", "v_pool", "block_table", "table_rows", "query_start_loc",
                               "context_lens", "positions", "block_size")]
     got = varlen_attention_op(*args, num_sms=num_sms)
+    # the captured step's rule for its 9 tokens (2 KV heads, one tile of 32 tokens)
+    splits = {132: 8, 4: 4, 1: 1}[num_sms]
+    assert launches == [(splits, captured_programs(2, splits, num_sms))], launches
+    assert num_sms != 4 or choose_varlen_splits(n + 3, 1, 2, 2, num_sms) == 2
     torch.testing.assert_close(got[:n], varlen_reference(**case), rtol=1e-5, atol=1e-5)
     assert not got[n:].any(), "a padding token was attended"
-    assert len(made) == (num_sms == 132), "the split read runs where the SMs want more programs"
+    assert len(made) == (num_sms > 1), "the split read runs where the SMs want more programs"
 
 
 def test_a_flat_grid_launches_persistent_programs_only_where_its_walks_are_split():

@@ -18,7 +18,12 @@ from nanolab import LLM, Engine, EngineConfig, SamplingParams
 from nanolab.engine.graphs import VarlenGraphs, capture_sizes, varlen_step
 from nanolab.engine.kv_cache import SINK
 from nanolab.kernels import INTERPRETED
-from nanolab.kernels.varlen_attention import captured_programs, persistent_programs
+from nanolab.kernels.varlen_attention import (
+    captured_programs,
+    captured_splits,
+    choose_varlen_splits,
+    persistent_programs,
+)
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
@@ -260,8 +265,11 @@ def test_an_engine_whose_varlen_steps_take_the_graphed_path_gives_the_same_logit
 def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model, monkeypatch):
     """What a varlen graph captures and replays, through the Triton read (the interpreter here):
     the all-padding plan a graph is captured on runs and writes nothing but the sink, and a padded
-    step of real rows gives the reference read's logits. Its walks are split (a 16-token step of
-    2 KV heads is far from filling 132 SMs), so every layer's read launches persistent programs."""
+    step of real rows gives the reference read's logits. On 4 SMs, a 16-token step of 2 KV heads
+    (one query tile) takes 4 shares (`captured_splits`; the rule for unpadded steps would take 2),
+    and every layer's read loops one persistent program a KV head and share over its tiles. An
+    unpadded step of the same rows, on 132 SMs, takes the unpadded rule: contexts too short to
+    share, one share, a program a tile."""
     import nanolab.engine.kv_cache as kv_cache
 
     launches, real = [], kv_cache.varlen_attention
@@ -275,6 +283,9 @@ def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model, mon
     kw = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
               head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
     streamed, reference = make_cache(**kw, read="streamed"), make_cache(**kw)
+    streamed.num_sms = 4  # what a captured step's shares and programs are chosen for
+    kv_heads, group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    assert (captured_splits(16, kv_heads, group, 4), choose_varlen_splits(16, 1, kv_heads, group, 4)) == (4, 2)
     for cache in (streamed, reference):
         cache.reserve_varlen(16)
     with torch.inference_mode():
@@ -287,9 +298,18 @@ def test_the_streamed_read_runs_a_padded_step_and_a_capture_plan(tiny_model, mon
             plan = cache.plan_varlen(rows, (5, 3), input_ids=[4, 8, 15, 16, 23, 42, 7, 9], num_tokens=16)
             logits.append(varlen_step(tiny_model, cache, plan)[:2])
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
-    kv_heads = config.num_key_value_heads
-    assert launches == [(8, captured_programs(kv_heads, 8))] * (2 * config.num_hidden_layers), launches
-    assert captured_programs(kv_heads, 8) == persistent_programs(kv_heads, 8)
+    assert captured_programs(kv_heads, 4, 4) == persistent_programs(kv_heads, 4, 4) == 1
+    assert launches == [(4, 1)] * (2 * config.num_hidden_layers), launches
+    launches.clear()
+    streamed.num_sms = 132  # where only the short contexts keep an unpadded step unsplit
+    with torch.inference_mode():  # the same rows' next tokens, unpadded: contexts of 6 and 4 keys
+        logits = []
+        for cache in (streamed, reference):
+            plan = cache.plan_varlen([0, 1], (1, 1))
+            ids = torch.tensor([[5, 6]])
+            logits.append(tiny_model(ids, plan.positions, cache=cache.view(plan), logits_index=plan.logits_index))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert launches == [(1, None)] * config.num_hidden_layers, launches
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the streamed read on a CPU needs Triton's interpreter")

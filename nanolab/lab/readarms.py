@@ -4,12 +4,14 @@ runner that gives its cache another varlen read before its graphs are captured
 launch the engine replaced, beside the engine's own, in one process.
 
 A captured (padded) step's read cuts a flat grid for the most query tiles its size could fill. The
-engine launches persistent programs there where the walks are split (`captured_programs`), and a
-program for every tile the grid could need where they are not. The arms, each for every padded
-step and every compiled one (a step that is not padded reads as the engine's does):
+engine cuts its walks into `captured_splits` shares and launches persistent programs where they
+are split (`captured_programs`), a program for every tile the grid could need where they are not.
+The arms, each for every padded step and every compiled one (a step that is not padded reads as
+the engine's does), take the share count the engine took before, `choose_varlen_splits` for the
+capture size:
 
-- "flat": a program for every tile the grid could need, split or not (the engine's launch until
-  persistent programs replaced it for split steps);
+- "flat": a program for every tile the grid could need, split or not: the engine's read before it
+  took persistent programs and `captured_splits`;
 - "persistent": `persistent_programs` programs a KV head and share, each looping over the step's
   query tiles, split or not.
 

@@ -119,7 +119,8 @@ class VarlenConfig(NamedTuple):
     share_tiles: int = SHARE_TILES  # the fewest key tiles a share walks
     narrow: bool | None = None  # K and V through one int32 offset tensor; None: where the pools allow (the engine)
     # `persistent_programs` programs loop over the tiles of a flat grid; False: a program a tile;
-    # None: the engine's choice (`captured_programs`: persistent where the walks are split)
+    # None: the engine's choice (`captured_programs` in a captured step's layout: persistent where the
+    # walks are split; alone, a program a tile, as an unpadded step launches)
     persistent: bool | None = None
 
 
@@ -239,7 +240,9 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
         splits = c.splits or (captured_splits(grid_tokens, kv_heads, group, sms) if step else
                               choose_varlen_splits(grid_tokens, len(case.segments), kv_heads, group, sms,
                                                    max_context=max(h + q for h, q in case.segments)))
-        programs = (captured_programs(kv_heads, splits, sms) if c.persistent is None else
+        # None: as the engine launches, persistent programs only in a captured step's layout (an
+        # unpadded step, which the alone layout stands for, launches a program a tile)
+        programs = ((captured_programs(kv_heads, splits, sms) if step else None) if c.persistent is None else
                     persistent_programs(kv_heads, splits, sms) if c.persistent else None)
         run = lambda splits=splits, c=c, programs=programs: varlen_attention(  # noqa: E731
             **args, max_query_len=max(q for _, q in case.segments), grid_tokens=grid_tokens, block_m=c.block_m,
@@ -251,7 +254,7 @@ def time_case(case: VarlenCase, config, configs: Sequence[VarlenConfig], repeats
                "share_tiles": c.share_tiles,
                "narrow": fits if c.narrow is None else c.narrow, "persistent": programs is not None,
                "engine_default": (c._replace(narrow=None, persistent=None) == DEFAULT and c.narrow in (None, fits)
-                                  and c.persistent in (None, splits > 1))}
+                                  and c.persistent in (None, step and splits > 1))}
         try:
             err = float((run().float() - ref).abs().max())
             us = time_us(run, args["q"].device, repeats)
