@@ -408,3 +408,57 @@ def test_a_token_span_crosses_from_the_prompt_into_the_output():
     for start in range(len(joined) + 1):
         for stop in range(start, len(joined) + 1):
             assert token_span(prompt, output, start, stop) == joined[start:stop], (start, stop)
+
+
+# The allocator's and the memo's own promises, each of which the engine-level tests above would
+# let slip: they change which blocks are reused, or how much hashing is saved, not the output.
+
+
+def test_an_unkeyed_released_block_is_handed_out_first_again():
+    from nanolab.engine.block_manager import BlockAllocator
+
+    allocator = BlockAllocator(4)
+    x, y = allocator.allocate(), allocator.allocate()
+    allocator.release([x])
+    allocator.release([y])
+    assert allocator.allocate() == y and allocator.allocate() == x, "unkeyed blocks go last in, first out"
+
+
+def test_a_keyed_block_keeps_its_first_key():
+    from nanolab.engine.block_manager import BlockAllocator
+
+    allocator = BlockAllocator(2)
+    block = allocator.allocate()
+    assert allocator.set_key(block, b"k1")
+    assert not allocator.set_key(block, b"k2"), "a keyed block was keyed again"
+    assert allocator.lookup(b"k1") == block and allocator.lookup(b"k2") is None
+
+
+def test_the_key_memo_fills_to_its_capacity_and_drops_the_least_recently_used(monkeypatch):
+    import hashlib
+
+    memo = KeyMemo(4, capacity=3)
+    blocks = [[i] * 4 for i in range(1, 5)]
+    for block in blocks[:3]:
+        list(memo.chain(None, block, 0, 1))
+    assert len(memo) == 3, "the memo keeps fewer keys than its capacity"
+    list(memo.chain(None, blocks[0], 0, 1))  # a hit: now the most recent
+    list(memo.chain(None, blocks[3], 0, 1))  # drops blocks[1], the least recent
+    hashed, sha256 = [], hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda data: hashed.append(data) or sha256(data))
+    list(memo.chain(None, blocks[0], 0, 1))
+    assert hashed == [], "a key used just before was dropped first"
+
+
+def test_a_row_keys_each_block_as_soon_as_it_is_full():
+    class Seq:
+        def __init__(self, row, prompt):
+            self.row, self.prompt_token_ids, self.output_token_ids = row, prompt, []
+
+    manager = BlockManager(num_blocks=8, block_size=4, max_rows=1, enable_prefix_caching=True)
+    row = manager.open_row()
+    prompt = [1, 2, 3, 4, 5]  # one full block and one token
+    manager.grow([row], [len(prompt)])
+    manager.commit_rows([Seq(row, prompt)])
+    assert len(manager.table(row).keys) == 1
+    assert manager.cached_prefix(prompt + [9])[0] == manager.table(row).blocks[:1]

@@ -153,3 +153,29 @@ def test_the_engine_preempts_its_newest_request(tiny_model):
     for seq, running in victims:
         assert seq is running[-1]
     assert all(len(s.output_token_ids) == 12 for s in seqs)
+
+
+def test_whole_prompt_admission_fills_the_budget_exactly():
+    """Without chunking, prompts are admitted while they fit the token budget, the last one
+    exactly: two prompts of 4 under a budget of 8 run in one step."""
+    from nanolab.engine.block_manager import BlockManager
+
+    scheduler = Scheduler(BlockManager(16, 4, 4), max_num_batched_tokens=8, enable_chunked_prefill=False)
+    a, b = (Sequence(i, [5] * 4, SamplingParams(max_tokens=4)) for i in range(2))
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    assert out.seqs == [a, b] and out.num_tokens == 8
+
+
+def test_a_sample_whose_prompt_is_one_block_is_not_held_back_for_its_parent():
+    """A prompt of exactly one block shares nothing (its last token is always computed), so its
+    sibling is admitted beside its parent, not after it."""
+    from nanolab.engine.block_manager import BlockManager
+
+    scheduler = Scheduler(BlockManager(16, 4, 4, enable_prefix_caching=True), max_num_batched_tokens=64)
+    parent = Sequence(0, [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    child = Sequence(1, [1, 2, 3, 4], SamplingParams(max_tokens=4), parent=parent)
+    scheduler.add(parent)
+    scheduler.add(child)
+    assert scheduler.schedule().seqs == [parent, child]

@@ -790,3 +790,45 @@ def test_the_shift_kernel_moves_each_token_back_by_its_rows_shift():
     # row 0's blocks 5, 6, 7 and row 1's 2, 3, 4: slot = block * 4 + position % 4
     assert slots.tolist() == [6 * 4 + 2, 6 * 4 + 3, 7 * 4 + 0, 3 * 4 + 3, 4 * 4 + 0]
     assert ids.tolist() == [7, 41, 42, 9, 43]
+
+
+def test_a_draft_the_target_gives_no_probability_is_never_kept(monkeypatch):
+    """torch.rand may return exactly 0.0: a draft kept with probability 0 must still be rejected."""
+    import nanolab.spec_decode as spec_decode
+
+    monkeypatch.setattr(spec_decode.torch, "rand", lambda *a, **k: torch.tensor(0.0))
+    p = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    assert rejection_sample(p, [0])[0] != 0
+
+
+def test_a_rejected_draft_the_draft_model_gave_no_probability_draws_from_the_target():
+    """p == q with q(d) == 0: the draft is rejected, max(p - q, 0) is empty, and the token comes from
+    p itself, not from a 0/0 distribution."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    assert rejection_sample(p, [0], p[:1].clone(), torch.Generator().manual_seed(0))[0] == 1
+
+
+@pytest.mark.parametrize("extra", [18, 21])
+def test_a_verify_step_never_feeds_the_contexts_last_position(sharp_gqa24, extra):
+    """A token at position max_model_len - 1 has no successor to sample: drafts stop one short of
+    the context, and the request still ends holding the whole context."""
+    from conftest import run_until_done
+
+    from nanolab import SamplingParams
+
+    prompt = repetitive_prompts(1, 1)[0]
+    context = len(prompt) + extra
+    engine = spec_engine(sharp_gqa24, None, max_model_len=context, async_scheduling=False,
+                         speculative_config={"num_speculative_tokens": 4, "max_draft_backoff": 0,
+                                             "prompt_lookup_min_until_kept": 1})
+    fed, verify = [], engine.runner.verify
+
+    def spy(seqs, counts, *args, **kwargs):
+        fed.extend(s.num_tokens for s in seqs)  # a row's drafts are in its tokens while it is verified
+        return verify(seqs, counts, *args, **kwargs)
+
+    engine.runner.verify = spy
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=None))
+    run_until_done(engine)
+    assert engine.spec_steps > 0 and seq.num_tokens == context
+    assert max(fed) <= context - 1, fed
