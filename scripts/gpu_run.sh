@@ -37,7 +37,7 @@
 # loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
 # server's /metrics reports for 16 shared system prompts (needs the prometheus-client and orjson wheels);
 # $PREFIX_ARGS added. Then frontcosts times a request's host work stage by stage on this host, and
-# after it idles (data/day64b_front_*, data/day64b_idle_*).
+# after it idles (data/<prefix>_front_*, data/<prefix>_idle_*: the --prefix in $PREFIX_ARGS, else day64b).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, and profiles the
 # 50-token one's kernels beside a decode step's (data/day64_prefix_steps_*, data/day64_prefix_kernels_*),
@@ -149,7 +149,9 @@ for part in "${parts[@]}"; do
         mixedhost) python3 -m nanolab levers --only mixedhost --model llama-3.2-1b --repeats 5 || status=1 ;;
         mixed) python3 -m nanolab levers --only mixed --model llama-3.2-1b || status=1 ;;
         prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1
-            python3 -m nanolab frontcosts || status=1 ;;
+            # the host's stages under the bench's prefix (day64b_* when none is given)
+            front=$(sed -n 's/.*--prefix[= ]\([^ ]*\).*/\1/p' <<< "${PREFIX_ARGS:-}")
+            python3 -m nanolab frontcosts ${front:+--prefix "$front"} || status=1 ;;
         fp8) python3 -m nanolab fp8bench --model llama-3.2-1b --parts steps ${FP8_ARGS:-} || status=1 ;;
         verify) python3 -m nanolab specbench --model llama-3.2-1b --parts verify ${VERIFY_ARGS:-} || status=1 ;;
         smollm2) gguf=SmolLM2-135M-Instruct.Q4_1.gguf
