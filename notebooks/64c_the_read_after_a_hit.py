@@ -375,8 +375,9 @@ if capture is not None:
     shares["persistent"] = shares.persistent.astype(bool)
     grid = shares.pivot_table(index="case", columns=["persistent", "splits"], values="us", aggfunc="min", sort=False)
     lab.show(grid.round(1))
-    rule = {n: (choose_varlen_splits(n, 1, 8, 4), captured_splits(n, 8, 4)) for n in sorted(shares.tokens.unique())}
-    print("shares at each size, before and now:", {n: f"{a} -> {b}" for n, (a, b) in rule.items()})
+    rule = {int(n): (choose_varlen_splits(int(n), 1, 8, 4), captured_splits(int(n), 8, 4))
+            for n in sorted(shares.tokens.unique())}
+    print("shares at each size, before and now:", ", ".join(f"{n} tokens {a} -> {b}" for n, (a, b) in rule.items()))
     fig = lab.plot_capture_sweep(shares, {n: b for n, (a, b) in rule.items()})
     lab.save_figure(fig, "day64g_capture_sweep", lab.table_label(capture))
     lab.show(fig)
@@ -433,10 +434,11 @@ if long_steps is not None:
 for timed in (sweep, persistent, capture):
     if timed is None:
         continue
-    refused = timed[timed.error.fillna("") != ""]
+    error = timed.error.astype(object).fillna("")  # a table with no error reads its column as floats
+    refused = timed[error != ""]
     assert refused.error.astype(str).str.contains("narrow offsets need").all()
     assert (refused.layout == "step, large pool").all()
-    ok = timed[timed.error.fillna("") == ""]
+    ok = timed[error == ""]
     # bf16 keeps 8 bits: an output near 2 to 4 (one key's V, early in a prompt) rounds in steps of 1/64
     assert (ok.max_err < 2e-2).all(), "a timed read differs from the reference past bf16's rounding"
     print(f"{len(ok)} timed reads matched the reference (largest error {ok.max_err.max():.4f}); "
