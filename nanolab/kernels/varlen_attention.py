@@ -326,7 +326,7 @@ def varlen_attention(
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads
     G = _pow2(group)
-    block_q = max(1, block_m // G)
+    block_q = _tile_tokens(group, block_m)
     out = torch.zeros_like(q)  # zeros: a token of no segment (none in a plan) reads zeros, not garbage
     segments = table_rows.shape[0]
     if n == 0 or segments == 0:
@@ -362,6 +362,12 @@ def varlen_attention(
     return out
 
 
+def _tile_tokens(group: int, block_m: int = BLOCK_M) -> int:
+    """Tokens a query tile holds: `block_m` rows, each token's `group` query heads padded to a power
+    of two."""
+    return max(1, block_m // _pow2(group))
+
+
 def narrow_fits(k_pool: torch.Tensor, v_pool: torch.Tensor, limit: int = NARROW_LIMIT) -> bool:
     """Whether one tensor of int32 offsets addresses both pools (`varlen_attention`'s `narrow`):
     both contiguous and of one shape (so an element's offset is the same in each, and below its
@@ -388,7 +394,7 @@ def captured_splits(num_tokens: int, kv_heads: int, group: int, num_sms: int = 1
     wave of `captured_programs`, each program then reading one tile's share; 1 where even one
     share a tile overfills that wave, and then a program a tile (`captured_programs`). A segment's
     walk, long or short, is then cut as finely as the wave allows, at no cost in waves."""
-    tiles = -(-num_tokens // max(1, BLOCK_M // _pow2(group)))  # [tiles] of one segment of num_tokens
+    tiles = triton.cdiv(num_tokens, _tile_tokens(group))  # of one segment of num_tokens
     splits = 1
     while splits < max_splits and kv_heads * tiles * splits * 2 <= RESIDENT * num_sms:
         splits *= 2
@@ -415,7 +421,7 @@ def choose_varlen_splits(num_tokens: int, segments: int, kv_heads: int, group: i
     The shares pay off only where each walk is long: a short context's extra shares walk nothing."""
     if max_context is not None and max_context <= SHARE_TILES * BLOCK_N:
         return 1
-    block_q = max(1, BLOCK_M // _pow2(group))
+    block_q = _tile_tokens(group)
     programs = (num_tokens // block_q + segments) * kv_heads
     splits = 1
     while splits < max_splits and programs * splits < num_sms:

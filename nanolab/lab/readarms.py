@@ -75,9 +75,10 @@ def launched_varlen_read(view, layer: int, q: torch.Tensor, positions: torch.Ten
 
 class LaunchReadRunner(ModelRunner):
     """A `ModelRunner` whose cache reads varlen steps through `launched_varlen_read` with the class's
-    `launch`, handed to it before the runner captures its graphs. Needs the streamed read (Triton)."""
+    `launch` (one of `LAUNCHES`, set by each subclass), handed to it before the runner captures its
+    graphs. Needs the streamed read (Triton)."""
 
-    launch = "flat"
+    launch: str
 
     def __init__(self, model, kv_cache, **kwargs) -> None:
         if kv_cache.read != "streamed":
