@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from nanolab.lab.prefixsteps import run_prefix_steps
+from nanolab.lab.prefixsteps import PROFILED_SUFFIX, SPLIT_PARTS, run_prefix_steps
 
 
 def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
-    steps, kernels = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23), repeats=2,
-                                      decode_steps=3, log=lambda _: None)
+    steps, kernels, split = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23), repeats=2,
+                                             decode_steps=3, log=lambda _: None)
     assert kernels is None  # the profiler's kernels are CUDA's
     assert set(steps.read) == {"engine"}
     hits = steps[steps.case == "prefix hit"]
@@ -18,6 +18,13 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
     assert (hits.tokens == hits.suffix).all()  # 64 cached tokens: four full blocks, none fed again
     decode = steps[(steps.case == "decode") & (steps.phase == "decode")]
     assert len(decode) == 3 and (decode.tokens == 1).all() and (steps.ms > 0).all()
+    # The split: one prompt step a request, of PROFILED_SUFFIX tokens; its timed parts fit in the step
+    # and leave a rest; no graph replays on a CPU, so no GPU time.
+    assert len(split) == 2 and (split.tokens == PROFILED_SUFFIX).all() and set(split.phase) == {"prefill"}
+    parts = split[list(SPLIT_PARTS)]
+    assert (parts > 0).all().all() and (split.rest_ms >= 0).all()
+    assert ((parts.sum(axis=1) + split.rest_ms - split.step_ms).abs() < 1e-9).all()
+    assert split.graph_gpu_ms.isna().all() and "replay_alone_ms" not in split
 
 
 def test_sizes_are_checked_first():
@@ -41,9 +48,36 @@ def test_a_read_that_fails_leaves_a_row_and_the_others_go_on(tiny_path, one_thre
     monkeypatch.setattr(prefixsteps, "READ_ARMS", {"engine": ModelRunner, "broken": Broken})
     monkeypatch.setattr(prefixsteps, "default_read", lambda device: "streamed")
     log = []
-    steps, _ = run_prefix_steps(str(tiny_path), "cpu", system_len=32, suffixes=(5,), repeats=2, decode_steps=2,
-                                reads=("broken", "engine"), log=log.append)
+    steps, _, split = run_prefix_steps(str(tiny_path), "cpu", system_len=32, suffixes=(5,), repeats=2,
+                                       decode_steps=2, reads=("broken", "engine"), log=log.append)
     failed = steps[steps.case == "failed"]
     assert failed.read.tolist() == ["broken"] and "no such launch" in failed.error.iloc[0]
     assert set(steps[steps.case != "failed"].read) == {"engine"} and len(steps[steps.case == "prefix hit"]) == 2
     assert any(line.startswith("broken: failed") for line in log)
+    assert set(split.read) == {"engine"}
+
+
+def test_the_ledger_cuts_the_prompt_step_at_its_graph():
+    """`warm_hit_ledger`: the server's split in order, the prompt step cut into the split's median
+    graph time (GPU) and the host's rest of it, and the budget at the aim from caching off."""
+    import pandas as pd
+
+    from nanolab.lab.prefixsteps import LEDGER, warm_hit_ledger
+
+    split_columns = dict(front_ms=1.5, core_wait_ms=0.2, step_host_ms=0.4, server_prefill_ms=2.6, back_ms=0.5)
+    ttft = pd.DataFrame([
+        {"part": "shared prefix", "phase": "warm", "arm": "on", "ttft_p50_ms": 5.3, **split_columns},
+        {"part": "shared prefix", "phase": "warm", "arm": "off", "ttft_p50_ms": 18.0, **split_columns},
+        {"part": "shared prefix", "phase": "cold", "arm": "on", "ttft_p50_ms": 99.0, **split_columns},
+    ])
+    split = pd.DataFrame({"graph_gpu_ms": [1.7, 1.8, 1.9]})
+    ledger = warm_hit_ledger(ttft, split, aim=4.0).set_index("part")
+    assert list(ledger.index) == [name for name, _, _ in LEDGER]
+    assert ledger.loc["prompt step, graph", "ms"] == 1.8 and ledger.loc["prompt step, graph", "side"] == "GPU"
+    assert abs(ledger.loc["prompt step, host", "ms"] - 0.8) < 1e-12
+    assert ledger.loc["front", "ms"] == 1.5 and (ledger.drop("prompt step, graph").side == "host").all()
+    assert (ledger.budget_ms == 4.5).all() and (ledger.ttft_p50_ms == 5.3).all()  # the warm rows, not the cold
+    with pytest.raises(ValueError, match="does not fit"):
+        warm_hit_ledger(ttft, split.assign(graph_gpu_ms=3.0))
+    with pytest.raises(ValueError, match="both arms"):
+        warm_hit_ledger(ttft[ttft.arm == "on"], split)

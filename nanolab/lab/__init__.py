@@ -27,6 +27,8 @@ is loaded from its module on first use, so importing one instrument does not loa
   turn, no hits, and the hit rate /metrics reports (Day 64)
 - `frontcosts`: a request's host work around its prompt step, stage by stage and by prompt length,
   and after the host idles (Day 64b)
+- `prefixsteps`: a prompt step after a cached prefix, timed, profiled and split between host and GPU,
+  and a warm hit's TTFT as host and GPU parts (Days 64, 64c, 64d)
 - `kernelres`: a kernel's registers and spilled bytes on an NVIDIA GPU, compiled on this machine (Day 64c)
 - `specbench`: speculative decoding on real text, acceptance and ms a token at batch 1 (Day 65)
 - `results`: the front page's figure and the results page, from the committed tables
@@ -65,7 +67,7 @@ _EXPORTS = {
                                     "plot_spec_batches", "plot_specload_rules", "plot_verify_kernels"],
     "nanolab.lab.plots.floor": ["best_of_sweep"],
     "nanolab.lab.plots.prefix": ["plot_front_costs", "plot_nohit_throughput", "plot_prefix_ttft", "plot_read_in_step",
-                                 "plot_capture_sweep", "plot_read_launches",
+                                 "plot_capture_sweep", "plot_ratio_runs", "plot_read_launches", "plot_warm_hit_ledger",
                                  "plot_read_shares", "plot_shared_blocks"],
     "nanolab.lab.frontcosts": ["front_costs", "front_label", "front_totals", "idle_costs"],
     "nanolab.lab.kernelres": ["resources_label", "varlen_resources"],
@@ -75,6 +77,7 @@ _EXPORTS = {
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
     "nanolab.lab.prefixbench": ["prefix_ratios", "ttft_summary"],
+    "nanolab.lab.prefixsteps": ["run_prefix_steps", "warm_hit_ledger"],
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
                            "load_table", "measured_table", "run_label", "save_figure", "save_table", "show",
                            "table_label"],

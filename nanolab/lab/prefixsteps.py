@@ -10,6 +10,9 @@ step still reads the whole prefix's K/V. Two tables:
   timed beside them.
 - `<prefix>_prefix_kernels` (CUDA): the GPU kernels of those requests' steps under the profiler,
   by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
+- `<prefix>_prefix_split`: the prompt step of each request of `PROFILED_SUFFIX` tokens split on the
+  host (`split_prompt_steps`): scheduling, the forward's host part, sampling with the wait for the
+  GPU, the rest; with the GPU time of its graph's replay, and of that graph replayed back to back.
 
 With `reads` (`--reads engine,flat`), each of `lab.readarms`' varlen reads runs the same
 requests on an engine of its own over the same model, one after another in one process; every
@@ -22,22 +25,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
+import torch
 
 from nanolab import LLM, Engine, SamplingParams
 from nanolab.config import resolve_device, resolve_dtype
 from nanolab.engine.kv_cache import default_read
 from nanolab.lab.readarms import READ_ARMS
 from nanolab.lab.report import run_label, save_table
-from nanolab.lab.stepparts import class_line, profiled_kernels
+from nanolab.lab.stepparts import class_line, profiled_kernels, timed_methods
 from nanolab.model.weights import resolve_weights, weights_kind
 
 SYSTEM_LEN = 2048
 SUFFIXES = (16, 50, 200, 400)
 PROFILED_SUFFIX = 50  # the shared-prefix request of `prefixbench`: 2,048 + about 50 tokens
+NAN = float("nan")
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -56,11 +62,116 @@ def run_request(engine: Engine, prompt: list[int], max_tokens: int = 1) -> list[
     return rows
 
 
+# A prompt step's parts on the host (`split_prompt_steps`), in order; with the step's wall time they
+# leave "rest_ms", the rest of `Engine.step` (emitting the token, keying the blocks it filled).
+SPLIT_PARTS = {"schedule_ms": "schedule", "forward_host_ms": "run_varlen", "sample_ms": "_sample"}  # column: method
+
+
+def varlen_replay_ms(engine: Engine, size: int, repeats: int = 50) -> float:
+    """Median ms of the `size`-token varlen graph's replay alone, timed with events: the GPU's part
+    of a graphed prompt step, no host work between replays. Replays the plan the buffers hold last,
+    which rewrites the K/V its tokens wrote: run it only when no request is live."""
+    graph = engine.runner.varlen_graphs.graphs[size]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dict]:
+    """Each of `prompts` alone, greedy, one token, its prompt step split on the host (`SPLIT_PARTS`,
+    by wrapping the engine's own methods on their instances, `stepparts.timed_methods`): scheduling
+    (the prefix lookup and sharing among it), the forward's host part (`run_varlen`: the plan, its
+    upload and the graph's launch, or an eager forward's launches), sampling with the wait for the
+    GPU and the read-back, and the rest of `Engine.step`. With a varlen graph, also the GPU time of
+    its replay (`graph_gpu_ms`, events around the launch: the GPU idles until then) and of that
+    graph replayed back to back after the last request (`replay_alone_ms`). One row a step."""
+    runner, cuda = engine.runner, engine.runner.device.type == "cuda"
+    graphs = runner.varlen_graphs
+    rows, events = [], []
+    if graphs is not None:
+        replay = graphs.replay
+
+        def evented(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(*args, **kwargs)
+            end.record()
+            events.append((start, end))
+            return out
+        graphs.replay = evented
+    spent: dict[str, float] = {}
+    try:
+        owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine}
+        with timed_methods([(owners[m], m) for m in SPLIT_PARTS.values()], spent):
+            for prompt in prompts:
+                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                while engine.has_unfinished_requests():
+                    spent.clear()
+                    events.clear()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    engine.step()
+                    wall = 1e3 * (time.perf_counter() - t0)
+                    r = engine.last_step
+                    if r is None:
+                        continue
+                    parts = {column: 1e3 * spent.get(method, 0.0) for column, method in SPLIT_PARTS.items()}
+                    gpu = events[0][0].elapsed_time(events[0][1]) if events else NAN  # the read-back waited for it
+                    rows.append({"phase": r.phase, "tokens": r.tokens, "graph": r.graph,
+                                 "size": runner.last_varlen[0], "step_ms": wall, **parts,
+                                 "rest_ms": wall - sum(parts.values()), "graph_gpu_ms": gpu})
+    finally:
+        if graphs is not None:
+            del graphs.replay  # an instance attribute: the class's method shows through again
+    if rows and graphs is not None and rows[-1]["graph"]:
+        alone = varlen_replay_ms(engine, rows[-1]["size"])
+        for row in rows:
+            row["replay_alone_ms"] = alone if row["graph"] and row["size"] == rows[-1]["size"] else NAN
+    return rows
+
+
+# A warm hit's TTFT in order (`warm_hit_ledger`): (part, side, prefixbench's split column or None).
+LEDGER = (("front", "host", "front_ms"), ("core wait", "host", "core_wait_ms"), ("step host", "host", "step_host_ms"),
+          ("prompt step, host", "host", None), ("prompt step, graph", "GPU", None), ("back", "host", "back_ms"))
+
+
+def warm_hit_ledger(ttft: pd.DataFrame, split: pd.DataFrame, part: str = "shared prefix", aim: float = 5.0
+                    ) -> pd.DataFrame:
+    """A warm hit's TTFT as parts (`LEDGER`), each on the host or the GPU: `prefixbench`'s split of
+    `part`'s warm requests with caching on (its TTFT table, `ttft_summary`'s medians), with the
+    server's prompt step cut in two by `split_prompt_steps`' medians (`split`, the same step shape
+    run alone): its graph's GPU time, and the host's rest of it (scheduling is in "step host"; the
+    plan, the launch and the read-back are here). Each row also has the TTFT p50 the parts approach
+    (a sum of medians is not a median) and the budget for the whole request at `aim` times below
+    the TTFT p50 with caching off."""
+    warm = ttft[(ttft.part == part) & ttft.phase.isin(["warm", "turn 2"])].set_index("arm")
+    if not {"on", "off"} <= set(warm.index):
+        raise ValueError(f"ttft has no warm {part!r} rows of both arms")
+    on = warm.loc["on"]
+    graph = float(split.graph_gpu_ms.median())
+    if not np.isfinite(graph) or graph > on.server_prefill_ms:
+        raise ValueError(f"the split's graph ({graph:.3f} ms on the GPU) does not fit the server's prompt step "
+                         f"({on.server_prefill_ms:.3f} ms): were they the same step shape and machine?")
+    rows = []
+    for name, side, column in LEDGER:
+        ms = (on[column] if column else graph if side == "GPU" else on.server_prefill_ms - graph)
+        rows.append({"part": name, "side": side, "ms": float(ms)})
+    return pd.DataFrame(rows).assign(ttft_p50_ms=float(on.ttft_p50_ms),
+                                     budget_ms=float(warm.loc["off"].ttft_p50_ms) / aim)
+
+
 def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suffixes: Sequence[int] = SUFFIXES,
                      repeats: int = 5, decode_steps: int = 32, profile: bool | None = None,
                      reads: Sequence[str] = ("engine",), log: Callable[[str], None] = print
-                     ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """(steps, kernels): the tables above. Each suffix's requests follow two untimed ones (the
+                     ) -> tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame]:
+    """(steps, kernels, split): the tables above. Each suffix's requests follow two untimed ones (the
     system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels.
 
     Each of `reads` (`READ_ARMS`) has an engine of its own over the LLM's model ("engine" the
@@ -129,6 +240,17 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
             log(f"{read}: {suffix} tokens after a cached {system_len}: "
                 f"{statistics.median(r['ms'] for r in done):.3f} ms a prompt step "
                 f"({sum(r['graph'] for r in done)} of {len(done)} graphed)")
+    split = []
+    for read, engine in list(engines.items()):
+        def parts(read=read, engine=engine):
+            done = split_prompt_steps(engine, hits)
+            split.extend({"read": read, "system_len": system_len, "suffix": PROFILED_SUFFIX, "request": i, **row}
+                         for i, row in enumerate(done))
+            t = pd.DataFrame(done)
+            log(f"{read}: the {PROFILED_SUFFIX}-token step after a cached {system_len}, medians: "
+                + ", ".join(f"{c[:-3].replace('_', ' ')} {t[c].median():.3f}" for c in t.columns if c.endswith("_ms"))
+                + " ms")
+        attempt(read, parts)
     for read, engine in list(engines.items()):
         def decode(read=read, engine=engine):
             steps = run_request(engine, decode_prompt, max_tokens=decode_steps + 1)
@@ -153,7 +275,7 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
         if engine is not llm.engine:
             engine.close()
     llm.close()
-    return pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else None
+    return pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else None, pd.DataFrame(split)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,12 +297,13 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--suffixes {args.suffixes!r}: comma-separated token counts") from None
     reads = [r.strip() for r in args.reads.split(",") if r.strip()]
     device = resolve_device(args.device)
-    steps, kernels = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats,
-                                      reads=reads)
+    steps, kernels, split = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats,
+                                             reads=reads)
     label = run_label(device, args.model, resolve_dtype("auto", device),
                       weights=weights_kind(resolve_weights(args.model)))
     print(steps.groupby(["read", "case", "suffix", "phase"]).ms.median().round(3).to_string())
     print(f"{args.prefix}_prefix_steps: {save_table(steps, f'{args.prefix}_prefix_steps', label)}")
+    print(f"{args.prefix}_prefix_split: {save_table(split, f'{args.prefix}_prefix_split', label)}")
     if kernels is not None:
         print(kernels.groupby(["read", "arm"], sort=False).head(12).round(1).to_string(index=False))
         print(f"{args.prefix}_prefix_kernels: {save_table(kernels, f'{args.prefix}_prefix_kernels', label)}")

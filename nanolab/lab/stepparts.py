@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pandas as pd
 import torch
@@ -105,15 +106,11 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
-def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
-    """Mean host microseconds a graphed decode step spends in each part, found by wrapping the
-    engine's own methods on this instance: scheduling, planning (host tables and the copies into
-    the step buffers), issuing the replay, launching the sampler (`sample_tokens` leaves the tokens
-    on the device), and the rest of `Engine.step`, which holds the wait for the GPU and the
-    tokens' read-back. Each step starts from an idle GPU, so an engine with asynchronous scheduling
-    overlaps nothing here: compare its parts with the other arms', and its step time with
-    `time_engine`'s. Also the share of steps that replayed a graph. The wrappers come off after."""
-    spent: dict[str, float] = {}
+@contextmanager
+def timed_methods(patches: list[tuple[object, str]], spent: dict[str, float]) -> Iterator[None]:
+    """While open, each (instance, name) of `patches` is wrapped on that instance so that every call
+    adds its wall seconds to `spent[name]`; the wrappers come off after, so the class's method (or
+    the instance's own attribute, as an engine's sampler is) shows through again."""
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -124,13 +121,32 @@ def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str,
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         return wrapper
 
-    runner, graphs = engine.runner, engine.runner.graphs
-    patches = [(engine.scheduler, "schedule"), (runner, "plan_step"), (graphs, "replay"), (engine, "sampler")]
-    owned = [name in vars(obj) for obj, name in patches]  # the sampler is the instance's own attribute
+    owned = [name in vars(obj) for obj, name in patches]
     originals = [getattr(obj, name) for obj, name in patches]
     for obj, name in patches:
         setattr(obj, name, timed(name, getattr(obj, name)))
     try:
+        yield
+    finally:
+        for (obj, name), original, own in zip(patches, originals, owned, strict=True):
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)  # an instance attribute: the class's method shows through again
+
+
+def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
+    """Mean host microseconds a graphed decode step spends in each part, found by wrapping the
+    engine's own methods on this instance (`timed_methods`): scheduling, planning (host tables and
+    the copies into the step buffers), issuing the replay, launching the sampler (`sample_tokens`
+    leaves the tokens on the device), and the rest of `Engine.step`, which holds the wait for the GPU
+    and the tokens' read-back. Each step starts from an idle GPU, so an engine with asynchronous
+    scheduling overlaps nothing here: compare its parts with the other arms', and its step time with
+    `time_engine`'s. Also the share of steps that replayed a graph."""
+    spent: dict[str, float] = {}
+    runner = engine.runner
+    patches = [(engine.scheduler, "schedule"), (runner, "plan_step"), (runner.graphs, "replay"), (engine, "sampler")]
+    with timed_methods(patches, spent):
         prefill(engine, prompts, steps + 1)
         spent.clear()
         graphed, total = 0, 0.0
@@ -140,12 +156,6 @@ def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str,
             engine.step()
             total += time.perf_counter() - t0
             graphed += runner.last_decode[1]
-    finally:
-        for (obj, name), original, own in zip(patches, originals, owned, strict=True):
-            if own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)  # an instance attribute: the class's method shows through again
     drain(engine)
     out = {f"{name}_us": 1e6 * s / steps for name, s in spent.items()}
     out["rest_us"] = 1e6 * total / steps - sum(out.values())

@@ -265,3 +265,62 @@ def plot_capture_sweep(sweep: pd.DataFrame, chosen: dict[int, int]) -> Figure:
         ax.legend(fontsize=8, title="solid: persistent programs; dashed: a program a tile", title_fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_ratio_runs(runs: pd.DataFrame, aim: float = 5.0) -> Figure:
+    """Each prefix bench run's two TTFT ratios (`runs`: run, card, ratio ("shared prefix" or
+    "second turn"), value), in the order given: a point per run and ratio, a marker per card, and
+    the aim as a dashed line."""
+    fig = Figure(figsize=(8.5, 3.8))
+    ax = fig.subplots()
+    order = list(dict.fromkeys(runs.run))
+    markers = dict(zip(dict.fromkeys(runs.card), "osD^v"))
+    for i, (ratio, rows) in enumerate(runs.groupby("ratio", sort=False)):
+        x = [order.index(r) for r in rows.run]
+        ax.plot(x, rows.value.to_numpy(), "-", color=f"C{i}", alpha=0.4)
+        for card, part in rows.groupby("card", sort=False):
+            ax.plot([order.index(r) for r in part.run], part.value.to_numpy(), markers[card], color=f"C{i}", ms=7,
+                    label=f"{ratio}, {card}")
+    ax.axhline(aim, ls="--", color="C3", lw=1)
+    ax.text(len(order) - 1, aim, f" aim {aim:g}x", color="C3", va="bottom", ha="right", fontsize=9)
+    ax.set_xticks(range(len(order)), order, fontsize=8, rotation=15, ha="right")
+    ax.set_ylabel("TTFT p50, caching off / on")
+    ax.set_ylim(0, max(aim, runs.value.max()) * 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_warm_hit_ledger(ledgers: pd.DataFrame) -> Figure:
+    """`prefixsteps.warm_hit_ledger` tables with a `run` column: a horizontal bar per run, its parts
+    stacked in order (the host's in blues and greys, the GPU's graph in orange, each labelled with
+    its ms), the run's TTFT p50 as a tick and its budget at the aim as a red line."""
+    runs = list(dict.fromkeys(ledgers.run))
+    parts = list(dict.fromkeys(ledgers.part))
+    host_colours = iter(["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#bdbdbd", "#969696"])
+    colours = {p: "C1" if side == "GPU" else next(host_colours)
+               for p, side in dict(zip(ledgers.part, ledgers.side)).items()}
+    fig = Figure(figsize=(9, 1.2 + 1.0 * len(runs)))
+    ax = fig.subplots()
+    for y, run in enumerate(runs):
+        rows = ledgers[ledgers.run == run].set_index("part")
+        left = 0.0
+        for p in parts:
+            if p not in rows.index:
+                continue
+            ms = float(rows.loc[p, "ms"])
+            ax.barh(y, ms, left=left, color=colours[p], edgecolor="white", label=p if y == 0 else None)
+            if ms > 0.25:
+                ax.text(left + ms / 2, y, f"{ms:.2f}", ha="center", va="center", fontsize=8)
+            left += ms
+        budget, ttft = float(rows.budget_ms.iloc[0]), float(rows.ttft_p50_ms.iloc[0])
+        ax.plot([budget, budget], [y - 0.45, y + 0.45], color="C3", lw=2, label="budget at the aim" if y == 0 else None)
+        ax.plot([ttft], [y + 0.48], "v", color="black", ms=6, label="TTFT p50" if y == 0 else None)
+    ax.set_yticks(range(len(runs)), runs, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms of a warm hit's TTFT (medians of its parts)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(runs) < 3 else -0.2))
+    fig.tight_layout()
+    return fig
