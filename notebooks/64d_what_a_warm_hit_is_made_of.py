@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 import nanolab.lab as lab
-from nanolab.lab.prefixsteps import LEDGER, SPLIT_PARTS
+from nanolab.lab.prefixsteps import LEDGER, PROFILED_SUFFIX, SPLIT_PARTS
 from nanolab.llm import DEFAULT_MODEL
 
 H100, H200 = "h100-80gb-hbm3", "h200"
@@ -85,7 +85,10 @@ print("runs f, i and j: " + "; ".join(f"{r} {lo:.2f}x to {hi:.2f}x" for r, (lo, 
 
 # %%
 split = lab.measured_table("day64i_prefix_split", STEPS_COMMAND, slug=H100)
-kernels = lab.measured_table("day64i_prefix_kernels", STEPS_COMMAND, slug=H100)
+# the same step shape's kernels, from run f's profile (the engine has not changed for this step since)
+kernels = lab.measured_table("day64f_prefix_kernels",
+                             'PREFIXSTEPS_ARGS="--reads engine,flat --prefix day64f" scripts/gpu_run.sh prefixsteps',
+                             slug=H100)
 if split is not None:
     columns = ["step_ms", *SPLIT_PARTS, "rest_ms", "graph_gpu_ms", "replay_alone_ms"]
     lab.show(split[["request", "tokens", "size", *columns]].round(3))
@@ -99,7 +102,8 @@ if kernels is not None:
     by_class = engine.pivot_table(index="class", columns="arm", values="us_per_step", aggfunc="sum")
     lab.show(by_class.round(1))
     hit, decode = by_class["prefix hit + 50"], by_class["decode"]
-    launches = engine[engine.arm == "prefix hit + 50"].calls.sum() / len(split)
+    profiled = engine[engine.arm == "prefix hit + 50"]
+    launches = profiled.calls.sum() / (profiled.gpu_us.sum() / profiled.us_per_step.sum())  # calls / steps
     small = ["norms", "copies and indexing", "fused by inductor"]
     print(f"the hit's kernels: {hit.sum() / 1e3:.2f} ms in {launches:.0f} launches a step; beyond a decode step's, "
           f"the attention read {(hit - decode)['attention read']:.0f} us, norms, copies and inductor's fused "
@@ -108,12 +112,16 @@ if kernels is not None:
 # %% [markdown]
 # The step took about 2.5 ms. The graph is 1.76 ms of it, and it ran as fast inside the step as
 # it did back to back, so no host work stalls it once it is launched. Everything before the launch
-# is the host alone, 0.65 ms, while the GPU waits. Under the profiler the graph's kernels add up to
-# 1.56 ms; the rest of its 1.76 ms is the gaps between its 207 launches. Beside a decode step's
-# kernels they show what the graph spends that a decode step does not: 0.25 ms more in the
-# attention read over the 2,048 cached keys, and 0.15 ms in the norms, copies and SwiGLU that the
-# 56-token step runs as kernels of their own. The projections cost the same in both, because both
-# read every weight once.
+# is the host alone, 0.65 ms, while the GPU waits.
+#
+# The kernels come from run f's profile of the same step. Run i's profiling pass sent prompts the
+# split had already sent, so the cache held all but their last two tokens and it profiled a
+# 2-token step; `prefixsteps` now gives each pass prompts of its own, and `hit_step` refuses a hit
+# that fed any other count. Under the profiler the graph's kernels add up to 1.70 ms in 207
+# launches. Beside a decode step's, they show what the graph spends that a decode step does not:
+# 0.29 ms more in the attention read over the 2,048 cached keys, 0.16 ms in the norms, copies and
+# SwiGLU that the 56-token step runs as kernels of their own, and 0.10 ms more in the projections,
+# which cuBLAS runs at 56 rows where a decode step has its own GEMV.
 #
 # ## The ledger
 #
@@ -170,21 +178,41 @@ if idle is not None:
 
 # %% [markdown]
 # A request that arrives at an idle server pays this every time. The bench sends one request at a
-# time, as a chat does; each arrives after the core has waited on its pipe. This is why the same
-# engine measured 3.1x to 3.5x in three runs, and why the ratio followed the host between them.
+# time, as a chat does, and each arrives after the core has waited on its pipe. A host that idles
+# deeper pays more, which is one way the same engine measured 3.11x to 3.35x in runs f, i and j.
 #
-# ## On this machine
+# ## Before the server
 #
-# The split runs on any device. Here it times the embedded model on this CPU, at a smaller scale
-# (512 cached tokens). A CPU has no graph, so the forward's host part holds the whole forward, and
-# there is no GPU time to report:
+# `prefixsteps` also times the same kind of request inside the process (`engine_ttft`): from
+# `add_request` to the first token on the host, with caching on (the engine that holds the system
+# prompt) and off (an engine of its own over the same model and pool), one request of each in turn.
+# No HTTP, pipe or event loop is in it, so its ratio is what prefix caching gives the engine, and the
+# gap to the server's ratio is the host's. It has not run on a GPU yet:
 
 # %%
-cpu_steps, _, cpu_split = lab.run_prefix_steps(DEFAULT_MODEL, "cpu", system_len=512, suffixes=(50,), repeats=3,
-                                               decode_steps=4)
+TTFT_COMMAND = 'PREFIXSTEPS_ARGS="--prefix day64d" scripts/gpu_run.sh prefixsteps'
+gpu_ttft = lab.measured_table("day64d_prefix_ttft", TTFT_COMMAND, slug=H100)
+if gpu_ttft is not None:
+    lab.show(gpu_ttft.groupby("arm").ttft_ms.describe().round(3))
+
+# %% [markdown]
+# ## On this machine
+#
+# Both run on any device. Here they time the embedded model on this CPU, at a smaller scale (512
+# cached tokens). A CPU has no graph, so the forward's host part holds the whole forward, and there
+# is no GPU time to report. A CPU's forward is slow enough that the host's part hardly shows:
+
+# %%
+cpu_steps, _, cpu_split, cpu_ttft = lab.run_prefix_steps(DEFAULT_MODEL, "cpu", system_len=512, suffixes=(50,),
+                                                         repeats=3, decode_steps=4)
 cpu_label = lab.run_label("cpu", DEFAULT_MODEL, "float32")
 lab.save_table(cpu_split, "day64d_prefix_split", cpu_label)
+lab.save_table(cpu_ttft, "day64d_prefix_ttft", cpu_label)
 lab.show(cpu_split[["request", "tokens", "graph", "step_ms", *SPLIT_PARTS, "rest_ms"]].round(3))
+lab.show(cpu_ttft.pivot_table(index="request", columns="arm", values=["ttft_ms", "fed_tokens"]).round(1))
+cpu_p50 = cpu_ttft.groupby("arm").ttft_ms.median()
+print(f"in process on this CPU: TTFT p50 {cpu_p50['off']:.1f} ms off, {cpu_p50['on']:.1f} ms on "
+      f"({cpu_p50['off'] / cpu_p50['on']:.1f}x at 512 cached tokens)")
 
 # %% [markdown]
 # ## The gates
@@ -192,7 +220,8 @@ lab.show(cpu_split[["request", "tokens", "graph", "step_ms", *SPLIT_PARTS, "rest
 # The split's parts never add up to more than the step, and each part was seen. On the H100 the
 # graph's GPU time inside the step is within 5% of its back-to-back replay, every timed prompt
 # step replayed a graph, and each ledger's parts, medians of each part, add up to within 10% of
-# the TTFT p50 they split. Here every hit fed exactly its 50 new tokens.
+# the TTFT p50 they split. Here every hit fed exactly its 50 new tokens, and inside the process a
+# request fed only those with caching on and its whole prompt with it off.
 
 # %%
 for table in (split, cpu_split):
@@ -203,6 +232,7 @@ for table in (split, cpu_split):
     assert np.allclose(parts.sum(axis=1) + table.rest_ms, table.step_ms), "the split does not add up to the step"
 if split is not None:
     assert split.graph.astype(bool).all(), "a timed prompt step ran eagerly"
+    assert (split.tokens == PROFILED_SUFFIX).all(), "a split step fed more or less than its new tokens"
     gap = split.graph_gpu_ms.median() / split.replay_alone_ms.median() - 1
     assert abs(gap) < 0.05, f"the graph inside the step took {gap:+.1%} against back to back"
 if ledger is not None:
@@ -210,7 +240,13 @@ if ledger is not None:
     sums = ledger.groupby("run").ms.sum() / ledger.groupby("run").ttft_p50_ms.first()
     assert ((sums - 1).abs() < 0.10).all(), f"a ledger's parts do not add up to its TTFT: {sums.round(3).to_dict()}"
 hits = cpu_steps[cpu_steps.case == "prefix hit"]
-assert (hits.tokens == hits.suffix).all() and (cpu_split.tokens == 50).all()
+assert (hits.tokens == hits.suffix).all() and (cpu_split.tokens == PROFILED_SUFFIX).all()
+for table in (cpu_ttft, gpu_ttft):
+    if table is None:
+        continue
+    fed = table.groupby("arm").fed_tokens
+    assert (fed.max()["on"] == PROFILED_SUFFIX) and (fed.min()["off"] == table.prompt_len.min()), \
+        "with caching on a request fed only its new tokens, and off all of them"
 print(f"{len(cpu_split) + (0 if split is None else len(split))} split steps add up; the gates hold")
 
 # %% [markdown]
@@ -221,8 +257,9 @@ print(f"{len(cpu_split) + (0 if split is None else len(split))} split steps add 
 #   turn measured 5.99x, 5.11x, 5.07x and 4.18x on H100s, so its aim is met in some runs and not
 #   in others.
 # - A warm hit's prompt step, alone on an H100, is 0.65 ms of host work while the GPU waits, then
-#   a 1.76 ms graph that runs as fast as it does back to back. The graph spends 0.25 ms more than a
-#   decode step in the attention read and 0.15 ms in small kernels of its own.
+#   a 1.76 ms graph that runs as fast as it does back to back. The graph spends 0.29 ms more than a
+#   decode step in the attention read, 0.16 ms in small kernels of its own and 0.10 ms in the
+#   projections.
 # - In the server the host's parts of a warm hit add up to 3.5 to 4.2 ms, and the GPU's to 1.76.
 #   The 5x aim leaves the whole request 3.5 to 3.7 ms. On this host the aim needs the host's part
 #   cut to about half, and in run j even a free GPU step would not reach it. The host's parts grow

@@ -40,8 +40,9 @@
 # after it idles (data/<prefix>_front_*, data/<prefix>_idle_*: the --prefix in $PREFIX_ARGS, else day64b).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, profiles the
-# 50-token one's kernels beside a decode step's, and splits that step between host and GPU (data/day64_prefix_steps_*,
-# data/day64_prefix_kernels_*, data/day64_prefix_split_*),
+# 50-token one's kernels beside a decode step's, splits that step between host and GPU, and times such a request's
+# TTFT in the process with caching on and off (data/day64_prefix_steps_*, data/day64_prefix_kernels_*,
+# data/day64_prefix_split_*, data/day64_prefix_ttft_*),
 # $PREFIXSTEPS_ARGS added (PREFIXSTEPS_ARGS="--reads engine,flat --prefix day64f": the engine's varlen read and the
 # flat grid it replaced for split steps, each on its own engine in one process, lab.readarms).
 # varlen sweeps the varlen read's tiles, warps, stages and splits alone on the steps that use it: a prompt chunk,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from nanolab import SamplingParams
 from nanolab.lab.prefixsteps import PROFILED_SUFFIX, SPLIT_PARTS, run_prefix_steps
 
 
 def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
-    steps, kernels, split = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23), repeats=2,
-                                             decode_steps=3, log=lambda _: None)
+    steps, kernels, split, ttft = run_prefix_steps(str(tiny_path), "cpu", system_len=64, suffixes=(10, 23),
+                                                   repeats=2, decode_steps=3, log=lambda _: None)
     assert kernels is None  # the profiler's kernels are CUDA's
     assert set(steps.read) == {"engine"}
     hits = steps[steps.case == "prefix hit"]
@@ -25,6 +26,12 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
     assert (parts > 0).all().all() and (split.rest_ms >= 0).all()
     assert ((parts.sum(axis=1) + split.rest_ms - split.step_ms).abs() < 1e-9).all()
     assert split.graph_gpu_ms.isna().all() and "replay_alone_ms" not in split
+    # In process, on and off in turn: with caching on a request feeds its suffix in one step; off, it
+    # feeds every prompt token (the tiny engine's budget takes 114 in one step).
+    assert ttft.arm.tolist() == ["on", "off"] * 2 and (ttft.ttft_ms > 0).all()
+    by_arm = ttft.set_index("arm")
+    assert (by_arm.loc["on"].fed_tokens == PROFILED_SUFFIX).all() and (by_arm.loc["on"].steps == 1).all()
+    assert (by_arm.loc["off"].fed_tokens == 64 + PROFILED_SUFFIX).all()
 
 
 def test_sizes_are_checked_first():
@@ -48,8 +55,8 @@ def test_a_read_that_fails_leaves_a_row_and_the_others_go_on(tiny_path, one_thre
     monkeypatch.setattr(prefixsteps, "READ_ARMS", {"engine": ModelRunner, "broken": Broken})
     monkeypatch.setattr(prefixsteps, "default_read", lambda device: "streamed")
     log = []
-    steps, _, split = run_prefix_steps(str(tiny_path), "cpu", system_len=32, suffixes=(5,), repeats=2,
-                                       decode_steps=2, reads=("broken", "engine"), log=log.append)
+    steps, _, split, _ = run_prefix_steps(str(tiny_path), "cpu", system_len=32, suffixes=(5,), repeats=2,
+                                          decode_steps=2, reads=("broken", "engine"), log=log.append)
     failed = steps[steps.case == "failed"]
     assert failed.read.tolist() == ["broken"] and "no such launch" in failed.error.iloc[0]
     assert set(steps[steps.case != "failed"].read) == {"engine"} and len(steps[steps.case == "prefix hit"]) == 2
@@ -81,3 +88,23 @@ def test_the_ledger_cuts_the_prompt_step_at_its_graph():
         warm_hit_ledger(ttft, split.assign(graph_gpu_ms=3.0))
     with pytest.raises(ValueError, match="both arms"):
         warm_hit_ledger(ttft[ttft.arm == "on"], split)
+
+
+def test_a_hit_seen_before_is_refused(tiny_path, one_thread):
+    """`hit_step` times a prompt step only when it fed the suffix alone: the same prompt again is
+    cached past its system prompt, and refused rather than timed as a hit of the suffix's size."""
+    from nanolab import LLM
+    from nanolab.lab.prefixsteps import hit_step
+
+    llm = LLM(str(tiny_path), device="cpu")
+    try:
+        system = list(range(1, 65))
+        prompt = system + list(range(100, 120))  # a full block past the system prompt: cached once fed
+        llm.engine.add_request(system + [7], SamplingParams(temperature=0, max_tokens=1))
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert hit_step(llm.engine, prompt, suffix=20)[0]["tokens"] == 20
+        with pytest.raises(RuntimeError, match="fed 4 tokens, not its 20 new ones"):
+            hit_step(llm.engine, prompt, suffix=20)
+    finally:
+        llm.close()

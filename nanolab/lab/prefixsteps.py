@@ -13,6 +13,10 @@ step still reads the whole prefix's K/V. Two tables:
 - `<prefix>_prefix_split`: the prompt step of each request of `PROFILED_SUFFIX` tokens split on the
   host (`split_prompt_steps`): scheduling, the forward's host part, sampling with the wait for the
   GPU, the rest; with the GPU time of its graph's replay, and of that graph replayed back to back.
+- `<prefix>_prefix_ttft`: those requests' TTFT inside the process (`engine_ttft`: from `add_request`
+  to the first token on the host, no server), with caching on (the LLM's engine) and off (an engine
+  of its own over the same model and pool), taken in turn: what prefix caching gives before any
+  HTTP, pipe or event loop adds its part.
 
 With `reads` (`--reads engine,flat`), each of `lab.readarms`' varlen reads runs the same
 requests on an engine of its own over the same model, one after another in one process; every
@@ -27,6 +31,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -62,9 +67,49 @@ def run_request(engine: Engine, prompt: list[int], max_tokens: int = 1) -> list[
     return rows
 
 
+def hit_step(engine: Engine, prompt: list[int], suffix: int = PROFILED_SUFFIX) -> list[dict]:
+    """`run_request` for a prompt whose last `suffix` tokens are all the cache lacks: refused
+    (RuntimeError) when its prompt step fed another count, as a prompt seen before would (cached past
+    the system prompt), so no table names a step it did not time."""
+    rows = run_request(engine, prompt)
+    if not rows or rows[0]["tokens"] != suffix:
+        fed = rows[0]["tokens"] if rows else 0
+        raise RuntimeError(f"a hit's prompt step fed {fed} tokens, not its {suffix} new ones: was the prompt "
+                           "seen before?")
+    return rows
+
+
 # A prompt step's parts on the host (`split_prompt_steps`), in order; with the step's wall time they
 # leave "rest_ms", the rest of `Engine.step` (emitting the token, keying the blocks it filled).
 SPLIT_PARTS = {"schedule_ms": "schedule", "forward_host_ms": "run_varlen", "sample_ms": "_sample"}  # column: method
+
+
+class PrefixStepTables(NamedTuple):
+    """`run_prefix_steps`' tables (the module's docstring); `kernels` is None without the profiler."""
+
+    steps: pd.DataFrame
+    kernels: pd.DataFrame | None
+    split: pd.DataFrame
+    ttft: pd.DataFrame
+
+
+def engine_ttft(engine: Engine, prompt: list[int]) -> dict:
+    """`prompt` alone, greedy, one token: ms from `add_request` to its token on the host, the steps
+    that took and the tokens they fed (the prompt less what the cache held)."""
+    t0 = time.perf_counter()
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    steps = fed = 0
+    while not seq.output_token_ids and not seq.finished:
+        engine.step()
+        r = engine.last_step
+        if r is not None:
+            steps, fed = steps + 1, fed + r.tokens
+    ttft = 1e3 * (time.perf_counter() - t0)
+    if seq.error or not seq.output_token_ids:
+        raise RuntimeError(f"a {len(prompt)}-token request ended without a token: {seq.error or seq.finish_reason}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"prompt_len": len(prompt), "steps": steps, "fed_tokens": fed, "ttft_ms": ttft}
 
 
 def varlen_replay_ms(engine: Engine, size: int, repeats: int = 50) -> float:
@@ -170,8 +215,8 @@ def warm_hit_ledger(ttft: pd.DataFrame, split: pd.DataFrame, part: str = "shared
 def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suffixes: Sequence[int] = SUFFIXES,
                      repeats: int = 5, decode_steps: int = 32, profile: bool | None = None,
                      reads: Sequence[str] = ("engine",), log: Callable[[str], None] = print
-                     ) -> tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame]:
-    """(steps, kernels, split): the tables above. Each suffix's requests follow two untimed ones (the
+                     ) -> PrefixStepTables:
+    """The tables above. Each suffix's requests follow two untimed ones (the
     system prompt's first use, and a warm hit); `profile` (default: on CUDA) adds the kernels.
 
     Each of `reads` (`READ_ARMS`) has an engine of its own over the LLM's model ("engine" the
@@ -191,7 +236,7 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
         raise ValueError("prefixsteps measures prefix caching: the engine has it off")
     profile = llm.device.type == "cuda" if profile is None else profile
     context = llm.engine.max_model_len
-    longest = system_len + max(max(suffixes), PROFILED_SUFFIX if profile else 0) + 1
+    longest = system_len + max(max(suffixes), PROFILED_SUFFIX) + 1
     if longest > context or 64 + decode_steps + 1 > context:
         llm.close()
         raise ValueError(f"system_len {system_len} and suffixes up to {max(suffixes)} need {longest} tokens, "
@@ -204,6 +249,10 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
     timed = {suffix: [system + _ids(rng, suffix, vocab) for _ in range(repeats + 1)] for suffix in suffixes}
     decode_prompt = _ids(rng, 64, vocab)
     hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
+    # Drawn last, so the prompts above stay as they were; each pass below has prompts of its own, as a
+    # prompt seen before would be cached past the system prompt.
+    split_hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats)]
+    ttft_hits = [system + _ids(rng, PROFILED_SUFFIX, vocab) for _ in range(repeats + 1)]
     rows, tables, engines = [], [], {}
 
     def attempt(read: str, work: Callable[[], object]) -> None:
@@ -243,7 +292,7 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
     split = []
     for read, engine in list(engines.items()):
         def parts(read=read, engine=engine):
-            done = split_prompt_steps(engine, hits)
+            done = split_prompt_steps(engine, split_hits)
             split.extend({"read": read, "system_len": system_len, "suffix": PROFILED_SUFFIX, "request": i, **row}
                          for i, row in enumerate(done))
             t = pd.DataFrame(done)
@@ -251,6 +300,24 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
                 + ", ".join(f"{c[:-3].replace('_', ' ')} {t[c].median():.3f}" for c in t.columns if c.endswith("_ms"))
                 + " ms")
         attempt(read, parts)
+    ttft = []
+    if "engine" in engines:
+        def in_process():
+            off = Engine(llm.model, pool.replace(enable_prefix_caching=False))
+            try:
+                arms = {"on": engines["engine"], "off": off}
+                for engine in arms.values():  # untimed: each arm's first request of this shape
+                    engine_ttft(engine, ttft_hits[0])
+                for i, prompt in enumerate(ttft_hits[1:]):
+                    for arm, engine in arms.items():
+                        ttft.append({"arm": arm, "system_len": system_len, "suffix": PROFILED_SUFFIX, "request": i,
+                                     **engine_ttft(engine, prompt)})
+            finally:
+                off.close()
+            t = pd.DataFrame(ttft).groupby("arm").ttft_ms.median()
+            log(f"in process, {PROFILED_SUFFIX} tokens after a cached {system_len}: TTFT p50 {t['on']:.3f} ms on, "
+                f"{t['off']:.3f} ms off ({t['off'] / t['on']:.2f}x)")
+        attempt("engine", in_process)
     for read, engine in list(engines.items()):
         def decode(read=read, engine=engine):
             steps = run_request(engine, decode_prompt, max_tokens=decode_steps + 1)
@@ -263,7 +330,7 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
         for read, engine in list(engines.items()):
             def kernels(read=read, engine=engine):
                 part = pd.concat([
-                    profiled_kernels(lambda: [run_request(engine, prompt) for prompt in hits], repeats,
+                    profiled_kernels(lambda: [hit_step(engine, prompt) for prompt in hits], repeats,
                                      f"prefix hit + {PROFILED_SUFFIX}"),
                     profiled_kernels(lambda: run_request(engine, decode_prompt, max_tokens=decode_steps + 1),
                                      decode_steps, "decode")], ignore_index=True)
@@ -275,7 +342,8 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
         if engine is not llm.engine:
             engine.close()
     llm.close()
-    return pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else None, pd.DataFrame(split)
+    return PrefixStepTables(pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else None,
+                            pd.DataFrame(split), pd.DataFrame(ttft))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -297,13 +365,15 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--suffixes {args.suffixes!r}: comma-separated token counts") from None
     reads = [r.strip() for r in args.reads.split(",") if r.strip()]
     device = resolve_device(args.device)
-    steps, kernels, split = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats,
-                                             reads=reads)
+    steps, kernels, split, ttft = run_prefix_steps(args.model, str(device), args.system_len, suffixes, args.repeats,
+                                                   reads=reads)
     label = run_label(device, args.model, resolve_dtype("auto", device),
                       weights=weights_kind(resolve_weights(args.model)))
     print(steps.groupby(["read", "case", "suffix", "phase"]).ms.median().round(3).to_string())
     print(f"{args.prefix}_prefix_steps: {save_table(steps, f'{args.prefix}_prefix_steps', label)}")
     print(f"{args.prefix}_prefix_split: {save_table(split, f'{args.prefix}_prefix_split', label)}")
+    if len(ttft):
+        print(f"{args.prefix}_prefix_ttft: {save_table(ttft, f'{args.prefix}_prefix_ttft', label)}")
     if kernels is not None:
         print(kernels.groupby(["read", "arm"], sort=False).head(12).round(1).to_string(index=False))
         print(f"{args.prefix}_prefix_kernels: {save_table(kernels, f'{args.prefix}_prefix_kernels', label)}")
