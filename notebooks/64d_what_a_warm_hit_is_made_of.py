@@ -22,6 +22,8 @@
 # number below names its card.
 
 # %%
+from dataclasses import replace
+
 import numpy as np
 import pandas as pd
 
@@ -48,19 +50,21 @@ AIM = 5.0
 RUNS = (("12-03, first", "H200", "day64first", H200), ("12-03, split", "H200", "day64split", H200),
         ("12-05", "H200", "day64", H200), ("64b", "H100", "day64b", H100), ("64f", "H100", "day64f", H100),
         ("64i", "H100", "day64i", H100), ("64j", "H100", "day64j", H100))
-runs = []
+runs, tables = [], []
 for run, card, stem, slug in RUNS:
     ratios = lab.load_table(f"{stem}_ratios", slug)
     if ratios is None:
         print(f"data/{stem}_ratios_{slug}.csv is not committed")
         continue
+    tables.append(ratios)
     for key, name in (("shared prefix", "shared prefix"), ("multi-turn", "second turn")):
         row = ratios[ratios.ratio.str.startswith(key)].iloc[0]
         runs.append({"run": run, "card": card, "ratio": name, "value": row.value, "date": row.date})
 runs = pd.DataFrame(runs)
 lab.show(runs.pivot_table(index=["run", "card", "date"], columns="ratio", values="value", sort=False).round(2))
 fig = lab.plot_ratio_runs(runs, AIM)
-lab.save_figure(fig, "day64d_ratio_runs", lab.table_label(lab.load_table("day64j_ratios", H100)))
+# the caption names every run's card and date; the file, both cards
+lab.save_figure(fig, "day64d_ratio_runs", replace(lab.table_label(pd.concat(tables)), device_slug="h200-h100"))
 lab.show(fig)
 same = runs[runs.run.isin(["64f", "64i", "64j"])].groupby("ratio").value
 print("runs f, i and j: " + "; ".join(f"{r} {lo:.2f}x to {hi:.2f}x" for r, (lo, hi) in
@@ -131,15 +135,16 @@ if kernels is not None:
 # way back to the client. `warm_hit_ledger` cuts the prompt step in two with the split above:
 # its graph's GPU time, and the host's rest of it. Run j's TTFT table is its own. Run i's was lost
 # on the way back from the device (a call returns at most eight files), so run f stands beside it:
-# the same engine for this request, and the same kind of machine, the day before.
+# the same engine for this request, on the same kind of machine, earlier the same day.
 
 # %%
 TTFT_COMMANDS = {"64f": 'PREFIX_ARGS="--prefix day64f" scripts/gpu_run.sh prefix (at eca4d9b)',
                  "64j": "python -m nanolab prefixbench --model llama-3.2-1b --parts shared,turns --prefix day64j"}
-ledgers = []
+ledgers, ttfts = [], []
 for run, command in TTFT_COMMANDS.items():
     ttft = lab.measured_table(f"day{run}_ttft", command, slug=H100)
     if ttft is not None and split is not None:
+        ttfts.append(ttft)
         ledgers.append(lab.warm_hit_ledger(ttft, split, aim=AIM).assign(run=f"run {run[2:]}, H100"))
 ledger = pd.concat(ledgers, ignore_index=True) if ledgers else None
 if ledger is not None:
@@ -151,7 +156,7 @@ if ledger is not None:
     summary["host / its budget"] = summary.host / summary["host's budget"]
     lab.show(summary.round(2))
     fig = lab.plot_warm_hit_ledger(ledger)
-    lab.save_figure(fig, "day64d_warm_hit_ledger", lab.table_label(lab.load_table("day64j_ttft", H100)))
+    lab.save_figure(fig, "day64d_warm_hit_ledger", lab.table_label(pd.concat(ttfts)))
     lab.show(fig)
 
 # %% [markdown]
@@ -162,10 +167,9 @@ if ledger is not None:
 # GPU step would not reach 5x there.
 #
 # The host's biggest parts are the front (1.5 to 1.7 ms) and the prompt step's own host work (0.9
-# to 1.2 ms in the server, against 0.74 ms in one process). Neither is work the engine does
-# per token. `frontcosts`, which the prefix part runs after the bench, times the same stages on a
-# warm host and after it idles. On this host they cost several times more after a pause, and so
-# did a pipe round trip between two processes:
+# to 1.2 ms in the server, against about 0.7 ms in one process). `frontcosts`, which the prefix
+# part runs after the bench, times a request's stages on a busy host and after it idles, and a pipe
+# round trip between two processes. On this host both cost several times more after a pause:
 
 # %%
 idle = lab.load_table("day64i_idle", H100)
@@ -180,6 +184,9 @@ if idle is not None:
 # A request that arrives at an idle server pays this every time. The bench sends one request at a
 # time, as a chat does, and each arrives after the core has waited on its pipe. A host that idles
 # deeper pays more, which is one way the same engine measured 3.11x to 3.35x in runs f, i and j.
+# Whether a core that polls its pipe instead of sleeping on it would pay (chapter 64b left that to a
+# GPU host's many cores) starts with its wake-up: `frontcosts --parts idle --polling` now also times
+# a round trip to a peer that polls. It has not run on a GPU host yet.
 #
 # ## Before the server
 #

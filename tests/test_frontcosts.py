@@ -37,6 +37,12 @@ def test_idle_costs_time_a_round_trip_and_a_pass_at_each_gap():
     assert set(idle[idle.what == "stages"].prompt_len) == {64}
 
 
+def test_idle_costs_with_a_polling_peer_time_both_round_trips():
+    idle = frontcosts.idle_costs((0.0,), samples=2, prompt_len=64, polling=True)
+    assert idle.what.tolist() == ["pipe round trip", "pipe round trip, peer polling", "stages"]
+    assert (idle.us_p50 > 0).all()
+
+
 def test_bad_gaps_are_refused_by_name_before_anything_runs():
     for gaps in ((-1.0,), (float("nan"),), (float("inf"),), ()):
         with pytest.raises(ValueError, match="gaps"):
@@ -48,3 +54,5 @@ def test_bad_gaps_are_refused_by_name_before_anything_runs():
     for gaps in ("1,x", "-5", "nan"):
         with pytest.raises(ValueError, match="--gaps"):
             frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps=gaps, prefix="never"))
+    with pytest.raises(ValueError, match="--parts"):
+        frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps="0", parts="front,nap", prefix="never"))

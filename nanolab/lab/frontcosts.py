@@ -136,11 +136,23 @@ def front_costs(lengths: Sequence[int] = (512, 2048, 4096), repeats: int = 7, in
     return pd.DataFrame(rows)
 
 
-def _echo(inbox, outbox) -> None:
-    """The peer of `idle_costs`' round trips: block reading `inbox`, send each message straight
-    back; None ends it."""
-    while (message := inbox.recv()) is not None:
+def _echo(inbox, outbox, poll_s: float = 0.0) -> None:
+    """The peer of `idle_costs`' round trips: read `inbox`, send each message straight back; None
+    ends it. With `poll_s`, after each message it polls `inbox` without blocking for up to that
+    many seconds (a core that spins while it waits) before it blocks reading."""
+    while True:
+        if poll_s:
+            deadline = time.monotonic() + poll_s
+            while not inbox.poll() and time.monotonic() < deadline:
+                pass
+        message = inbox.recv()
+        if message is None:
+            return
         outbox.send(message)
+
+
+# How long the polling peer of `idle_costs(polling=True)` spins before it blocks: past every default gap.
+POLL_S = 0.2
 
 
 MAX_GAP_MS = 10_000.0  # an idle gap longer than this measures nothing the engine's requests see
@@ -155,12 +167,15 @@ def check_gaps(gaps_ms: Sequence[float], name: str = "gaps") -> list[float]:
 
 
 def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, prompt_len: int = 2048,
-               seed: int = 0, timeout_s: float = 60.0) -> pd.DataFrame:
+               seed: int = 0, timeout_s: float = 60.0, polling: bool = False) -> pd.DataFrame:
     """What the host's part of a request costs after it idled: for each gap, `samples` times
     each, sleep the gap, then time one, with the garbage collector off:
 
     - "pipe round trip": a small message to a process blocked reading its pipe (spawned once, idle
       in between like an engine core between requests), and its echo back;
+    - with `polling`, "pipe round trip, peer polling": the same to a second process that polls its
+      pipe for up to `POLL_S` after each message before it blocks, so through every gap here it is
+      spinning, not asleep (a core that spins while it waits; the engine's core blocks);
     - "stages": one pass of the engine's stages for `prompt_len` ids (`stage_calls`' "now" and
       "both" arms, the client's "encode" left out), in order.
 
@@ -173,10 +188,15 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
         raise ValueError(f"prompt_len: {prompt_len} is shorter than two blocks of {BLOCK_SIZE}")
     stages = [fn for stage, arm, fn in stage_calls(prompt_len, seed) if arm != "before" and stage != "encode"]
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold a CUDA context
-    (peer_in, to_peer), (from_peer, peer_out) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
-    peer = ctx.Process(target=_echo, args=(peer_in, peer_out), daemon=True)
+    peers = {"pipe round trip": 0.0, **({"pipe round trip, peer polling": POLL_S} if polling else {})}
+    ends = {}  # what -> (the peer, its two pipes: (peer's in, ours to it), (ours from it, peer's out))
+    for what, poll_s in peers.items():
+        (peer_in, to_peer), (from_peer, peer_out) = ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)
+        ends[what] = (ctx.Process(target=_echo, args=(peer_in, peer_out, poll_s), daemon=True),
+                      (peer_in, to_peer), (from_peer, peer_out))
 
-    def echo(message):
+    def echo(what, message):
+        _, (_, to_peer), (from_peer, _) = ends[what]
         to_peer.send(message)
         if not from_peer.poll(timeout_s):  # an EOF (the peer died) polls ready, and recv raises it
             raise RuntimeError(f"the echo process did not answer within {timeout_s:g} s")
@@ -187,41 +207,47 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
     rows = []
     was_enabled = gc.isenabled()
     try:
-        peer.start()
-        peer_in.close()  # the peer's ends: once it exits, a read here ends at EOF instead of waiting
-        peer_out.close()
-        echo(-1)  # the peer is up and echoing before anything is timed
+        for peer, (peer_in, _), (_, peer_out) in ends.values():
+            peer.start()
+            peer_in.close()  # the peer's ends: once it exits, a read here ends at EOF instead of waiting
+            peer_out.close()
+        for what in ends:
+            echo(what, -1)  # each peer is up and echoing before anything is timed
         gc.disable()
         for gap in gaps_ms:
-            trips, passes = [], []
-            for i in range(samples):
-                time.sleep(gap / 1e3)
-                start = time.perf_counter()
-                echo(i)
-                trips.append((time.perf_counter() - start) * 1e6)
+            timed = {}
+            for what in ends:
+                trips = timed[what] = []
+                for i in range(samples):
+                    time.sleep(gap / 1e3)
+                    start = time.perf_counter()
+                    echo(what, i)
+                    trips.append((time.perf_counter() - start) * 1e6)
+            passes = timed["stages"] = []
             for _ in range(samples):
                 time.sleep(gap / 1e3)
                 start = time.perf_counter()
                 for fn in stages:
                     fn()
                 passes.append((time.perf_counter() - start) * 1e6)
-            for what, us in (("pipe round trip", trips), ("stages", passes)):
+            for what, us in timed.items():
                 series = pd.Series(us)
                 rows.append({"gap_ms": gap, "what": what, "prompt_len": prompt_len if what == "stages" else 0,
                              "samples": samples, "us_p50": series.median(), "us_p90": series.quantile(0.9)})
     finally:
         if was_enabled:
             gc.enable()
-        try:
-            to_peer.send(None)
-        except OSError:  # the peer is gone already
-            pass
-        if peer.is_alive():
-            peer.join(10)
-        if peer.is_alive():
-            peer.kill()
-        for conn in (to_peer, from_peer, peer_in, peer_out):
-            conn.close()
+        for peer, (peer_in, to_peer), (from_peer, peer_out) in ends.values():
+            try:
+                to_peer.send(None)
+            except OSError:  # the peer is gone already (or never started)
+                pass
+            if peer.is_alive():
+                peer.join(10)
+            if peer.is_alive():
+                peer.kill()
+            for conn in (to_peer, from_peer, peer_in, peer_out):
+                conn.close()
     return pd.DataFrame(rows)
 
 
@@ -252,6 +278,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", default="7", help="timed loops a stage, the fastest kept (default: 7)")
     parser.add_argument("--gaps", default=",".join(f"{g:g}" for g in IDLE_GAPS_MS),
                         help="idle gaps in ms before each timed round trip and pass (default: 0,1,10,50)")
+    parser.add_argument("--parts", default="front,idle",
+                        help="comma-separated: front (the stage table, minutes), idle (after idle gaps)")
+    parser.add_argument("--polling", action="store_true",
+                        help="idle also times a round trip to a peer that polls its pipe instead of sleeping")
     parser.add_argument("--prefix", default="day64b",
                         help="the tables go to data/<prefix>_front_<device>.csv and <prefix>_idle_<device>.csv")
 
@@ -263,13 +293,19 @@ def main(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--gaps: {args.gaps!r} must be comma-separated ms") from None
     gaps = check_gaps(gaps, "--gaps")  # before the stage table's minutes, not after
-    costs = front_costs(lengths, repeats=positive_int(args.repeats, "--repeats"))
-    label = front_label()
-    path = save_table(costs, f"{args.prefix}_front", label)
-    print(costs.pivot_table(index=["stage", "arm"], columns="prompt_len", values="us", sort=False).round(1))
-    print(front_totals(costs).round(1).to_string(index=False))
-    idle = idle_costs(gaps)
-    idle_path = save_table(idle, f"{args.prefix}_idle", label)
-    print(idle.round(1).to_string(index=False))
-    print(f"{path.name}, {idle_path.name}: {label}")
+    parts = [p.strip() for p in getattr(args, "parts", "front,idle").split(",") if p.strip()]
+    if not parts or set(parts) - {"front", "idle"}:
+        raise ValueError(f"--parts: {args.parts!r} must name front, idle or both")
+    repeats = positive_int(args.repeats, "--repeats")
+    label, saved = front_label(), []
+    if "front" in parts:
+        costs = front_costs(lengths, repeats=repeats)
+        saved.append(save_table(costs, f"{args.prefix}_front", label).name)
+        print(costs.pivot_table(index=["stage", "arm"], columns="prompt_len", values="us", sort=False).round(1))
+        print(front_totals(costs).round(1).to_string(index=False))
+    if "idle" in parts:
+        idle = idle_costs(gaps, polling=getattr(args, "polling", False))
+        saved.append(save_table(idle, f"{args.prefix}_idle", label).name)
+        print(idle.round(1).to_string(index=False))
+    print(f"{', '.join(saved)}: {label}")
     return 0
