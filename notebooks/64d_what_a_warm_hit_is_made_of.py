@@ -71,11 +71,13 @@ print("runs f, i and j: " + "; ".join(f"{r} {lo:.2f}x to {hi:.2f}x" for r, (lo, 
                                       same.agg(["min", "max"]).iterrows()))
 
 # %% [markdown]
-# The shared prefix has never reached 5x. It rose from 2.6x to 3.5x as chapters 64 to 64c
-# changed the engine, and has since stayed between 3.1x and 3.5x. The second turn crossed 5x in
-# three of the four H100 runs. Runs i and j ran on the same machine an hour apart, with the same
-# engine, and gave 5.07x and 4.18x. So the second turn's "met" sits inside the spread between
-# runs. The ratio moves with the machine's host as much as with the engine.
+# The shared prefix has never reached 5x. It rose from 2.6x to 3.5x over these runs, while both the
+# engine and the card changed, and the last four stayed between 3.1x and 3.5x. The second turn
+# crossed 5x in three of the four H100 runs. Runs i and j ran the same engine on the same machine
+# (the device kept it between the two calls), minutes apart, and gave 5.07x and 4.18x. So the
+# second turn's "met" sits inside the spread between runs. Between those two runs the server's own
+# prompt step moved too, from 3.16 to 3.79 ms at the second turn, so the spread is in the step as
+# well as around it.
 #
 # ## The prompt step alone
 #
@@ -100,7 +102,9 @@ if split is not None:
     before = med.schedule_ms + med.forward_host_ms
     print(f"medians: step {med.step_ms:.2f} ms; the GPU idles for the {before:.2f} ms of scheduling and "
           f"planning, then runs the graph for {med.graph_gpu_ms:.2f} ms "
-          f"({med.replay_alone_ms:.2f} back to back)")
+          f"({med.replay_alone_ms:.2f} back to back); the forward's host part and sampling less the graph, "
+          f"what the server's prompt step holds besides it: "
+          f"{med.forward_host_ms + med.sample_ms - med.graph_gpu_ms:.2f} ms")
 if kernels is not None:
     engine = kernels[kernels.read == "engine"]
     by_class = engine.pivot_table(index="class", columns="arm", values="us_per_step", aggfunc="sum")
@@ -108,10 +112,10 @@ if kernels is not None:
     hit, decode = by_class["prefix hit + 50"], by_class["decode"]
     profiled = engine[engine.arm == "prefix hit + 50"]
     launches = profiled.calls.sum() / (profiled.gpu_us.sum() / profiled.us_per_step.sum())  # calls / steps
-    small = ["norms", "copies and indexing", "fused by inductor"]
+    small = ["norms", "copies and indexing", "fused by inductor", "other elementwise"]
     print(f"the hit's kernels: {hit.sum() / 1e3:.2f} ms in {launches:.0f} launches a step; beyond a decode step's, "
-          f"the attention read {(hit - decode)['attention read']:.0f} us, norms, copies and inductor's fused "
-          f"kernels {(hit - decode)[small].sum():.0f} us, the projections {(hit - decode)['projections']:+.0f} us")
+          f"the attention read {(hit - decode)['attention read']:.0f} us, small kernels "
+          f"{(hit - decode)[small].sum():.0f} us, the projections {(hit - decode)['projections']:+.0f} us")
 
 # %% [markdown]
 # The step took about 2.5 ms. The graph is 1.76 ms of it, and it ran as fast inside the step as
@@ -123,9 +127,10 @@ if kernels is not None:
 # 2-token step; `prefixsteps` now gives each pass prompts of its own, and `hit_step` refuses a hit
 # that fed any other count. Under the profiler the graph's kernels add up to 1.70 ms in 207
 # launches. Beside a decode step's, they show what the graph spends that a decode step does not:
-# 0.29 ms more in the attention read over the 2,048 cached keys, 0.16 ms in the norms, copies and
-# SwiGLU that the 56-token step runs as kernels of their own, and 0.10 ms more in the projections,
-# which cuBLAS runs at 56 rows where a decode step has its own GEMV.
+# 0.29 ms more in the attention read over the 2,048 cached keys, 0.15 ms more in small kernels
+# (norms, copies, inductor's fused kernels and the elementwise ones, which a decode step mostly
+# folds into its projections), and 0.10 ms more in the projections, which cuBLAS runs at 56 rows
+# where a decode step has its own GEMV.
 #
 # ## The ledger
 #
@@ -166,8 +171,9 @@ if ledger is not None:
 # half of what it spends now. In run j, the host's parts alone are past the whole budget: a free
 # GPU step would not reach 5x there.
 #
-# The host's biggest parts are the front (1.5 to 1.7 ms) and the prompt step's own host work (0.9
-# to 1.2 ms in the server, against about 0.7 ms in one process). `frontcosts`, which the prefix
+# The host's biggest parts are the front (1.5 to 1.7 ms) and the prompt step's own host work. In
+# the server that is 0.9 to 1.2 ms. The same part in one process, the forward's host part and the
+# sampling less the graph, is 0.44 ms. `frontcosts`, which the prefix
 # part runs after the bench, times a request's stages on a busy host and after it idles, and a pipe
 # round trip between two processes. On this host both cost several times more after a pause:
 
@@ -181,12 +187,12 @@ if idle is not None:
           f"stages {stages[10.0] / stages[0.0]:.1f}x")
 
 # %% [markdown]
-# A request that arrives at an idle server pays this every time. The bench sends one request at a
-# time, as a chat does, and each arrives after the core has waited on its pipe. A host that idles
-# deeper pays more, which is one way the same engine measured 3.11x to 3.35x in runs f, i and j.
-# Whether a core that polls its pipe instead of sleeping on it would pay (chapter 64b left that to a
-# GPU host's many cores) starts with its wake-up: `frontcosts --parts idle --polling` now also times
-# a round trip to a peer that polls. It has not run on a GPU host yet.
+# The bench sends one request at a time, as a chat does, so each arrives after the core has waited
+# on its pipe. How long it waited is not measured. If it is milliseconds, a request pays some of
+# this on its way in and on its way out. Whether a core that polls its pipe instead of sleeping
+# on it would pay (chapter 64b left that to a GPU host's many cores) starts with its wake-up:
+# `frontcosts --parts idle --polling` now also times a round trip to a peer that polls. It has
+# not run on a GPU host yet.
 #
 # ## Before the server
 #
@@ -265,8 +271,7 @@ print(f"{len(cpu_split) + (0 if split is None else len(split))} split steps add 
 #   in others.
 # - A warm hit's prompt step, alone on an H100, is 0.65 ms of host work while the GPU waits, then
 #   a 1.76 ms graph that runs as fast as it does back to back. The graph spends 0.29 ms more than a
-#   decode step in the attention read, 0.16 ms in small kernels of its own and 0.10 ms in the
-#   projections.
+#   decode step in the attention read, 0.15 ms in small kernels and 0.10 ms in the projections.
 # - In the server the host's parts of a warm hit add up to 3.5 to 4.2 ms, and the GPU's to 1.76.
 #   The 5x aim leaves the whole request 3.5 to 3.7 ms. On this host the aim needs the host's part
 #   cut to about half, and in run j even a free GPU step would not reach it. The host's parts grow

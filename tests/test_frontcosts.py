@@ -56,3 +56,29 @@ def test_bad_gaps_are_refused_by_name_before_anything_runs():
             frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps=gaps, prefix="never"))
     with pytest.raises(ValueError, match="--parts"):
         frontcosts.main(argparse.Namespace(lengths="64", repeats="1", gaps="0", parts="front,nap", prefix="never"))
+
+
+class _Inbox:
+    """A pipe end that is empty for `empty` polls, then holds `messages`, then None."""
+
+    def __init__(self, empty: int, messages):
+        self.empty, self.polls, self.messages = empty, 0, list(messages) + [None]
+
+    def poll(self):
+        self.polls += 1
+        return self.polls > self.empty
+
+    def recv(self):
+        return self.messages.pop(0)
+
+
+class _Outbox(list):
+    def send(self, message):
+        self.append(message)
+
+
+def test_the_polling_peer_polls_and_the_other_blocks():
+    for poll_s, polled in ((0.0, False), (5.0, True)):
+        inbox, outbox = _Inbox(empty=3, messages=[1, 2]), _Outbox()
+        frontcosts._echo(inbox, outbox, poll_s)
+        assert outbox == [1, 2] and (inbox.polls > 3) == polled

@@ -175,7 +175,8 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
       in between like an engine core between requests), and its echo back;
     - with `polling`, "pipe round trip, peer polling": the same to a second process that polls its
       pipe for up to `POLL_S` after each message before it blocks, so through every gap here it is
-      spinning, not asleep (a core that spins while it waits; the engine's core blocks);
+      spinning, not asleep (a core that spins while it waits; the engine's core blocks). Timed
+      last at each gap, and followed by `POLL_S` of sleep, so its spinning overlaps nothing else;
     - "stages": one pass of the engine's stages for `prompt_len` ids (`stage_calls`' "now" and
       "both" arms, the client's "encode" left out), in order.
 
@@ -213,16 +214,21 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
             peer_out.close()
         for what in ends:
             echo(what, -1)  # each peer is up and echoing before anything is timed
+        if polling:
+            time.sleep(POLL_S)  # the polling peer asleep again before the first round trips
         gc.disable()
+
+        def round_trips(what: str, gap: float) -> list[float]:
+            trips = []
+            for i in range(samples):
+                time.sleep(gap / 1e3)
+                start = time.perf_counter()
+                echo(what, i)
+                trips.append((time.perf_counter() - start) * 1e6)
+            return trips
+
         for gap in gaps_ms:
-            timed = {}
-            for what in ends:
-                trips = timed[what] = []
-                for i in range(samples):
-                    time.sleep(gap / 1e3)
-                    start = time.perf_counter()
-                    echo(what, i)
-                    trips.append((time.perf_counter() - start) * 1e6)
+            timed = {"pipe round trip": round_trips("pipe round trip", gap)}
             passes = timed["stages"] = []
             for _ in range(samples):
                 time.sleep(gap / 1e3)
@@ -230,6 +236,12 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
                 for fn in stages:
                     fn()
                 passes.append((time.perf_counter() - start) * 1e6)
+            if polling:  # last, then asleep again before anything else is timed: its spinning takes a CPU
+                timed["pipe round trip, peer polling"] = round_trips("pipe round trip, peer polling", gap)
+                time.sleep(POLL_S)
+            for what in ends:
+                timed[what] = timed.pop(what)  # the rows in `ends`' order, then the stages
+            timed["stages"] = timed.pop("stages")
             for what, us in timed.items():
                 series = pd.Series(us)
                 rows.append({"gap_ms": gap, "what": what, "prompt_len": prompt_len if what == "stages" else 0,

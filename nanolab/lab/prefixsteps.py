@@ -42,7 +42,7 @@ from nanolab.config import resolve_device, resolve_dtype
 from nanolab.engine.kv_cache import default_read
 from nanolab.lab.readarms import READ_ARMS
 from nanolab.lab.report import run_label, save_table
-from nanolab.lab.stepparts import class_line, profiled_kernels, timed_methods
+from nanolab.lab.stepparts import class_line, patched_methods, profiled_kernels, timed_methods
 from nanolab.model.weights import resolve_weights, weights_kind
 
 SYSTEM_LEN = 2048
@@ -134,47 +134,48 @@ def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dic
     (the prefix lookup and sharing among it), the forward's host part (`run_varlen`: the plan, its
     upload and the graph's launch, or an eager forward's launches), sampling with the wait for the
     GPU and the read-back, and the rest of `Engine.step`. With a varlen graph, also the GPU time of
-    its replay (`graph_gpu_ms`, events around the launch: the GPU idles until then) and of that
-    graph replayed back to back after the last request (`replay_alone_ms`). One row a step."""
+    its replay (`graph_gpu_ms`, events around the launch: the GPU idles until then; recording them
+    adds a few us to the forward's host part) and of that graph replayed back to back after the
+    last request (`replay_alone_ms`). One row a step."""
     runner, cuda = engine.runner, engine.runner.device.type == "cuda"
     graphs = runner.varlen_graphs
     rows, events = [], []
-    if graphs is not None:
-        replay = graphs.replay
 
-        def evented(*args, **kwargs):
+    def evented(replay):
+        def wrapper(*args, **kwargs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = replay(*args, **kwargs)
             end.record()
             events.append((start, end))
             return out
-        graphs.replay = evented
+        return wrapper
+
     spent: dict[str, float] = {}
-    try:
-        owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine}
-        with timed_methods([(owners[m], m) for m in SPLIT_PARTS.values()], spent):
-            for prompt in prompts:
-                engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-                while engine.has_unfinished_requests():
-                    spent.clear()
-                    events.clear()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    engine.step()
-                    wall = 1e3 * (time.perf_counter() - t0)
-                    r = engine.last_step
-                    if r is None:
-                        continue
-                    parts = {column: 1e3 * spent.get(method, 0.0) for column, method in SPLIT_PARTS.items()}
-                    gpu = events[0][0].elapsed_time(events[0][1]) if events else NAN  # the read-back waited for it
-                    rows.append({"phase": r.phase, "tokens": r.tokens, "graph": r.graph,
-                                 "size": runner.last_varlen[0], "step_ms": wall, **parts,
-                                 "rest_ms": wall - sum(parts.values()), "graph_gpu_ms": gpu})
-    finally:
-        if graphs is not None:
-            del graphs.replay  # an instance attribute: the class's method shows through again
+    owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine}
+    with timed_methods([(owners[m], m) for m in SPLIT_PARTS.values()], spent), \
+            patched_methods([(graphs, "replay", evented)] if graphs is not None else []):
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                spent.clear()
+                events.clear()
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.step()
+                wall = 1e3 * (time.perf_counter() - t0)
+                r = engine.last_step
+                if r is None:
+                    continue
+                parts = {column: 1e3 * spent.get(method, 0.0) for column, method in SPLIT_PARTS.items()}
+                gpu = NAN
+                if events:
+                    events[0][1].synchronize()
+                    gpu = events[0][0].elapsed_time(events[0][1])
+                rows.append({"phase": r.phase, "tokens": r.tokens, "graph": r.graph,
+                             "size": runner.last_varlen[0], "step_ms": wall, **parts,
+                             "rest_ms": wall - sum(parts.values()), "graph_gpu_ms": gpu})
     if rows and graphs is not None and rows[-1]["graph"]:
         alone = varlen_replay_ms(engine, rows[-1]["size"])
         for row in rows:
@@ -200,7 +201,8 @@ def warm_hit_ledger(ttft: pd.DataFrame, split: pd.DataFrame, part: str = "shared
     if not {"on", "off"} <= set(warm.index):
         raise ValueError(f"ttft has no warm {part!r} rows of both arms")
     on = warm.loc["on"]
-    graph = float(split.graph_gpu_ms.median())
+    steps = split[split.read == "engine"] if "read" in split else split  # a candidate read's graph is not the engine's
+    graph = float(steps.graph_gpu_ms.median())
     if not np.isfinite(graph) or graph > on.server_prefill_ms:
         raise ValueError(f"the split's graph ({graph:.3f} ms on the GPU) does not fit the server's prompt step "
                          f"({on.server_prefill_ms:.3f} ms): were they the same step shape and machine?")
@@ -302,22 +304,25 @@ def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suff
         attempt(read, parts)
     ttft = []
     if "engine" in engines:
-        def in_process():
+        off = None
+        try:  # a failure here is logged and leaves the table empty; the engine's read goes on
             off = Engine(llm.model, pool.replace(enable_prefix_caching=False))
-            try:
-                arms = {"on": engines["engine"], "off": off}
-                for engine in arms.values():  # untimed: each arm's first request of this shape
-                    engine_ttft(engine, ttft_hits[0])
-                for i, prompt in enumerate(ttft_hits[1:]):
-                    for arm, engine in arms.items():
-                        ttft.append({"arm": arm, "system_len": system_len, "suffix": PROFILED_SUFFIX, "request": i,
-                                     **engine_ttft(engine, prompt)})
-            finally:
-                off.close()
+            arms = [("on", engines["engine"]), ("off", off)]
+            for _, engine in arms:  # untimed: each arm's first request of this shape
+                engine_ttft(engine, ttft_hits[0])
+            for i, prompt in enumerate(ttft_hits[1:]):
+                for arm, engine in arms if i % 2 == 0 else arms[::-1]:  # each arm first in turn
+                    ttft.append({"arm": arm, "system_len": system_len, "suffix": PROFILED_SUFFIX, "request": i,
+                                 **engine_ttft(engine, prompt)})
             t = pd.DataFrame(ttft).groupby("arm").ttft_ms.median()
             log(f"in process, {PROFILED_SUFFIX} tokens after a cached {system_len}: TTFT p50 {t['on']:.3f} ms on, "
                 f"{t['off']:.3f} ms off ({t['off'] / t['on']:.2f}x)")
-        attempt("engine", in_process)
+        except Exception as e:
+            log(f"in process TTFT: failed, {type(e).__name__}: {e}")
+            ttft.clear()
+        finally:
+            if off is not None:
+                off.close()
     for read, engine in list(engines.items()):
         def decode(read=read, engine=engine):
             steps = run_request(engine, decode_prompt, max_tokens=decode_steps + 1)

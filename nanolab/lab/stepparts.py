@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import pandas as pd
 import torch
@@ -107,32 +108,37 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
 
 
 @contextmanager
-def timed_methods(patches: list[tuple[object, str]], spent: dict[str, float]) -> Iterator[None]:
-    """While open, each (instance, name) of `patches` is wrapped on that instance so that every call
-    adds its wall seconds to `spent[name]`; the wrappers come off after, so the class's method (or
-    the instance's own attribute, as an engine's sampler is) shows through again."""
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
-
-    owned = [name in vars(obj) for obj, name in patches]
-    originals = [getattr(obj, name) for obj, name in patches]
-    for obj, name in patches:
-        setattr(obj, name, timed(name, getattr(obj, name)))
+def patched_methods(patches: list[tuple[object, str, Callable[[Callable], Callable]]]) -> Iterator[None]:
+    """While open, each (instance, name, wrap) of `patches` has `wrap(method)` in place of its method
+    on that instance; on leaving, also after an exception, the class's method (or the instance's own
+    attribute, as an engine's sampler is) shows through again."""
+    owned = [name in vars(obj) for obj, name, _ in patches]
+    originals = [getattr(obj, name) for obj, name, _ in patches]
     try:
+        for obj, name, wrap in patches:
+            setattr(obj, name, wrap(getattr(obj, name)))
         yield
     finally:
-        for (obj, name), original, own in zip(patches, originals, owned, strict=True):
+        for (obj, name, _), original, own in zip(patches, originals, owned, strict=True):
             if own:
                 setattr(obj, name, original)
-            else:
+            elif name in vars(obj):
                 delattr(obj, name)  # an instance attribute: the class's method shows through again
+
+
+def _timed(name: str, spent: dict[str, float], fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return wrapper
+
+
+def timed_methods(patches: list[tuple[object, str]], spent: dict[str, float]):
+    """`patched_methods` that add each call's wall seconds to `spent[name]`."""
+    return patched_methods([(obj, name, partial(_timed, name, spent)) for obj, name in patches])
 
 
 def step_anatomy(engine: Engine, prompts: torch.Tensor, steps: int) -> dict[str, float]:
