@@ -37,7 +37,8 @@
 # loopback), output tokens/s with no hits (two engines in one process, alternated), and the hit rate the caching
 # server's /metrics reports for 16 shared system prompts (needs the prometheus-client and orjson wheels);
 # $PREFIX_ARGS added. Then frontcosts times a request's host work stage by stage on this host, and
-# after it idles (data/<prefix>_front_*, data/<prefix>_idle_*: the --prefix in $PREFIX_ARGS, else day64b).
+# after it idles, with a round trip to a peer that polls its pipe beside one to a peer that sleeps
+# (data/<prefix>_front_*, data/<prefix>_idle_*: the --prefix in $PREFIX_ARGS, else day64b).
 # About 5 minutes on a fresh H200:  scripts/gpu_run.sh prefix  (carry third_party/wheels).
 # prefixsteps times a prompt step of 16 to 400 tokens after a cached 2,048-token system prompt, profiles the
 # 50-token one's kernels beside a decode step's, splits that step between host and GPU, and times such a request's
@@ -153,7 +154,7 @@ for part in "${parts[@]}"; do
         prefix) python3 -m nanolab prefixbench --model llama-3.2-1b ${PREFIX_ARGS:-} || status=1
             # the host's stages under the bench's prefix (day64b_* when none is given)
             front=$(sed -n 's/.*--prefix[= ]\([^ ]*\).*/\1/p' <<< "${PREFIX_ARGS:-}")
-            python3 -m nanolab frontcosts ${front:+--prefix "$front"} || status=1 ;;
+            python3 -m nanolab frontcosts --polling ${front:+--prefix "$front"} || status=1 ;;
         fp8) python3 -m nanolab fp8bench --model llama-3.2-1b --parts steps ${FP8_ARGS:-} || status=1 ;;
         verify) python3 -m nanolab specbench --model llama-3.2-1b --parts verify ${VERIFY_ARGS:-} || status=1 ;;
         smollm2) gguf=SmolLM2-135M-Instruct.Q4_1.gguf

@@ -42,7 +42,7 @@ from nanolab.config import resolve_device, resolve_dtype
 from nanolab.engine.kv_cache import default_read
 from nanolab.lab.readarms import READ_ARMS
 from nanolab.lab.report import run_label, save_table
-from nanolab.lab.stepparts import class_line, patched_methods, profiled_kernels, timed_methods
+from nanolab.lab.stepparts import class_line, graph_replay_ms, patched_methods, profiled_kernels, timed_methods
 from nanolab.model.weights import resolve_weights, weights_kind
 
 SYSTEM_LEN = 2048
@@ -116,16 +116,7 @@ def varlen_replay_ms(engine: Engine, size: int, repeats: int = 50) -> float:
     """Median ms of the `size`-token varlen graph's replay alone, timed with events: the GPU's part
     of a graphed prompt step, no host work between replays. Replays the plan the buffers hold last,
     which rewrites the K/V its tokens wrote: run it only when no request is live."""
-    graph = engine.runner.varlen_graphs.graphs[size]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_replay_ms(engine.runner.varlen_graphs.graphs[size], repeats)
 
 
 def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dict]:

@@ -95,7 +95,11 @@ def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float:
     """Median ms of the batch-`batch` graph's replay alone, timed with events: the GPU's part of a
     step, its kernels and the gaps between them. Replays whatever plan the buffers hold last; run
     it only when no request is live."""
-    graph = engine.runner.graphs.graphs[(batch, None)]
+    return graph_replay_ms(engine.runner.graphs.graphs[(batch, None)], repeats)
+
+
+def graph_replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
+    """Median ms of `graph`'s replay, each timed alone with events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
