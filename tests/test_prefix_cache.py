@@ -408,6 +408,12 @@ def test_a_token_span_crosses_from_the_prompt_into_the_output():
     for start in range(len(joined) + 1):
         for stop in range(start, len(joined) + 1):
             assert token_span(prompt, output, start, stop) == joined[start:stop], (start, stop)
+    # a step's ids come from the same span (`Sequence.span`, which `run_varlen` and a verify step feed)
+    from nanolab.engine.sequence import Sequence
+    from nanolab.sampling import SamplingParams
+
+    seq = Sequence(0, prompt, SamplingParams(), output_token_ids=output)
+    assert all(seq.span(a, b) == joined[a:b] for a in range(len(joined) + 1) for b in range(a, len(joined) + 1))
 
 
 # The allocator's and the memo's own promises, each of which the engine-level tests above would

@@ -221,7 +221,7 @@ class ModelRunner:
         size and gives at most `max_rows` rows of logits (a graph's head runs on that many) is padded
         to it and replays that graph; otherwise the model runs eagerly."""
         ids = list(itertools.chain.from_iterable(
-            s.token_ids[a:a + n] for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
+            s.span(a, a + n) for s, a, n in zip(seqs, num_computed_tokens, num_scheduled_tokens, strict=True)))
         rows = [s.row for s in seqs]
         every = [False] * len(seqs) if all_logits is None else list(all_logits)
         wanted = sum(n if e else due for n, due, e in zip(num_scheduled_tokens, sampled, every, strict=True))
@@ -299,7 +299,7 @@ class ModelRunner:
         plan = self.kv_cache.plan_decode([s.row for s in seqs], batch_size=shape and shape[0],
                                          width=shape and shape[1], query_lens=query_lens)
         if fed is None:
-            fed = [t for s, n in zip(seqs, query_lens, strict=True) for t in s.token_ids[-n:]]
+            fed = [t for s, n in zip(seqs, query_lens, strict=True) for t in s.span(s.num_tokens - n, s.num_tokens)]
         elif len(fed) != tokens:
             raise ValueError(f"fed holds {len(fed)} tokens for a step of {tokens}")
         self.planned("verify", seqs, fed, query_lens, None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanolab.engine.block_manager import token_span
 from nanolab.engine.detokenizer import TextDeltas
 from nanolab.sampling import PositionLogprobs, SamplingParams
 from nanolab.spec_decode import TokenIndex
@@ -60,6 +61,11 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def span(self, start: int, stop: int) -> list[int]:
+        """Tokens start .. stop - 1 of prompt then output, sliced without listing the rest: a step
+        feeds a few tokens of a row that may hold thousands."""
+        return token_span(self.prompt_token_ids, self.output_token_ids, start, stop)
 
     @property
     def num_tokens(self) -> int:
