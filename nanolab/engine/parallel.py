@@ -209,13 +209,30 @@ class WorkerExited(RuntimeError):
         self.rank = rank
 
 
+class FedRow:
+    """A worker's stand-in for a sequence of a varlen or verify step: its row and the ids rank 0 fed
+    it this step, which are all of its tokens the step reads (`span`, as `Sequence.span`)."""
+
+    __slots__ = ("row", "ids")
+
+    def __init__(self, row: int, ids: list[int]) -> None:
+        self.row, self.ids = row, ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def span(self, start: int, stop: int) -> list[int]:
+        return self.ids[start:stop]
+
+
 def follow(runner: ModelRunner, channel: Channel) -> None:
     """A worker's loop: run each forward rank 0 sends, until it sends None."""
     blocks = runner.kv_cache.blocks
     while (call := channel.receive()) is not None:
         blocks.adopt(call)
         if call.kind in ("varlen", "verify"):
-            seqs = [SimpleNamespace(row=r, token_ids=ids) for r, ids in zip(call.rows, call.ids, strict=True)]
+            seqs = [FedRow(r, ids) for r, ids in zip(call.rows, call.ids, strict=True)]
             if call.kind == "varlen":
                 runner.run_varlen(seqs, call.counts, [0] * len(seqs), call.sampled, call.all_logits)
             else:  # a decode step of a batch row a fed token, planned as rank 0 planned it
