@@ -239,11 +239,8 @@ def idle_costs(gaps_ms: Sequence[float] = IDLE_GAPS_MS, samples: int = 40, promp
             if polling:  # last, then asleep again before anything else is timed: its spinning takes a CPU
                 timed["pipe round trip, peer polling"] = round_trips("pipe round trip, peer polling", gap)
                 time.sleep(POLL_S)
-            for what in ends:
-                timed[what] = timed.pop(what)  # the rows in `ends`' order, then the stages
-            timed["stages"] = timed.pop("stages")
-            for what, us in timed.items():
-                series = pd.Series(us)
+            for what in [*ends, "stages"]:  # the round trips in `ends`' order, then the stages
+                series = pd.Series(timed[what])
                 rows.append({"gap_ms": gap, "what": what, "prompt_len": prompt_len if what == "stages" else 0,
                              "samples": samples, "us_p50": series.median(), "us_p90": series.quantile(0.9)})
     finally:
