@@ -203,9 +203,6 @@ class EngineConfig:
     distributed_timeout_s: float | None = None  # a tensor-parallel group's collective timeout; None: torch's
     quantization: str | None = None  # "fp8": the layers' weights as e4m3 with a scale per output channel
     speculative_config: SpeculativeConfig | dict | None = None  # None: one token a row each decode step
-    # A server's engine core (a process of its own) and the event loop it answers, once idle, poll for
-    # this many seconds before they sleep; None: 1 on CUDA, 0 on the CPU, whose cores run the forward.
-    idle_poll_s: float | None = None
     # Tensor parallelism on CUDA runs over NCCL, a path that has not yet passed on two GPUs: refused
     # unless asked for.
     unverified_nccl: bool = False
@@ -239,10 +236,6 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s={timeout!r}: must be a number of seconds in [0.001, "
                              f"{MAX_TIMEOUT_S:g}], or None")
         check_bool("unverified_nccl", self.unverified_nccl)
-        poll = self.idle_poll_s
-        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, (int, float))
-                                 or not poll >= 0):
-            raise ValueError(f"idle_poll_s={poll!r}: must be a number of seconds >= 0 (inf: poll for ever), or None")
         spec = self.speculative_config
         if isinstance(spec, dict):
             known = {f.name for f in fields(SpeculativeConfig)}
@@ -297,16 +290,6 @@ class EngineConfig:
         speculation); a step with a sampled row that may carry drafts runs synchronously."""
         return self.cuda_graphs(device) if self.async_scheduling is None else self.async_scheduling
 
-    def idle_poll(self, device: torch.device) -> float:
-        """The seconds an engine core in a process of its own polls for requests once idle before
-        it sleeps, and its client's event loop polls after each request and each of the core's
-        messages: `idle_poll_s`, else 1 on CUDA, where a process woken from sleep takes its message
-        late, and 0 on the CPU, where the forward's threads need the cores. A core on a thread of the
-        client's process (`AsyncLLM.start`) never polls: it would hold the interpreter's lock."""
-        if self.idle_poll_s is not None:
-            return float(self.idle_poll_s)
-        return 1.0 if device.type == "cuda" else 0.0
-
     def replace(self, **changes) -> EngineConfig:
         """A copy with `changes`, checked again."""
         return dataclasses.replace(self, **changes)
@@ -359,9 +342,6 @@ class EngineConfig:
             "speculative_config": dict(type=json.loads, default=None,
                                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                                             '"num_speculative_tokens": 4}\' (fields of SpeculativeConfig)'),
-            "idle_poll_s": dict(type=float, default=None,
-                                help="seconds a server's engine core and its event loop poll once idle before they "
-                                     "sleep (default: 1 on CUDA, 0 on the CPU)"),
             "unverified_nccl": dict(action="store_true",
                                     help="allow tensor parallelism on CUDA (NCCL), not yet passed on two GPUs"),
         }

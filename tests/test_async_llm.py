@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from nanolab.config import EngineConfig
 from nanolab.engine.async_llm import AsyncLLM, EngineCore
@@ -173,45 +172,3 @@ def test_a_post_larger_than_the_pipe_never_blocks_the_event_loop(tiny_path):
     assert posted < 2.0, f"posting blocked the event loop for {posted:.1f} s"
     assert free == total and set(reasons) == {"abort"}
 
-
-
-def _cpu_seconds(pid: int) -> float:
-    """The user and system CPU time a process has used (Linux' /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads a process' CPU time from Linux' /proc")
-def test_an_idle_core_and_its_loop_poll_for_idle_poll_s_then_sleep(tiny_path):
-    """A spawned core told to poll for 0.3 s once idle spends CPU time polling after its request
-    ends, and stops: over 1.5 s of idle it uses a share of a core near 0.3 s, not none (never
-    polling) and not all of it (polling for ever). The event loop on this side does the same after
-    the core's last message. The core still serves a request posted after that."""
-    from nanolab.entrypoints.openai.api_server import build_engine
-
-    config = EngineConfig(model=str(tiny_path), device="cpu", idle_poll_s=0.3)
-    assert config.idle_poll(torch.device("cpu")) == 0.3
-    assert EngineConfig(model=str(tiny_path), device="cpu").idle_poll(torch.device("cpu")) == 0.0
-    assert EngineConfig(model=str(tiny_path), device="cpu").idle_poll(torch.device("cuda")) == 1.0
-
-    async def main():
-        llm = await AsyncLLM.spawn(functools.partial(build_engine, config))
-        params = SamplingParams(temperature=0, max_tokens=2)
-        async for _ in llm.add_request([5, 6, 7], params):
-            pass
-        before, here = _cpu_seconds(llm._process.pid), time.process_time()
-        await asyncio.sleep(1.5)
-        idle, loop_idle = _cpu_seconds(llm._process.pid) - before, time.process_time() - here
-        asleep = not llm._awake._polling
-        late = llm.add_request([8, 9], params)  # wakes the loop's polling until its tokens are back
-        assert asleep and llm._awake._polling
-        async for _ in late:
-            pass
-        await llm.shutdown()
-        return idle, loop_idle, late.finish_reason
-
-    idle, loop_idle, reason = asyncio.run(main())
-    assert 0.05 < idle < 0.9, f"the idle core used {idle:.2f} s of CPU in 1.5 s with idle_poll_s=0.3"
-    assert 0.05 < loop_idle < 0.9, f"the idle event loop used {loop_idle:.2f} s of CPU in 1.5 s with idle_poll_s=0.3"
-    assert reason == "length"

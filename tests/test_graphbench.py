@@ -491,9 +491,6 @@ def test_the_server_takes_every_flag_serve_command_passes(tmp_path):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     assert parser.parse_args(serve_command("tiny", 1, device="cpu", eager=False, step_log=tmp_path / "s",
                                            speculative_config=spec)[4:]).speculative_config == spec
-    polled = lambda **kw: parser.parse_args(serve_command("tiny", 1, device="cpu", eager=False,
-                                                          step_log=tmp_path / "s", **kw)[4:]).idle_poll_s
-    assert (polled(), polled(idle_poll_s=0), polled(idle_poll_s=0.25)) == (None, 0.0, 0.25)
 
 
 def test_the_recorded_default_budget_is_the_servers():

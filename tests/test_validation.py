@@ -159,7 +159,6 @@ BAD_FIELDS = {
     "max_num_batched_tokens": [0, 2048.0],
     "tensor_parallel_size": [0, True],
     "distributed_timeout_s": [0, -1.0, "10", True, float("inf"), float("nan")],
-    "idle_poll_s": [-0.1, "1", True, float("nan")],
     "unverified_nccl": [1, None],
 }
 BAD_ARGS = [(field, value) for field, values in BAD_FIELDS.items() for value in values]

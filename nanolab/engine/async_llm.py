@@ -132,8 +132,7 @@ def engine_info(engine: Engine) -> dict:
             "read": engine.kv_cache.read, "graphs": graphs_line(engine.runner),
             "prefill": (f"chunked prefill of {engine.scheduler.max_num_batched_tokens} tokens a step"
                         if engine.scheduler.enable_chunked_prefill else "whole prompts"),
-            "num_blocks": engine.block_manager.num_blocks, "stats": scheduler_stats(engine),
-            "idle_poll_s": engine.config.idle_poll(engine.device)}
+            "num_blocks": engine.block_manager.num_blocks, "stats": scheduler_stats(engine)}
 
 
 class EngineCore:
@@ -253,8 +252,7 @@ class EngineCore:
 
 def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> None:
     """The engine core's process: build the engine, say it is ready, run; it reads what the
-    client posts from `inbox` (once idle, polling it for the config's `idle_poll` seconds before
-    it sleeps) and writes to `outbox` (two one-way pipes)."""
+    client posts from `inbox` and writes to `outbox` (two one-way pipes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -264,16 +262,9 @@ def _core_process(factory: Callable[[], Engine], inbox, outbox, step_log) -> Non
         outbox.send(("error", (bad_input, str(e) if bad_input else f"{type(e).__name__}: {e}")))
         return
     outbox.send(("ready", engine_info(core.engine)))
-    poll_s = core.engine.config.idle_poll(core.engine.device)
 
     def receive(block: bool):
         try:
-            if block and poll_s:
-                # Idle: poll before sleeping, so that a request arriving within `poll_s` finds the
-                # core awake rather than waking a process (and a CPU) that has gone to sleep.
-                deadline = time.monotonic() + poll_s
-                while not inbox.poll() and time.monotonic() < deadline:
-                    pass
             return inbox.recv() if block or inbox.poll() else None
         except OSError as e:  # the client died mid-message: gone, as at an end of file
             raise EOFError(str(e)) from None
@@ -368,32 +359,6 @@ class _Frames:
         self._conn.close()
 
 
-class _KeepAwake:
-    """Keeps an event loop polling its selector, rather than sleeping in it, until `seconds` after
-    the last `touch`: a callback that schedules itself again gives every iteration of the loop a
-    timeout of zero. A request's bytes or the core's outputs arriving in that window are handled at
-    once, not once the loop's thread (and the CPU it sleeps on) has woken up."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
-        self._loop, self._seconds = loop, seconds
-        self._until = 0.0
-        self._polling = False
-
-    def touch(self) -> None:
-        if not self._seconds:
-            return
-        self._until = time.monotonic() + self._seconds
-        if not self._polling:
-            self._polling = True
-            self._loop.call_soon(self._poll)
-
-    def _poll(self) -> None:
-        if time.monotonic() < self._until:
-            self._loop.call_soon(self._poll)
-        else:
-            self._polling = False
-
-
 class AsyncLLM:
     """An engine served to asyncio code. `max_waiting` bounds the requests accepted but not yet
     producing tokens; `step_log` (a path) gets one JSON line per step (`StepRecord`, with `t0` and
@@ -421,7 +386,6 @@ class AsyncLLM:
         self._process = None
         self._conn: _Frames | None = None  # the core's messages, read on the event loop
         self._posts: _Posts | None = None  # what the event loop posts to the core's process
-        self._awake: _KeepAwake | None = None  # a core in its own process: the loop polls while it does
 
     @property
     def limits(self) -> RequestLimits:
@@ -489,14 +453,9 @@ class AsyncLLM:
         self._post = self._posts.post
         self._conn = _Frames(outputs)
         self._loop.add_reader(self._conn.fd, self._readable)
-        # The loop polls for as long after each request and each of the core's messages as the
-        # core polls once idle (the config's `idle_poll`), so that neither end of the pipe sleeps.
-        self._awake = _KeepAwake(self._loop, payload["idle_poll_s"])
-        self._awake.touch()
         return self
 
     def _readable(self) -> None:
-        self._awake.touch()
         try:
             for message in self._conn.read():
                 self._receive(message)
@@ -567,8 +526,6 @@ class AsyncLLM:
                 requests.append((stream.rid, checked, sample))
         # One message: the core queues the call's requests together (`EngineCore.add`).
         self._post(("add", requests))
-        if self._awake is not None:
-            self._awake.touch()
         return streams
 
     def abort(self, stream: RequestStream) -> None:

@@ -370,17 +370,17 @@ class ServerArm:
 def run_server_arm(arm: str, model: str, device: str, vocab: int, tokenizer: Tokenizer, sizes: PrefixSizes,
                    parts: Sequence[str], *, seed: int = 0, dtype: str = "auto", eager: bool = False,
                    max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, block_size: int = 16,
-                   start_timeout_s: float = 600.0, workdir: Path | None = None, idle_poll_s: float | None = None,
+                   start_timeout_s: float = 600.0, workdir: Path | None = None,
                    log: Callable[[str], None] = print, command: Callable[..., list[str]] = serve_command) -> ServerArm:
     """One server, prefix caching as `arm` names it, through the server parts of `parts` (the
-    hit rate only with caching on); `idle_poll_s` None leaves the server's default."""
+    hit rate only with caching on)."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="prefixbench-"))
     port = free_port()
     step_log = workdir / f"steps_{arm}.jsonl"
     step_log.unlink(missing_ok=True)  # an earlier run's in this folder: the server writes a new one
     argv = command(model, port, device=device, eager=eager, step_log=step_log, dtype=dtype,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                   max_waiting=1024, prefix_caching=ARMS[arm], idle_poll_s=idle_poll_s)
+                   max_waiting=1024, prefix_caching=ARMS[arm])
     out = ServerArm(arm)
     with ServeProcess(argv, port, workdir / f"server_{arm}.log", start_timeout_s) as server:
         log(f"{arm}: server ready in {server.ready_s:.1f} s ({' '.join(argv[1:])})")
@@ -398,7 +398,7 @@ def run_server_arm(arm: str, model: str, device: str, vocab: int, tokenizer: Tok
         startup = startup_columns(server.log.read_text(errors="replace"))
     # Written out when the server stopped.
     add_server_steps(out.shared + out.turns, read_step_log(step_log), read_step_events(step_log))
-    out.server = {"arm": arm, "idle_poll_s": idle_poll_s, "ready_s": server.ready_s, "server_exit": server.exit_code,
+    out.server = {"arm": arm, "ready_s": server.ready_s, "server_exit": server.exit_code,
                   "metrics": "present" if counted else "absent", **startup}
     if server.exit_code != 0:
         log(f"{arm}: the server exited with {server.exit_code} on SIGTERM; the end of its log:\n{server.tail()}")
@@ -595,11 +595,9 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
                     dtype: str = "auto", eager: bool = False, max_num_seqs: int = 64,
                     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
                     kv_cache_bytes: int | None = None, nohit_workload: Workload | None = None,
-                    start_timeout_s: float = 600.0, idle_poll_s: float | None = None,
-                    log: Callable[[str], None] = print) -> PrefixBench:
+                    start_timeout_s: float = 600.0, log: Callable[[str], None] = print) -> PrefixBench:
     """The server parts through an "off" and then an "on" server (the hit rate alone needs only
-    "on"), then the no-hit passes in this process. `idle_poll_s`, the servers' engine cores'
-    polling once idle, None their default (`EngineConfig.idle_poll`). `nohit_workload` defaults to the device's
+    "on"), then the no-hit passes in this process. `nohit_workload` defaults to the device's
     `WORKLOADS`; `kv_cache_bytes`, each in-process engine's pool, to `KV_CACHE_BYTES` (both
     engines live at once: a pool sized from free memory would differ between them)."""
     unknown = set(parts) - set(PARTS)
@@ -608,7 +606,7 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
     kind = "cuda" if device.startswith("cuda") else "cpu"
     # EngineConfig checks every value before a server starts.
     base = EngineConfig(model=model, device=device, dtype=dtype, enforce_eager=eager, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, idle_poll_s=idle_poll_s,
+                        max_num_batched_tokens=max_num_batched_tokens,
                         kv_cache_bytes=KV_CACHE_BYTES[kind] if kv_cache_bytes is None else kv_cache_bytes)
     path = resolve_weights(model)  # prepared once, outside any server start
     model_config = ModelConfig.from_dir(path)
@@ -627,7 +625,7 @@ def run_prefixbench(model: str, device: str, sizes: PrefixSizes, parts: Sequence
                                            eager=eager, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens,
                                            block_size=base.block_size, start_timeout_s=start_timeout_s,
-                                           workdir=Path(workdir), idle_poll_s=idle_poll_s, log=log))
+                                           workdir=Path(workdir), log=log))
     nohit = pd.DataFrame()
     if "nohit" in parts:
         nohit = run_nohit(base, nohit_workload or WORKLOADS[kind], sizes.nohit_requests, sizes.nohit_repeats,
@@ -691,9 +689,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each in-process engine's KV pool in bytes (default: 4 GiB on CUDA, 256 MiB on a CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
-    parser.add_argument("--idle-poll-s", type=float, default=None,
-                        help="seconds the servers' engine cores poll once idle (default: the server's, "
-                             "EngineConfig.idle_poll)")
     parser.add_argument("--prefix", default="day64", help="tables go to data/<prefix>_shared_<device>.csv, ...")
 
 
@@ -720,7 +715,7 @@ def main(args: argparse.Namespace) -> int:
                                 seed=args.seed, dtype=args.dtype, eager=args.enforce_eager,
                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 kv_cache_bytes=args.kv_cache_bytes, nohit_workload=workload,
-                                start_timeout_s=args.start_timeout, idle_poll_s=args.idle_poll_s)
+                                start_timeout_s=args.start_timeout)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,14 +90,12 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
                   read: str = "auto", max_num_seqs: int = 64, max_model_len: int | None = None,
                   max_waiting: int = 1024, chunked_prefill: bool | None = None,
                   max_num_batched_tokens: int | None = None, cudagraph_mode: str | None = None,
-                  prefix_caching: bool | None = None, speculative_config: dict | None = None,
-                  idle_poll_s: float | None = None) -> list[str]:
+                  prefix_caching: bool | None = None, speculative_config: dict | None = None) -> list[str]:
     """`python -m nanolab serve` on loopback with a step log. `max_waiting` is set above any rate's
     request count: a bench past saturation measures the queue, not the server's 503s.
     `chunked_prefill` None leaves the server's default; `max_num_batched_tokens`, the tokens a step
     feeds, None the server's default; `cudagraph_mode` and `prefix_caching` (Day 64) likewise;
-    `speculative_config` (Day 65), given as JSON; `idle_poll_s`, how long the engine core polls
-    once idle, None the server's default."""
+    `speculative_config` (Day 65), given as JSON."""
     argv = [sys.executable, "-m", "nanolab", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--read", read, "--max-num-seqs", str(max_num_seqs),
             "--max-waiting", str(max_waiting), "--step-log", str(step_log)]
@@ -115,8 +113,6 @@ def serve_command(model: str, port: int, *, device: str, eager: bool, step_log: 
         argv.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     if speculative_config is not None:
         argv += ["--speculative-config", json.dumps(speculative_config)]
-    if idle_poll_s is not None:
-        argv += ["--idle-poll-s", repr(float(idle_poll_s))]
     return argv
 
 
