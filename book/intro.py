@@ -83,10 +83,11 @@ print(f"nanolab at batch 1: {ours.ms_per_step[1]:.3f} ms a step, "
 #   process; measured so far on one H200, with what two would give worked out from it.
 # - {doc}`Day 63 <../notebooks/63_serving_tail>`: the serving tail, where the longest gaps between a
 #   stream's tokens come from, and every step in a graph.
-# - Day 64, in four chapters: {doc}`prefix caching <../notebooks/64_prefix_caching>`, and the
+# - Day 64, in five chapters: {doc}`prefix caching <../notebooks/64_prefix_caching>`, and the
 #   OpenAI surface real clients use; {doc}`what a warm hit pays the host <../notebooks/64b_the_host_path>`;
-#   {doc}`the attention read after a cached prefix <../notebooks/64c_the_read_after_a_hit>`; and
-#   {doc}`what a warm hit is made of <../notebooks/64d_what_a_warm_hit_is_made_of>`.
+#   {doc}`the attention read after a cached prefix <../notebooks/64c_the_read_after_a_hit>`;
+#   {doc}`what a warm hit is made of <../notebooks/64d_what_a_warm_hit_is_made_of>`; and
+#   {doc}`the engine or the machine <../notebooks/64e_the_engine_or_the_machine>`.
 # - Day 65, in five chapters: {doc}`fp8 weights <../notebooks/65_below_the_floor>`, fewer bytes a
 #   step; {doc}`speculative decoding <../notebooks/65b_speculative_decoding>`, fewer steps a
 #   token; {doc}`chained speculation, measured again <../notebooks/65c_chained_again>`;

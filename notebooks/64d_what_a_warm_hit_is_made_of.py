@@ -191,8 +191,8 @@ if idle is not None:
 # on its pipe. How long it waited is not measured. If it is milliseconds, a request pays some of
 # this on its way in and on its way out. Whether a core that polls its pipe instead of sleeping
 # on it would pay (chapter 64b left that to a GPU host's many cores) starts with its wake-up:
-# `frontcosts --parts idle --polling` now also times a round trip to a peer that polls. It has
-# not run on a GPU host yet.
+# `frontcosts --parts idle --polling` now also times a round trip to a peer that polls. Chapter
+# 64e ran it on a GPU host, and tried the polling core itself.
 #
 # ## Before the server
 #
@@ -200,7 +200,9 @@ if idle is not None:
 # `add_request` to the first token on the host, with caching on (the engine that holds the system
 # prompt) and off (an engine of its own over the same model and pool), one request of each in turn.
 # No HTTP, pipe or event loop is in it, so its ratio is what prefix caching gives the engine, and the
-# gap to the server's ratio is the host's. It has not run on a GPU yet:
+# gap to the server's ratio is the host's. It ran on a GPU later the same day, on another H100 host,
+# after this chapter's runs; {doc}`chapter 64e <64e_the_engine_or_the_machine>` reads it beside that
+# host's server runs:
 
 # %%
 TTFT_COMMAND = 'PREFIXSTEPS_ARGS="--prefix day64d" scripts/gpu_run.sh prefixsteps'

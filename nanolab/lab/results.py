@@ -32,6 +32,7 @@ CHAPTERS = {
     "64b_the_host_path": "Day 64: what a warm hit pays the host",
     "64c_the_read_after_a_hit": "Day 64: the attention read after a cached prefix",
     "64d_what_a_warm_hit_is_made_of": "Day 64: what a warm hit is made of",
+    "64e_the_engine_or_the_machine": "Day 64: the engine or the machine",
     "65_below_the_floor": "Day 65: fp8 weights",
     "65b_speculative_decoding": "Day 65: speculative decoding",
     "65c_chained_again": "Day 65: chained speculation, measured again",
