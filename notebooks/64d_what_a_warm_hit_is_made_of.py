@@ -50,17 +50,7 @@ AIM = 5.0
 RUNS = (("12-03, first", "H200", "day64first", H200), ("12-03, split", "H200", "day64split", H200),
         ("12-05", "H200", "day64", H200), ("64b", "H100", "day64b", H100), ("64f", "H100", "day64f", H100),
         ("64i", "H100", "day64i", H100), ("64j", "H100", "day64j", H100))
-runs, tables = [], []
-for run, card, stem, slug in RUNS:
-    ratios = lab.load_table(f"{stem}_ratios", slug)
-    if ratios is None:
-        print(f"data/{stem}_ratios_{slug}.csv is not committed")
-        continue
-    tables.append(ratios)
-    for key, name in (("shared prefix", "shared prefix"), ("multi-turn", "second turn")):
-        row = ratios[ratios.ratio.str.startswith(key)].iloc[0]
-        runs.append({"run": run, "card": card, "ratio": name, "value": row.value, "date": row.date})
-runs = pd.DataFrame(runs)
+runs, tables = lab.ratio_runs(RUNS)
 lab.show(runs.pivot_table(index=["run", "card", "date"], columns="ratio", values="value", sort=False).round(2))
 fig = lab.plot_ratio_runs(runs, AIM)
 # the caption names every run's card and date; the file, both cards

@@ -86,17 +86,7 @@ RUNS = (("12-03, first", "H200", "day64first", H200), ("12-03, split", "H200", "
         ("64i", "H100", "day64i", H100), ("64j", "H100", "day64j", H100),
         ("64e, 1st", "H100, this host", "day64e_nopoll", H100), ("64e, 2nd", "H100, this host", "day64e", H100),
         ("64e, 3rd", "H100, this host", "day64e2", H100), ("64e, 4th", "H100, this host", "day64e2_nopoll", H100))
-runs, tables = [], []
-for run, card, stem, slug in RUNS:
-    ratios = lab.load_table(f"{stem}_ratios", slug)
-    if ratios is None:
-        print(f"data/{stem}_ratios_{slug}.csv is not committed")
-        continue
-    tables.append(ratios)
-    for key, name in (("shared prefix", "shared prefix"), ("multi-turn", "second turn")):
-        row = ratios[ratios.ratio.str.startswith(key)].iloc[0]
-        runs.append({"run": run, "card": card, "ratio": name, "value": row.value, "date": row.date})
-runs = pd.DataFrame(runs)
+runs, tables = lab.ratio_runs(RUNS)
 lab.show(runs.pivot_table(index=["run", "card"], columns="ratio", values="value", sort=False).round(2))
 fig = lab.plot_ratio_runs(runs, AIM)
 lab.save_figure(fig, "day64e_ratio_runs", replace(lab.table_label(pd.concat(tables)), device_slug="h200-h100"))

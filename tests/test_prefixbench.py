@@ -360,3 +360,14 @@ def test_a_caching_server_through_every_server_part(tiny_path, tmp_path):
     assert hit["queried_tokens"] == hit["prompt_tokens"]
     # Nothing evicts: all of the ideal, unless a request came while the first of its prompt was in prefill.
     assert 0.5 * hit["ideal_hit_rate"] <= hit["hit_rate"] <= hit["ideal_hit_rate"] and hit["hit_tokens"] % 16 == 0
+
+
+def test_ratio_runs_reads_each_committed_run_and_names_a_missing_one(capsys):
+    from nanolab.lab.prefixbench import ratio_runs
+
+    runs, tables = ratio_runs([("a", "H100", "day64e2", "h100-80gb-hbm3"), ("b", "H100", "day64nosuch", "h100")])
+    assert list(runs.run) == ["a", "a"] and list(runs.ratio) == ["shared prefix", "second turn"]
+    assert len(tables) == 1 and "data/day64nosuch_ratios_h100.csv is not committed" in capsys.readouterr().out
+    stated = tables[0].set_index("ratio").value
+    assert runs.value.iloc[0] == stated[stated.index.str.startswith("shared prefix")].iloc[0]
+    assert runs.value.iloc[1] == stated[stated.index.str.startswith("multi-turn")].iloc[0]

@@ -76,7 +76,7 @@ _EXPORTS = {
     "nanolab.lab.plots.tail": ["plot_itl_cdf", "plot_startup"],
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
-    "nanolab.lab.prefixbench": ["prefix_ratios", "ttft_summary"],
+    "nanolab.lab.prefixbench": ["prefix_ratios", "ratio_runs", "ttft_summary"],
     "nanolab.lab.prefixsteps": ["run_prefix_steps", "warm_hit_ledger"],
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
                            "load_table", "measured_table", "run_label", "save_figure", "save_table", "show",

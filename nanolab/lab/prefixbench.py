@@ -54,7 +54,7 @@ from nanolab.lab.compaction import read_step_events, read_step_log
 from nanolab.lab.graphbench import startup_columns
 from nanolab.lab.loadclient import KeepAliveClient, run_plan
 from nanolab.lab.plots.prefix import plot_nohit_throughput, plot_prefix_ttft
-from nanolab.lab.report import run_label, save_figure, save_table
+from nanolab.lab.report import load_table, run_label, save_figure, save_table
 from nanolab.lab.serveprocess import ServeProcess, free_port, scrape_metrics, serve_command
 from nanolab.lab.servingmetrics import SLO, median_interval, serving_metrics
 from nanolab.lab.timing import drain, sync
@@ -539,6 +539,28 @@ def prefix_ratios(summary: pd.DataFrame, nohit: pd.DataFrame, hitrate: pd.DataFr
                         "detail": f"{row.hit_rate:.3f} measured ({row.hit_tokens:g} of {row.queried_tokens:g} "
                                   f"tokens), {row.ideal_hit_rate:.3f} ideal; /metrics {row.metrics}"})
     return pd.DataFrame(records, columns=["ratio", "value", "aim", "met", "detail"])
+
+
+# (ratio name in the table, as a run's figure names it)
+RATIO_NAMES = (("shared prefix", "shared prefix"), ("multi-turn", "second turn"))
+
+
+def ratio_runs(runs: Sequence[tuple[str, str, str, str]]) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
+    """Committed prefix bench runs' two TTFT ratios: `runs` as (run, card, stem, slug), read from
+    `data/<stem>_ratios_<slug>.csv`, in order. Returns a row per run and ratio (run, card, ratio
+    as `RATIO_NAMES` names it, value, date), and the tables read, for a figure's label. A run whose
+    table is not committed is named and left out."""
+    rows, tables = [], []
+    for run, card, stem, slug in runs:
+        ratios = load_table(f"{stem}_ratios", slug)
+        if ratios is None:
+            print(f"data/{stem}_ratios_{slug}.csv is not committed")
+            continue
+        tables.append(ratios)
+        for key, name in RATIO_NAMES:
+            row = ratios[ratios.ratio.str.startswith(key)].iloc[0]
+            rows.append({"run": run, "card": card, "ratio": name, "value": row.value, "date": row.date})
+    return pd.DataFrame(rows, columns=["run", "card", "ratio", "value", "date"]), tables
 
 
 def check_prefix_requests(shared: pd.DataFrame, turns: pd.DataFrame, hitrate: pd.DataFrame, nohit: pd.DataFrame,
