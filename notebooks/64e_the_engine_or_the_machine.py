@@ -116,11 +116,7 @@ for run, stem, split_table in PAIRS:
 ledger = pd.concat(ledgers, ignore_index=True) if ledgers else None
 if ledger is not None:
     lab.show(ledger.pivot_table(index=["part", "side"], columns="run", values="ms", sort=False).round(2))
-    sides = ledger.groupby(["run", "side"]).ms.sum().unstack()
-    summary = pd.DataFrame({"TTFT p50": ledger.groupby("run").ttft_p50_ms.first(), "host": sides.host,
-                            "GPU": sides.GPU, "budget at 5x": ledger.groupby("run").budget_ms.first()})
-    summary["host / its budget"] = summary.host / (summary["budget at 5x"] - summary.GPU)
-    lab.show(summary.round(2))
+    lab.show(lab.ledger_summary(ledger).round(2))
     fig = lab.plot_warm_hit_ledger(ledger)
     lab.save_figure(fig, "day64e_warm_hit_ledger", lab.table_label(pd.concat(ttfts)))
     lab.show(fig)

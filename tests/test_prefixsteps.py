@@ -91,6 +91,17 @@ def test_the_ledger_cuts_the_prompt_step_at_its_graph():
     with pytest.raises(ValueError, match="both arms"):
         warm_hit_ledger(ttft[ttft.arm == "on"], split)
 
+    from nanolab.lab.prefixsteps import ledger_summary
+
+    two = pd.concat([ledger.reset_index().assign(run="b"),
+                     warm_hit_ledger(ttft, split.assign(graph_gpu_ms=1.0), aim=4.0).assign(run="a")])
+    summary = ledger_summary(two)
+    assert list(summary.index) == ["b", "a"]  # in the order given
+    b = summary.loc["b"]
+    assert abs(b.host - (1.5 + 0.2 + 0.4 + 0.8 + 0.5)) < 1e-12 and b.GPU == 1.8 and b["budget at the aim"] == 4.5
+    assert abs(b["host's budget"] - 2.7) < 1e-12 and abs(b["host / its budget"] - 3.4 / 2.7) < 1e-12
+    assert summary.loc["a", "GPU"] == 1.0 and abs(summary.loc["a", "host"] - 4.2) < 1e-12
+
 
 def test_a_hit_seen_before_is_refused(tiny_path, one_thread):
     """`hit_step` times a prompt step only when it fed the suffix alone: the same prompt again is

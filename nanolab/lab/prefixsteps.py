@@ -205,6 +205,19 @@ def warm_hit_ledger(ttft: pd.DataFrame, split: pd.DataFrame, part: str = "shared
                                      budget_ms=float(warm.loc["off"].ttft_p50_ms) / aim)
 
 
+def ledger_summary(ledgers: pd.DataFrame) -> pd.DataFrame:
+    """`warm_hit_ledger` tables with a `run` column, one row a run: its TTFT p50, the host's parts
+    and the GPU's summed, the whole request's budget at the aim, what that leaves the host once the
+    GPU's part is paid, and the host's parts over that."""
+    sides = ledgers.groupby(["run", "side"], sort=False).ms.sum().unstack()
+    runs = ledgers.groupby("run", sort=False)
+    summary = pd.DataFrame({"TTFT p50": runs.ttft_p50_ms.first(), "host": sides.host, "GPU": sides.GPU,
+                            "budget at the aim": runs.budget_ms.first()})
+    summary["host's budget"] = summary["budget at the aim"] - summary.GPU
+    summary["host / its budget"] = summary.host / summary["host's budget"]
+    return summary
+
+
 def run_prefix_steps(model: str, device: str, system_len: int = SYSTEM_LEN, suffixes: Sequence[int] = SUFFIXES,
                      repeats: int = 5, decode_steps: int = 32, profile: bool | None = None,
                      reads: Sequence[str] = ("engine",), log: Callable[[str], None] = print
