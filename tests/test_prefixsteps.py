@@ -26,6 +26,11 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
     assert (parts > 0).all().all() and (split.rest_ms >= 0).all()
     assert ((parts.sum(axis=1) + split.rest_ms - split.step_ms).abs() < 1e-9).all()
     assert split.graph_gpu_ms.isna().all() and "replay_alone_ms" not in split
+    # Inside them: the hit's lookup and sharing in scheduling, its plan in the forward's host part,
+    # and no launch (an eager step).
+    assert (split[["prefix_lookup_ms", "prefix_share_ms", "plan_ms"]] > 0).all().all() and (split.launch_ms == 0).all()
+    assert (split.prefix_lookup_ms + split.prefix_share_ms < split.schedule_ms).all()
+    assert (split.plan_ms < split.forward_host_ms).all()
     # In process, on and off in turn: with caching on a request feeds its suffix in one step; off, it
     # feeds every prompt token (the tiny engine's budget takes 114 in one step).
     assert ttft.arm.tolist() == ["on", "off", "off", "on"] and (ttft.ttft_ms > 0).all()  # each first in turn

@@ -12,7 +12,8 @@ step still reads the whole prefix's K/V. Two tables:
   by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
 - `<prefix>_prefix_split`: the prompt step of each request of `PROFILED_SUFFIX` tokens split on the
   host (`split_prompt_steps`): scheduling, the forward's host part, sampling with the wait for the
-  GPU, the rest; with the GPU time of its graph's replay, and of that graph replayed back to back.
+  GPU, the rest, and inside the first two the prefix lookup, its sharing, the plan and the graph's
+  launch; with the GPU time of its graph's replay, and of that graph replayed back to back.
 - `<prefix>_prefix_ttft`: those requests' TTFT inside the process (`engine_ttft`: from `add_request`
   to the first token on the host, no server), with caching on (the LLM's engine) and off (an engine
   of its own over the same model and pool), taken in turn: what prefix caching gives before any
@@ -82,6 +83,11 @@ def hit_step(engine: Engine, prompt: list[int], suffix: int = PROFILED_SUFFIX) -
 # A prompt step's parts on the host (`split_prompt_steps`), in order; with the step's wall time they
 # leave "rest_ms", the rest of `Engine.step` (emitting the token, keying the blocks it filled).
 SPLIT_PARTS = {"schedule_ms": "schedule", "forward_host_ms": "run_varlen", "sample_ms": "_sample"}  # column: method
+# Inside those, timed too (column: method): in scheduling, the prefix lookup and the sharing of
+# what it found; in the forward's host part, the plan (host tables, the block table's new entries
+# and the step's inputs uploaded) and the graph's launch.
+DETAIL_PARTS = {"prefix_lookup_ms": "_cached_prefix", "prefix_share_ms": "share_prefix", "plan_ms": "plan_varlen",
+                "launch_ms": "replay"}
 
 
 class PrefixStepTables(NamedTuple):
@@ -124,8 +130,9 @@ def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dic
     by wrapping the engine's own methods on their instances, `stepparts.timed_methods`): scheduling
     (the prefix lookup and sharing among it), the forward's host part (`run_varlen`: the plan, its
     upload and the graph's launch, or an eager forward's launches), sampling with the wait for the
-    GPU and the read-back, and the rest of `Engine.step`. With a varlen graph, also the GPU time of
-    its replay (`graph_gpu_ms`, events around the launch: the GPU idles until then; recording them
+    GPU and the read-back, and the rest of `Engine.step`; and parts inside the first two
+    (`DETAIL_PARTS`, 0 where a step has none, as an eager step has no launch). With a varlen graph,
+    also the GPU time of its replay (`graph_gpu_ms`, events around the launch: the GPU idles until then; recording them
     adds a few us to the forward's host part) and of that graph replayed back to back after the
     last request (`replay_alone_ms`). One row a step."""
     runner, cuda = engine.runner, engine.runner.device.type == "cuda"
@@ -143,9 +150,12 @@ def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dic
         return wrapper
 
     spent: dict[str, float] = {}
-    owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine}
-    with timed_methods([(owners[m], m) for m in SPLIT_PARTS.values()], spent), \
-            patched_methods([(graphs, "replay", evented)] if graphs is not None else []):
+    owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine,
+              "_cached_prefix": engine.scheduler, "share_prefix": engine.block_manager, "plan_varlen": runner.kv_cache,
+              "replay": graphs}
+    timed = [(owners[m], m) for m in (*SPLIT_PARTS.values(), *DETAIL_PARTS.values()) if owners[m] is not None]
+    # the events go on first, so the launch's time holds their recording
+    with patched_methods([(graphs, "replay", evented)] if graphs is not None else []), timed_methods(timed, spent):
         for prompt in prompts:
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             while engine.has_unfinished_requests():
@@ -160,13 +170,14 @@ def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dic
                 if r is None:
                     continue
                 parts = {column: 1e3 * spent.get(method, 0.0) for column, method in SPLIT_PARTS.items()}
+                detail = {column: 1e3 * spent.get(method, 0.0) for column, method in DETAIL_PARTS.items()}
                 gpu = NAN
                 if events:
                     events[0][1].synchronize()
                     gpu = events[0][0].elapsed_time(events[0][1])
                 rows.append({"phase": r.phase, "tokens": r.tokens, "graph": r.graph,
                              "size": runner.last_varlen[0], "step_ms": wall, **parts,
-                             "rest_ms": wall - sum(parts.values()), "graph_gpu_ms": gpu})
+                             "rest_ms": wall - sum(parts.values()), **detail, "graph_gpu_ms": gpu})
     if rows and graphs is not None and rows[-1]["graph"]:
         alone = varlen_replay_ms(engine, rows[-1]["size"])
         for row in rows:
