@@ -18,9 +18,10 @@
 # bench on another H100 host, and tests one lever against the pause: an engine core that polls
 # its pipe instead of sleeping on it.
 #
-# Every new GPU number below comes from one H100 host on 2026-12-06. The engine was the same in
-# every run, apart from the polling arm below. Runs i and j of chapter 64d ran at e5a1fb1, before
-# a step's ids came from `Sequence.span` (998a136), a host change of a few microseconds a step.
+# Every new GPU number below comes from one H100 host on 2026-12-06, and every run there used the
+# engine as committed in d1571f9, its servers with or without the polling below. Runs i and j of
+# chapter 64d ran at e5a1fb1, before a step's ids came from `Sequence.span` (998a136), a host
+# change of a few microseconds a step.
 
 # %%
 from dataclasses import replace
