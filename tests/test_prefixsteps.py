@@ -30,7 +30,8 @@ def test_a_hit_feeds_its_suffix_alone_in_one_step(tiny_path, one_thread):
     # and no launch (an eager step).
     assert (split[["prefix_lookup_ms", "prefix_share_ms", "plan_ms"]] > 0).all().all() and (split.launch_ms == 0).all()
     assert (split.prefix_lookup_ms + split.prefix_share_ms < split.schedule_ms).all()
-    assert (split.plan_ms < split.forward_host_ms).all()
+    assert (split.plan_ms < split.forward_host_ms).all() and (split.table_ms > 0).all()
+    assert (split.table_ms < split.plan_ms).all() and (split.inputs_ms == 0).all()  # an eager plan is not padded
     # In process, on and off in turn: with caching on a request feeds its suffix in one step; off, it
     # feeds every prompt token (the tiny engine's budget takes 114 in one step).
     assert ttft.arm.tolist() == ["on", "off", "off", "on"] and (ttft.ttft_ms > 0).all()  # each first in turn

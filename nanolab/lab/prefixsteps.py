@@ -12,8 +12,9 @@ step still reads the whole prefix's K/V. Two tables:
   by kernel and class (`stepparts.kernel_class`), us a step, and the same for the decode steps.
 - `<prefix>_prefix_split`: the prompt step of each request of `PROFILED_SUFFIX` tokens split on the
   host (`split_prompt_steps`): scheduling, the forward's host part, sampling with the wait for the
-  GPU, the rest, and inside the first two the prefix lookup, its sharing, the plan and the graph's
-  launch; with the GPU time of its graph's replay, and of that graph replayed back to back.
+  GPU, the rest, and inside the first two the prefix lookup, its sharing, the plan (its block
+  table entries and a padded plan's inputs among it) and the graph's launch; with the GPU time of
+  its graph's replay, and of that graph replayed back to back.
 - `<prefix>_prefix_ttft`: those requests' TTFT inside the process (`engine_ttft`: from `add_request`
   to the first token on the host, no server), with caching on (the LLM's engine) and off (an engine
   of its own over the same model and pool), taken in turn: what prefix caching gives before any
@@ -84,10 +85,11 @@ def hit_step(engine: Engine, prompt: list[int], suffix: int = PROFILED_SUFFIX) -
 # leave "rest_ms", the rest of `Engine.step` (emitting the token, keying the blocks it filled).
 SPLIT_PARTS = {"schedule_ms": "schedule", "forward_host_ms": "run_varlen", "sample_ms": "_sample"}  # column: method
 # Inside those, timed too (column: method): in scheduling, the prefix lookup and the sharing of
-# what it found; in the forward's host part, the plan (host tables, the block table's new entries
-# and the step's inputs uploaded) and the graph's launch.
+# what it found; in the forward's host part, the plan and the graph's launch; inside the plan, the
+# block table's new entries (host tables grown, their device copy) and a padded plan's inputs
+# (written to the staging buffer and uploaded in one copy).
 DETAIL_PARTS = {"prefix_lookup_ms": "_cached_prefix", "prefix_share_ms": "share_prefix", "plan_ms": "plan_varlen",
-                "launch_ms": "replay"}
+                "table_ms": "_grow", "inputs_ms": "_padded_varlen", "launch_ms": "replay"}
 
 
 class PrefixStepTables(NamedTuple):
@@ -152,7 +154,7 @@ def split_prompt_steps(engine: Engine, prompts: Sequence[list[int]]) -> list[dic
     spent: dict[str, float] = {}
     owners = {"schedule": engine.scheduler, "run_varlen": runner, "_sample": engine,
               "_cached_prefix": engine.scheduler, "share_prefix": engine.block_manager, "plan_varlen": runner.kv_cache,
-              "replay": graphs}
+              "_grow": runner.kv_cache, "_padded_varlen": runner.kv_cache, "replay": graphs}
     timed = [(owners[m], m) for m in (*SPLIT_PARTS.values(), *DETAIL_PARTS.values()) if owners[m] is not None]
     # the events go on first, so the launch's time holds their recording
     with patched_methods([(graphs, "replay", evented)] if graphs is not None else []), timed_methods(timed, spent):
