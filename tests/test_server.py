@@ -77,7 +77,13 @@ BAD = [
     ({"prompt": "hi", "top_k": 1.5}, 400, "top_k"),
     ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ({"prompt": "hi", "seed": False}, 400, "seed"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
+    ({"prompt": "hi", "max_tokens": 0, "echo": False}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"five": 0}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": False}}, 400, "logit_bias"),
+    ({"prompt": "hi", "suffix": " end"}, 400, "suffix"),
     ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
@@ -111,7 +117,7 @@ BAD = [
 # Fields at the values where they change nothing, and fields that never change the output: accepted.
 NOOPS = {"n": 1, "best_of": 1, "logprobs": None, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
          "repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True,
-         "user": "someone", "metadata": {"k": "v"}, "store": False}
+         "user": "someone", "metadata": {"k": "v"}, "store": False, "logit_bias": {"5": 0, "7": 0.0}, "suffix": ""}
 
 
 def test_bad_requests_get_their_status_and_an_error_object(llm, caplog):
@@ -450,6 +456,43 @@ def test_n_logprobs_and_echo_are_what_generate_gives(llm):
     for entry in content:
         assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] == entry["logprob"]
         assert entry["token"] == protocol.token_string(bytes(entry["bytes"]))
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(llm):
+    """`max_tokens: 0` with `echo` (a loglikelihood request as older lm-eval sends it): the prompt,
+    its text and its scores as `LLM.generate` gives them, nothing generated, "length", and no
+    completion tokens in usage; streamed, one chunk a choice with the same. Chat keeps refusing 0."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    (want,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2),
+                           use_tqdm=False)
+
+    async def body(client, _):
+        request = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "n": 2}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={
+            **request, "stream": True, "stream_options": {"include_usage": True}}))
+        bare = await (await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0,
+                                                                  "echo": True})).json()
+        chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 0})
+        return whole, streamed, bare, chat.status, (await chat.json())["error"]["param"]
+
+    whole, streamed, bare, chat_status, chat_param = run_with_client(llm, body)
+    scores = [None] + [e[0] for e in want.prompt_logprobs]
+    assert whole["usage"] == {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}
+    for i, choice in enumerate(whole["choices"]):
+        assert (choice["index"], choice["text"], choice["finish_reason"]) == (i, llm.tokenizer.decode(prompt), "length")
+        assert choice["logprobs"]["token_logprobs"] == scores and len(choice["logprobs"]["tokens"]) == 6
+    chunks = [e for e in streamed[:-1] if e["choices"]]
+    assert sorted(c["choices"][0]["index"] for c in chunks) == [0, 1]
+    for c in chunks:
+        assert c["choices"][0]["text"] == whole["choices"][0]["text"]
+        assert c["choices"][0]["logprobs"] == whole["choices"][0]["logprobs"]
+        assert c["choices"][0]["finish_reason"] == "length"
+    assert streamed[-2]["usage"]["completion_tokens"] == 0 and streamed[-1] == "[DONE]"
+    assert bare["choices"][0]["text"] == "hi" and bare["choices"][0]["logprobs"] is None
+    assert bare["usage"]["completion_tokens"] == 0
+    assert (chat_status, chat_param) == (400, "max_tokens")
 
 
 @pytest.mark.parametrize("bos", [False, True])

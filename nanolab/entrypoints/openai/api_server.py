@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -272,21 +273,24 @@ class OpenAIServing:
             if stream.finish_reason == "error":
                 raise APIError(500, f"the request failed: {stream.error}", type="internal_error")
             try:
-                text = self.tokenizer.decode(stream.output_token_ids)
+                tokens, entries = stream.output_token_ids, stream.output_logprobs
+                if req.echo_only:  # the prompt alone: the one token sampled to score it is left out
+                    tokens, entries = [], None if entries is None else []
+                text = self.tokenizer.decode(tokens)
                 last = stream.stop_text_index
-                text = text if last is None else text[:last]
+                text = text if last is None or req.echo_only else text[:last]
                 logprobs = None
-                if stream.output_logprobs is not None:
-                    logprobs = self._echoed_logprobs(req, j, stream, stream.output_token_ids, stream.output_logprobs,
-                                                     protocol.TextOffsets(), shown)
-                choices.append(((self._echo(req, j, stream) if req.echo else "") + text, stream.finish_reason,
+                if entries is not None:
+                    logprobs = self._echoed_logprobs(req, j, stream, tokens, entries, protocol.TextOffsets(), shown)
+                choices.append(((self._echo(req, j, stream) if req.echo else "") + text,
+                                _echo_only_reason(stream.finish_reason) if req.echo_only else stream.finish_reason,
                                 logprobs))
             except Exception as e:  # the engine's tokens came back; rendering them did not
                 log.exception("request %s: its response could not be built", rid)
                 raise APIError(500, f"the response could not be built: {type(e).__name__}: {e}",
                                type="internal_error") from None
         return web.json_response(protocol.completion(rid, self.model_name, req.chat, choices,
-                                                     _usage(streams, req.params.n)))
+                                                     _usage(streams, req.params.n, req.echo_only)))
 
     async def _stream(self, request, req: CompletionRequest, rid: str, streams) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -303,12 +307,19 @@ class OpenAIServing:
                 await response.write(_sse(err))
                 break
             stream = streams[index]
+            if req.echo_only:  # one chunk a choice, once its token is in: the prompt, scored, and "length"
+                if delta.finish_reason is None:
+                    continue
+                delta = dataclasses.replace(delta, token_id=None, logprobs=None,
+                                            finish_reason=_echo_only_reason(delta.finish_reason))
             try:
-                text = texts[index].push(delta.token_id, delta.finish_reason is not None, delta.stop_text_index)
+                text = "" if req.echo_only else texts[index].push(delta.token_id, delta.finish_reason is not None,
+                                                                   delta.stop_text_index)
                 logprobs = None
-                if stream.output_logprobs is not None and delta.token_id is not None:
+                if stream.output_logprobs is not None and (delta.token_id is not None or req.echo_only):
                     if first[index]:  # with echo, the prompt's tokens go first, in the first chunk
-                        logprobs = self._echoed_logprobs(req, index, stream, [delta.token_id], [delta.logprobs],
+                        fed = [] if req.echo_only else [delta.token_id]
+                        logprobs = self._echoed_logprobs(req, index, stream, fed, [delta.logprobs] if fed else [],
                                                          offsets[index], shown)
                     else:
                         logprobs = self._logprobs(req, [delta.token_id], [delta.logprobs], offsets[index])
@@ -327,16 +338,23 @@ class OpenAIServing:
             first[index] = False
         if req.include_usage:
             await response.write(_sse(protocol.usage_chunk(rid, self.model_name, req.chat, created,
-                                                           _usage(streams, req.params.n))))
+                                                           _usage(streams, req.params.n, req.echo_only))))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
 
-def _usage(streams: list[RequestStream], n: int = 1) -> dict:
-    """Each prompt counted once, whatever its number of samples `n` (OpenAI's usage)."""
+def _usage(streams: list[RequestStream], n: int = 1, echo_only: bool = False) -> dict:
+    """Each prompt counted once, whatever its number of samples `n` (OpenAI's usage); an `echo_only`
+    request completes nothing."""
     return protocol.usage(sum(len(s.prompt_token_ids) for s in streams[::n]),
-                          sum(len(s.output_token_ids) for s in streams))
+                          0 if echo_only else sum(len(s.output_token_ids) for s in streams))
+
+
+def _echo_only_reason(reason: str | None) -> str | None:
+    """An `echo_only` choice's finish reason: "length" (no token was asked for) where its one
+    sampled token ended it, as that token is left out; any other end as it came."""
+    return "length" if reason in ("stop", "length") else reason
 
 
 def _sse(obj: dict) -> bytes:

@@ -43,6 +43,9 @@ class CompletionRequest:
     samples a prompt; `params.logprobs` is the top log-probabilities a token (completions'
     `logprobs`, chat's `top_logprobs` under `logprobs: true`); `echo` puts the prompt before a
     completion's text, and its logprobs (`params.prompt_logprobs`) before the completion's.
+    `echo_only` (completions' `max_tokens: 0` with `echo`) answers with the prompt alone, text and
+    scores: the engine still samples the one token `params.max_tokens` asks (a prompt's scores come
+    from a step that samples), and the response leaves it out, as vLLM's does.
     `max_tokens_field` names the field that set `params.max_tokens`, for errors about it."""
 
     chat: bool
@@ -52,6 +55,7 @@ class CompletionRequest:
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
     echo: bool = False
+    echo_only: bool = False
     max_tokens_field: str = "max_tokens"
 
 
@@ -61,14 +65,21 @@ _FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 COMPLETION_FIELDS = _FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
+def _zero_biases(value) -> bool:
+    """A `logit_bias` that moves no token: each key a token id as a string, each bias 0."""
+    return isinstance(value, dict) and all(isinstance(k, str) and k.isdecimal() and _is_number(b) and b == 0
+                                           for k, b in value.items())
+
+
 # Fields the server does not implement (OpenAI's, and vLLM's extra sampling fields), with the values
-# at which they change nothing: accepted at those, a 400 naming the field at any other, never ignored.
-# `top_logprobs` and `echo` are implemented on one route each (chat's, completions').
+# at which they change nothing (a value, or a test a value passes): accepted at those, a 400 naming
+# the field at any other, never ignored. `top_logprobs` and `echo` are implemented on one route each
+# (chat's, completions').
 NOOP_VALUES = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
-    "suffix": (None,),
-    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "logit_bias": (None, _zero_biases),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1),
@@ -105,11 +116,14 @@ INERT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_call
 
 
 def _is_noop(value, allowed: tuple) -> bool:
-    """Whether `value` is one of `allowed`: numbers by value (1 and 1.0 alike, never a bool), the
-    rest by value and type."""
+    """Whether `value` is one of `allowed`, or passes one that is a test: numbers by value (1 and
+    1.0 alike, never a bool), the rest by value and type."""
     for a in allowed:
         if value is None or a is None:
             if value is a:
+                return True
+        elif callable(a):
+            if a(value):
                 return True
         elif _is_number(a):
             if _is_number(value) and value == a:
@@ -205,7 +219,15 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         include_usage = _field(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False,
                                within="stream_options")
 
-    max_tokens = _field(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    echo = False if chat else _field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    if echo:  # 0: the prompt scored, nothing generated (lm-eval's loglikelihood requests may send it)
+        max_tokens = _field(body, "max_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    else:
+        max_tokens = _field(body, "max_tokens", lambda v: _is_int(v) and v >= 1,
+                            "an integer >= 1" + ("" if chat else " (0 only with 'echo': true)"))
+    echo_only = max_tokens == 0
+    if echo_only:
+        max_tokens = 1
     if chat:
         completion = _field(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
         if completion is not None and max_tokens is not None and completion != max_tokens:
@@ -228,7 +250,6 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
     if best_of is not None and best_of != n:
         raise APIError(400, f"'best_of'={best_of} must equal 'n' ({n}): every sample is returned, none ranked",
                        param="best_of")
-    echo = False
     if chat:
         wanted = _field(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
         top = _field(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
@@ -239,7 +260,6 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
     else:
         logprobs = _field(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
                           f"an integer in [0, {MAX_LOGPROBS}]")
-        echo = _field(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     try:
         params = SamplingParams(
             temperature=_field(body, "temperature", _is_number, "a number", 1.0),
@@ -265,7 +285,8 @@ def parse_request(body, *, chat: bool, model: str) -> CompletionRequest:
         return CompletionRequest(True, params, stream, include_usage, messages=messages, max_tokens_field=field)
     if "prompt" not in body:
         raise APIError(400, "'prompt' is required", param="prompt")
-    return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]), echo=echo)
+    return CompletionRequest(False, params, stream, include_usage, prompts=_prompts(body["prompt"]), echo=echo,
+                             echo_only=echo_only)
 
 
 # Response objects.
