@@ -119,6 +119,60 @@ def test_eviction_takes_unkeyed_blocks_first_then_the_least_recently_released():
     assert len(m.cached_prefix(list(range(100, 109)))[0]) == 1, "old's tail should go before its head"
 
 
+def test_a_prefix_ends_at_its_first_block_no_longer_cached():
+    """A cached prefix is a run from the first block: with the first block's key evicted, the blocks
+    after it are cached still but start no prefix (their keys chain from a block that is gone)."""
+    m = BlockManager(num_blocks=4, block_size=BS, max_rows=2, enable_prefix_caching=True)
+    prompt = list(range(1, 14))  # 13 tokens: three full blocks and one more
+    row = m.open_row()
+    fill(m, row, prompt)
+    blocks = list(m.table(row).blocks[:3])
+    m.free_row(row)
+    for b in blocks[1:]:
+        m.allocator.share(b)  # held again: of the keyed blocks only the first can be evicted
+    taken = [m.allocator.allocate() for _ in range(2)]  # the free (unkeyed) block, then the first's
+    assert blocks[0] in taken and m.allocator.evictions == 1
+    m.allocator.release(blocks[1:])
+    assert m.allocator.num_evictable == 2
+    assert m.cached_prefix(prompt + [99]) == ([], [])
+
+
+def test_a_shared_block_is_never_handed_out():
+    """Sharing a block that waits to be evicted takes it off the eviction order: the pool runs dry
+    before it would hand that block to anyone else."""
+    m = BlockManager(num_blocks=3, block_size=BS, max_rows=2, enable_prefix_caching=True)
+    row = m.open_row()
+    fill(m, row, list(range(1, 9)))  # two keyed blocks
+    first, second = m.table(row).blocks
+    m.free_row(row)
+    m.allocator.share(first)
+    got = []
+    with pytest.raises(CacheFull):
+        while True:
+            got.append(m.allocator.allocate())
+    assert first not in got and second in got and m.allocator.refs(first) == 1
+
+
+def test_the_key_epoch_moves_whenever_a_lookup_could_find_something_else():
+    """The scheduler looks a waiting request up once per `key_epoch`, so the epoch moves when a key
+    is set and when a keyed block is evicted, and not when blocks are only taken or given back."""
+    m = BlockManager(num_blocks=3, block_size=BS, max_rows=2, enable_prefix_caching=True)
+    a = m.allocator
+    row = m.open_row()
+    epoch = a.key_epoch
+    m.grow([row], [BS])
+    assert a.key_epoch == epoch, "taking a free block changed the epoch"
+    m.commit_full_blocks(row, [1, 2, 3, 4])
+    assert a.key_epoch > epoch, "a new key left the epoch"
+    epoch = a.key_epoch
+    m.free_row(row)
+    row = m.open_row()
+    m.grow([row], [2 * BS])  # the two free blocks: nothing evicted
+    assert a.key_epoch == epoch and a.evictions == 0
+    m.grow([row], [BS])  # the keyed block goes
+    assert a.evictions == 1 and a.key_epoch > epoch, "an eviction left the epoch"
+
+
 # Rows draw their tokens from a few prefixes, so they share blocks, and from random tails.
 PREFIXES = [[], list(range(1, 9)), list(range(1, 5)) + [7, 7, 7, 7], [9] * 4 + list(range(1, 5)) + [3] * 3]
 OPEN = st.tuples(st.just("open"), st.integers(0, len(PREFIXES) - 1), st.integers(1, 9))

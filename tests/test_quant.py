@@ -272,6 +272,21 @@ def test_fp8bench_times_a_prompt_in_both_arms_in_one_process():
             run_prompt_steps("tiny", "cpu", **{"lengths": (16,), **kwargs})
 
 
+def test_fp8_quantizes_every_decoder_projection_and_nothing_else(tiny_path):
+    """`quantization="fp8"`: every Linear of every decoder layer holds e4m3 weights with a scale per
+    output channel; the embedding and the LM head stay in the model's dtype."""
+    from nanolab.model.llama import load_model
+
+    model = load_model(tiny_path, quantization="fp8")
+    linears = [(i, name, m) for i, layer in enumerate(model.layers) for name, m in layer.named_modules()
+               if isinstance(m, Linear)]
+    assert len(linears) == 4 * len(model.layers) > 4
+    for i, name, m in linears:
+        assert m.qweight is not None and m.qweight.dtype == torch.float8_e4m3fn, f"layer {i}'s {name}"
+        assert m.scale.shape == (m.qweight.shape[0],), f"layer {i}'s {name}"
+    assert model.lm_head.qweight is None and model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_a_quantized_models_bytes_are_its_e4m3_weights_and_scales():
     """fp8bench's floor: a quantized Linear counts one byte a weight and four a scale, a tied
     weight once."""

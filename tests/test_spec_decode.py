@@ -310,6 +310,9 @@ def test_chained_speculation_is_plain_greedy_to_the_logit(sharp_gqa24, monkeypat
     assert [s.output_token_ids for s in seqs] == want
     assert_logits_match_reference(sharp_gqa24, seqs, logits(seqs))
     assert 0 < engine.spec_accepted_tokens < engine.spec_draft_tokens, "no verify step both kept and lost drafts"
+    # what /metrics reports is the sum of what each request kept and was fed
+    assert (engine.spec_accepted_tokens, engine.spec_draft_tokens) == (
+        sum(s.num_accepted_tokens for s in seqs), sum(s.num_draft_tokens for s in seqs))
     assert overlapped == calls - 2 and calls < len(want[0]) - 1
     check_drained(engine.kv_cache, engine.scheduler)
 
@@ -513,7 +516,20 @@ def test_speculation_stops_where_plain_decoding_stops_and_under_a_small_pool(sha
         seqs = engine.add_requests(prompts, [SamplingParams(temperature=0, max_tokens=15)] * 4)
         sampled = engine.add_request(prompts[0], SamplingParams(temperature=0.8, seed=3, max_tokens=11))
         top1 = engine.add_request(prompts[1], SamplingParams(temperature=0.8, top_k=1, max_tokens=15))
+        budget = []  # (drafts a verify step feeds a row, tokens its max_tokens leaves it), on the synchronous path
+        verify = engine.runner.verify
+
+        def recorded(rows, counts, *args, _budget=budget, _verify=verify, **kw):
+            # a row's drafts sit at the end of its output while the step runs (`_run_speculative`)
+            _budget.extend((n - 1, s.params.max_tokens - len(s.output_token_ids) + n - 1) for s, n in zip(rows, counts))
+            return _verify(rows, counts, *args, **kw)
+
+        engine.runner.verify = recorded
         run_until_done(engine)
+        if not async_scheduling:  # a chained step feeds ahead of outputs the host has not read back yet
+            # the drafts leave room for the token the step adds after them
+            assert budget and all(d <= left - 1 for d, left in budget), f"drafts past max_tokens: {budget}"
+            assert any(0 < d == left - 1 for d, left in budget), "no verify step's drafts were cut to max_tokens"
         assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in want]
         assert [s.finish_reason for s in seqs] == [s.finish_reason for s in want]
         assert len(sampled.output_token_ids) == 11 and top1.output_token_ids == want[1].output_token_ids
