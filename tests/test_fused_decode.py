@@ -91,3 +91,5 @@ def test_argmax_takes_the_first_of_tied_maxima(rows, vocab):
     x[0, vocab // 2] = x[0, -1] = 50.0  # a tie across chunks: the lower index wins
     x[-1, 3] = x[-1, 5] = 60.0  # a tie inside a chunk
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+    below = -1 - torch.rand(rows, vocab, device=DEVICE)  # every logit negative: padding must lose to all of them
+    assert torch.equal(argmax(below), below.argmax(dim=-1))

@@ -6,6 +6,7 @@ hits the prefix cache, and an abort leaves the gauges at zero."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,6 +44,7 @@ def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
 
     async def body(client, async_llm):
         before = await scrape(client)
+        start = time.perf_counter()
         request = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         whole = await (await client.post("/v1/completions", json=request)).json()
         # The same prompt again, streamed: its first two blocks come from the prefix cache.
@@ -56,10 +58,11 @@ def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
         await r.content.readline()  # a token has arrived: the core's message after that step came with it
         during = await scrape(client)
         rest = await sse(r)
+        elapsed = time.perf_counter() - start
         after = await scrape(client)
-        return before, whole["usage"], streamed[-2]["usage"], rest, during, after
+        return before, whole["usage"], streamed[-2]["usage"], rest, during, after, elapsed
 
-    before, usage_whole, usage_streamed, rest, during, after = run_with_client(llm, body)
+    before, usage_whole, usage_streamed, rest, during, after, elapsed = run_with_client(llm, body)
     assert rest[-1] == "[DONE]"
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
     assert delta["nanolab:prompt_tokens_total"] == usage_whole["prompt_tokens"] + usage_streamed["prompt_tokens"] + 3
@@ -70,6 +73,9 @@ def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
     assert delta["nanolab:request_success_total{length}"] == 3
     assert delta["nanolab:request_success_total{stop}"] == delta["nanolab:request_success_total{error}"] == 0
     assert 0 < delta["nanolab:time_to_first_token_seconds_sum"] <= delta["nanolab:e2e_request_latency_seconds_sum"]
+    # In seconds: the requests ran one after another (the third alone), inside `elapsed`.
+    assert 0 < delta["nanolab:inter_token_latency_seconds_sum"] < delta["nanolab:e2e_request_latency_seconds_sum"]
+    assert delta["nanolab:e2e_request_latency_seconds_sum"] <= elapsed
 
     assert during["nanolab:num_requests_running"] == 1 and during["nanolab:num_requests_waiting"] == 0
     assert during["nanolab:kv_blocks_used"] > 0
@@ -87,8 +93,11 @@ def test_metrics_count_tokens_and_requests_and_read_the_engine(llm):
     assert delta["nanolab:prefix_cache_hits_total"] == 2 * BLOCK_SIZE
 
 
-def test_an_abort_leaves_the_gauges_at_zero(llm):
-    """The core sends its stats once more when an abort leaves it idle, with no step to carry them."""
+def test_an_abort_leaves_the_gauges_at_zero(llm, monkeypatch):
+    """The core sends its stats once more when an abort leaves it idle, with no step to carry them.
+    The abort reaches the engine: the request does not run on with no one reading it."""
+    aborted_here, abort_request = [], llm.engine.abort_request
+    monkeypatch.setattr(llm.engine, "abort_request", lambda rid: (aborted_here.append(rid), abort_request(rid)))
 
     async def body(client, async_llm):
         r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0,
@@ -112,6 +121,7 @@ def test_an_abort_leaves_the_gauges_at_zero(llm):
     aborted = after["nanolab:request_success_total{abort}"] - during.get("nanolab:request_success_total{abort}", 0)
     assert aborted == 1
     assert after["nanolab:e2e_request_latency_seconds_count"] == during["nanolab:e2e_request_latency_seconds_count"] + 1
+    assert len(aborted_here) == 1
 
 
 def test_a_dead_core_leaves_the_gauges_at_zero_and_counts_its_requests(llm, monkeypatch):

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from nanolab import LLM, SamplingParams
 from nanolab.engine.async_llm import AsyncLLM
 from nanolab.entrypoints.openai import protocol
-from nanolab.entrypoints.openai.api_server import SERVING, OpenAIServing, build_app
+from nanolab.entrypoints.openai.api_server import SERVING, OpenAIServing, _echo_only_reason, build_app
 from nanolab.sampling import sample
 
 MODEL = "tiny"
@@ -493,6 +493,41 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_alone(llm):
     assert bare["choices"][0]["text"] == "hi" and bare["choices"][0]["logprobs"] is None
     assert bare["usage"]["completion_tokens"] == 0
     assert (chat_status, chat_param) == (400, "max_tokens")
+    # the one token sampled to score the prompt may have been EOS: the choice still ends for its length
+    assert [_echo_only_reason(r) for r in ("stop", "length", "abort", None)] == ["length", "length", "abort", None]
+
+
+def test_echo_and_roles_stream_as_the_whole_response_for_each_choice(llm):
+    """Two prompts with n=2 and echo: choice j is sample j % 2 of prompt j // 2, its text that
+    prompt and then its own tokens, and the stream's chunks of each choice join into the whole
+    response's text, the prompt once. A streamed chat sends the assistant's role in each choice's
+    first chunk only."""
+    prompts = ["one two", "three four five"]
+
+    async def body(client, _):
+        request = {"prompt": prompts, "n": 2, "echo": True, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        whole = await (await client.post("/v1/completions", json=request)).json()
+        streamed = await sse(await client.post("/v1/completions", json={**request, "stream": True}))
+        chat = await sse(await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "stream": True}))
+        return whole, streamed, chat
+
+    whole, streamed, chat = run_with_client(llm, body)
+    texts = [c["text"] for c in whole["choices"]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    for j, text in enumerate(texts):
+        assert text.startswith(prompts[j // 2]) and len(text) > len(prompts[j // 2]), (j, text)
+    joined = ["", "", "", ""]
+    for event in streamed[:-1]:
+        for c in event["choices"]:
+            joined[c["index"]] += c["text"]
+    assert joined == texts
+    roles: dict[int, list[bool]] = {0: [], 1: []}
+    for event in chat[:-1]:
+        for c in event["choices"]:
+            roles[c["index"]].append("role" in c["delta"])
+    assert all(r[0] and not any(r[1:]) and len(r) > 1 for r in roles.values()), roles
 
 
 @pytest.mark.parametrize("bos", [False, True])
