@@ -195,3 +195,19 @@ def test_a_full_engine_keeps_overlapping_while_requests_wait(sharp_gqa24):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 12, 6, 5)]
     assert outcome(run(fast, prompts, params)) == outcome(run(sync, prompts, params))
     assert spy.device_fed >= 10, f"only {spy.device_fed} steps overlapped while requests waited for a row"
+
+
+def test_blocks_filled_by_overlapped_steps_are_cached_for_the_next_request(tiny_model):
+    """Under asynchronous scheduling a decode step's tokens are committed as it is launched, so a
+    block its output fills is keyed like any other: a follow-up over the finished request's
+    tokens finds every full block before its last, prompt and output alike. (The block that the
+    final step in flight fills is not keyed: that step's tokens arrive after the request ends.)"""
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=4, async_scheduling=True,
+                                             enable_prefix_caching=True))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (first,) = run(engine, [[3, 4, 5, 6, 7]], [params])
+    hits = engine.scheduler.prefix_cache_hits
+    run(engine, [first.token_ids + [9]], [params])
+    # 18 tokens: blocks 0 to 2 (the prompt and output up to position 11) are keyed; block 3, whose
+    # last slot the final step in flight wrote, is not
+    assert engine.scheduler.prefix_cache_hits - hits == 12

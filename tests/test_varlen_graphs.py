@@ -104,6 +104,21 @@ def test_a_padded_plan_rewrites_every_field_of_the_buffers(tiny_model):
     assert (cache.block_table[cache.pad_row] == SINK).all()
 
 
+def test_a_padded_plan_gives_logits_for_as_many_rows_as_the_cache_has_and_no_more(tiny_model):
+    """A graph's head runs on `max_rows` rows of logits: a step that asks exactly that many is
+    planned, every entry real; one more is refused before any table grows."""
+    config = tiny_model.config
+    cache = make_cache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim, num_blocks=16, block_size=4, max_rows=4)
+    cache.reserve_varlen(16)
+    rows = [cache.blocks.open_row() for _ in range(4)]
+    plan = cache.plan_varlen(rows, (2, 1, 3, 1), input_ids=list(range(1, 8)), num_tokens=8)
+    assert plan.logits_index.tolist() == [1, 2, 5, 6]
+    with pytest.raises(ValueError, match="at most 4 rows of logits"):
+        cache.plan_varlen(rows[:1], (5,), all_logits=(True,), input_ids=list(range(1, 6)), num_tokens=8)
+    assert cache.blocks.table(rows[0]).num_tokens == 2, "a refused plan grew a table"
+
+
 def test_padded_plans_are_checked_and_a_stale_one_is_refused(tiny_model):
     config = tiny_model.config
     cache = make_cache(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
