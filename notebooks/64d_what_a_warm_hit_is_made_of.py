@@ -135,18 +135,14 @@ if kernels is not None:
 # %%
 TTFT_COMMANDS = {"64f": 'PREFIX_ARGS="--prefix day64f" scripts/gpu_run.sh prefix (at eca4d9b)',
                  "64j": "python -m nanolab prefixbench --model llama-3.2-1b --parts shared,turns --prefix day64j"}
-ledgers, ttfts = [], []
-for run, command in TTFT_COMMANDS.items():
-    ttft = lab.measured_table(f"day{run}_ttft", command, slug=H100)
-    if ttft is not None and split is not None:
-        ttfts.append(ttft)
-        ledgers.append(lab.warm_hit_ledger(ttft, split, aim=AIM).assign(run=f"run {run[2:]}, H100"))
-ledger = pd.concat(ledgers, ignore_index=True) if ledgers else None
+runs = ((f"run {run[2:]}, H100", lab.measured_table(f"day{run}_ttft", command, slug=H100), split)
+        for run, command in TTFT_COMMANDS.items())
+ledger, ttfts = lab.warm_hit_ledgers(runs, aim=AIM)
 if ledger is not None:
     lab.show(ledger.pivot_table(index=["part", "side"], columns="run", values="ms", sort=False).round(2))
     lab.show(lab.ledger_summary(ledger).round(2))
     fig = lab.plot_warm_hit_ledger(ledger)
-    lab.save_figure(fig, "day64d_warm_hit_ledger", lab.table_label(pd.concat(ttfts)))
+    lab.save_figure(fig, "day64d_warm_hit_ledger", lab.table_label(ttfts))
     lab.show(fig)
 
 # %% [markdown]

@@ -108,18 +108,13 @@ lab.show(fig)
 
 # %%
 PAIRS = (("run j, H100", "day64j", split_i), ("64e 4th, H100", "day64e2_nopoll", split))
-ledgers, ttfts = [], []
-for run, stem, split_table in PAIRS:
-    ttft = lab.load_table(f"{stem}_ttft", H100)
-    if ttft is not None and split_table is not None:
-        ttfts.append(ttft)
-        ledgers.append(lab.warm_hit_ledger(ttft, split_table, aim=AIM).assign(run=run))
-ledger = pd.concat(ledgers, ignore_index=True) if ledgers else None
+ledger, ttfts = lab.warm_hit_ledgers(((run, lab.load_table(f"{stem}_ttft", H100), split_table)
+                                      for run, stem, split_table in PAIRS), aim=AIM)
 if ledger is not None:
     lab.show(ledger.pivot_table(index=["part", "side"], columns="run", values="ms", sort=False).round(2))
     lab.show(lab.ledger_summary(ledger).round(2))
     fig = lab.plot_warm_hit_ledger(ledger)
-    lab.save_figure(fig, "day64e_warm_hit_ledger", lab.table_label(pd.concat(ttfts)))
+    lab.save_figure(fig, "day64e_warm_hit_ledger", lab.table_label(ttfts))
     lab.show(fig)
 
 # %% [markdown]
@@ -244,7 +239,7 @@ if cpu_engine is not None:
 for name, table in (("day64d_prefix_ttft", gpu_ttft), ("day64d_prefix_split", split), ("day64l_ratios", nohit),
                     ("day64i_prefix_split", split_i)):
     assert table is not None, f"data/{name}_{H100}.csv is not committed"
-assert ledger is not None and len(ledgers) == len(PAIRS), "a ledger's TTFT table is not committed"
+assert ledger is not None and ledger.run.nunique() == len(PAIRS), "a ledger's TTFT table is not committed"
 for _, stem in POLL_RUNS:
     shared, turns = lab.load_table(f"{stem}_shared", H100), lab.load_table(f"{stem}_turns", H100)
     ttft, ratios = lab.load_table(f"{stem}_ttft", H100), lab.load_table(f"{stem}_ratios", H100)

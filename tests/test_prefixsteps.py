@@ -108,6 +108,13 @@ def test_the_ledger_cuts_the_prompt_step_at_its_graph():
     assert abs(b["host's budget"] - 2.7) < 1e-12 and abs(b["host / its budget"] - 3.4 / 2.7) < 1e-12
     assert summary.loc["a", "GPU"] == 1.0 and abs(summary.loc["a", "host"] - 4.2) < 1e-12
 
+    from nanolab.lab.prefixsteps import warm_hit_ledgers
+
+    both, tables = warm_hit_ledgers([("b", ttft, split), ("gone", None, split), ("a", ttft, split.assign(
+        graph_gpu_ms=1.0)), ("no split", ttft, None)], aim=4.0)
+    pd.testing.assert_frame_equal(both, two.reset_index(drop=True))
+    assert len(tables) == 2 * len(ttft) and warm_hit_ledgers([("gone", None, split)]) == (None, None)
+
 
 def test_a_hit_seen_before_is_refused(tiny_path, one_thread):
     """`hit_step` times a prompt step only when it fed the suffix alone: the same prompt again is

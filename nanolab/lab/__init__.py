@@ -77,7 +77,7 @@ _EXPORTS = {
     "nanolab.lab.reference": ["engine_greedy", "hf_greedy", "load_hf", "nanolab_greedy"],
     "nanolab.lab.results": ["CHAPTERS", "headline_table"],
     "nanolab.lab.prefixbench": ["prefix_ratios", "ratio_runs", "ttft_summary"],
-    "nanolab.lab.prefixsteps": ["ledger_summary", "run_prefix_steps", "warm_hit_ledger"],
+    "nanolab.lab.prefixsteps": ["ledger_summary", "run_prefix_steps", "warm_hit_ledger", "warm_hit_ledgers"],
     "nanolab.lab.report": ["caption_figure", "chapter_run", "chapter_target", "committed_tables", "figure_path",
                            "load_table", "measured_table", "run_label", "save_figure", "save_table", "show",
                            "table_label"],

@@ -218,6 +218,20 @@ def warm_hit_ledger(ttft: pd.DataFrame, split: pd.DataFrame, part: str = "shared
                                      budget_ms=float(warm.loc["off"].ttft_p50_ms) / aim)
 
 
+def warm_hit_ledgers(runs, aim: float = 5.0) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """`warm_hit_ledger` of each (run, ttft, split) in `runs`, skipping a run whose table or split
+    is missing (None): (the ledgers with a `run` column, in order; the TTFT tables they came from,
+    for a label), or (None, None) when no run has both."""
+    ledgers, ttfts = [], []
+    for run, ttft, split in runs:
+        if ttft is not None and split is not None:
+            ttfts.append(ttft)
+            ledgers.append(warm_hit_ledger(ttft, split, aim=aim).assign(run=run))
+    if not ledgers:
+        return None, None
+    return pd.concat(ledgers, ignore_index=True), pd.concat(ttfts, ignore_index=True)
+
+
 def ledger_summary(ledgers: pd.DataFrame) -> pd.DataFrame:
     """`warm_hit_ledger` tables with a `run` column, one row a run: its TTFT p50, the host's parts
     and the GPU's summed, the whole request's budget at the aim, what that leaves the host once the
