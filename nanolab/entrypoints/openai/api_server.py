@@ -278,7 +278,7 @@ class OpenAIServing:
                     tokens, entries = [], None if entries is None else []
                 text = self.tokenizer.decode(tokens)
                 last = stream.stop_text_index
-                text = text if last is None or req.echo_only else text[:last]
+                text = text if last is None else text[:last]
                 logprobs = None
                 if entries is not None:
                     logprobs = self._echoed_logprobs(req, j, stream, tokens, entries, protocol.TextOffsets(), shown)

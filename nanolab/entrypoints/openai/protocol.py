@@ -65,6 +65,7 @@ _FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 COMPLETION_FIELDS = _FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = _FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
+
 def _zero_biases(value) -> bool:
     """A `logit_bias` that moves no token: each key a token id as a string, each bias 0."""
     return isinstance(value, dict) and all(isinstance(k, str) and k.isdecimal() and _is_number(b) and b == 0
